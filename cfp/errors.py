@@ -1,0 +1,17 @@
+"""Error classes: every bad input raises one of these with a message naming the value and valid choices."""
+
+
+class CfpError(Exception):
+    """Base class of cfp's own errors."""
+
+
+class ConfigError(CfpError, ValueError):
+    """An invalid option, config or layout given by the user."""
+
+
+class CaptureError(CfpError):
+    """A program that capture cannot see through."""
+
+
+class InfeasibleError(CfpError):
+    """No plan satisfies the constraints (for example the memory budget)."""

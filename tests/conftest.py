@@ -1,0 +1,7 @@
+"""Every test runs on 8 simulated CPU devices; the flag must be set before JAX is imported."""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

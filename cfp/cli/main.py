@@ -1,0 +1,63 @@
+"""`cfp` command line: one subcommand module per mode, each exposing `add_parser(subparsers)` and `run(args)`.
+
+Config parsing happens only here (entry point); the library takes typed objects. Every cfp error becomes a
+one-line message on stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from cfp.errors import CfpError
+
+# subcommand name -> module under cfp.cli; modules are imported lazily so `cfp --help` stays fast.
+SUBCOMMANDS = {
+    "analysis": "cfp.cli.analysis",
+    "profile": "cfp.cli.search",
+    "search": "cfp.cli.search",
+    "enum-benchmark": "cfp.cli.search",
+    "train": "cfp.cli.train",
+    "launch": "cfp.cli.launch",
+}
+
+
+def _available():
+    mods = {}
+    for name, modname in SUBCOMMANDS.items():
+        try:
+            mods[name] = importlib.import_module(modname)
+        except ModuleNotFoundError as e:  # a mode not built yet is simply not offered
+            if e.name != modname:
+                raise
+    return mods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cfp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    seen = set()
+    for name, mod in _available().items():
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        mod.add_parser(sub)
+    return parser
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CfpError as e:
+        print(f"cfp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cfp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Atomic training checkpoints on orbax-checkpoint.
+
+Layout: ``<directory>/<step>/`` holding an orbax composite of ``state`` (the pytree, host numpy copies) and
+``metadata`` (JSON). Atomicity comes from orbax: it writes into ``<step>.orbax-checkpoint-tmp-*`` and only
+renames it to ``<step>`` after ``commit_success.txt`` is written, so a crash mid-write leaves a tmp dir that
+:func:`latest_step` ignores (and the next save deletes). Old checkpoints are retired by an atomic rename
+before deletion, so a crash while pruning never leaves a half-deleted ``<step>`` either.
+
+State is saved as host numpy arrays, so a checkpoint does not remember its device layout and can be restored
+onto any mesh (restore gives numpy; ``jax.device_put`` it onto the new shardings).
+
+Multi-process: each call is process-local (no cross-process barriers). Give each process its own directory
+(e.g. ``f"{dir}/proc{jax.process_index()}"``) for the state its devices hold, or gather with
+``jax.experimental.multihost_utils.process_allgather`` and save on process 0 only.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+
+from cfp.errors import ConfigError
+
+COMMIT_FILE = "commit_success.txt"  # written by orbax just before the final rename
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_RETIRED = ".cfp-deleting"
+
+
+def _ocp():
+    import orbax.checkpoint as ocp  # imported lazily: orbax is slow to import
+
+    return ocp
+
+
+def _checkpointer():
+    ocp = _ocp()
+    pid = jax.process_index()
+    # process-local: no barriers with other processes, which may save different state or not at all
+    mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid},
+                                            barrier_sync_key_prefix=f"cfp_ckpt_p{pid}")
+    handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=mp))
+    return ocp.Checkpointer(handler, multiprocessing_options=mp)
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path) or "<root>"
+
+
+def _to_host(state: Any) -> Any:
+    def leaf(path, x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            raise ConfigError(
+                f"state leaf {_path_str(path)!r} spans devices of several processes; save each process's "
+                "local state in its own directory, or gather it with multihost_utils.process_allgather first")
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree_util.tree_map_with_path(leaf, state)
+
+
+def all_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps of the complete checkpoints in `directory`, ascending (tmp / partial / retired dirs ignored)."""
+    d = os.fspath(directory)
+    if not os.path.isdir(d):
+        return []
+    steps = []
+    for name in os.listdir(d):
+        if name.isdigit() and os.path.isfile(os.path.join(d, name, COMMIT_FILE)):
+            steps.append(int(name))
+    return sorted(steps)
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest complete checkpoint's step, or None if there is none."""
+    steps = all_steps(directory)
+    return steps[-1] if steps else None
+
+
+def _remove_leftovers(d: str) -> None:
+    # tmp dirs of crashed saves and retired dirs of crashed prunes; safe because saves are synchronous
+    # and a directory belongs to one process
+    for name in os.listdir(d):
+        if _TMP_MARK in name or name.endswith(_RETIRED):
+            shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, state: Any, metadata: dict | None = None,
+                    keep: int | None = None, overwrite: bool = False) -> str:
+    """Atomically save `state` (pytree of arrays) and JSON `metadata` as checkpoint `step`; returns its path.
+
+    keep: how many newest checkpoints to keep (None keeps all). overwrite: replace an existing `step`.
+    """
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"checkpoint step={step!r} is invalid (must be an integer >= 0)")
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ConfigError(f"keep={keep!r} is invalid (must be a positive integer or None)")
+    metadata = dict(metadata or {})
+    d = os.path.abspath(os.fspath(directory))
+    os.makedirs(d, exist_ok=True)
+    _remove_leftovers(d)
+    final = os.path.join(d, str(int(step)))
+    if os.path.exists(final):
+        if not overwrite:
+            raise ConfigError(f"checkpoint step {step} already exists in {d!r} (pass overwrite=True to replace it)")
+        _retire(d, int(step))
+    host = _to_host(state)
+    ocp = _ocp()
+    ckptr = _checkpointer()
+    try:
+        ckptr.save(final, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
+                                                  metadata=ocp.args.JsonSave(metadata)))
+    finally:
+        ckptr.close()
+    if keep is not None:
+        for old in all_steps(d)[:-keep]:
+            _retire(d, old)
+    return final
+
+
+def _retire(d: str, step: int) -> None:
+    retired = os.path.join(d, f"{step}{_RETIRED}")
+    os.replace(os.path.join(d, str(step)), retired)  # atomic: the step vanishes as a whole
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _lookup(raw: Any, path) -> Any:
+    node = raw
+    for k in path:
+        if hasattr(k, "key"):  # DictKey; orbax stores dict keys as strings
+            key = k.key
+            node = node[key] if key in node else node[str(key)]
+        elif hasattr(k, "idx"):  # SequenceKey / FlattenedIndexKey
+            node = node[k.idx]
+        else:  # GetAttrKey: namedtuples / dataclasses are stored as dicts by field name
+            node = node[k.name]
+    return node
+
+
+def restore_checkpoint(directory: str | os.PathLike, step: int | None = None,
+                       target: Any = None) -> tuple[Any, dict]:
+    """(state, metadata) of checkpoint `step` (default: latest) as numpy arrays.
+
+    target: a pytree (arrays or ShapeDtypeStructs) giving the structure to restore into; shapes are
+    checked and dtypes cast to the target's. Without it, the saved nested dicts/lists come back.
+    """
+    d = os.path.abspath(os.fspath(directory))
+    steps = all_steps(d)
+    if step is None:
+        if not steps:
+            raise ConfigError(f"no complete checkpoint in {d!r}")
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError(f"checkpoint step {step} not found in {d!r} (available: {steps})")
+    ocp = _ocp()
+    ckptr = _checkpointer()
+    try:
+        out = ckptr.restore(os.path.join(d, str(step)), args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore()))
+    finally:
+        ckptr.close()
+    raw, metadata = out["state"], dict(out["metadata"] or {})
+    if target is None:
+        return jax.tree.map(np.asarray, raw), metadata
+
+    def leaf(path, t):
+        try:
+            v = np.asarray(_lookup(raw, path))
+        except (KeyError, IndexError, TypeError):
+            raise ConfigError(f"checkpoint step {step} in {d!r} has no leaf {_path_str(path)!r} "
+                              "that the target expects") from None
+        if tuple(v.shape) != tuple(np.shape(t)):
+            raise ConfigError(f"checkpoint leaf {_path_str(path)!r} has shape {v.shape}, target expects "
+                              f"{tuple(np.shape(t))}")
+        dtype = getattr(t, "dtype", None)
+        return v.astype(dtype) if dtype is not None and v.dtype != dtype else v
+
+    return jax.tree_util.tree_map_with_path(leaf, target), metadata

@@ -1,0 +1,125 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cfp.errors import ConfigError
+from cfp.runtime.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
+
+
+def _state(scale=1.0):
+    params = {"w": jnp.arange(12.0).reshape(4, 3) * scale, "b": jnp.ones(3) * scale}
+    return {"params": params, "opt": optax.adam(1e-3).init(params), "step": np.int32(7)}
+
+
+def test_roundtrip_with_target_and_metadata(tmp_path):
+    st = _state()
+    save_checkpoint(tmp_path, 5, st, {"model": "gpt", "loss": 1.5})
+    assert latest_step(tmp_path) == 5
+    got, meta = restore_checkpoint(tmp_path, target=st)
+    assert meta == {"model": "gpt", "loss": 1.5}
+    assert jax.tree.structure(got) == jax.tree.structure(st)  # optax namedtuples come back
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(st)):
+        assert isinstance(a, np.ndarray)
+        np.testing.assert_array_equal(a, np.asarray(b))
+    raw, _ = restore_checkpoint(tmp_path, step=5)  # without target: saved nested dicts
+    np.testing.assert_array_equal(raw["params"]["w"], np.asarray(st["params"]["w"]))
+
+
+def test_sharded_state_restores_onto_another_layout(tmp_path):
+    devs = np.array(jax.devices())
+    w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(Mesh(devs.reshape(8), ("x",)), P("x")))
+    save_checkpoint(tmp_path, 1, {"w": w})
+    got, _ = restore_checkpoint(tmp_path, target={"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)})
+    new = jax.device_put(got["w"], NamedSharding(Mesh(devs.reshape(2, 4), ("a", "b")), P("b", "a")))
+    np.testing.assert_array_equal(np.asarray(new), np.arange(64.0).reshape(8, 8))
+
+
+def test_keep_prunes_oldest(tmp_path):
+    for s in range(4):
+        save_checkpoint(tmp_path, s, {"x": np.full(2, s)}, keep=2)
+    assert all_steps(tmp_path) == [2, 3]
+    assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+    assert restore_checkpoint(tmp_path, step=2)[0]["x"].tolist() == [2, 2]
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        restore_checkpoint(tmp_path)
+    save_checkpoint(tmp_path, 1, {"w": np.zeros((2, 2))})
+    with pytest.raises(ConfigError, match="already exists"):
+        save_checkpoint(tmp_path, 1, {"w": np.zeros((2, 2))})
+    save_checkpoint(tmp_path, 1, {"w": np.ones((2, 2))}, overwrite=True)
+    assert restore_checkpoint(tmp_path)[0]["w"].sum() == 4
+    with pytest.raises(ConfigError, match="not found.*available: \\[1\\]"):
+        restore_checkpoint(tmp_path, step=9)
+    with pytest.raises(ConfigError, match="shape"):
+        restore_checkpoint(tmp_path, target={"w": np.zeros((3, 2))})
+    with pytest.raises(ConfigError, match="no leaf 'v'"):
+        restore_checkpoint(tmp_path, target={"w": np.zeros((2, 2)), "v": np.zeros(1)})
+    with pytest.raises(ConfigError, match="step=-1"):
+        save_checkpoint(tmp_path, -1, {})
+
+
+def test_partial_dirs_are_not_checkpoints(tmp_path):
+    save_checkpoint(tmp_path, 1, {"w": np.ones(3)})
+    # leftovers of crashes: an orbax tmp dir, and a step dir without its commit marker
+    os.makedirs(tmp_path / "2.orbax-checkpoint-tmp-123" / "state")
+    os.makedirs(tmp_path / "3" / "state")
+    assert latest_step(tmp_path) == 1
+    np.testing.assert_array_equal(restore_checkpoint(tmp_path)[0]["w"], np.ones(3))
+    save_checkpoint(tmp_path, 4, {"w": np.zeros(3)})  # next save cleans the tmp dir
+    assert not (tmp_path / "2.orbax-checkpoint-tmp-123").exists() and latest_step(tmp_path) == 4
+
+
+_CRASH_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np
+    from orbax.checkpoint._src.path import atomicity
+    from cfp.runtime.checkpoint import save_checkpoint
+    d, mode = sys.argv[1], sys.argv[2]
+    save_checkpoint(d, 1, {"w": np.full(1000, 1.0)}, {"step": 1})
+    if mode == "before_rename":  # everything written, killed just before the commit rename
+        async def hang(self):
+            print("FINALIZING", flush=True); time.sleep(600)
+        atomicity.AtomicRenameTemporaryPath.finalize = hang
+    print("SAVING", flush=True)
+    save_checkpoint(d, 2, {"w": np.full(8_000_000, 2.0)}, {"step": 2})  # 64 MB: takes a while
+    print("SAVED", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode", ["before_rename", "during_write"])
+def test_kill_during_save_never_corrupts_latest(tmp_path, mode):
+    d = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH_SCRIPT, str(d), mode],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        want = "FINALIZING" if mode == "before_rename" else "SAVING"
+        for line in proc.stdout:
+            if line.strip() == want:
+                break
+        if mode == "during_write":  # kill as soon as the tmp dir of step 2 appears
+            deadline = time.time() + 30
+            while time.time() < deadline and not any(n.startswith("2.") for n in os.listdir(d)):
+                time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    step = latest_step(d)
+    if mode == "before_rename":
+        assert step == 1 and any(n.startswith("2.orbax-checkpoint-tmp") for n in os.listdir(d))
+    assert step in (1, 2)  # whichever it is, it must restore fully
+    state, meta = restore_checkpoint(d)
+    assert meta == {"step": step}
+    np.testing.assert_array_equal(state["w"], np.full(1000 if step == 1 else 8_000_000, float(step)))
+    save_checkpoint(d, 3, {"w": np.zeros(2)})
+    assert latest_step(d) == 3 and not any("tmp" in n for n in os.listdir(d))

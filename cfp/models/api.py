@@ -62,7 +62,8 @@ def init_params(model_name: str, config: Union[Config, str, None], rng) -> dict:
     """Initialise ``{"params": {...}}`` (float32) for the full model."""
     cfg = _resolve(model_name, config)
     tokens = jnp.zeros((min_batch_size(cfg), cfg.seq_len), jnp.int32)
-    return build_model(model_name, cfg).init(_key(rng), tokens)
+    # jit: one compile is far cheaper than dispatching every init op eagerly.
+    return jax.jit(build_model(model_name, cfg).init)(_key(rng), tokens)
 
 
 def _key(rng):

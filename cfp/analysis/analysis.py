@@ -1,0 +1,124 @@
+"""The analysis pass: capture a step, build ParallelBlocks and segments, return a frozen `Analysis`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any, Callable
+
+from cfp.analysis.blocks import BlockDot, DotRole, ParallelBlock, build_blocks, loops_of
+from cfp.analysis.segments import Segment, find_segments
+from cfp.analysis.strategies import DotStrategy
+from cfp.errors import ConfigError
+from cfp.ir.capture import Program, capture
+from cfp.ir.graph import OpGraph
+from cfp.mesh import MeshSpec
+
+ANALYSIS_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalysisOptions:
+    """Options of the analysis pass."""
+
+    mesh: MeshSpec
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, MeshSpec):
+            raise ConfigError(f"mesh must be a MeshSpec, got {self.mesh!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """Result of the analysis pass: the operator graph, its ParallelBlocks, the remainder and the segments."""
+
+    mesh: MeshSpec
+    graph: OpGraph
+    blocks: tuple[ParallelBlock, ...]
+    remainder: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    analysis_time: float
+    version: int = ANALYSIS_VERSION
+
+    @property
+    def num_unique_segments(self) -> int:
+        return len({s.kind for s in self.segments})
+
+    @property
+    def search_space(self) -> tuple[int, ...]:
+        return tuple(len(b.strategies) for b in self.blocks)
+
+    def notation(self, block: int, strategy: int, dot: int | None = None) -> str:
+        """Alpa/CFP notation of `strategy` of `block`, for its forward dot or the given member dot."""
+        b = self.blocks[block]
+        bd = b.forward if dot is None else next(d for d in b.dots if d.op == dot)
+        op = self.graph.operators[bd.op]
+        s = bd.strategy(b.strategies[strategy])
+        g = self.graph
+        return s.notation(loops_of(op, g), len(g.tensor(op.inputs[0]).shape),
+                          len(g.tensor(op.inputs[1]).shape), len(g.tensor(op.outputs[0]).shape))
+
+    def to_dict(self) -> dict[str, Any]:
+        def enc(o):
+            if isinstance(o, DotRole):
+                return o.value
+            raise TypeError(type(o))
+        return json.loads(json.dumps(dataclasses.asdict(self), default=enc))
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Analysis":
+        if d.get("version") != ANALYSIS_VERSION:
+            raise ConfigError(f"analysis version {d.get('version')!r} is not the supported {ANALYSIS_VERSION}")
+        blocks = tuple(ParallelBlock(
+            b["index"],
+            tuple(BlockDot(x["op"], DotRole(x["role"]), tuple(x["plan"])) for x in b["dots"]),
+            tuple(b["operators"]),
+            tuple(DotStrategy(tuple(s["loop_of_axis"])) for s in b["strategies"]),
+            b["fingerprint"], tuple(b["scope"])) for b in d["blocks"])
+        segs = tuple(Segment(s["index"], s["start"], s["stop"], s["kind"], tuple(s["mapped_to"]),
+                             s["fingerprint"]) for s in d["segments"])
+        mesh = MeshSpec(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["axis_names"]))
+        return cls(mesh, OpGraph.from_dict(d["graph"]), blocks, tuple(d["remainder"]), segs,
+                   d["analysis_time"], d["version"])
+
+    @classmethod
+    def from_json(cls, text: str) -> "Analysis":
+        return cls.from_dict(json.loads(text))
+
+
+def analyze_program(program: Program, options: AnalysisOptions) -> Analysis:
+    t0 = time.perf_counter()
+    graph = program.graph
+    blocks, remainder = build_blocks(graph, options.mesh.shape)
+    segments = find_segments(graph, blocks)
+    return Analysis(options.mesh, graph, blocks, remainder, segments, time.perf_counter() - t0)
+
+
+def analyze(step_fn: Callable, *example_args, mesh: MeshSpec | str | Any) -> Analysis:
+    """Trace `step_fn(*example_args)` and group its operators into ParallelBlocks and segments.
+
+    `mesh` is a `MeshSpec`, a string such as "2x4", or a `jax.sharding.Mesh`.
+    """
+    return analyze_with_program(step_fn, *example_args, mesh=mesh)[0]
+
+
+def analyze_with_program(step_fn: Callable, *example_args, mesh) -> tuple[Analysis, Program]:
+    """Like `analyze`, also returning the captured `Program` (needed to apply a plan)."""
+    t0 = time.perf_counter()
+    spec = as_mesh_spec(mesh)
+    program = capture(step_fn, *example_args)
+    analysis = analyze_program(program, AnalysisOptions(spec))
+    return dataclasses.replace(analysis, analysis_time=time.perf_counter() - t0), program
+
+
+def as_mesh_spec(mesh) -> MeshSpec:
+    if isinstance(mesh, MeshSpec):
+        return mesh
+    if isinstance(mesh, str):
+        return MeshSpec.parse(mesh)
+    if hasattr(mesh, "devices") and hasattr(mesh, "axis_names"):
+        return MeshSpec(tuple(mesh.devices.shape), tuple(mesh.axis_names))
+    raise ConfigError(f"mesh {mesh!r} is not a MeshSpec, a string like '2x4' or a jax Mesh")

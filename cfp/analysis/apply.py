@@ -1,0 +1,166 @@
+"""Apply a per-block strategy choice: shardings of inputs/outputs plus constraints, compiled with `jax.jit`.
+
+Only JAX's public sharding API is used (`NamedSharding`, `with_sharding_constraint`, `jax.jit`). Every tensor of
+a block is constrained to its layout under `jax.named_scope("cfp_b<N>")`; a tensor entering a block with another
+layout is constrained at that use under `cfp_reshard<N>`, so the compiled HLO tells resharding from in-block
+communication.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from cfp.analysis.analysis import Analysis
+from cfp.analysis.collectives import Collective, parse_collectives
+from cfp.analysis.layout import BlockLayout, DimAxes, block_layout
+from cfp.errors import ConfigError
+from cfp.ir.capture import Program
+
+
+def partition_spec(dim_axes: DimAxes, axis_names: Sequence[str]) -> PartitionSpec:
+    entries = []
+    for axes in dim_axes:
+        if not axes:
+            entries.append(None)
+        elif len(axes) == 1:
+            entries.append(axis_names[axes[0]])
+        else:
+            entries.append(tuple(axis_names[a] for a in axes))
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedPlan:
+    """A strategy choice made concrete: per-block layouts and the shardings of the step's flat inputs/outputs."""
+
+    choice: tuple[int, ...]
+    layouts: tuple[BlockLayout, ...]
+    input_specs: tuple[PartitionSpec, ...]
+    output_specs: tuple[PartitionSpec, ...]
+
+
+def resolve(analysis: Analysis, choice: Sequence[int]) -> AppliedPlan:
+    """Compute every block's layout and the flat input/output specs for `choice` (one index per block)."""
+    choice = tuple(int(c) for c in choice)
+    if len(choice) != len(analysis.blocks):
+        raise ConfigError(f"plan has {len(choice)} strategies, the program has {len(analysis.blocks)} blocks")
+    for b, c in zip(analysis.blocks, choice):
+        if not 0 <= c < len(b.strategies):
+            raise ConfigError(f"strategy {c} of block {b.index} is out of range 0..{len(b.strategies) - 1}")
+    g = analysis.graph
+    shape = analysis.mesh.shape
+    layouts = tuple(block_layout(g, b, c, shape) for b, c in zip(analysis.blocks, choice))
+    names = analysis.mesh.axis_names
+    first_spec: dict[int, DimAxes] = {}
+    for lay in layouts:
+        for t, spec in lay.specs:
+            first_spec.setdefault(t, spec)
+    inputs = tuple(partition_spec(first_spec.get(t, ()), names) for t in g.inputs)
+    outputs = tuple(partition_spec(first_spec.get(t, ()), names) if t is not None else PartitionSpec()
+                    for t in g.outputs)
+    return AppliedPlan(choice, layouts, inputs, outputs)
+
+
+class ShardedStep:
+    """The captured step compiled under an `AppliedPlan` on a mesh; call it like the original step."""
+
+    def __init__(self, program: Program, analysis: Analysis, plan: AppliedPlan, mesh: jax.sharding.Mesh):
+        self.program, self.analysis, self.plan, self.mesh = program, analysis, plan, mesh
+        g = analysis.graph
+        names = analysis.mesh.axis_names
+        block_of_op = {op: lay.block for lay in plan.layouts for op in analysis.blocks[lay.block].operators}
+        out_cons: dict[int, Any] = {}
+        use_cons: dict[tuple[int, int], Any] = {}
+        for lay in plan.layouts:
+            ops = set(analysis.blocks[lay.block].operators)
+            for t, spec in lay.specs:
+                sharding = NamedSharding(mesh, partition_spec(spec, names))
+                prod = g.producer.get(t)
+                if prod in ops:
+                    out_cons[t] = sharding
+                for c in g.consumers.get(t, ()):
+                    if c in ops and prod not in ops:
+                        use_cons[(c, t)] = sharding
+
+        def on_output(i, t, v):
+            s = out_cons.get(t)
+            return jax.lax.with_sharding_constraint(v, s) if s is not None else v
+
+        def on_input(i, t, v):
+            s = use_cons.get((i, t))
+            if s is None:
+                return v
+            with jax.named_scope(f"cfp_reshard{block_of_op[i]}"):
+                return jax.lax.with_sharding_constraint(v, s)
+
+        def scope_of(i):
+            b = block_of_op.get(i)
+            return None if b is None else f"cfp_b{b}"
+
+        def flat_fn(*flat):
+            return tuple(program.replay(list(flat), on_output=on_output, scope_of=scope_of, on_input=on_input))
+        self.in_shardings = tuple(NamedSharding(mesh, s) for s in plan.input_specs)
+        self.out_shardings = tuple(NamedSharding(mesh, s) for s in plan.output_specs)
+        self._jitted = jax.jit(flat_fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)
+        self._compiled = None
+
+    def lower(self, *args):
+        flat = jax.tree_util.tree_leaves(args)
+        return self._jitted.lower(*flat)
+
+    def compile(self, *args):
+        if self._compiled is None:
+            self._compiled = self.lower(*args).compile()
+        return self._compiled
+
+    def shard_args(self, *args):
+        """Place the step's arguments with the plan's input shardings."""
+        flat, tree = jax.tree_util.tree_flatten(args)
+        return jax.tree_util.tree_unflatten(tree, [jax.device_put(x, s) for x, s in zip(flat, self.in_shardings)])
+
+    def __call__(self, *args):
+        flat, tree = jax.tree_util.tree_flatten(args)
+        if tree != self.program.in_tree:
+            raise ConfigError(f"arguments have structure {tree}, the plan was made for {self.program.in_tree}")
+        out = self.compile(*args)(*flat)
+        return jax.tree_util.tree_unflatten(self.program.out_tree, list(out))
+
+    def collectives(self, *args) -> tuple[Collective, ...]:
+        """Collectives XLA inserted in the compiled step, attributed to blocks."""
+        return parse_collectives(self.compile(*args).as_text(), self.analysis.mesh.shape)
+
+
+def apply_plan(program: Program, analysis: Analysis, choice: Sequence[int],
+               mesh: jax.sharding.Mesh | None = None) -> ShardedStep:
+    """Build the sharded step for `choice` (one strategy index per ParallelBlock)."""
+    if mesh is None:
+        mesh = analysis.mesh.make()
+    return ShardedStep(program, analysis, resolve(analysis, choice), mesh)
+
+
+def check_collectives(analysis: Analysis, plan: AppliedPlan, found: Sequence[Collective]) -> list[str]:
+    """Differences between predicted and compiled in-block collectives (empty when they agree).
+
+    Inside a block, all-reduces must be on predicted all-reduce axes and any other collective on predicted
+    resharding axes; a block whose layout predicts no communication must compile without any collective.
+    Resharding at block entries (`cfp_reshard<N>` scopes) is the search's business and not checked here.
+    """
+    problems = []
+    for lay in plan.layouts:
+        reduce_axes = {a for c in lay.collectives if c.kind == "all-reduce" for a in c.axes}
+        reshard_axes = {a for c in lay.collectives if c.kind == "reshard" for a in c.axes}
+        for c in (c for c in found if c.block == lay.block and not c.reshard):
+            # XLA may split an all-reduce into reduce-scatter + all-gather around elementwise work
+            decomposable = c.kind in ("all-reduce", "reduce-scatter", "all-gather")
+            allowed = (reduce_axes | reshard_axes) if decomposable else reshard_axes
+            if not c.axes or not set(c.axes) <= allowed:
+                problems.append(
+                    f"block {lay.block} strategy {lay.strategy}: unexpected {c.kind} on axes {c.axes} "
+                    f"({c.bytes} B, {c.op_name}); predicted all-reduce axes {sorted(reduce_axes)}, "
+                    f"reshard axes {sorted(reshard_axes)}")
+    return problems

@@ -1,0 +1,188 @@
+"""ParallelBlocks (CFP §ParallelBlock): a forward dot, its backward dots and the operators its sharding reaches.
+
+1. Each forward dot opens a block. Differentiation keeps the user frame and module scope of the operation it
+   transposes, so a backward dot belongs to the forward dot with the same (scope, source); operand identity
+   breaks ties (a weight gradient reads the forward's saved input, a data gradient reads the weight).
+2. A re-index *plan* maps each backward loop onto a forward loop through the operands they share, so one
+   strategy index (over the forward dot's strategies) fixes the sharding of every dot in the block.
+3. Every other operator joins the block nearest to it in the dataflow graph (breadth-first from all dots at
+   once; ties go to the earlier block). Opaque control flow and operators no dot reaches form the remainder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from collections import deque
+
+from cfp.analysis.strategies import DotStrategy, Loop, dot_loops, enumerate_strategies
+from cfp.ir.graph import OpGraph, Operator
+
+_VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
+
+
+class DotRole(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDot:
+    """A dot of a block; `plan[i]` is the forward loop that this dot's loop i follows (None: unmatched)."""
+
+    op: int
+    role: DotRole
+    plan: tuple[int | None, ...]
+
+    def strategy(self, forward: DotStrategy) -> DotStrategy:
+        """This dot's strategy when the block's forward dot uses `forward`."""
+        return DotStrategy(tuple(
+            (self.plan.index(fl) if fl is not None and fl in self.plan else None) for fl in forward.loop_of_axis))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelBlock:
+    index: int
+    dots: tuple[BlockDot, ...]
+    operators: tuple[int, ...]          # every operator of the block, dots included, in program order
+    strategies: tuple[DotStrategy, ...]  # the forward dot's strategies: the block's decision variable
+    fingerprint: str
+    scope: tuple[str, ...]
+
+    @property
+    def forward(self) -> BlockDot:
+        return self.dots[0]
+
+
+def loops_of(op: Operator, graph: OpGraph) -> tuple[Loop, ...]:
+    lhs, rhs = op.inputs[0], op.inputs[1]
+    return dot_loops(graph.tensor(lhs).shape, graph.tensor(rhs).shape, op.dot)
+
+
+def _trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
+    """Follow dtype converts and transposes back to a source tensor: (source, dim of source per dim)."""
+    perm = tuple(range(len(graph.tensor(tid).shape)))
+    while tid in graph.producer:
+        op = graph.operators[graph.producer[tid]]
+        if op.primitive not in _VIEW_OPS or op.inputs[0] is None:
+            break
+        if op.primitive == "transpose":
+            p = [int(x) for x in op.param("permutation").strip("[]").split(",") if x.strip()]
+            perm = tuple(p[d] for d in perm)
+        tid = op.inputs[0]
+    return tid, perm
+
+
+def _plan(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...]:
+    f_loops = loops_of(fwd, graph)
+    b_loops = loops_of(bwd, graph)
+    f_lhs, f_rhs, f_out = fwd.inputs[0], fwd.inputs[1], fwd.outputs[0]
+    f_src = {_trace_view(graph, f_lhs)[0]: "lhs", _trace_view(graph, f_rhs)[0]: "rhs"}
+    loop_by_dim = {(side, getattr(l, f"{side}_dim")): i for i, l in enumerate(f_loops)
+                   for side in ("lhs", "rhs", "out") if getattr(l, f"{side}_dim") is not None}
+    shapes = {"lhs": graph.tensor(f_lhs).shape, "rhs": graph.tensor(f_rhs).shape, "out": graph.tensor(f_out).shape}
+    sides: list[tuple[str, tuple[int, ...]] | None] = []
+    used: set[str] = set()
+    for operand in (bwd.inputs[0], bwd.inputs[1]):
+        src, perm = _trace_view(graph, operand)
+        side = f_src.get(src)
+        if side is None or side in used:
+            # not a forward operand: the cotangent of the forward output, or a recomputed operand
+            shape = graph.tensor(operand).shape
+            side = next((s for s in ("out", "lhs", "rhs") if s not in used and shapes[s] == shape), None)
+            perm = tuple(range(len(shape)))
+        if side is not None:
+            used.add(side)
+            sides.append((side, perm))
+        else:
+            sides.append(None)
+    plan = []
+    for loop in b_loops:
+        fl = None
+        for k, dim in enumerate((loop.lhs_dim, loop.rhs_dim)):
+            if dim is not None and sides[k] is not None:
+                side, perm = sides[k]
+                fl = loop_by_dim.get((side, perm[dim]))
+                if fl is not None:
+                    break
+        plan.append(fl)
+    return tuple(plan)
+
+
+def _source_key(op: Operator) -> tuple:
+    return (op.scope, op.source)
+
+
+def _shares_operand(fwd: Operator, bwd: Operator, graph: OpGraph) -> bool:
+    f = {_trace_view(graph, t)[0] for t in fwd.inputs[:2]}
+    return any(_trace_view(graph, t)[0] in f for t in bwd.inputs[:2])
+
+
+def _fingerprint(fwd: Operator, dots: list[BlockDot], graph: OpGraph) -> str:
+    parts = [graph.tensor(fwd.inputs[0]).short(), graph.tensor(fwd.inputs[1]).short(), repr(fwd.dot)]
+    parts += [f"{d.role.value}:{d.plan}" for d in dots[1:]]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[ParallelBlock, ...], tuple[int, ...]]:
+    """Group the graph's operators into ParallelBlocks; returns (blocks, remainder operator indices)."""
+    dots = graph.dots
+    forward = [d for d in dots if not d.backward]
+    by_key: dict[tuple, list[Operator]] = {}
+    for f in forward:
+        by_key.setdefault(_source_key(f), []).append(f)
+    members: dict[int, list[BlockDot]] = {f.index: [] for f in forward}
+    lone: list[Operator] = []
+    for b in (d for d in dots if d.backward):
+        cands = by_key.get(_source_key(b), [])
+        if len(cands) > 1:
+            sharing = [f for f in cands if _shares_operand(f, b, graph)]
+            cands = sharing or cands
+            # among equals, the latest forward dot before the backward one is the likeliest (reverse order)
+        if not cands:
+            lone.append(b)
+            continue
+        f = cands[-1] if len(cands) > 1 else cands[0]
+        members[f.index].append(BlockDot(b.index, DotRole.BACKWARD, _plan(f, b, graph)))
+    heads = sorted(forward + lone, key=lambda o: o.index)
+    block_of: dict[int, int] = {}
+    block_dots: list[list[BlockDot]] = []
+    for bi, head in enumerate(heads):
+        n = len(loops_of(head, graph))
+        ds = [BlockDot(head.index, DotRole.FORWARD, tuple(range(n)))] + members.get(head.index, [])
+        block_dots.append(ds)
+        for d in ds:
+            block_of[d.op] = bi
+    _attach(graph, block_of)
+    blocks = []
+    ops_of: dict[int, list[int]] = {}
+    for op_index, bi in block_of.items():
+        ops_of.setdefault(bi, []).append(op_index)
+    for bi, head in enumerate(heads):
+        ds = block_dots[bi]
+        blocks.append(ParallelBlock(
+            index=bi, dots=tuple(ds), operators=tuple(sorted(ops_of.get(bi, []))),
+            strategies=enumerate_strategies(loops_of(head, graph), mesh_shape),
+            fingerprint=_fingerprint(head, ds, graph), scope=head.scope))
+    remainder = tuple(op.index for op in graph.operators if op.index not in block_of)
+    return tuple(blocks), remainder
+
+
+def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
+    """Multi-source BFS from the dots over producer/consumer edges; opaque operators are never crossed."""
+    queue = deque(sorted(block_of, key=lambda i: (block_of[i], i)))
+    ops = graph.operators
+    while queue:
+        i = queue.popleft()
+        op = ops[i]
+        neighbours: list[int] = []
+        for t in op.inputs:
+            if t is not None and t in graph.producer:
+                neighbours.append(graph.producer[t])
+        for t in op.outputs:
+            if t is not None:
+                neighbours.extend(graph.consumers.get(t, ()))
+        for j in neighbours:
+            if j not in block_of and not ops[j].opaque and not ops[j].is_dot:
+                block_of[j] = block_of[i]
+                queue.append(j)

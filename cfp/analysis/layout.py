@@ -1,0 +1,136 @@
+"""Block layouts: the sharding of every tensor of a ParallelBlock under one of its strategies.
+
+The block's dots get their specs from the strategy (through each dot's re-index plan); the specs then flow
+over the dim links of the block's other operators. Reducing a sharded dim, or contracting one, is the only
+communication a block implies, plus resharding where two dots of the block want one dim sharded differently:
+those are the *predicted* collectives that the compiled HLO is checked against.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+
+from cfp.analysis import dimflow
+from cfp.analysis.blocks import ParallelBlock, loops_of
+from cfp.ir.graph import OpGraph
+
+DimAxes = tuple[tuple[int, ...], ...]   # per tensor dim, the mesh axes sharding it
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictedCollective:
+    kind: str                 # "all-reduce", or "reshard" (any collective that moves a sharded dim)
+    axes: tuple[int, ...]     # mesh axes
+    bytes: int                # per-device bytes of the reduced tensor
+    op: int                   # operator that causes it
+    reason: str               # "contract" (sharded contracting dim) or "reduce" (reduction over a sharded dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    block: int
+    strategy: int
+    specs: tuple[tuple[int, DimAxes], ...]      # tensor id -> dim axes (uses inside the block)
+    collectives: tuple[PredictedCollective, ...]
+
+    @property
+    def spec_of(self) -> dict[int, DimAxes]:
+        return dict(self.specs)
+
+
+def _shards(spec: DimAxes, mesh_shape: tuple[int, ...]) -> int:
+    return math.prod(mesh_shape[a] for axes in spec for a in axes)
+
+
+def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
+                 mesh_shape: tuple[int, ...]) -> BlockLayout:
+    fwd = block.strategies[strategy]
+    spec: dict[int, list[tuple[int, ...] | None]] = {}
+    predicted: list[PredictedCollective] = []
+    queue: deque[int] = deque()
+
+    def assign(t: int, dim: int, axes: tuple[int, ...]) -> None:
+        shape = graph.tensor(t).shape
+        cur = spec.setdefault(t, [None] * len(shape))
+        if cur[dim] is not None:
+            return
+        used = {a for d in cur if d for a in d}
+        axes = tuple(a for a in axes if a not in used)
+        if axes and shape[dim] % math.prod(mesh_shape[a] for a in axes):
+            axes = ()
+        cur[dim] = axes
+        queue.append(t)
+
+    for bd in block.dots:
+        op = graph.operators[bd.op]
+        loops = loops_of(op, graph)
+        s = bd.strategy(fwd)
+        for pos, side in ((0, "lhs"), (1, "rhs")):
+            t = op.inputs[pos]
+            for d, axes in enumerate(s.dim_axes(loops, side, len(graph.tensor(t).shape))):
+                assign(t, d, axes)
+        out = op.outputs[0]
+        for d, axes in enumerate(s.dim_axes(loops, "out", len(graph.tensor(out).shape))):
+            assign(out, d, axes)
+        ar = s.allreduce_axes(loops)
+        if ar:
+            nbytes = graph.tensor(out).nbytes // max(1, _shards(tuple(tuple(spec[out][d] or ()) for d in range(len(spec[out]))), mesh_shape))
+            predicted.append(PredictedCollective("all-reduce", ar, nbytes, op.index, "contract"))
+
+    in_block = set(block.operators)
+    links_of: dict[int, list[tuple[int, int, int, int]]] = {}
+    for i in block.operators:
+        for link in dimflow.links(graph.operators[i], graph):
+            links_of.setdefault(link[0], []).append(link)
+            links_of.setdefault(link[2], []).append((link[2], link[3], link[0], link[1]))
+    while queue:
+        t = queue.popleft()
+        for (_, da, tb, db) in links_of.get(t, ()):
+            axes = spec[t][da]
+            if axes is not None:
+                assign(tb, db, axes)
+
+    for i in block.operators:
+        op = graph.operators[i]
+        red = dimflow.reduced_dims(op, graph)
+        if red is None or red[0] not in spec:
+            continue
+        t, dims = red
+        axes = tuple(a for d in dims if d < len(spec[t]) for a in (spec[t][d] or ()))
+        if axes:
+            out = op.outputs[0]
+            out_spec = spec.get(out, [])
+            nbytes = graph.tensor(out).nbytes // max(1, _shards(tuple(a or () for a in out_spec), mesh_shape))
+            predicted.append(PredictedCollective("all-reduce", tuple(sorted(axes)), nbytes, i, "reduce"))
+
+    # Whatever the strategy does not reach is replicated: constrain it so, rather than let the partitioner guess.
+    for i in block.operators:
+        for t in graph.operators[i].outputs:
+            if t is not None and t not in spec:
+                spec[t] = [()] * len(graph.tensor(t).shape)
+
+    # A dim that two linked tensors shard differently (propagation met itself from two dots) must be
+    # resharded inside the block: predicted too, so "communication-free" is only claimed when it holds.
+    for i in block.operators:
+        for (ta, da, tb, db) in dimflow.links(graph.operators[i], graph):
+            if ta in spec and tb in spec:
+                xa, xb = set(spec[ta][da] or ()), set(spec[tb][db] or ())
+                if xa != xb:
+                    nbytes = graph.tensor(ta).nbytes
+                    predicted.append(PredictedCollective("reshard", tuple(sorted(xa ^ xb)), nbytes, i, "conflict"))
+
+        op = graph.operators[i]
+        if not op.is_dot and not dimflow.links(op, graph):
+            # an operator cfp does not model (gather, scatter, ...) reading a sharded input
+            axes = {a for t in op.inputs if t in spec for d in spec[t] for a in (d or ())}
+            if axes:
+                predicted.append(PredictedCollective("reshard", tuple(sorted(axes)), 0, i, "unmodelled"))
+
+    final = tuple((t, tuple(d or () for d in dims)) for t, dims in sorted(spec.items())
+                  if t in graph.producer and graph.producer[t] in in_block or _used_in(graph, t, in_block))
+    return BlockLayout(block.index, strategy, final, tuple(predicted))
+
+
+def _used_in(graph: OpGraph, t: int, ops: set[int]) -> bool:
+    return any(c in ops for c in graph.consumers.get(t, ()))

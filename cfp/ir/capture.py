@@ -1,0 +1,128 @@
+"""Capture: trace a training step into an `OpGraph`, and replay it with hooks (used to apply shardings)."""
+from __future__ import annotations
+
+import json
+import numbers
+from typing import Any, Callable
+
+import jax
+
+from cfp.errors import CaptureError
+from cfp.ir import _jax_internals as internals
+from cfp.ir.graph import DotDims, OpGraph, Operator, Tensor
+
+
+def _param_value(v: Any) -> str | None:
+    """A JSON rendering of simple params (ints, tuples, strings); None for anything else (jaxprs, meshes)."""
+    def plain(x):
+        if isinstance(x, (bool, str)) or x is None:
+            return x
+        if isinstance(x, numbers.Integral):
+            return int(x)
+        if isinstance(x, numbers.Real):
+            return float(x)
+        if isinstance(x, (tuple, list)):
+            items = [plain(i) for i in x]
+            return items if all(i is not _SKIP for i in items) else _SKIP
+        return _SKIP
+    p = plain(v)
+    if p is _SKIP:
+        text = str(v)
+        return json.dumps(text) if len(text) < 200 and "{" not in text else None
+    return json.dumps(p)
+
+
+_SKIP = object()
+
+
+class Program:
+    """A captured step: the serialisable `graph` plus what is needed to run it again."""
+
+    def __init__(self, traced: internals.TracedProgram, graph: OpGraph):
+        self._traced = traced
+        self.graph = graph
+
+    @property
+    def in_tree(self):
+        return self._traced.in_tree
+
+    @property
+    def out_tree(self):
+        return self._traced.out_tree
+
+    def replay(self, flat_args: list, on_output: Callable[[int, int, Any], Any] | None = None,
+               scope_of: Callable[[int], str | None] | None = None,
+               on_input: Callable[[int, int, Any], Any] | None = None) -> list:
+        """Evaluate the flat program on `flat_args` (concrete or traced).
+
+        `on_output(op_index, tensor_id, value)` may replace an operator's output (e.g. with a sharding
+        constraint) for all its uses; `on_input(op_index, tensor_id, value)` replaces one use only; `scope_of(op_index)` names a `jax.named_scope` to emit the operator under, so the compiled
+        HLO's metadata says which ParallelBlock each instruction (and each inserted collective) came from.
+        """
+        t = self._traced
+        if len(flat_args) != len(t.invars):
+            raise CaptureError(f"replay got {len(flat_args)} flat arguments, the program takes {len(t.invars)}")
+        env: dict[int, Any] = dict(t.const_values)
+        env.update(zip(t.invars, flat_args))
+        for i, eqn in enumerate(t.eqns):
+            vals = [env[a] if kind == "var" else a for kind, a in eqn.invars]
+            if on_input:
+                vals = [on_input(i, a, v) if kind == "var" else v for (kind, a), v in zip(eqn.invars, vals)]
+            scope = scope_of(i) if scope_of else None
+            if scope:
+                with internals.named_scope(scope):
+                    outs = internals.bind(eqn, vals)
+            else:
+                outs = internals.bind(eqn, vals)
+            for tid, val in zip(eqn.outvars, outs):
+                if tid is None:
+                    continue
+                env[tid] = on_output(i, tid, val) if on_output else val
+        return [env[a] if kind == "var" else a for kind, a in t.outvars]
+
+    def as_function(self, **replay_kwargs) -> Callable:
+        """The program as a function of the original (pytree) arguments, returning the original outputs."""
+        def fn(*args):
+            flat, tree = jax.tree_util.tree_flatten(args)
+            if tree != self.in_tree:
+                raise CaptureError(f"arguments have structure {tree}, the captured program expects {self.in_tree}")
+            return jax.tree_util.tree_unflatten(self.out_tree, self.replay(flat, **replay_kwargs))
+        return fn
+
+
+def capture(fn: Callable, *example_args) -> Program:
+    """Trace `fn(*example_args)` (e.g. a whole train step) into a flat `Program`.
+
+    Nested jit/pjit, custom_jvp/custom_vjp and remat calls are inlined; control flow cfp cannot see through
+    (scan, while, cond, shard_map) stays as one opaque operator listed in `graph.opaque_operators`.
+    """
+    try:
+        traced = internals.trace(fn, *example_args)
+    except Exception as e:  # a user's function failing to trace is their error, shown in one line
+        raise CaptureError(f"could not trace {getattr(fn, '__name__', fn)!r}: {type(e).__name__}: {e}") from e
+    tensors = [Tensor(tid, shape, dtype) for tid, (shape, dtype) in sorted(traced.avals.items())]
+    ops = []
+    for i, eqn in enumerate(traced.eqns):
+        name = eqn.primitive.name
+        dot = None
+        if name == "dot_general":
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            dot = DotDims(tuple(map(int, lc)), tuple(map(int, rc)), tuple(map(int, lb)), tuple(map(int, rb)))
+        params = []
+        for k, v in eqn.params.items():
+            if k == "dimension_numbers" and dot is not None:
+                continue
+            rendered = _param_value(v)
+            if rendered is not None:
+                params.append((k, rendered))
+        ops.append(Operator(
+            index=i, primitive=name,
+            inputs=tuple(a if kind == "var" else None for kind, a in eqn.invars),
+            outputs=tuple(eqn.outvars), scope=eqn.scope, source=eqn.source,
+            backward="transpose" in eqn.transforms,
+            opaque=name in internals.OPAQUE_PRIMITIVES, dot=dot, params=tuple(params)))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(traced.in_tree, traced.invars))[0]]
+    outs = tuple(a if kind == "var" else None for kind, a in traced.outvars)
+    graph = OpGraph(tuple(tensors), tuple(ops), tuple(traced.invars), outs, tuple(paths))
+    return Program(traced, graph)

@@ -1,0 +1,145 @@
+"""The captured program as plain, immutable, JSON-serialisable data: tensors and operators."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A value of the program: a flat input, a constant or an operator output."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        itemsize = {"bool": 1, "int8": 1, "uint8": 1, "bfloat16": 2, "float16": 2, "int16": 2,
+                    "float64": 8, "int64": 8, "uint64": 8}.get(self.dtype, 4)
+        return self.size * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class DotDims:
+    """dot_general dimension numbers: out dims are batch, then lhs free, then rhs free (JAX's order)."""
+
+    lhs_contract: tuple[int, ...]
+    rhs_contract: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Operator:
+    """One primitive application. `inputs` holds tensor ids, or None for an inline literal."""
+
+    index: int
+    primitive: str
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]
+    scope: tuple[str, ...]
+    source: str
+    backward: bool           # produced by differentiation (a `transpose` transform in its name stack)
+    opaque: bool = False     # control flow whose body cfp does not analyse (scan, while, cond, ...)
+    dot: DotDims | None = None
+    params: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def is_dot(self) -> bool:
+        return self.dot is not None
+
+    def param(self, name: str, default: str | None = None) -> str | None:
+        return dict(self.params).get(name, default)
+
+    def describe(self, graph: "OpGraph") -> str:
+        """A one-line HLO-like rendering: `12 dot_general f32[8,64] = (t3 f32[8,32], t4 f32[32,64])`."""
+        outs = ", ".join(graph.tensor(t).short() if t is not None else "_" for t in self.outputs)
+        ins = ", ".join(f"t{t}:{graph.tensor(t).short()}" if t is not None else "lit" for t in self.inputs)
+        extra = ""
+        if self.dot:
+            extra = (f" contract={self.dot.lhs_contract}x{self.dot.rhs_contract}"
+                     f" batch={self.dot.lhs_batch}x{self.dot.rhs_batch}")
+        return f"{self.index} {self.primitive} {outs} = ({ins}){extra}  [{'/'.join(self.scope)}]"
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "bool": "pred",
+            "float64": "f64", "int64": "s64", "uint32": "u32", "uint8": "u8", "int8": "s8"}.get(dtype, dtype)
+
+
+def _tensor_short(self: Tensor) -> str:
+    return f"{_short(self.dtype)}[{','.join(map(str, self.shape))}]"
+
+
+Tensor.short = _tensor_short  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpGraph:
+    """A flat operator graph of a traced step: every operator with inputs, outputs and origin."""
+
+    tensors: tuple[Tensor, ...]
+    operators: tuple[Operator, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int | None, ...]
+    input_paths: tuple[str, ...]
+
+    @functools.cached_property
+    def _tensor_index(self) -> dict[int, Tensor]:
+        return {t.id: t for t in self.tensors}
+
+    def tensor(self, tid: int) -> Tensor:
+        return self._tensor_index[tid]
+
+    @functools.cached_property
+    def producer(self) -> dict[int, int]:
+        """tensor id -> index of the operator that produces it (flat inputs and constants have none)."""
+        return {t: op.index for op in self.operators for t in op.outputs if t is not None}
+
+    @functools.cached_property
+    def consumers(self) -> dict[int, tuple[int, ...]]:
+        out: dict[int, list[int]] = {}
+        for op in self.operators:
+            for t in op.inputs:
+                if t is not None:
+                    out.setdefault(t, []).append(op.index)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @functools.cached_property
+    def input_position(self) -> dict[int, int]:
+        return {t: i for i, t in enumerate(self.inputs)}
+
+    @property
+    def dots(self) -> list[Operator]:
+        return [op for op in self.operators if op.is_dot]
+
+    @property
+    def opaque_operators(self) -> list[Operator]:
+        return [op for op in self.operators if op.opaque]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OpGraph":
+        tensors = tuple(Tensor(t["id"], tuple(t["shape"]), t["dtype"]) for t in d["tensors"])
+        ops = []
+        for o in d["operators"]:
+            dot = DotDims(**{k: tuple(v) for k, v in o["dot"].items()}) if o.get("dot") else None
+            ops.append(Operator(o["index"], o["primitive"], tuple(o["inputs"]), tuple(o["outputs"]),
+                                tuple(o["scope"]), o["source"], o["backward"], o["opaque"], dot,
+                                tuple(tuple(p) for p in o["params"])))
+        return cls(tensors, tuple(ops), tuple(d["inputs"]), tuple(d["outputs"]), tuple(d["input_paths"]))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())

@@ -1,0 +1,146 @@
+"""One pipeline stage's jitted programs on its own TP sub-mesh.
+
+A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in the first stage,
+``layers_i`` for its layers, ``head`` in the last) and runs:
+
+* ``fwd``  -- first/middle stages: ``x -> (y, aux)``; the last stage: ``x -> (ce_part, aux)`` where
+  ``ce_part = sum(ce * w) / total_weight`` uses the weight of the *whole global batch*, so summing the
+  parts over micro-batches and pipelines gives exactly the single-device loss (token weighting).
+* ``bwd``  -- recomputes the stage forward and applies ``jax.vjp`` (stage-level rematerialisation:
+  only each micro-batch's stage input is kept between fwd and bwd), adds the parameter gradient into
+  the accumulator (donated) and returns the input gradient for the previous stage.
+* ``update`` -- AdamW (optax) on this stage's parameters.
+
+Activations and their gradients enter and leave replicated over the stage's ``tp`` axis, so moving
+them to a stage with another TP degree is a plain ``device_put`` onto that stage's sharding.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from cfp.runtime.layout import Stage
+from cfp.runtime.sharding import param_shardings, stage_mesh
+
+
+class StageProgram:
+    """Jitted fwd / bwd / zeros / update of one stage; params and grads use Megatron shardings."""
+
+    def __init__(self, stage: Stage, modules: tuple, devices: list, params_like: Any,
+                 tx: optax.GradientTransformation):
+        self.stage = stage
+        self.embed, self.layer_mods, self.head = modules
+        self.mesh = stage_mesh(devices)
+        self.repl = NamedSharding(self.mesh, P())
+        self.params_like = params_like  # {"params": {name: ShapeDtypeStruct tree}}
+        self.shardings = param_shardings(params_like, self.mesh)
+        self.tx = tx
+        self.is_local = all(d.process_index == jax.process_index() for d in devices)
+        # The first stage's input is integer tokens: it returns no input gradient.
+        out_acc = ((self.shardings, self.repl) if stage.is_first
+                   else (self.shardings, self.repl, self.repl))
+        if stage.is_last:
+            self.fwd = jax.jit(self._last_forward, out_shardings=(self.repl, self.repl))
+            self.bwd = jax.jit(self._last_backward, out_shardings=out_acc, donate_argnums=(6,))
+        else:
+            self.fwd = jax.jit(self._forward, out_shardings=(self.repl, self.repl))
+            self.bwd = jax.jit(self._backward, out_shardings=out_acc, donate_argnums=(4,))
+        self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
+            lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.shardings)
+        self.opt_shardings = self._opt_shardings()
+        self.opt_init = jax.jit(tx.init, out_shardings=self.opt_shardings)
+        self.update = jax.jit(self._update, donate_argnums=(0, 1),
+                              out_shardings=(self.shardings, self.opt_shardings))
+
+    # ------------------------------------------------------------------ pure stage functions
+    def _body(self, params, x):
+        p = params["params"]
+        aux = jnp.zeros((), jnp.float32)
+        if self.stage.is_first:
+            x = self.embed.apply({"params": p["embed"]}, x)
+        for i in self.stage.layers:
+            x, a = self.layer_mods[i].apply({"params": p[f"layers_{i}"]}, x)
+            aux = aux + a
+        return x, aux
+
+    def _forward(self, params, x):
+        return self._body(params, x)
+
+    def _last_forward(self, params, x, targets, weights, total_weight):
+        h, aux = self._body(params, x)
+        logits = self.head.apply({"params": params["params"]["head"]}, h)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        # Same guard as cfp.models.loss_fn, applied to the whole global batch's weight.
+        return jnp.sum(ce * weights.astype(jnp.float32)) / jnp.maximum(total_weight, 1e-9), aux
+
+    def _vjp(self, fn, params, x):
+        """vjp w.r.t. params (and x unless x is the first stage's integer tokens)."""
+        if self.stage.is_first:
+            out, pull = jax.vjp(lambda p: fn(p, x), params)
+            return out, lambda ct: (pull(ct)[0], None)
+        return jax.vjp(fn, params, x)
+
+    def _backward(self, params, x, g_y, aux_ct, acc):
+        _, pull = self._vjp(self._body, params, x)
+        g_p, g_x = pull((g_y, aux_ct.astype(jnp.float32)))
+        return self._bwd_out(_add(acc, g_p), g_x)
+
+    def _last_backward(self, params, x, targets, weights, total_weight, aux_ct, acc):
+        fn = functools.partial(self._last_fwd_of, targets=targets, weights=weights,
+                               total_weight=total_weight)
+        _, pull = self._vjp(fn, params, x)
+        g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct.astype(jnp.float32)))
+        return self._bwd_out(_add(acc, g_p), g_x)
+
+    def _bwd_out(self, acc, g_x):
+        # A scalar "done" output: all outputs of one execution become ready together, and unlike
+        # the accumulator it is never donated, so the timing watcher can wait on it safely.
+        done = jnp.zeros((), jnp.float32)
+        return (acc, done) if self.stage.is_first else (acc, g_x, done)
+
+    def _last_fwd_of(self, params, x, *, targets, weights, total_weight):
+        return self._last_forward(params, x, targets, weights, total_weight)
+
+    def _update(self, params, opt_state, grads):
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def _opt_shardings(self) -> Any:
+        """Optimizer-state leaves mirroring a parameter (Adam's mu/nu) share its sharding; the rest
+        (step counts) are replicated on the stage mesh."""
+        by_path = {jax.tree_util.keystr(p): s for p, s in
+                   jax.tree_util.tree_flatten_with_path(self.shardings)[0]}
+        like = jax.eval_shape(self.tx.init, self.params_like)
+
+        def pick(path, _):
+            text = jax.tree_util.keystr(path)
+            for suffix, sh in by_path.items():
+                if text.endswith(suffix):
+                    return sh
+            return self.repl
+        return jax.tree_util.tree_map_with_path(pick, like)
+
+    # ------------------------------------------------------------------ placement helpers
+    def place_params(self, params: Any) -> Any:
+        return jax.device_put(params, self.shardings)
+
+    def activation_sharding(self) -> NamedSharding:
+        return self.repl
+
+
+def _add(a, b):
+    return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+def sum_trees(trees: list) -> Any:
+    """Elementwise sum in list order (the order is fixed so every pipeline gets the same bits)."""
+    out = trees[0]
+    for t in trees[1:]:
+        out = _add(out, t)
+    return out
+

@@ -1,0 +1,201 @@
+"""Pipeline timelines: per-(pipeline, stage, micro-batch) forward/backward intervals, bubble statistics, plots.
+
+Times are whatever clock the caller uses (seconds from `time.perf_counter` by default in :meth:`Timeline.span`).
+JAX dispatches asynchronously, so to measure a stage's compute, block on its outputs
+(`jax.block_until_ready`) before taking the end time.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import time
+from collections.abc import Iterable
+
+from cfp.errors import ConfigError
+
+
+class Phase(str, enum.Enum):
+    FWD = "fwd"
+    BWD = "bwd"
+
+
+_COLORS = {Phase.FWD: "#4C72B0", Phase.BWD: "#DD8452"}
+
+
+def _phase(phase) -> Phase:
+    try:
+        return Phase(phase)
+    except ValueError:
+        raise ConfigError(f"phase={phase!r} is invalid (choose from {[p.value for p in Phase]})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    pipeline: int
+    stage: int
+    microbatch: int
+    phase: Phase
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
+    """GPipe / 1F1B bubble fraction with equal stage times: (p - 1) / (m + p - 1)."""
+    if num_stages < 1 or num_microbatches < 1:
+        raise ConfigError(f"num_stages={num_stages}, num_microbatches={num_microbatches} are invalid "
+                          "(both must be >= 1)")
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    # overlapping events on one stage (e.g. async overlap) count once: busy is wall time, not summed work
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+class Timeline:
+    """A list of :class:`Event`; `record` from the engine, then `bubble_fraction`, `save_json`, `plot_png`."""
+
+    def __init__(self, events: Iterable[Event] = (), clock=time.perf_counter):
+        self._events: list[Event] = list(events)
+        self.clock = clock
+
+    @property
+    def events(self) -> list[Event]:
+        return list(self._events)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def record(self, pipeline: int, stage: int, microbatch: int, phase: Phase | str,
+               start: float, end: float) -> Event:
+        if end < start:
+            raise ConfigError(f"event end={end} is before start={start} "
+                              f"(pipeline {pipeline}, stage {stage}, micro-batch {microbatch})")
+        ev = Event(int(pipeline), int(stage), int(microbatch), _phase(phase), float(start), float(end))
+        self._events.append(ev)
+        return ev
+
+    @contextlib.contextmanager
+    def span(self, pipeline: int, stage: int, microbatch: int, phase: Phase | str):
+        """Record the wall time of the `with` body (block on JAX outputs inside it)."""
+        start = self.clock()
+        yield
+        self.record(pipeline, stage, microbatch, phase, start, self.clock())
+
+    def pipelines(self) -> list[int]:
+        return sorted({e.pipeline for e in self._events})
+
+    def _of(self, pipeline: int) -> list[Event]:
+        evs = [e for e in self._events if e.pipeline == pipeline]
+        if not evs:
+            raise ConfigError(f"pipeline {pipeline} has no events (pipelines: {self.pipelines()})")
+        return evs
+
+    def stages(self, pipeline: int) -> list[int]:
+        return sorted({e.stage for e in self._of(pipeline)})
+
+    def num_microbatches(self, pipeline: int) -> int:
+        return len({e.microbatch for e in self._of(pipeline)})
+
+    def makespan(self, pipeline: int) -> float:
+        evs = self._of(pipeline)
+        return max(e.end for e in evs) - min(e.start for e in evs)
+
+    def busy_time(self, pipeline: int | None = None) -> dict[tuple[int, int], float]:
+        """{(pipeline, stage): time the stage was computing}, for one pipeline or all."""
+        out: dict[tuple[int, int], list] = {}
+        for e in self._events:
+            if pipeline is None or e.pipeline == pipeline:
+                out.setdefault((e.pipeline, e.stage), []).append((e.start, e.end))
+        return {k: _union_length(v) for k, v in sorted(out.items())}
+
+    def bubble_fraction(self, pipeline: int = 0, num_stages: int | None = None) -> float:
+        """1 - busy / (num_stages * makespan); num_stages defaults to the stages that recorded events."""
+        p = num_stages if num_stages is not None else len(self.stages(pipeline))
+        span = self.makespan(pipeline)
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_time(pipeline).values()) / (p * span)
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """Per pipeline: stages, micro-batches, makespan, measured and theoretical bubble."""
+        out = {}
+        for q in self.pipelines():
+            p, m = len(self.stages(q)), self.num_microbatches(q)
+            out[q] = {"stages": p, "microbatches": m, "makespan": self.makespan(q),
+                      "bubble": self.bubble_fraction(q), "theoretical_bubble": theoretical_bubble(p, m)}
+        return out
+
+    # ---- persistence ----
+    def to_dict(self) -> dict:
+        return {"version": 1, "events": [dict(dataclasses.asdict(e), phase=e.phase.value) for e in self._events]}
+
+    def save_json(self, path: str | os.PathLike) -> None:
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load_json(cls, path: str | os.PathLike) -> "Timeline":
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or "events" not in data:
+            raise ConfigError(f"{os.fspath(path)!r} is not a cfp timeline JSON (no 'events' list)")
+        tl = cls()
+        for e in data["events"]:
+            tl.record(e["pipeline"], e["stage"], e["microbatch"], e["phase"], e["start"], e["end"])
+        return tl
+
+    # ---- plot ----
+    def plot_png(self, path: str | os.PathLike, title: str | None = None) -> None:
+        """Gantt chart: one row per (pipeline, stage), a bar per micro-batch coloured by phase."""
+        if not self._events:
+            raise ConfigError("timeline has no events to plot")
+        import matplotlib
+
+        matplotlib.use("Agg")  # headless; no display needed
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        t0 = min(e.start for e in self._events)
+        span = max(e.end for e in self._events) - t0
+        scale, unit = (1e3, "ms") if span < 1.0 else (1.0, "s")
+        rows = sorted({(e.pipeline, e.stage) for e in self._events})
+        row_of = {r: i for i, r in enumerate(rows)}
+        fig, ax = plt.subplots(figsize=(min(24, 7 + 0.25 * len(self._events) ** 0.5 * 4), 1.2 + 0.45 * len(rows)))
+        for e in self._events:
+            y = row_of[(e.pipeline, e.stage)]
+            x, w = (e.start - t0) * scale, e.duration * scale
+            ax.barh(y, w, left=x, height=0.8, color=_COLORS[e.phase], edgecolor="white", linewidth=0.6)
+            if w > 0.025 * span * scale:  # label only bars wide enough to hold the text
+                ax.text(x + w / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(len(rows)), [f"pipe {q} / stage {s}" for q, s in rows])
+        ax.invert_yaxis()  # stage 0 on top, like the usual pipeline diagrams
+        ax.set_xlabel(f"time ({unit})")
+        ax.set_xlim(0, span * scale)
+        stats = "; ".join(f"pipe {q}: bubble {v['bubble']:.1%} (theory {v['theoretical_bubble']:.1%}, "
+                          f"p={v['stages']}, m={v['microbatches']})" for q, v in self.summary().items())
+        ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
+        ax.legend(handles=[Patch(color=_COLORS[p], label=p.value) for p in Phase], loc="upper right",
+                  fontsize=8, framealpha=0.8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)

@@ -180,7 +180,7 @@ class Timeline:
         scale, unit = (1e3, "ms") if span < 1.0 else (1.0, "s")
         rows = sorted({(e.pipeline, e.stage) for e in self._events})
         row_of = {r: i for i, r in enumerate(rows)}
-        fig, ax = plt.subplots(figsize=(min(24, 7 + 0.25 * len(self._events) ** 0.5 * 4), 1.2 + 0.45 * len(rows)))
+        fig, ax = plt.subplots(figsize=(12, 1.6 + 0.45 * len(rows)))
         for e in self._events:
             y = row_of[(e.pipeline, e.stage)]
             x, w = (e.start - t0) * scale, e.duration * scale
@@ -188,14 +188,18 @@ class Timeline:
             if w > 0.025 * span * scale:  # label only bars wide enough to hold the text
                 ax.text(x + w / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
         ax.set_yticks(range(len(rows)), [f"pipe {q} / stage {s}" for q, s in rows])
+        for i in range(1, len(rows)):  # separate pipelines
+            if rows[i][0] != rows[i - 1][0]:
+                ax.axhline(i - 0.5, color="grey", linewidth=0.8, linestyle="--")
         ax.invert_yaxis()  # stage 0 on top, like the usual pipeline diagrams
         ax.set_xlabel(f"time ({unit})")
         ax.set_xlim(0, span * scale)
-        stats = "; ".join(f"pipe {q}: bubble {v['bubble']:.1%} (theory {v['theoretical_bubble']:.1%}, "
+        sep = "; " if len(self.pipelines()) <= 2 else "\n"
+        stats = sep.join(f"pipe {q}: bubble {v['bubble']:.1%} (theory {v['theoretical_bubble']:.1%}, "
                           f"p={v['stages']}, m={v['microbatches']})" for q, v in self.summary().items())
         ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
-        ax.legend(handles=[Patch(color=_COLORS[p], label=p.value) for p in Phase], loc="upper right",
-                  fontsize=8, framealpha=0.8)
+        ax.legend(handles=[Patch(color=_COLORS[p], label=p.value) for p in Phase], loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0), fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

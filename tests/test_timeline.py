@@ -1,0 +1,79 @@
+import json
+
+import pytest
+
+from cfp.errors import ConfigError
+from cfp.runtime.timeline import Phase, Timeline, theoretical_bubble
+
+
+def gpipe(tl, p, m, pipeline=0, fwd=1.0, bwd=1.0, t0=0.0):
+    """Ideal GPipe: all forwards (diagonal), then all backwards in reverse stage order."""
+    for s in range(p):
+        for j in range(m):
+            tl.record(pipeline, s, j, Phase.FWD, t0 + (s + j) * fwd, t0 + (s + j + 1) * fwd)
+    tb = t0 + (m + p - 1) * fwd
+    for s in range(p):
+        for j in range(m):
+            k = (p - 1 - s) + j
+            tl.record(pipeline, s, j, "bwd", tb + k * bwd, tb + (k + 1) * bwd)
+    return tl
+
+
+@pytest.mark.parametrize("p,m", [(1, 4), (4, 8), (3, 2)])
+def test_ideal_gpipe_matches_theory(p, m):
+    tl = gpipe(Timeline(), p, m)
+    assert tl.bubble_fraction(0) == pytest.approx(theoretical_bubble(p, m))
+    assert tl.busy_time() == {(0, s): pytest.approx(2.0 * m) for s in range(p)}
+    assert tl.makespan(0) == pytest.approx(2.0 * (m + p - 1))
+
+
+def test_theoretical_bubble_and_errors():
+    assert theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+    assert theoretical_bubble(1, 5) == 0.0
+    with pytest.raises(ConfigError, match="num_stages"):
+        theoretical_bubble(0, 4)
+    tl = Timeline()
+    with pytest.raises(ConfigError, match="phase='sideways'.*fwd"):
+        tl.record(0, 0, 0, "sideways", 0, 1)
+    with pytest.raises(ConfigError, match="before start"):
+        tl.record(0, 0, 0, "fwd", 2, 1)
+    with pytest.raises(ConfigError, match="pipeline 3 has no events"):
+        tl.bubble_fraction(3)
+
+
+def test_pipelines_are_separate_and_overlap_counted_once():
+    tl = gpipe(Timeline(), 2, 4, pipeline=0)
+    gpipe(tl, 3, 6, pipeline=1, fwd=0.5, bwd=1.0, t0=100.0)
+    assert tl.pipelines() == [0, 1]
+    assert tl.bubble_fraction(0) == pytest.approx(theoretical_bubble(2, 4))
+    # unequal fwd/bwd: busy = m*(f+b) per stage, makespan = (m+p-1)*(f+b)
+    assert tl.bubble_fraction(1) == pytest.approx(theoretical_bubble(3, 6))
+    t2 = Timeline()
+    t2.record(0, 0, 0, "fwd", 0.0, 2.0)
+    t2.record(0, 0, 1, "fwd", 1.0, 3.0)  # overlaps the first
+    assert t2.busy_time() == {(0, 0): pytest.approx(3.0)}
+    assert t2.bubble_fraction(0, num_stages=2) == pytest.approx(0.5)
+
+
+def test_span_uses_clock():
+    ticks = iter([1.0, 1.5])
+    tl = Timeline(clock=lambda: next(ticks))
+    with tl.span(0, 1, 2, "bwd"):
+        pass
+    (ev,) = tl.events
+    assert (ev.stage, ev.microbatch, ev.phase, ev.duration) == (1, 2, Phase.BWD, 0.5)
+
+
+def test_json_roundtrip_and_png(tmp_path):
+    tl = gpipe(Timeline(), 4, 8)
+    gpipe(tl, 2, 8, pipeline=1, fwd=0.7, bwd=1.4)
+    tl.save_json(tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text())["events"][0]["phase"] == "fwd"
+    back = Timeline.load_json(tmp_path / "t.json")
+    assert back.events == tl.events
+    tl.plot_png(tmp_path / "t.png", title="ideal GPipe")
+    data = (tmp_path / "t.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ConfigError, match="not a cfp timeline"):
+        Timeline.load_json(tmp_path / "bad.json")

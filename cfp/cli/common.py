@@ -1,0 +1,55 @@
+"""Options shared by the analysis/profile/search modes, and building the model's train step from them."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from cfp.errors import ConfigError
+
+MODELS = ("gpt", "llama2", "moe", "bert")
+
+
+def ensure_host_devices(n: int = 8) -> None:
+    """Simulate `n` CPU devices unless the user chose otherwise; must run before JAX initialises."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={n}").strip()
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
+    return v
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, choices=MODELS, help="model family")
+    p.add_argument("--config", default="tiny", help="named config of the model (default: tiny)")
+    p.add_argument("--num-layers", "--num_layer", dest="num_layers", type=positive_int, default=None,
+                   help="number of transformer layers (default: the config's)")
+    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=16)
+    p.add_argument("--mesh", default="8", help="logical mesh: N (1-D) or AxB (2-D), e.g. 8 or 2x4")
+    p.add_argument("--dump-dir", default=None, help="directory for the mode's dump files")
+
+
+def build_step(args: argparse.Namespace):
+    """(step_fn, example_args, mesh_spec) of the model's optax AdamW train step on the requested mesh."""
+    import jax
+
+    from cfp.mesh import MeshSpec
+    from cfp.models import get_config, train_step
+
+    mesh = MeshSpec.parse(args.mesh, num_devices=jax.device_count())
+    if args.batch_size % mesh.size:
+        raise ConfigError(f"batch size {args.batch_size} cannot be split over mesh {args.mesh} ({mesh.size} "
+                          f"devices); use a multiple of {mesh.size}")
+    overrides = {"num_layers": args.num_layers} if args.num_layers else {}
+    config = get_config(args.model, args.config, **overrides)
+    ts = train_step(args.model, config)
+    params, opt_state = ts.init(jax.random.PRNGKey(0))
+    batch = ts.make_batch(args.batch_size, jax.random.PRNGKey(1))
+    return ts.step, (params, opt_state, batch), mesh

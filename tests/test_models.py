@@ -17,7 +17,7 @@ from cfp.models.moe import top2_gating as _top2_gating
 
 top2_gating = jax.jit(_top2_gating, static_argnums=1)  # one compile beats eager op-by-op
 
-MODELS = ["gpt", "llama2", "moe"]
+MODELS = list(MODEL_NAMES)
 CAUSAL = {"gpt": True, "llama2": True, "moe": True, "bert": False}
 
 
@@ -146,6 +146,20 @@ def test_loss_is_weighted_mean_cross_entropy(tiny):
     w[:, ::3] = 1.0
     got = float(ts.loss(params, dict(batch, weights=jnp.asarray(w))))
     np.testing.assert_allclose(got, (ce * w).sum() / w.sum(), rtol=1e-5)
+
+
+def test_bert_batch_masks_positions():
+    cfg = get_config("bert", mask_prob=0.15)
+    batch = {k: np.asarray(v) for k, v in make_batch("bert", cfg, 16, 3).items()}
+    masked = batch["weights"] == 1
+    assert set(np.unique(batch["weights"])) <= {0.0, 1.0}
+    assert masked.any(axis=1).all()  # at least one prediction per sequence
+    assert np.all(batch["inputs"][masked] == cfg.vocab_size - 1)
+    np.testing.assert_array_equal(batch["inputs"][~masked], batch["targets"][~masked])
+    assert batch["targets"].max() < cfg.vocab_size - 1  # [MASK] is never a target
+    assert 0.08 < masked.mean() < 0.25
+    one = make_batch("bert", get_config("bert", mask_prob=1e-6), 4, 0)
+    np.testing.assert_array_equal(np.asarray(one["weights"]).sum(axis=1), 1)
 
 
 # --------------------------------------------------------------------------- llama
@@ -295,6 +309,7 @@ def test_get_config_unknown_names_list_valid_choices(args, match):
     ("llama2", dict(rope_theta=0), r"rope_theta=0"),
     ("moe", dict(num_experts=1), r"num_experts=1"),
     ("moe", dict(capacity_factor=0.0), r"capacity_factor=0.0"),
+    ("bert", dict(mask_prob=1.5), r"mask_prob=1.5"),
 ])
 def test_bad_config_values_raise_config_error(model, overrides, match):
     with pytest.raises(ConfigError, match=match):

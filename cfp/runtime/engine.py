@@ -111,7 +111,6 @@ class HeteroTrainer:
             if p.micro_batch_size % mb_min:
                 raise ConfigError(f"pipeline {p.index}: micro-batch size {p.micro_batch_size} must be "
                                   f"a multiple of {mb_min} so MoE token groups stay whole")
-        self.schedule = ScheduleName.parse(schedule)
         self.tx = optimizer(learning_rate, weight_decay)
         self.modules = stage_modules(model_name, config)
         self.full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
@@ -120,19 +119,13 @@ class HeteroTrainer:
             self.programs[st.key] = StageProgram(
                 st, self.modules, [self.devices[d] for d in st.devices],
                 _subtree(self.full_like, st.module_names()), self.tx)
-        per_pipe = []
-        for p in layout.pipelines:
-            acts = SCHEDULES[self.schedule](p.num_stages, p.chunks)
-            check_schedule(acts, p.chunks)
-            per_pipe.append(acts)
-        self.order = global_order(per_pipe)
+        self.set_schedule(schedule)
         self.aux_coef = float(getattr(config, "aux_loss_coef", 0.0))
         self.params: dict[tuple[int, int], Any] = {}
         self.opt_state: dict[tuple[int, int], Any] = {}
         self.step_count = 0
         self._watchers = {k: _Watcher() for k, pr in self.programs.items() if pr.is_local}
         self._act_like: dict[tuple[int, int], Any] = {}
-        self._sum = jax.jit(sum_trees)
 
     # ------------------------------------------------------------------ state
     def init(self, seed: int = 0) -> "HeteroTrainer":
@@ -204,8 +197,43 @@ class HeteroTrainer:
                          list(self.programs[dst.key].mesh.devices.flat), dst_shardings, like)
 
     # ------------------------------------------------------------------ one step
+    def set_schedule(self, schedule: "str | ScheduleName") -> None:
+        """Switch GPipe/1F1B; compiled stage programs do not depend on the schedule."""
+        self.schedule = ScheduleName.parse(schedule)
+        per_pipe = []
+        for p in self.layout.pipelines:
+            acts = SCHEDULES[self.schedule](p.num_stages, p.chunks)
+            check_schedule(acts, p.chunks)
+            per_pipe.append(acts)
+        self.order = global_order(per_pipe)
+
     def step(self, batch: dict) -> StepStats:
         """One optimizer step on the global batch ``{"inputs", "targets", "weights"}`` [B_total, S]."""
+        t_start = time.perf_counter()
+        acc, loss, dispatched = self._run_schedule(batch)
+        parts = self._gather_grads(acc)
+        for key, g in parts.items():
+            self.params[key], self.opt_state[key] = self.programs[key].update(
+                self.params[key], self.opt_state[key], g)
+        jax.block_until_ready(list(self.params.values()))
+        seconds = time.perf_counter() - t_start
+        self.step_count += 1
+        rows = self.layout.total_batch_size
+        return StepStats(self.step_count, loss, seconds, rows * self.config.seq_len,
+                         self._events(dispatched, t_start))
+
+    def gradients(self, batch: dict) -> tuple[Any, float]:
+        """(full gradient tree as numpy, loss) of the global batch at the current parameters."""
+        acc, loss, dispatched = self._run_schedule(batch)
+        self._events(dispatched, 0.0)
+        summed = {k: jax.jit(sum_trees)(v) for k, v in self._gather_grads(acc).items()}
+        table: dict[str, Any] = {}
+        for key in sorted(summed):
+            table.update({k: v for k, v in _path_table(summed[key]).items() if k not in table})
+        return self._collect(self.full_like, table), loss
+
+    def _run_schedule(self, batch: dict):
+        """Dispatch every pipeline's fwd/bwd actions; returns (grad accumulators, loss, times)."""
         if not self.params:
             raise ConfigError("HeteroTrainer.step called before init() or load_state()")
         b = {k: np.asarray(v) for k, v in batch.items()}
@@ -215,10 +243,8 @@ class HeteroTrainer:
                               f"{self.layout.total_batch_size}")
         total_w = np.float32(b["weights"].astype(np.float32).sum())
         offsets = self.layout.batch_offsets()
-        t_start = time.perf_counter()
         acts, grads_back, saved, labels, acc = {}, {}, {}, {}, {}
         ce_parts, aux_parts, dispatched = [], [], {}
-
         for a in self.order:
             key = (a.pipeline, a.stage)
             prog, pipe = self.programs[key], self.layout.pipelines[a.pipeline]
@@ -272,21 +298,14 @@ class HeteroTrainer:
             dispatched[(key, m, a.phase)] = t0
             self._watchers[key].q.put(((m, a.phase), done))
 
-        grads = self._sync_grads(acc)
-        for key, g in grads.items():
-            self.params[key], self.opt_state[key] = self.programs[key].update(
-                self.params[key], self.opt_state[key], g)
         loss = float(sum(float(c) for c in ce_parts) + sum(float(a) * float(w) for a, w in aux_parts))
         if jax.process_count() > 1:
             loss = float(np.sum(_process_allgather(np.float64(loss))))
-        jax.block_until_ready(list(self.params.values()))
-        seconds = time.perf_counter() - t_start
-        self.step_count += 1
-        return StepStats(self.step_count, loss, seconds, rows * self.config.seq_len,
-                         self._events(dispatched, t_start))
+        return acc, loss, dispatched
 
-    def _sync_grads(self, acc: dict) -> dict:
-        """Token-weighted gradient of every local stage: sum over pipelines, resharded to it."""
+    def _gather_grads(self, acc: dict) -> dict:
+        """For every local stage, its submodules' gradients from every pipeline (in pipeline order),
+        resharded onto this stage's layout; their sum is the token-weighted global gradient."""
         out = {}
         for dst in self.layout.stages:
             dprog = self.programs[dst.key]
@@ -304,9 +323,10 @@ class HeteroTrainer:
                                        _subtree(dprog.params_like, common))
                     if moved is not None:
                         piece.update(moved["params"])
-                parts.append({"params": {n: piece[n] for n in names}} if dprog.is_local else None)
+                if dprog.is_local:
+                    parts.append({"params": {n: piece[n] for n in names}})
             if dprog.is_local:
-                out[dst.key] = self._sum(parts)
+                out[dst.key] = parts
         return out
 
     def _events(self, dispatched: dict, t_start: float) -> list[Event]:

@@ -106,7 +106,9 @@ class StageProgram:
     def _last_fwd_of(self, params, x, *, targets, weights, total_weight):
         return self._last_forward(params, x, targets, weights, total_weight)
 
-    def _update(self, params, opt_state, grads):
+    def _update(self, params, opt_state, grad_parts):
+        # The pipelines' gradients are summed here, in list order, fused with AdamW (one program).
+        grads = sum_trees(list(grad_parts))
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 

@@ -1,0 +1,195 @@
+"""The profiling pass: every unique segment kind, its (pruned) strategy combinations compiled and timed.
+
+Per combination the segment's sub-program (`subprogram.SegmentProgram`) is compiled; the `measure` profiler runs
+it (warm-up, then the median of `iters` runs), the `estimate` profiler applies the GPU cost model to the compiled
+per-device FLOPs, bytes and parsed collectives. Compiling the next combination overlaps running the current one.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+
+from cfp.analysis.analysis import Analysis
+from cfp.analysis.collectives import parse_collectives
+from cfp.analysis.layout import block_layout
+from cfp.analysis.segments import Segment
+from cfp.ir.capture import Program
+from cfp.profiling import costmodel
+from cfp.profiling.gpus import get_gpu
+from cfp.profiling.options import ProfileOptions, ProfilerKind
+from cfp.profiling.subprogram import SegmentProgram
+from cfp.profiling.table import (ProfileEntry, ProfileTable, SegmentProfile, cache_key, cache_load,
+                                 cache_store)
+
+
+def device_kind() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{d.device_kind}"
+
+
+def candidate_combos(analysis: Analysis, segment: Segment, options: ProfileOptions) -> tuple[list[tuple[int, ...]], str]:
+    """The combinations to profile and the rule that chose them (see `ProfileOptions`)."""
+    space = [len(analysis.blocks[b].strategies) for b in segment.blocks]
+    total = 1
+    for n in space:
+        total *= n
+    if total <= options.max_combinations:
+        return list(itertools.product(*[range(n) for n in space])), f"exhaustive: all {total} combinations"
+    gpu = get_gpu(options.gpu or costmodel.DEFAULT_RANKING_GPU)
+    g, shape = analysis.graph, analysis.mesh.shape
+    layouts = {(b, s): block_layout(g, analysis.blocks[b], s, shape)
+               for b in segment.blocks for s in range(len(analysis.blocks[b].strategies))}
+    own = {k: costmodel.block_cost(analysis, lay, gpu) for k, lay in layouts.items()}
+    short = [sorted(range(n), key=lambda s, b=b: (own[(b, s)], s))[:options.per_block]
+             for b, n in zip(segment.blocks, space)]
+    specs = {k: lay.spec_of for k, lay in layouts.items()}
+    blocks = list(segment.blocks)
+    shared = [(i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks))
+              if specs[(blocks[i], 0)].keys() & specs[(blocks[j], 0)].keys()]
+    link = gpu.link_gbps * 1e9
+    pair_cost: dict = {}
+
+    def cost(combo):
+        t = sum(own[(b, s)] for b, s in zip(blocks, combo))
+        for i, j in shared:
+            key = (i, combo[i], j, combo[j])
+            if key not in pair_cost:
+                pair_cost[key] = costmodel.reshard_cost(analysis, specs[(blocks[i], combo[i])],
+                                                        specs[(blocks[j], combo[j])], link)
+            t += pair_cost[key]
+        return t
+    combos = sorted(itertools.product(*short), key=lambda c: (cost(c), c))[:options.max_combinations]
+    rule = (f"pruned: {total} combinations > max {options.max_combinations}; kept the {options.per_block} best "
+            f"strategies per block by analytic cost, then the {len(combos)} best of their "
+            f"{len(list(itertools.product(*short)))} combinations by analytic cost incl. resharding")
+    return combos, rule
+
+
+class Profiler:
+    """Profiles the unique segments of one captured program; `compiles` counts the compilations it made."""
+
+    def __init__(self, program: Program, analysis: Analysis, options: ProfileOptions,
+                 log: Callable[[str], None] = print):
+        self.program, self.analysis, self.options, self.log = program, analysis, options, log
+        self.compiles = 0
+        self.mesh = analysis.mesh.make()
+        self.gpu = get_gpu(options.gpu) if options.gpu else None
+
+    @property
+    def profiler_name(self) -> str:
+        o = self.options
+        return "measure" if o.kind is ProfilerKind.MEASURE else f"estimate:{self.gpu.name}"
+
+    def _settings(self) -> str:
+        o = self.options
+        return f"{self.profiler_name}|iters={o.iters}|warmup={o.warmup}|max={o.max_combinations}|per={o.per_block}"
+
+    def run(self) -> ProfileTable:
+        t0 = time.perf_counter()
+        firsts: dict[int, Segment] = {}
+        for s in self.analysis.segments:
+            firsts.setdefault(s.kind, s)
+        dk, jv = device_kind(), jax.__version__
+        out: dict[int, SegmentProfile] = {}
+        todo = []
+        for kind, seg in firsts.items():
+            key = cache_key(seg.fingerprint, self.analysis.mesh.shape, dk, jv, self._settings())
+            hit = cache_load(self.options.cache_dir, key)
+            if hit is not None and hit.space == self._space(seg):
+                out[kind] = hit
+            else:
+                todo.append((kind, seg, key))
+        with self._progress() as progress:
+            for kind, seg, key in todo:
+                combos, rule = candidate_combos(self.analysis, seg, self.options)
+                self.log(f"segment kind {kind} (blocks {seg.start}..{seg.stop - 1}): {rule}")
+                task = progress.add_task(f"segment kind {kind}", total=len(combos)) if progress else None
+                entries = self.profile_segment(seg, combos,
+                                               (lambda: progress.advance(task)) if progress else None)
+                prof = SegmentProfile(kind, seg.fingerprint, self._space(seg), rule, tuple(entries))
+                cache_store(self.options.cache_dir, key, prof)
+                out[kind] = prof
+        return ProfileTable(self.analysis.mesh.shape, dk, jv, self.profiler_name, dict(sorted(out.items())),
+                            self.compiles, time.perf_counter() - t0)
+
+    def _space(self, seg: Segment) -> tuple[int, ...]:
+        return tuple(len(self.analysis.blocks[b].strategies) for b in seg.blocks)
+
+    @contextlib.contextmanager
+    def _progress(self):
+        if not self.options.progress:
+            yield None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), transient=False) as p:
+            yield p
+
+    def _compile(self, seg: Segment, combo) -> tuple[SegmentProgram, object]:
+        sp = SegmentProgram(self.program, self.analysis, seg, combo, self.mesh)
+        compiled = sp.compile()
+        self.compiles += 1
+        return sp, compiled
+
+    def profile_segment(self, seg: Segment, combos: Sequence[tuple[int, ...]],
+                        advance: Callable[[], None] | None = None) -> list[ProfileEntry]:
+        entries = []
+        overlap = self.options.overlap_compile and len(combos) > 1
+        pool = concurrent.futures.ThreadPoolExecutor(1) if overlap else None
+        try:
+            nxt = pool.submit(self._compile, seg, combos[0]) if pool else None
+            for i, combo in enumerate(combos):
+                sp, compiled = nxt.result() if pool else self._compile(seg, combo)
+                if pool and i + 1 < len(combos):
+                    nxt = pool.submit(self._compile, seg, combos[i + 1])
+                entries.append(self._entry(seg, combo, sp, compiled))
+                if advance:
+                    advance()
+        finally:
+            if pool:
+                pool.shutdown(wait=True)
+        return entries
+
+    def _entry(self, seg: Segment, combo, sp: SegmentProgram, compiled) -> ProfileEntry:
+        shape = self.analysis.mesh.shape
+        mem = compiled.memory_analysis()
+        memory = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+        cost = compiled.cost_analysis() or {}
+        if isinstance(cost, (list, tuple)):
+            cost = cost[0] if cost else {}
+        flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+        colls = tuple((c.kind, c.bytes, costmodel.group_size(c.axes, shape))
+                      for c in parse_collectives(compiled.as_text(), shape))
+        comm_bytes = sum(c[1] for c in colls)
+        measured = None
+        if self.options.kind is ProfilerKind.MEASURE:
+            measured = time_compiled(compiled, sp.example_inputs(), self.options.iters, self.options.warmup)
+            t = measured
+        else:
+            dtype = costmodel.dominant_dtype(self.analysis, seg.blocks)
+            t = costmodel.compute_time(flops, nbytes, self.gpu, dtype) + costmodel.comm_time(colls, self.gpu)
+        return ProfileEntry(tuple(combo), t, memory, comm_bytes, flops, nbytes, colls, measured)
+
+
+def time_compiled(compiled, args, iters: int, warmup: int) -> float:
+    """Median wall seconds of `compiled(*args)` over `iters` runs after `warmup` runs."""
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile(program: Program, analysis: Analysis, options: ProfileOptions | None = None,
+            log: Callable[[str], None] = print) -> ProfileTable:
+    """Profile every unique segment kind of `analysis` (see `ProfileOptions` for the reduction rule)."""
+    return Profiler(program, analysis, options or ProfileOptions(), log).run()

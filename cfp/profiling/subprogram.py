@@ -1,0 +1,132 @@
+"""A segment's sub-program: the segment's operators extracted from the captured step into their own function.
+
+Inputs are the tensors the segment reads but does not produce (flat step inputs, constants, values of other
+segments); outputs are the tensors it produces that something outside reads. Inputs and outputs are sharded as
+the segment's block layouts imply, and every in-segment tensor is constrained like `apply.ShardedStep` does, so
+profiling one segment measures the same partitioned code the whole plan would run.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from cfp.analysis.analysis import Analysis
+from cfp.analysis.apply import partition_spec
+from cfp.analysis.layout import BlockLayout, block_layout
+from cfp.analysis.segments import Segment
+from cfp.ir import _jax_internals as internals
+from cfp.ir.capture import Program
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentIO:
+    """Which tensors a segment reads from outside and which it hands to the outside."""
+
+    ops: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+def segment_io(analysis: Analysis, segment: Segment) -> SegmentIO:
+    g = analysis.graph
+    ops = sorted(o for b in segment.blocks for o in analysis.blocks[b].operators)
+    opset = set(ops)
+    produced = {t for o in ops for t in g.operators[o].outputs if t is not None}
+    inputs: list[int] = []
+    for o in ops:
+        for t in g.operators[o].inputs:
+            if t is not None and t not in produced and t not in inputs:
+                inputs.append(t)
+    program_out = {t for t in g.outputs if t is not None}
+    outputs = [t for t in sorted(produced)
+               if t in program_out or any(c not in opset for c in g.consumers.get(t, ()))]
+    return SegmentIO(tuple(ops), tuple(inputs), tuple(outputs))
+
+
+def layouts_for(analysis: Analysis, segment: Segment, combo: Sequence[int]) -> tuple[BlockLayout, ...]:
+    return tuple(block_layout(analysis.graph, analysis.blocks[b], c, analysis.mesh.shape)
+                 for b, c in zip(segment.blocks, combo))
+
+
+class SegmentProgram:
+    """The jitted sub-program of `segment` under strategy combination `combo` (one index per block)."""
+
+    def __init__(self, program: Program, analysis: Analysis, segment: Segment, combo: Sequence[int],
+                 mesh: jax.sharding.Mesh):
+        self.segment, self.combo, self.mesh = segment, tuple(combo), mesh
+        g = analysis.graph
+        io = segment_io(analysis, segment)
+        self.io = io
+        names = analysis.mesh.axis_names
+        layouts = layouts_for(analysis, segment, combo)
+        block_of_op = {o: lay.block for lay in layouts for o in analysis.blocks[lay.block].operators}
+        first_spec: dict[int, Any] = {}
+        out_cons: dict[int, NamedSharding] = {}
+        use_cons: dict[tuple[int, int], NamedSharding] = {}
+        for lay in layouts:
+            ops = set(analysis.blocks[lay.block].operators)
+            for t, spec in lay.specs:
+                first_spec.setdefault(t, spec)
+                sharding = NamedSharding(mesh, partition_spec(spec, names))
+                prod = g.producer.get(t)
+                if prod in ops:
+                    out_cons[t] = sharding
+                for c in g.consumers.get(t, ()):
+                    if c in ops and prod not in ops:
+                        use_cons[(c, t)] = sharding
+        self.in_shardings = tuple(NamedSharding(mesh, partition_spec(first_spec.get(t, ()), names))
+                                  for t in io.inputs)
+        self.out_shardings = tuple(NamedSharding(mesh, partition_spec(first_spec.get(t, ()), names))
+                                   for t in io.outputs)
+        traced = program._traced  # the equations to replay; same object `Program.replay` walks
+        eqns = [(i, traced.eqns[i]) for i in io.ops]
+        consts = traced.const_values
+        in_ids, out_ids = io.inputs, io.outputs
+
+        def fn(*vals):
+            env: dict[int, Any] = dict(zip(in_ids, vals))
+            for i, eqn in eqns:
+                args = []
+                for kind, a in eqn.invars:
+                    if kind != "var":
+                        args.append(a)
+                        continue
+                    v = env[a] if a in env else consts[a]
+                    s = use_cons.get((i, a))
+                    if s is not None:
+                        with internals.named_scope(f"cfp_reshard{block_of_op[i]}"):
+                            v = jax.lax.with_sharding_constraint(v, s)
+                    args.append(v)
+                with internals.named_scope(f"cfp_b{block_of_op[i]}"):
+                    outs = internals.bind(eqn, args)
+                for tid, val in zip(eqn.outvars, outs):
+                    if tid is not None:
+                        s = out_cons.get(tid)
+                        env[tid] = jax.lax.with_sharding_constraint(val, s) if s is not None else val
+            return tuple(env[t] for t in out_ids)
+
+        self._jitted = jax.jit(fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)
+        self._avals = tuple(jax.ShapeDtypeStruct(g.tensor(t).shape, np.dtype(g.tensor(t).dtype)
+                                                 if g.tensor(t).dtype != "bfloat16" else jax.numpy.bfloat16)
+                            for t in io.inputs)
+
+    def compile(self):
+        """Lower and compile against abstract inputs (no data needed)."""
+        return self._jitted.lower(*self._avals).compile()
+
+    def example_inputs(self) -> tuple:
+        """Zero-filled inputs placed with the input shardings (values do not change the timing of dense code)."""
+        return tuple(jax.device_put(np.zeros(a.shape, a.dtype), s) for a, s in zip(self._avals, self.in_shardings))
+
+
+def spec_entries(spec: PartitionSpec) -> list:
+    """A PartitionSpec as JSON: one entry per dim, None, an axis name or a list of names."""
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_from_entries(entries: list) -> PartitionSpec:
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])

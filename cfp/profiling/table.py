@@ -1,0 +1,118 @@
+"""Profile results: one `SegmentProfile` per unique segment kind, cached as versioned JSON.
+
+The cache key is the segment fingerprint, mesh shape, device kind, JAX version and the profiler settings that
+change the numbers, so a second run with the same inputs reads every segment back and compiles nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from cfp.errors import ConfigError
+
+TABLE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileEntry:
+    """One strategy combination of a segment (one strategy index per block of the segment)."""
+
+    combo: tuple[int, ...]
+    time: float                 # seconds per run: measured median, or the cost model's estimate
+    memory: int                 # per-device bytes: arguments + outputs + temporaries
+    comm_bytes: int             # per-device bytes of all collectives in the compiled sub-program
+    flops: float                # per-device FLOPs (XLA cost analysis)
+    bytes_accessed: float       # per-device memory traffic (XLA cost analysis)
+    collectives: tuple[tuple[str, int, int], ...]   # (kind, bytes, group size)
+    measured: float | None = None   # measured median seconds (None under the estimate profiler)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentProfile:
+    kind: int
+    fingerprint: str
+    space: tuple[int, ...]          # strategies per block of the segment
+    rule: str                       # how the profiled combinations were chosen
+    entries: tuple[ProfileEntry, ...]
+
+    def candidates(self, top_k: int) -> tuple[ProfileEntry, ...]:
+        """The union of the `top_k` fastest and the `top_k` lowest-memory combinations (fastest first)."""
+        fast = sorted(self.entries, key=lambda e: (e.time, e.memory))[:top_k]
+        small = sorted(self.entries, key=lambda e: (e.memory, e.time))[:top_k]
+        seen, out = set(), []
+        for e in sorted(fast + small, key=lambda e: (e.time, e.memory)):
+            if e.combo not in seen:
+                seen.add(e.combo)
+                out.append(e)
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SegmentProfile":
+        entries = tuple(ProfileEntry(tuple(e["combo"]), e["time"], e["memory"], e["comm_bytes"], e["flops"],
+                                     e["bytes_accessed"], tuple(tuple(c) for c in e["collectives"]),
+                                     e.get("measured")) for e in d["entries"])
+        return cls(d["kind"], d["fingerprint"], tuple(d["space"]), d["rule"], entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileTable:
+    """Profiles of every unique segment kind of one program on one mesh."""
+
+    mesh_shape: tuple[int, ...]
+    device_kind: str
+    jax_version: str
+    profiler: str                     # "measure" or "estimate:<gpu>"
+    segments: dict[int, SegmentProfile]   # by segment kind
+    compiles: int = 0                 # compilations this table cost (0 when every segment came from the cache)
+    profile_time: float = 0.0
+
+    def to_json(self, **kw) -> str:
+        d = dataclasses.asdict(self)
+        d["version"] = TABLE_VERSION
+        d["segments"] = {str(k): v.to_dict() for k, v in self.segments.items()}
+        return json.dumps(d, **kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ProfileTable":
+        d = json.loads(text)
+        if d.get("version") != TABLE_VERSION:
+            raise ConfigError(f"profile table version {d.get('version')!r} is not the supported {TABLE_VERSION}")
+        return cls(tuple(d["mesh_shape"]), d["device_kind"], d["jax_version"], d["profiler"],
+                   {int(k): SegmentProfile.from_dict(v) for k, v in d["segments"].items()},
+                   d.get("compiles", 0), d.get("profile_time", 0.0))
+
+
+def cache_key(fingerprint: str, mesh_shape, device_kind: str, jax_version: str, settings: str) -> str:
+    text = "|".join([fingerprint, "x".join(map(str, mesh_shape)), device_kind, jax_version, settings])
+    return f"{fingerprint}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+
+def cache_load(cache_dir: str | None, key: str) -> SegmentProfile | None:
+    if not cache_dir:
+        return None
+    path = os.path.join(cache_dir, key + ".json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return None   # absent or unreadable (e.g. an interrupted write): profile again
+    if d.get("version") != TABLE_VERSION:
+        return None
+    return SegmentProfile.from_dict(d["segment"])
+
+
+def cache_store(cache_dir: str | None, key: str, seg: SegmentProfile) -> None:
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, key + ".json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"version": TABLE_VERSION, "segment": seg.to_dict()}, f)
+    os.replace(tmp, path)   # atomic: a reader never sees half a file

@@ -1,0 +1,365 @@
+"""Alpa-style ILP over the captured program: one sharding decision per operator, solved with HiGHS.
+
+Formulation (Zheng et al., Alpa, OSDI'22, §4.2), on cfp's `OpGraph`:
+
+* *Nodes* (decision variables). Every dot_general has the strategies of `enumerate_strategies` (each uses
+  every mesh axis). Every flat input (parameter, optimizer state, batch) chooses a layout among
+  `candidate_specs`. Every other operator *follows* its largest operand (Alpa's follow rule): it joins the
+  node that produces that operand and shares its variable, its output layout being the operand's mapped
+  through `dimflow.links`. Operators without dim links (gather, iota, control flow, ...) run replicated.
+* *Node cost* per strategy: all-reduces of sharded contracting dims and of reductions over sharded dims,
+  all-gathers of sharded dims an operator drops, resharding inside a node, and dot compute time.
+  Collectives use the alpha-beta model: all-reduce = alpha + 2(n-1)/n * bytes / bw; all-gather =
+  alpha + (n-1)/n * bytes / bw; all-to-all = alpha + (n-1)/n * bytes / n / bw; slicing a replicated tensor
+  is free.
+* *Edge cost*: resharding a tensor from its producer's layout to the layout its consumer needs, one matrix
+  per pair of nodes; the products x_u,i * x_v,j are linearised with continuous e_ij >= 0,
+  sum_j e_ij = x_u,i, sum_i e_ij = x_v,j (as in Alpa).
+* *Memory*: sum of the per-device bytes of every flat input and every dot output under the chosen layouts
+  <= budget (a linear constraint; the smallest feasible budget is the sum of per-node minima).
+
+Mapping to CFP's per-block `choice`: each ParallelBlock's strategy index is the ILP's choice for the block's
+forward dot (its candidate list is the same `enumerate_strategies` list). Alpa decides backward dots on their
+own; `apply_plan` instead derives them from the forward dot through the block's re-index plan, so where the
+ILP's backward choice differs it is overridden by the forward one. Those overrides are counted in
+`IlpResult.disagreements` and `IlpResult.cost_of_choice` re-prices the plan as applied.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+
+from cfp.analysis.analysis import Analysis
+from cfp.analysis import dimflow
+from cfp.analysis.blocks import loops_of
+from cfp.analysis.strategies import DotStrategy, enumerate_strategies
+from cfp.errors import ConfigError, InfeasibleError
+from cfp.ir.graph import OpGraph
+
+DimAxes = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Alpha-beta network and compute rates (defaults: a generic NVLink-class GPU)."""
+
+    bandwidth: float | tuple[float, ...] = 100e9   # bytes/s, per mesh axis when a tuple
+    latency: float = 1e-5                           # alpha, seconds per collective
+    flops: float = 100e12                           # dense FLOP/s per device
+
+    def bw(self, axis: int) -> float:
+        return self.bandwidth[axis] if isinstance(self.bandwidth, tuple) else self.bandwidth
+
+    def all_reduce(self, nbytes: float, axes: Sequence[int], shape: Sequence[int]) -> float:
+        n = math.prod(shape[a] for a in axes)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return self.latency + 2 * (n - 1) / n * nbytes / min(self.bw(a) for a in axes)
+
+    def reshard(self, src: DimAxes, dst: DimAxes, nbytes: float, shape: Sequence[int]) -> float:
+        """Move a tensor of `nbytes` (whole) from layout `src` to `dst`, one mesh axis at a time."""
+        if src == dst:
+            return 0.0
+        dim_s, dim_d = _dim_of_axis(src), _dim_of_axis(dst)
+        total = 0.0
+        for a, n in enumerate(shape):
+            ds, dd = dim_s.get(a), dim_d.get(a)
+            if n <= 1 or ds == dd or ds is None:
+                continue                     # unchanged, or replicated -> sharded (a local slice)
+            # bytes each device holds along this axis: the tensor divided by the axes both layouts keep
+            kept = math.prod(shape[b] for b in dim_s if b != a and dim_s[b] == dim_d.get(b))
+            local = nbytes / kept
+            moved = (n - 1) / n * local / (1 if dd is None else n)   # all-gather / all-to-all
+            total += self.latency + moved / self.bw(a)
+        return total
+
+
+def _dim_of_axis(spec: DimAxes) -> dict[int, int]:
+    return {a: d for d, axes in enumerate(spec) for a in axes}
+
+
+def _shards(spec: DimAxes, shape: Sequence[int]) -> int:
+    return math.prod(shape[a] for axes in spec for a in axes)
+
+
+def candidate_specs(tshape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[DimAxes, ...]:
+    """Replicated first, then every assignment of each mesh axis (size > 1) to one dim that divides."""
+    active = [a for a, n in enumerate(mesh_shape) if n > 1]
+    out = []
+    for dims in itertools.product([None, *range(len(tshape))], repeat=len(active)):
+        spec = [[] for _ in tshape]
+        for a, d in zip(active, dims):
+            if d is not None:
+                spec[d].append(a)
+        if all(tshape[d] % math.prod(mesh_shape[a] for a in axes) == 0 for d, axes in enumerate(spec)):
+            out.append(tuple(tuple(x) for x in spec))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class Node:
+    """One decision variable: a dot, a flat input, or a fixed (replicated) group; followers share it."""
+
+    kind: str                                  # "dot" | "input"
+    label: str
+    specs: list[dict[int, DimAxes]]            # per strategy: layout of every tensor the node produces
+    cost: np.ndarray                           # per strategy, seconds
+    memory: np.ndarray                         # per strategy, bytes per device
+    strategies: tuple[DotStrategy, ...] = ()   # dot nodes
+    op: int | None = None                      # the dot's operator index
+
+    @property
+    def k(self) -> int:
+        return len(self.specs)
+
+
+@dataclasses.dataclass
+class Problem:
+    """The ILP's data: nodes, pairwise edge cost matrices (u < v) and the mesh it was built for."""
+
+    nodes: list[Node]
+    edges: dict[tuple[int, int], np.ndarray]
+    mesh_shape: tuple[int, ...]
+    node_of_dot: dict[int, int]
+
+    def cost(self, assign: Sequence[int]) -> float:
+        c = sum(n.cost[k] for n, k in zip(self.nodes, assign))
+        return float(c + sum(m[assign[u], assign[v]] for (u, v), m in self.edges.items()))
+
+    def memory(self, assign: Sequence[int]) -> float:
+        return float(sum(n.memory[k] for n, k in zip(self.nodes, assign)))
+
+    def min_memory(self) -> float:
+        return float(sum(n.memory.min() for n in self.nodes))
+
+
+def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | None = None) -> Problem:
+    """Nodes, follow groups and edge matrices of `graph` on a mesh of `mesh_shape` (see module doc)."""
+    cm = cost or CostModel()
+    shape = tuple(mesh_shape)
+    nodes: list[Node] = []
+    owner: dict[int, int] = {}          # tensor id -> node producing it (absent: fixed, replicated)
+    node_of_dot: dict[int, int] = {}
+    needs: dict[tuple[int, int], set] = {}   # (tensor, consumer node) -> set of per-strategy requirements
+
+    def need(t: int | None, g: int, per_k: Sequence[DimAxes]) -> None:
+        if t is not None:
+            needs.setdefault((t, g), set()).add(tuple(per_k))
+
+    for pos, t in enumerate(graph.inputs):
+        ts = graph.tensor(t)
+        specs = candidate_specs(ts.shape, shape)
+        nodes.append(Node("input", graph.input_paths[pos] if pos < len(graph.input_paths) else f"input{pos}",
+                          [{t: s} for s in specs], np.zeros(len(specs)),
+                          np.array([ts.nbytes / _shards(s, shape) for s in specs], float)))
+        owner[t] = len(nodes) - 1
+
+    for op in graph.operators:
+        if op.is_dot:
+            loops = loops_of(op, graph)
+            strats = enumerate_strategies(loops, shape)
+            out = op.outputs[0]
+            ranks = [len(graph.tensor(t).shape) for t in (op.inputs[0], op.inputs[1], out)]
+            flops = 2 * math.prod(l.size for l in loops)
+            specs, costs, mem = [], [], []
+            for s in strats:
+                o = s.dim_axes(loops, "out", ranks[2])
+                obytes = graph.tensor(out).nbytes / _shards(o, shape)
+                used = math.prod(shape[a] for a, l in enumerate(s.loop_of_axis) if l is not None)
+                costs.append(cm.all_reduce(obytes, s.allreduce_axes(loops), shape) + flops / used / cm.flops)
+                specs.append({out: o})
+                mem.append(obytes)
+            nodes.append(Node("dot", f"{op.index} {op.primitive}", specs, np.array(costs), np.array(mem),
+                              strats, op.index))
+            g = node_of_dot[op.index] = owner[out] = len(nodes) - 1
+            for pos, side in ((0, "lhs"), (1, "rhs")):
+                need(op.inputs[pos], g, [s.dim_axes(loops, side, ranks[pos]) for s in strats])
+            continue
+        lk = dimflow.links(op, graph)
+        outs = [t for t in op.outputs if t is not None]
+        linked_ins = {a for (a, _, b, _) in lk if b == (outs[0] if outs else None)}
+        prim = max(linked_ins, key=lambda t: (graph.tensor(t).nbytes, -op.inputs.index(t)), default=None)
+        g = owner.get(prim) if prim is not None else None
+        if g is None:
+            # no dim links, or it only reads constants: runs replicated, needs replicated operands
+            for t in op.inputs:
+                if t is not None and t in owner:
+                    need(t, -1, [tuple(() for _ in graph.tensor(t).shape)])
+            continue
+        out = outs[0]
+        red = dimflow.reduced_dims(op, graph)
+        node = nodes[g]
+        req: dict[int, list[DimAxes]] = {t: [] for t in op.inputs if t is not None and t != prim}
+        for k in range(node.k):
+            src = node.specs[k][prim]
+            o: list[tuple[int, ...]] = [() for _ in graph.tensor(out).shape]
+            carried = set()
+            for (a, da, b, db) in lk:
+                if a == prim and b == out and src[da] and not o[db]:
+                    if not set(src[da]) & {x for d in o for x in d}:
+                        o[db] = src[da]
+                        carried.add(da)
+            o_t = tuple(o)
+            reduced = set(red[1]) if red else set()
+            ar = tuple(sorted(a for d in reduced if d < len(src) for a in src[d]))
+            dropped = tuple(tuple(src[d]) if (d not in carried and d not in reduced) else ()
+                            for d in range(len(src)))
+            obytes = graph.tensor(out).nbytes / _shards(o_t, shape)
+            node.cost[k] += cm.all_reduce(obytes, ar, shape)
+            if any(dropped):
+                kept = tuple(tuple(x for x in src[d] if x not in dropped[d]) for d in range(len(src)))
+                node.cost[k] += cm.reshard(src, kept, graph.tensor(prim).nbytes, shape)
+            node.specs[k][out] = o_t
+            for extra in outs[1:]:
+                node.specs[k][extra] = tuple(() for _ in graph.tensor(extra).shape)
+            for t in req:
+                r = [()] * len(graph.tensor(t).shape)
+                for (a, da, b, db) in lk:
+                    if a == t and b == out and o_t[db] and graph.tensor(t).shape[da] == graph.tensor(out).shape[db]:
+                        r[da] = o_t[db]
+                req[t].append(tuple(r))
+        for t, per_k in req.items():
+            need(t, g, per_k)
+        for t in outs:
+            owner[t] = g
+
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    for (t, g), reqs in needs.items():
+        h = owner.get(t)
+        if h is None:
+            continue                     # a constant: replicated, slicing it is free
+        nbytes = graph.tensor(t).nbytes
+        src = [nodes[h].specs[j][t] for j in range(nodes[h].k)]
+        for per_k in reqs:
+            if g == -1:                  # a replicated consumer: cost depends on the producer only
+                nodes[h].cost += [cm.reshard(s, per_k[0], nbytes, shape) for s in src]
+            elif g == h:
+                nodes[h].cost += [cm.reshard(src[k], per_k[k], nbytes, shape) for k in range(nodes[h].k)]
+            else:
+                m = np.array([[cm.reshard(s, r, nbytes, shape) for r in per_k] for s in src])
+                key, m = ((h, g), m) if h < g else ((g, h), m.T)
+                edges[key] = edges.get(key, 0) + m
+    return Problem(nodes, edges, shape, node_of_dot)
+
+
+@dataclasses.dataclass(frozen=True)
+class IlpResult:
+    """The ILP's plan: a strategy per node, the per-block `choice` for `apply_plan`, and its estimates."""
+
+    assignment: tuple[int, ...]
+    choice: tuple[int, ...]
+    cost: float                 # ILP objective (seconds, per-operator decisions)
+    cost_of_choice: float       # the same cost model with backward dots following their forward dot
+    memory: float               # bytes per device (inputs + dot outputs)
+    disagreements: int          # backward dots whose ILP strategy differs from the block's re-indexed one
+    optimal: bool
+    solve_time: float
+    num_variables: int
+
+
+def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 60.0) -> tuple[tuple[int, ...], float, bool, int]:
+    """Solve the ILP with HiGHS: (assignment, objective, proven optimal, number of variables)."""
+    import highspy
+
+    if memory_budget is not None and problem.min_memory() > memory_budget:
+        raise InfeasibleError(f"no plan fits {memory_budget / 2**20:.2f} MiB per device; the smallest budget "
+                              f"that fits is {problem.min_memory() / 2**20:.2f} MiB")
+    base: list[int] = []
+    col = 0
+    cost: list[float] = []
+    for n in problem.nodes:
+        base.append(col)
+        cost.extend(n.cost.tolist())
+        col += n.k
+    nx = col
+    rows: list[tuple[list[int], list[float], float, float]] = []
+    for i, n in enumerate(problem.nodes):
+        rows.append((list(range(base[i], base[i] + n.k)), [1.0] * n.k, 1.0, 1.0))
+    for (u, v), m in problem.edges.items():
+        ku, kv = m.shape
+        if not m.any():
+            continue
+        e0 = col
+        cost.extend(m.reshape(-1).tolist())
+        col += ku * kv
+        for i in range(ku):   # sum_j e_ij = x_u,i
+            rows.append(([e0 + i * kv + j for j in range(kv)] + [base[u] + i], [1.0] * kv + [-1.0], 0.0, 0.0))
+        for j in range(kv):   # sum_i e_ij = x_v,j
+            rows.append(([e0 + i * kv + j for i in range(ku)] + [base[v] + j], [1.0] * ku + [-1.0], 0.0, 0.0))
+    if memory_budget is not None:
+        mem = [x for n in problem.nodes for x in n.memory.tolist()]
+        rows.append((list(range(nx)), mem, -highspy.kHighsInf, float(memory_budget)))
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("mip_rel_gap", 0.0)   # exact optimum (the default 1e-4 gap stops early)
+    h.setOptionValue("mip_abs_gap", 1e-9)
+    h.addVars(col, np.zeros(col), np.ones(col))
+    # objective in microseconds: costs in seconds sit below HiGHS's tolerances
+    h.changeColsCost(col, np.arange(col, dtype=np.int32), np.array(cost, dtype=float) * 1e6)
+    h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
+                            np.full(nx, highspy.HighsVarType.kInteger, dtype=np.uint8))
+    starts, idx, val, lo, hi = [], [], [], [], []
+    for cols, vals, l, u in rows:
+        starts.append(len(idx))
+        idx.extend(cols)
+        val.extend(vals)
+        lo.append(l)
+        hi.append(u)
+    h.addRows(len(rows), np.array(lo), np.array(hi), len(idx), np.array(starts, dtype=np.int32),
+              np.array(idx, dtype=np.int32), np.array(val, dtype=float))
+    h.run()
+    status = h.getModelStatus()
+    sol = np.array(h.getSolution().col_value)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        raise InfeasibleError(f"no plan fits {memory_budget} bytes per device")
+    if sol.size < nx:
+        raise InfeasibleError(f"HiGHS found no plan within {time_limit} s (status {h.modelStatusToString(status)})")
+    assign = tuple(int(np.argmax(sol[base[i]:base[i] + n.k])) for i, n in enumerate(problem.nodes))
+    return assign, problem.cost(assign), status == highspy.HighsModelStatus.kOptimal, col
+
+
+def brute_force(problem: Problem, memory_budget: float | None = None) -> tuple[tuple[int, ...], float]:
+    """Exhaustive minimum of the same objective (tests; only for tiny problems)."""
+    best, best_cost = None, math.inf
+    for assign in itertools.product(*(range(n.k) for n in problem.nodes)):
+        if memory_budget is not None and problem.memory(assign) > memory_budget:
+            continue
+        c = problem.cost(assign)
+        if c < best_cost - 1e-15:
+            best, best_cost = assign, c
+    if best is None:
+        raise InfeasibleError("no plan fits the memory budget")
+    return best, best_cost
+
+
+def ilp_plan(analysis: Analysis, memory_budget: float | None = None, cost: CostModel | None = None,
+             time_limit: float = 60.0) -> IlpResult:
+    """Alpa-style ILP plan of `analysis`'s program, mapped to one strategy per ParallelBlock."""
+    t0 = time.perf_counter()
+    problem = build_problem(analysis.graph, analysis.mesh.shape, cost)
+    assign, obj, optimal, nvars = solve(problem, memory_budget, time_limit)
+    choice, applied, disagree = [], list(assign), 0
+    for b in analysis.blocks:
+        ni = problem.node_of_dot[b.forward.op]
+        node = problem.nodes[ni]
+        if tuple(node.strategies) != tuple(b.strategies):
+            raise ConfigError(f"block {b.index}: ILP and analysis enumerate different strategies")
+        k = assign[ni]
+        choice.append(k)
+        for bd in b.dots[1:]:
+            bn = problem.nodes[problem.node_of_dot[bd.op]]
+            want = bd.strategy(b.strategies[k])
+            j = bn.strategies.index(want) if want in bn.strategies else None
+            if j != assign[problem.node_of_dot[bd.op]]:
+                disagree += 1
+            if j is not None:
+                applied[problem.node_of_dot[bd.op]] = j
+    return IlpResult(assign, tuple(choice), obj, problem.cost(applied), problem.memory(assign), disagree,
+                     optimal, time.perf_counter() - t0, nvars)

@@ -1,0 +1,140 @@
+"""`cfp profile`, `cfp search` and `cfp enum-benchmark`: the profiling and search passes from the command line."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+from cfp.cli.common import add_model_options, build_step, ensure_host_devices, positive_int
+from cfp.errors import ConfigError
+
+
+def _profile_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profiler", choices=("measure", "estimate"), default="measure",
+                   help="measure: time on the local devices; estimate: cost model of --gpu")
+    p.add_argument("--gpu", default=None, help="catalog GPU for --profiler estimate (e.g. A100-SXM-80G)")
+    p.add_argument("--iters", type=positive_int, default=5, help="timed runs per measurement (>= 3)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--top-k", type=positive_int, default=4, help="fastest and smallest combinations kept per segment")
+    p.add_argument("--max-combinations", type=positive_int, default=16,
+                   help="combinations profiled per segment kind before pruning by analytic cost")
+    p.add_argument("--cache-dir", default=None, help="profile cache directory (default: ~/.cache/cfp/profiles)")
+    p.add_argument("--no-cache", action="store_true", help="profile again, ignoring and not writing the cache")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="profile every unique segment's strategy combinations")
+    add_model_options(p)
+    _profile_options(p)
+    p.set_defaults(func=run_profile)
+
+    s = sub.add_parser("search", help="profile, then search the fastest plan within a memory budget")
+    add_model_options(s)
+    _profile_options(s)
+    s.add_argument("--memory-per-device", default=None, help="per-device memory budget, e.g. 2GB or 512MB")
+    s.add_argument("--verify", type=int, default=2, help="best DP plans compiled and timed whole")
+    s.add_argument("--plan-out", default=None, help="write the chosen plan (JSON) here")
+    s.set_defaults(func=run_search)
+
+    e = sub.add_parser("enum-benchmark", help="every strategy combination of one segment: comm, compute, time, memory")
+    add_model_options(e)
+    e.add_argument("--segment", type=int, default=0, help="segment kind to enumerate (default 0)")
+    e.add_argument("--gpu", default="A100-SXM-80G", help="catalog GPU of the cost-model columns")
+    e.add_argument("--iters", type=positive_int, default=3)
+    e.add_argument("--limit", type=positive_int, default=16, help="at most this many combinations (in order)")
+    e.set_defaults(func=run_enum)
+
+
+def _popts(args):
+    from cfp.profiling.options import ProfileOptions, default_cache_dir
+    cache = None if args.no_cache else (args.cache_dir or default_cache_dir())
+    return ProfileOptions(kind=args.profiler, gpu=args.gpu, iters=args.iters, warmup=args.warmup,
+                          top_k=args.top_k, cache_dir=cache, max_combinations=args.max_combinations,
+                          progress=not args.no_progress)
+
+
+def _prepare(args):
+    ensure_host_devices()
+    popts = _popts(args)   # validate options before the (slow) capture
+    from cfp.analysis.analysis import analyze_with_program
+    step, example_args, mesh = build_step(args)
+    analysis, program = analyze_with_program(step, *example_args, mesh=mesh)
+    return popts, step, example_args, analysis, program
+
+
+def _print_table(table, analysis) -> None:
+    print(f"profiler: {table.profiler}  device: {table.device_kind}  jax {table.jax_version}  "
+          f"compiles: {table.compiles}  profile time: {table.profile_time:.2f} s")
+    for kind, seg in table.segments.items():
+        print(f"segment kind {kind} ({seg.fingerprint}), space {list(seg.space)}: {seg.rule}")
+        for e in seg.candidates(len(seg.entries)):
+            print(f"  {list(e.combo)}  time {e.time * 1e3:9.3f} ms  memory {e.memory / 1e6:9.3f} MB  "
+                  f"comm {e.comm_bytes / 1e6:8.3f} MB")
+
+
+def run_profile(args) -> int:
+    from cfp.profiling.profiler import profile
+    popts, _, _, analysis, program = _prepare(args)
+    table = profile(program, analysis, popts)
+    _print_table(table, analysis)
+    if args.dump_dir:
+        import os
+        os.makedirs(args.dump_dir, exist_ok=True)
+        path = os.path.join(args.dump_dir, "profile_table.json")
+        with open(path, "w") as f:
+            f.write(table.to_json(indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+def run_search(args) -> int:
+    from cfp.analysis.apply import apply_plan
+    from cfp.profiling.profiler import profile
+    from cfp.search.options import SearchOptions
+    from cfp.search.plan import make_plan
+    from cfp.search.search import search
+    t0 = time.perf_counter()
+    sopts = SearchOptions(memory_per_device=args.memory_per_device, top_k=args.top_k, verify=args.verify,
+                          iters=args.iters, warmup=args.warmup)
+    popts, _, example_args, analysis, program = _prepare(args)
+    table = profile(program, analysis, popts)
+    print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s ({table.compiles} compiles)")
+    result = search(program, analysis, table, example_args, sopts)
+    print(result.report())
+    print(f"search time: {result.search_time:.2f} s; total planning time: {time.perf_counter() - t0:.2f} s")
+    if args.plan_out:
+        applied = apply_plan(program, analysis, result.choice).plan
+        b = result.best
+        make_plan(analysis, applied, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory, "flops": b.flops,
+                                      "profiler": table.profiler}).save(args.plan_out)
+        print(f"wrote {args.plan_out}")
+    return 0
+
+
+def run_enum(args) -> int:
+    ensure_host_devices()
+    from cfp.analysis.analysis import analyze_with_program
+    from cfp.profiling import costmodel
+    from cfp.profiling.gpus import get_gpu
+    from cfp.profiling.options import ProfileOptions
+    from cfp.profiling.profiler import Profiler
+    gpu = get_gpu(args.gpu)
+    step, example_args, mesh = build_step(args)
+    analysis, program = analyze_with_program(step, *example_args, mesh=mesh)
+    seg = next((s for s in analysis.segments if s.kind == args.segment), None)
+    if seg is None:
+        raise ConfigError(f"segment kind {args.segment} does not exist; kinds are 0..{analysis.num_unique_segments - 1}")
+    space = [len(analysis.blocks[b].strategies) for b in seg.blocks]
+    combos = list(itertools.islice(itertools.product(*[range(n) for n in space]), args.limit))
+    print(f"segment kind {seg.kind} blocks {seg.start}..{seg.stop - 1}, space {space}; "
+          f"enumerating {len(combos)} combinations; cost model: {gpu.name}")
+    prof = Profiler(program, analysis, ProfileOptions(iters=args.iters, progress=False), log=lambda *_: None)
+    dtype = costmodel.dominant_dtype(analysis, seg.blocks)
+    print(f"{'combination':<28} {'comm MB':>9} {'comm ms':>9} {'compute ms':>10} {'measured ms':>11} {'memory MB':>10}")
+    for e in prof.profile_segment(seg, combos):
+        ct = costmodel.comm_time(e.collectives, gpu)
+        cp = costmodel.compute_time(e.flops, e.bytes_accessed, gpu, dtype)
+        print(f"{str(list(e.combo)):<28} {e.comm_bytes / 1e6:9.3f} {ct * 1e3:9.4f} {cp * 1e3:10.4f} "
+              f"{e.measured * 1e3:11.3f} {e.memory / 1e6:10.3f}")
+    return 0

@@ -1,0 +1,82 @@
+"""Dynamic programming over the segment sequence under a per-device memory budget.
+
+Position i picks one candidate j (a profiled strategy combination of segment i) with time `cost[i][j]` and
+per-device memory `mem[i][j]`; consecutive picks pay `trans[i][j][k]` (resharding between segment i's candidate j
+and segment i+1's candidate k). Memory adds up over segments and must stay within the budget; the DP keeps, for
+every (position, candidate), the Pareto frontier of (memory, time), which makes it exact (see the brute-force
+test), and returns the best complete plans in order of time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+from cfp.errors import InfeasibleError
+
+
+@dataclasses.dataclass(frozen=True)
+class DPPlan:
+    picks: tuple[int, ...]     # candidate index per position
+    time: float
+    memory: int
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{int(n)} B"
+
+
+def min_memory(mem: Sequence[Sequence[int]]) -> int:
+    return sum(min(m) for m in mem)
+
+
+def dp_search(cost: Sequence[Sequence[float]], mem: Sequence[Sequence[int]],
+              trans: Sequence[Sequence[Sequence[float]]], budget: float | None, n_best: int = 1) -> list[DPPlan]:
+    """The `n_best` fastest plans (Pareto-optimal in memory) within `budget` bytes (None: unbounded)."""
+    if not cost:
+        return [DPPlan((), 0.0, 0)]
+    limit = float("inf") if budget is None else budget
+    need = min_memory(mem)
+    if need > limit:
+        raise InfeasibleError(f"memory budget {_fmt_bytes(limit)} per device is infeasible: the smallest plan "
+                              f"needs {_fmt_bytes(need)} ({need} bytes) per device")
+    # frontier[j]: list of (memory, time, picks) non-dominated, for plans ending in candidate j
+    frontier = [[(mem[0][j], cost[0][j], (j,))] if mem[0][j] <= limit else [] for j in range(len(cost[0]))]
+    for i in range(1, len(cost)):
+        nxt = []
+        for k in range(len(cost[i])):
+            cands = [(m + mem[i][k], t + trans[i - 1][j][k] + cost[i][k], picks + (k,))
+                     for j, front in enumerate(frontier) for (m, t, picks) in front
+                     if m + mem[i][k] <= limit]
+            nxt.append(_pareto(cands))
+        frontier = nxt
+    final = sorted((t, m, p) for front in frontier for (m, t, p) in front)
+    return [DPPlan(p, t, m) for t, m, p in final[:n_best]]
+
+
+def _pareto(cands):
+    """Keep entries no other entry beats in both memory and time."""
+    out, best_t = [], float("inf")
+    for m, t, p in sorted(cands, key=lambda c: (c[0], c[1])):
+        if t < best_t:
+            out.append((m, t, p))
+            best_t = t
+    return out
+
+
+def brute_force(cost, mem, trans, budget: float | None) -> DPPlan | None:
+    """Exhaustive reference for tests: the fastest plan within budget, or None."""
+    limit = float("inf") if budget is None else budget
+    best = None
+    for picks in itertools.product(*[range(len(c)) for c in cost]):
+        m = sum(mem[i][j] for i, j in enumerate(picks))
+        if m > limit:
+            continue
+        t = sum(cost[i][j] for i, j in enumerate(picks))
+        t += sum(trans[i][picks[i]][picks[i + 1]] for i in range(len(picks) - 1))
+        if best is None or t < best.time:
+            best = DPPlan(picks, t, m)
+    return best

@@ -1,0 +1,51 @@
+"""Options of the search pass, and parsing of memory sizes such as "2GB" or "512MiB"."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from cfp.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """Bytes from an int or a string like "2GB", "512MB", "1.5GiB" (decimal units; KiB/MiB/GiB binary)."""
+    if isinstance(text, bool):
+        raise ConfigError(f"memory size {text!r} is not a size like 2GB or 512MB")
+    if isinstance(text, (int, float)):
+        if text <= 0:
+            raise ConfigError(f"memory size {text!r} must be positive")
+        return int(text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"memory size {text!r} is not a size like 2GB, 512MB or 1.5GiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ConfigError(f"memory size {text!r} must be positive")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """`memory_per_device`: per-device bytes budget (None: unbounded). `verify`: how many of the DP's best
+    plans are compiled and timed whole (the fastest measured one wins; 0 keeps the DP's best unmeasured).
+    `link_gbps`: link bandwidth for resharding estimates (None: the GPU's under `estimate`, else measured)."""
+
+    memory_per_device: int | None = None
+    top_k: int = 4
+    verify: int = 2
+    iters: int = 5
+    warmup: int = 2
+    link_gbps: float | None = None
+
+    def __post_init__(self):
+        if self.memory_per_device is not None:
+            object.__setattr__(self, "memory_per_device", parse_bytes(self.memory_per_device))
+        for name, lo in (("top_k", 1), ("verify", 0), ("iters", 3), ("warmup", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise ConfigError(f"link_gbps={self.link_gbps!r} must be positive")

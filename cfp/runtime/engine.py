@@ -20,9 +20,11 @@ producer's end.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -178,6 +180,35 @@ class HeteroTrainer:
                 v = _allgather_one(v, l)
             leaves.append(np.asarray(jax.device_get(v)))
         return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def compile(self, workers: Optional[int] = None) -> float:
+        """Compile every local stage program ahead of time, several at once (XLA compiles outside
+        the GIL); the first step then only traces.  Returns the seconds it took."""
+        t0 = time.perf_counter()
+        jobs = []
+        scalar = jax.ShapeDtypeStruct((), jnp.float32)
+        for key, prog in self.programs.items():
+            if not prog.is_local:
+                continue
+            pipe = self.layout.pipelines[key[0]]
+            st = prog.stage
+            params = _with_sharding(prog.params_like, prog.shardings)
+            opt = _with_sharding(jax.eval_shape(self.tx.init, prog.params_like), prog.opt_shardings)
+            tok = jax.ShapeDtypeStruct((pipe.micro_batch_size, self.config.seq_len), jnp.int32,
+                                       sharding=prog.repl)
+            x = tok if st.is_first else _with_sharding(
+                self._act_shape(pipe.stages[st.index - 1].key), prog.repl)
+            if st.is_last:
+                w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=prog.repl)
+                jobs += [(prog.fwd, (params, x, tok, w, scalar)),
+                         (prog.bwd, (params, x, tok, w, scalar, scalar, params))]
+            else:
+                y = _with_sharding(self._act_shape(key), prog.repl)
+                jobs += [(prog.fwd, (params, x)), (prog.bwd, (params, x, y, scalar, params))]
+            jobs += [(prog.zeros, ()), (prog.update, (params, opt, [params] * len(self.layout.pipelines)))]
+        with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+            list(pool.map(lambda j: j[0].lower(*j[1]).compile(), jobs))
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ helpers
     def _act_shape(self, key: tuple[int, int]) -> Any:
@@ -353,6 +384,11 @@ class HeteroTrainer:
             events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, start - t_start,
                                 ends[k] - t_start))
         return events
+
+
+def _with_sharding(like: Any, shardings: Any) -> Any:
+    return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s),
+                                  like, shardings)
 
 
 def _process_allgather(x: np.ndarray) -> np.ndarray:

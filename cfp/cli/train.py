@@ -1,0 +1,126 @@
+"""`cfp train`: heterogeneous hybrid 3D-parallel training (FlashFlex/HexiScale layouts).
+
+Example (8 simulated CPU devices: pipeline 0 = TP2,TP1,TP1 stages, pipeline 1 = one TP4 stage)::
+
+    cfp train --model llama2 --num-layers 4 --hetero-configs "[[2,1,1],[4]]" \
+        --layer-partitions "[[2,1,1],[4]]" --global-batch-size 6 2 --chunks 3 1 --verify
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def _pos_int(text: str) -> int:
+    v = _nonneg_int(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("0 must be a positive integer")
+    return v
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train", help="heterogeneous hybrid 3D-parallel training (per-pipeline batch, per-stage TP)",
+        description=__doc__.splitlines()[0],
+        epilog="Multi-process: cfp launch --nprocs 2 --devices-per-proc 4 -- cfp train ... "
+               "(each stage's devices must belong to one process; see cfp.runtime.launch for "
+               "multi-host use).")
+    p.add_argument("--model", required=True, choices=("llama2", "gpt", "moe", "bert"))
+    p.add_argument("--config", default="tiny", help="named model config (default: tiny)")
+    p.add_argument("--num-layers", type=_pos_int, default=None, help="override the config's layers")
+    p.add_argument("--seq-len", type=_pos_int, default=None, help="override the config's seq_len")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute dtype (parameters stay float32 master weights)")
+    p.add_argument("--hetero-configs", "--hetero_configs", required=True,
+                   help='per pipeline, the TP degree of each stage, e.g. "[[2,1,1],[4]]"')
+    p.add_argument("--layer-partitions", "--layer_partitions", default=None,
+                   help='per pipeline, layers per stage (default: split evenly), e.g. "[[2,1,1],[4]]"')
+    p.add_argument("--global-batch-size", "--global_batch_size", type=_pos_int, nargs="+", default=[8],
+                   help="batch rows per pipeline (padded with the last value / cut)")
+    p.add_argument("--chunks", "--micro_batch_num", type=_pos_int, nargs="+", default=[1],
+                   help="micro-batches per pipeline (padded with the last value / cut)")
+    p.add_argument("--devices-id", "--devices_id", default=None,
+                   help='per pipeline, per stage, device ids (default: packed), e.g. "[[[0,1],[2]]]"')
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--steps", type=_pos_int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=_nonneg_int, default=0)
+    p.add_argument("--data", choices=("stdlib", "synthetic", "files"), default=None,
+                   help="stdlib: the Python standard library's sources, byte-level (default; "
+                        "synthetic for bert); files: --data-path; synthetic: random tokens")
+    p.add_argument("--data-path", nargs="+", default=(), help="files or directories for --data files")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="save every K steps")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--timeline-dir", default=None, help="write timeline.json and timeline.png here")
+    p.add_argument("--verify", action="store_true",
+                   help="replay the steps on one device; exit 1 if the error is above tolerance")
+    p.add_argument("--verify-tol", type=float, default=None,
+                   help="verify tolerance (default 1e-4 for float32, 5e-2 for bfloat16)")
+    p.add_argument("--stop-after", type=_pos_int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+    return p
+
+
+def _even_partition(hetero: str, num_layers: int) -> list[list[int]]:
+    from cfp.errors import ConfigError
+    from cfp.runtime.layout import parse_nested_list
+    rows = parse_nested_list(hetero, "hetero_configs")
+    if rows and all(isinstance(v, int) for v in rows):
+        rows = [rows]
+    out = []
+    for row in rows:
+        n = len(row) if isinstance(row, (list, tuple)) else 0
+        if n == 0 or n > num_layers:
+            raise ConfigError(f"cannot split {num_layers} layers evenly over stages {row!r}; pass "
+                              "--layer-partitions")
+        out.append([num_layers // n + (1 if i < num_layers % n else 0) for i in range(n)])
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from cfp.runtime.launch import maybe_initialize_distributed
+    maybe_initialize_distributed()  # before any device use
+    from cfp.cli.common import ensure_host_devices
+    ensure_host_devices(8)
+
+    from cfp.models import get_config
+    from cfp.runtime.layout import HeteroLayout
+    from cfp.runtime.schedules import ScheduleName
+    from cfp.runtime.training import DataSource, TrainOptions, run_training
+
+    overrides = {}
+    if args.num_layers:
+        overrides["num_layers"] = args.num_layers
+    if args.seq_len:
+        overrides["seq_len"] = args.seq_len
+    if args.dtype:
+        overrides["dtype"] = args.dtype
+    config = get_config(args.model, args.config, **overrides)
+    partitions = args.layer_partitions or _even_partition(args.hetero_configs, config.num_layers)
+    layout = HeteroLayout.from_lists(args.hetero_configs, partitions, args.global_batch_size,
+                                     args.chunks, args.devices_id)
+    data = DataSource(args.data) if args.data else (
+        DataSource.SYNTHETIC if args.model == "bert" else DataSource.STDLIB)
+    opts = TrainOptions(
+        model=args.model, layout=layout, config_name=args.config, overrides=overrides,
+        schedule=ScheduleName.parse(args.schedule), steps=args.steps, learning_rate=args.lr,
+        weight_decay=args.weight_decay, seed=args.seed, data=data,
+        data_paths=tuple(args.data_path), checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
+        stop_after=args.stop_after)
+    result = run_training(opts)
+    sys.stdout.flush()
+    return 0 if result.verify_ok else 1

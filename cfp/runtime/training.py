@@ -1,0 +1,210 @@
+"""A training run of the heterogeneous engine: data, checkpoints, timeline, verification, reporting.
+
+``run_training(TrainOptions(...))`` is what ``cfp train`` calls.  Batches depend only on (seed, step),
+so a resumed run sees the same data as an uninterrupted one; checkpoints hold the layout-independent
+state (full parameter tree + optax state), so a run can resume onto a different layout.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from cfp.errors import ConfigError
+from cfp.runtime.layout import HeteroLayout, layout_lists
+from cfp.runtime.schedules import ScheduleName
+
+
+class DataSource(str, enum.Enum):
+    STDLIB = "stdlib"        # Python standard library sources, byte-level
+    SYNTHETIC = "synthetic"  # cfp.models.make_batch random tokens
+    FILES = "files"          # --data-path files/directories, byte-level
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    model: str
+    layout: HeteroLayout
+    config_name: str = "tiny"
+    overrides: dict = field(default_factory=dict)
+    schedule: ScheduleName = ScheduleName.GPIPE
+    steps: int = 3
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    data: DataSource = DataSource.STDLIB
+    data_paths: tuple[str, ...] = ()
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    timeline_dir: Optional[str] = None
+    verify: bool = False
+    verify_tol: Optional[float] = None
+    stop_after: Optional[int] = None  # stop (as if killed) after this many steps; for tests
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float]             # step number (1-based) -> loss
+    tokens_per_s: float
+    busy: dict[tuple[int, int], float]   # mean seconds per step each stage computed
+    bubbles: dict[int, dict[str, float]]
+    verify_error: Optional[float] = None
+    verify_ok: bool = True
+
+
+class _Data:
+    def __init__(self, opts: TrainOptions, config: Any):
+        self.opts, self.config = opts, config
+        self.rows = opts.layout.total_batch_size
+        self.corpus = None
+        if opts.data is not DataSource.SYNTHETIC:
+            if opts.model == "bert":
+                raise ConfigError("--data stdlib/files gives next-token batches; BERT needs "
+                                  "--data synthetic (masked-LM batches)")
+            if config.vocab_size < 256:
+                raise ConfigError(f"byte-level data needs vocab_size >= 256, the model has "
+                                  f"{config.vocab_size}")
+            from cfp.data.corpus import ByteCorpus
+            if opts.data is DataSource.STDLIB:
+                self.corpus = ByteCorpus.from_python_stdlib(config.seq_len, seed=opts.seed)
+            else:
+                if not opts.data_paths:
+                    raise ConfigError("--data files needs --data-path PATH [PATH ...]")
+                self.corpus = ByteCorpus.from_paths(list(opts.data_paths), config.seq_len,
+                                                    seed=opts.seed)
+
+    def batch(self, step: int) -> dict:
+        """Global batch of (0-based) ``step``: depends only on the seed and the step."""
+        if self.corpus is not None:
+            return self.corpus.batch(self.rows, step)
+        from cfp.models import make_batch
+        key = jax.random.fold_in(jax.random.PRNGKey(self.opts.seed), step)
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return jax.tree_util.tree_map(np.asarray,
+                                          make_batch(self.opts.model, self.config, self.rows, key))
+
+
+def _print0(*a, **k):
+    if jax.process_index() == 0:
+        print(*a, **k, flush=True)
+
+
+def build_config(opts: TrainOptions):
+    from cfp.models import get_config
+    return get_config(opts.model, opts.config_name, **opts.overrides)
+
+
+def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> TrainResult:
+    """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc."""
+    from cfp.runtime.engine import HeteroTrainer
+    config = build_config(opts)
+    trainer = HeteroTrainer(opts.model, config, opts.layout, opts.schedule,
+                            learning_rate=opts.learning_rate, weight_decay=opts.weight_decay)
+    data = _Data(opts, config)
+    start, losses = _initial_state(opts, trainer, log)
+    init_state = trainer.state()[:2] if opts.verify else None
+    log(f"model {opts.model}/{opts.config_name} ({config.num_layers} layers, hidden "
+        f"{config.hidden_size}, seq {config.seq_len}, {config.dtype}); schedule "
+        f"{trainer.schedule.value}; {jax.process_count()} process(es), "
+        f"{opts.layout.num_devices} devices")
+    log(opts.layout.describe())
+    if start < opts.steps:
+        log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
+    timed, busy_sum, last_events = [], {}, None
+    for step in range(start, opts.steps):
+        stats = trainer.step(data.batch(step))
+        losses[step + 1] = stats.loss
+        tps = stats.tokens / stats.seconds
+        log(f"step {step + 1} loss {stats.loss:.6f} tokens/s {tps:,.0f} ({stats.seconds:.3f} s)")
+        if step > start:  # the first step still traces (and warms caches); keep it out of rates
+            timed.append(stats)
+            for k, v in stats.busy().items():
+                busy_sum[k] = busy_sum.get(k, 0.0) + v
+        last_events = stats.events
+        if opts.checkpoint_dir and opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
+            _save(opts, trainer, losses, config)
+        if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
+            break
+    result = TrainResult(losses, 0.0, {}, {})
+    if timed:
+        result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
+        result.busy = {k: v / len(timed) for k, v in busy_sum.items()}
+        log(f"tokens/s {result.tokens_per_s:,.0f} (mean over steps {start + 2}..{step + 1})")
+        log("busy per stage (s/step): " + ", ".join(
+            f"p{k[0]}s{k[1]} {v:.4f}" for k, v in sorted(result.busy.items())))
+    if last_events:
+        result.bubbles = _timeline(opts, last_events, log)
+    if opts.verify:
+        _verify(opts, trainer, config, data, init_state, start, losses, result, log)
+    return result
+
+
+def _initial_state(opts, trainer, log) -> tuple[int, dict[int, float]]:
+    if opts.resume:
+        if not opts.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir")
+        from cfp.runtime.checkpoint import latest_step, restore_checkpoint
+        step = latest_step(opts.checkpoint_dir)
+        if step is not None:
+            target = {"params": trainer.full_like,
+                      "opt_state": jax.eval_shape(trainer.tx.init, trainer.full_like)}
+            state, meta = restore_checkpoint(opts.checkpoint_dir, step, target)
+            trainer.load_state(state["params"], state["opt_state"], step)
+            log(f"resumed from {opts.checkpoint_dir} step {step} (saved with layout "
+                f"{meta.get('layout', {}).get('hetero_configs')})")
+            return step, {int(k): float(v) for k, v in meta.get("losses", {}).items()}
+        log(f"no checkpoint in {opts.checkpoint_dir}; starting from step 0")
+    trainer.init(opts.seed)
+    return 0, {}
+
+
+def _save(opts, trainer, losses, config) -> None:
+    from cfp.runtime.checkpoint import save_checkpoint
+    params, opt_state, step = trainer.state()  # gathered onto every process
+    if jax.process_index() != 0:
+        return
+    meta = {"step": step, "model": opts.model, "config": opts.config_name,
+            "overrides": opts.overrides, "layout": layout_lists(opts.layout),
+            "losses": {str(k): v for k, v in losses.items()}}
+    save_checkpoint(opts.checkpoint_dir, step, {"params": params, "opt_state": opt_state}, meta,
+                    overwrite=True)
+
+
+def _timeline(opts, events, log) -> dict[int, dict[str, float]]:
+    from cfp.runtime.timeline import Timeline
+    tl = Timeline()
+    for e in events:
+        tl.record(e.pipeline, e.stage, e.microbatch, e.phase.value, e.start, e.end)
+    summary = tl.summary()
+    for q, v in summary.items():
+        log(f"pipeline {q}: bubble measured {v['bubble']:.1%} vs theoretical "
+            f"{v['theoretical_bubble']:.1%} (p={v['stages']}, m={v['microbatches']})")
+    if opts.timeline_dir and jax.process_index() == 0:
+        os.makedirs(opts.timeline_dir, exist_ok=True)
+        tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))
+        tl.plot_png(os.path.join(opts.timeline_dir, "timeline.png"),
+                    title=f"{opts.model} {opts.schedule.value} {layout_lists(opts.layout)['hetero_configs']}")
+        log(f"timeline written to {opts.timeline_dir}/timeline.json and timeline.png")
+    return summary
+
+
+def _verify(opts, trainer, config, data, init_state, start, losses, result, log) -> None:
+    from cfp.runtime.verify import loss_error, replay, tree_error
+    steps = list(range(start, max(losses) if losses else start))
+    ref_losses, ref_params = replay(opts.model, config, init_state[0], init_state[1],
+                                    (data.batch(s) for s in steps),
+                                    learning_rate=opts.learning_rate, weight_decay=opts.weight_decay)
+    mine = [losses[s + 1] for s in steps]
+    err = max(loss_error(mine, ref_losses), tree_error(trainer.state()[0], ref_params))
+    tol = opts.verify_tol if opts.verify_tol is not None else (
+        1e-4 if config.dtype == "float32" else 5e-2)
+    result.verify_error, result.verify_ok = err, err <= tol
+    log(f"verify: max relative error {err:.3e} over {len(steps)} steps "
+        f"({'ok' if err <= tol else 'ABOVE'} tolerance {tol:g})")

@@ -15,6 +15,7 @@ Multi-process: each call is process-local (no cross-process barriers). Give each
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from typing import Any
@@ -35,14 +36,54 @@ def _ocp():
     return ocp
 
 
+@functools.lru_cache(maxsize=None)
+def _local_numpy_registry():
+    """Type registry whose numpy handler writes on the calling process.
+
+    orbax's NumpyHandler treats numpy leaves as replicated and writes them only on process 0, and its
+    ArrayHandler refuses process-local jax.Arrays in multi-process runs; so without this a process-local
+    checkpoint of process 1 would silently lack its arrays. The override is orbax's own write loop
+    (orbax-checkpoint 0.12) minus the `process_index() == 0` test.
+    """
+    import asyncio
+
+    from orbax.checkpoint._src.serialization import ocdbt_utils, type_handler_registry, type_handlers
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    ocp = _ocp()
+
+    class LocalNumpyHandler(type_handlers.NumpyHandler):
+        async def _background_serialize(self, values, infos, args=None):
+            writes = []
+            for value, info, arg in zip(values, infos, args):
+                await info.await_path_creation()
+                spec = ts_utils.build_array_write_spec(
+                    info=info, arg=arg, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
+                    use_ocdbt=info.is_ocdbt_checkpoint,
+                    process_index=ocdbt_utils.get_process_index_for_subdir(
+                        use_ocdbt=info.is_ocdbt_checkpoint,
+                        override_ocdbt_process_id=self._override_ocdbt_process_id),
+                    metadata_key=self._metadata_key)
+                writes.append(self._open_and_write(value, spec.json, info.ts_context))
+            await asyncio.gather(*writes)
+
+    return ocp.type_handlers.create_type_handler_registry(
+        *type_handler_registry._DEFAULT_TYPE_HANDLERS, (np.ndarray, LocalNumpyHandler()))
+
+
 def _checkpointer():
     ocp = _ocp()
     pid = jax.process_index()
     # process-local: no barriers with other processes, which may save different state or not at all
     mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid},
                                             barrier_sync_key_prefix=f"cfp_ckpt_p{pid}")
+    # explicit item handlers: the ones orbax would create from the args default to primary_host=0, which
+    # makes every other process skip writing (e.g. the JSON metadata)
     handler = ocp.CompositeCheckpointHandler(
-        composite_options=ocp.CompositeOptions(multiprocessing_options=mp))
+        composite_options=ocp.CompositeOptions(multiprocessing_options=mp),
+        state=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
+                                          type_handler_registry=_local_numpy_registry()),
+        metadata=ocp.JsonCheckpointHandler(multiprocessing_options=mp))
     return ocp.Checkpointer(handler, multiprocessing_options=mp)
 
 
@@ -110,7 +151,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: Any, metadat
     ocp = _ocp()
     ckptr = _checkpointer()
     try:
-        ckptr.save(final, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
+        ckptr.save(final, args=ocp.args.Composite(state=ocp.args.PyTreeSave(host),
                                                   metadata=ocp.args.JsonSave(metadata)))
     finally:
         ckptr.close()
@@ -156,9 +197,13 @@ def restore_checkpoint(directory: str | os.PathLike, step: int | None = None,
         raise ConfigError(f"checkpoint step {step} not found in {d!r} (available: {steps})")
     ocp = _ocp()
     ckptr = _checkpointer()
+    path = os.path.join(d, str(step))
     try:
-        out = ckptr.restore(os.path.join(d, str(step)), args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore()))
+        # read every leaf as numpy, whatever it was saved as and wherever its devices were
+        tree = ckptr.metadata(path).item_metadata["state"].tree
+        as_np = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        out = ckptr.restore(path, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(restore_args=as_np), metadata=ocp.args.JsonRestore()))
     finally:
         ckptr.close()
     raw, metadata = out["state"], dict(out["metadata"] or {})

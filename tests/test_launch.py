@@ -1,0 +1,165 @@
+import io
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from cfp.errors import ConfigError
+from cfp.runtime.launch import launch, maybe_initialize_distributed, xla_flags_with_device_count
+
+WORKER = textwrap.dedent("""
+    import sys
+    from cfp.runtime.launch import maybe_initialize_distributed
+    pid, n = maybe_initialize_distributed()   # before any device use
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from cfp.runtime.transfer import transfer
+    from cfp.runtime.checkpoint import save_checkpoint, restore_checkpoint
+    assert (n, jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 2, 8, 4)
+
+    # cross-process sum over a mesh of all 8 devices: each process contributes its 4 rows
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    local = np.arange(4, dtype=np.float32) + 4 * pid
+    g = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
+    total = float(jax.jit(jnp.sum)(g))
+    assert total == 28.0, total
+
+    # a jit on this process's devices only (the other process does not take part)
+    lmesh = Mesh(np.array(jax.local_devices()), ("y",))
+    la = jax.device_put(np.arange(8.0), NamedSharding(lmesh, P("y")))
+    assert float(jax.jit(lambda a: (a * (pid + 1)).sum())(la)) == 28.0 * (pid + 1)
+
+    # point-to-point: a (2,2)-mesh-sharded array from process 0's devices to process 1's, and back
+    devs = np.array(jax.devices())
+    m0, m1 = Mesh(devs[:4].reshape(2, 2), ("a", "b")), Mesh(devs[4:].reshape(2, 2), ("a", "b"))
+    s0, s1 = NamedSharding(m0, P("a", None)), NamedSharding(m1, P("a", None))
+    want = np.arange(24, dtype=np.float32).reshape(4, 6)
+    x = jax.device_put(want, s0) if pid == 0 else jax.ShapeDtypeStruct((4, 6), np.float32, sharding=s0)
+    y = transfer(x, s1)
+    if pid == 1:
+        assert y.sharding == s1 and y.is_fully_addressable
+        np.testing.assert_array_equal(np.asarray(y), want)
+        back = jax.jit(lambda v: v * 2)(y)
+    else:
+        assert y is None
+        back = jax.ShapeDtypeStruct((4, 6), np.float32, sharding=s1)
+    z = transfer(back, s0)
+    if pid == 0:
+        np.testing.assert_array_equal(np.asarray(z), want * 2)
+
+    # process-local checkpoints in a multi-process run (no cross-process barriers)
+    d = f"{sys.argv[1]}/proc{pid}"
+    save_checkpoint(d, 1, {"w": np.full(3, pid)}, {"pid": pid})
+    st, meta = restore_checkpoint(d)
+    assert meta == {"pid": pid} and st["w"].tolist() == [pid] * 3
+    print(f"OK rank {pid} sum={total}", flush=True)
+""")
+
+FAILER = textwrap.dedent("""
+    import sys, time
+    from cfp.runtime.launch import maybe_initialize_distributed
+    pid, n = maybe_initialize_distributed()
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    if pid == 1:
+        if sys.argv[1] == "exit":
+            print("rank 1 giving up", flush=True)
+            sys.exit(3)
+        time.sleep(3600)  # hang
+    mesh = Mesh(np.array(jax.devices()), ("x",))  # rank 0 waits in a collective for rank 1
+    g = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(2, np.float32))
+    print(float(jax.jit(jnp.sum)(g)))
+""")
+
+
+def test_two_processes_collectives_transfer_checkpoint(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "cfp.cli.main", "launch", "--nprocs", "2", "--devices-per-proc", "4",
+                        "--timeout", "120", "--", sys.executable, str(script), str(tmp_path)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[rank 0] OK rank 0 sum=28.0" in r.stdout and "[rank 1] OK rank 1 sum=28.0" in r.stdout
+    assert time.time() - t0 < 60
+
+
+def _launch(tmp_path, script_text, *args, **kw):
+    script = tmp_path / "s.py"
+    script.write_text(script_text)
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.time()
+    code = launch([sys.executable, str(script), *args], 2, 2, out=out, err=err, **kw)
+    return code, out.getvalue(), err.getvalue(), time.time() - t0
+
+
+def test_failing_rank_stops_the_others(tmp_path):
+    code, out, err, dt = _launch(tmp_path, FAILER, "exit", timeout=60)
+    assert code == 3
+    assert "[rank 1] rank 1 giving up" in out
+    assert err.strip().splitlines()[-1].startswith("cfp launch: rank 1 exited with code 3")
+    assert dt < 20  # rank 0 was blocked in a collective and was killed, no hang
+
+
+def test_hanging_rank_hits_timeout(tmp_path):
+    code, out, err, dt = _launch(tmp_path, FAILER, "hang", timeout=4)
+    assert code == 124
+    assert "timeout after 4 s" in err and "[0, 1]" in err
+    assert dt < 15
+
+
+def test_per_rank_logs_and_env(tmp_path):
+    code, out, err, _ = _launch(
+        tmp_path, "import os; print(os.environ['CFP_PROCESS_ID'], os.environ['CFP_NUM_PROCESSES'], "
+                  "os.environ['CFP_DEVICES_PER_PROC'], os.environ['CFP_COORDINATOR'].startswith('127.0.0.1:'))",
+        log_dir=str(tmp_path / "logs"))
+    assert code == 0 and "[rank 0] 0 2 2 True" in out and "[rank 1] 1 2 2 True" in out
+    assert (tmp_path / "logs" / "rank1.log").read_text() == "1 2 2 True\n"
+
+
+def test_killed_rank_is_named(tmp_path):
+    code, out, err, _ = _launch(tmp_path, "import os, signal, time\n"
+                                "if os.environ['CFP_PROCESS_ID'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
+                                "time.sleep(60)", timeout=30)
+    assert code == 128 + 9 and "rank 0 was killed by SIGKILL; stopped 1 other rank(s)" in err
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError, match="no command"):
+        launch([], 2)
+    with pytest.raises(ConfigError, match="nprocs=0"):
+        launch(["true"], 0)
+    with pytest.raises(ConfigError, match="do not fit num_processes=2"):
+        launch(["true"], 2, first_rank=1, num_processes=2)
+    with pytest.raises(ConfigError, match="cannot start command"):
+        launch(["/nonexistent/cmd"], 1)
+    r = subprocess.run([sys.executable, "-m", "cfp.cli.main", "launch", "--nprocs", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "no command to launch" in r.stderr
+
+
+def test_single_process_defaults(monkeypatch):
+    monkeypatch.delenv("CFP_COORDINATOR", raising=False)
+    assert maybe_initialize_distributed() == (0, 1)
+    assert xla_flags_with_device_count("--a --xla_force_host_platform_device_count=8", 4) == \
+        "--a --xla_force_host_platform_device_count=4"
+
+
+def test_transfer_within_one_process():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from cfp.runtime.transfer import transfer
+
+    devs = np.array(jax.devices())
+    src = NamedSharding(Mesh(devs[:4].reshape(2, 2), ("a", "b")), P("a", "b"))
+    dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))  # same process: any layout works
+    x = jax.device_put(np.arange(32.0).reshape(4, 8), src)
+    y = transfer(x, dst)
+    assert y.sharding == dst
+    np.testing.assert_array_equal(np.asarray(y), np.arange(32.0).reshape(4, 8))
+    with pytest.raises(ConfigError, match="NamedSharding"):
+        transfer(x, jax.sharding.SingleDeviceSharding(devs[0]))

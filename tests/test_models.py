@@ -138,6 +138,16 @@ def test_make_batch_deterministic_and_shaped(name):
         assert np.all(a["weights"] == 1)
 
 
+def test_train_step_bundle_and_custom_optimizer():
+    import optax
+    ts = train_step("gpt", get_config("gpt"), optimizer=optax.sgd(0.1))
+    assert (ts.model_name, ts.config) == ("gpt", get_config("gpt"))
+    params, opt = jax.eval_shape(lambda: ts.init(0))  # trace only
+    assert jax.tree_util.tree_leaves(opt) == []  # plain SGD keeps no state; adamw would
+    assert jax.tree_util.tree_leaves(jax.eval_shape(lambda: train_step("gpt").init(0))[1])
+    assert ts.make_batch(2, 0)["inputs"].shape == (2, 64)
+
+
 def test_loss_is_weighted_mean_cross_entropy(tiny):
     ts, params, _, batch = tiny("gpt")
     logits, _ = build_model("gpt", ts.config).apply(params, batch["inputs"])

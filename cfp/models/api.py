@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import numbers
@@ -82,9 +83,15 @@ def make_batch(model_name: str, config: Union[Config, str, None], batch_size: in
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) \
             or batch_size <= 0:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
-    k_tok, k_mask, k_force = jax.random.split(_key(rng), 3)
-    b, s = batch_size, cfg.seq_len
-    if model_name != "bert":
+    return _random_batch(model_name == "bert", cfg, int(batch_size), _key(rng))
+
+
+# jit: a single compile instead of eagerly dispatching each random op.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _random_batch(masked_lm: bool, cfg: Config, b: int, key) -> Batch:
+    k_tok, k_mask, k_force = jax.random.split(key, 3)
+    s = cfg.seq_len
+    if not masked_lm:
         toks = jax.random.randint(k_tok, (b, s + 1), 0, cfg.vocab_size, jnp.int32)
         return {"inputs": toks[:, :-1], "targets": toks[:, 1:],
                 "weights": jnp.ones((b, s), jnp.float32)}

@@ -54,7 +54,7 @@ def _axes(names: Sequence[str]):
 def _spec(rank: int, dim: int | None, axes) -> P:
     if dim is None:
         return P()
-    entries = [None] * rank
+    entries = [None] * (dim + 1)     # no trailing Nones: P('x') rather than P('x', None)
     entries[dim] = axes
     return P(*entries)
 

@@ -163,3 +163,19 @@ def test_transfer_within_one_process():
     np.testing.assert_array_equal(np.asarray(y), np.arange(32.0).reshape(4, 8))
     with pytest.raises(ConfigError, match="NamedSharding"):
         transfer(x, jax.sharding.SingleDeviceSharding(devs[0]))
+
+
+def test_initialize_refuses_late_or_bad_env(monkeypatch):
+    import jax
+
+    from cfp.errors import CfpError
+
+    jax.devices()  # this test process has started its backend already
+    monkeypatch.setenv("CFP_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("CFP_NUM_PROCESSES", "2")
+    monkeypatch.setenv("CFP_PROCESS_ID", "5")
+    with pytest.raises(ConfigError, match="CFP_PROCESS_ID=5"):
+        maybe_initialize_distributed()
+    monkeypatch.setenv("CFP_PROCESS_ID", "1")
+    with pytest.raises(CfpError, match="after JAX devices were used"):
+        maybe_initialize_distributed()

@@ -31,8 +31,11 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     sopts = SearchOptions(memory_per_device=memory_limit, top_k=top_k, verify=verify, iters=iters)
     analysis, program = analyze_with_program(step_fn, *example_args, mesh=mesh)
     table = profile(program, analysis, popts, log=log)
-    result = search(program, analysis, table, example_args, sopts, log=log)
-    step = apply_plan(program, analysis, result.choice, mesh if hasattr(mesh, "devices") else None)
+    result = search(program, analysis, table, example_args, sopts, log=log,
+                    mesh=mesh if hasattr(mesh, "devices") else None)
+    step = result.steps.get(result.choice)   # already compiled while verifying
+    if step is None:
+        step = apply_plan(program, analysis, result.choice, mesh if hasattr(mesh, "devices") else None)
     b = result.best
     step.saved_plan = make_plan(analysis, step.plan, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
                                                       "flops": b.flops, "profiler": table.profiler})

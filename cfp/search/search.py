@@ -38,6 +38,7 @@ class SearchResult:
     link_gbps: float
     budget: int | None
     search_time: float
+    steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # choice -> compiled ShardedStep
 
     def report(self) -> str:
         b = self.best
@@ -73,14 +74,15 @@ def _seg_specs(analysis: Analysis, seg, combo, cache: dict) -> dict:
 
 
 def search(program: Program, analysis: Analysis, table: ProfileTable, example_args: Sequence[Any],
-           options: SearchOptions | None = None, log: Callable[[str], None] = print) -> SearchResult:
+           options: SearchOptions | None = None, log: Callable[[str], None] = print,
+           mesh: jax.sharding.Mesh | None = None) -> SearchResult:
     """The fastest plan within the memory budget; raises InfeasibleError when no plan fits."""
     options = options or SearchOptions()
     t0 = time.perf_counter()
     if tuple(table.mesh_shape) != tuple(analysis.mesh.shape):
         raise ConfigError(f"profile table is for mesh {table.mesh_shape}, the analysis for {analysis.mesh.shape}")
     gpu = get_gpu(table.profiler.split(":", 1)[1]) if table.profiler.startswith("estimate:") else None
-    mesh = analysis.mesh.make()
+    mesh = mesh if mesh is not None else analysis.mesh.make()
     link = options.link_gbps or (gpu.link_gbps if gpu else measure_link_gbps(mesh))
     segs = analysis.segments
     cands = []
@@ -98,12 +100,12 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         trans.append([[costmodel.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])
     plans = dp_search(cost, mem, trans, options.memory_per_device, n_best=max(1, options.verify))
     choices = [tuple(c for i, p in enumerate(pl.picks) for c in cands[i][p].combo) for pl in plans]
-    verified = []
+    verified, steps = [], {}
     for pl, choice in zip(plans, choices[: max(1, options.verify)]):
         if options.verify == 0:
             verified.append(VerifiedPlan(choice, pl.time, pl.time, pl.memory, 0.0))
             continue
-        step = apply_plan(program, analysis, choice, mesh)
+        step = steps[choice] = apply_plan(program, analysis, choice, mesh)
         verified.append(_verify(step, example_args, choice, pl.time, options, gpu, analysis))
         log(f"plan {list(choice)}: DP {pl.time:.4g} s, whole step {verified[-1].time:.4g} s, "
             f"{_fmt_bytes(verified[-1].memory)} per device")
@@ -114,7 +116,7 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
             f"memories); keeping the smallest")
         fitting = [min(verified, key=lambda v: v.memory)]
     best = min(fitting, key=lambda v: v.time)
-    return SearchResult(best.choice, best, tuple(verified), link, budget, time.perf_counter() - t0)
+    return SearchResult(best.choice, best, tuple(verified), link, budget, time.perf_counter() - t0, steps)
 
 
 def _verify(step: ShardedStep, example_args, choice, dp_time, options: SearchOptions, gpu: GpuSpec | None,

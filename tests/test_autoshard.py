@@ -1,0 +1,85 @@
+"""autoshard end to end: the searched plan computes what the single-device step computes; plan files; errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cfp.autoshard import apply_saved_plan, autoshard, load_plan
+from cfp.errors import ConfigError, InfeasibleError
+
+
+def _loss(p, x, y):
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def grad_step(p, x, y):
+    return jax.value_and_grad(_loss)(p, x, y)
+
+
+@pytest.fixture(scope="module")
+def args():
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    p = {"w1": jax.random.normal(k[0], (32, 64)) * 0.1, "b1": jnp.zeros((64,)),
+         "w2": jax.random.normal(k[1], (64, 32)) * 0.1}
+    return p, jax.random.normal(k[2], (16, 32)), jax.random.normal(k[3], (16, 32))
+
+
+def _close(a, b, **kw):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+@pytest.mark.parametrize("profiler,gpu", [("measure", None), ("estimate", "H100-SXM")])
+def test_plan_matches_single_device(args, tmp_path, profiler, gpu):
+    out = tmp_path / "plan.json"
+    step = autoshard(grad_step, "2x4", *args, profiler=profiler, gpu=gpu, iters=3, max_combinations=4,
+                     plan_out=str(out))
+    _close(step(*args), grad_step(*args), rtol=1e-5, atol=1e-6)
+    res = step.search_result
+    assert res.choice == step.plan.choice and res.best.memory > 0 and res.best.time > 0
+    assert "searched ParallelBlock Strategies solution" in res.report()
+    plan = load_plan(str(out))
+    assert plan.choice == step.plan.choice
+    assert set(plan.input_specs) == {"[0]['b1']", "[0]['w1']", "[0]['w2']", "[1]", "[2]"}
+    again = apply_saved_plan(str(out), grad_step, *args)
+    assert again.plan == step.plan
+    _close(again(*args), grad_step(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_memory_budget(args):
+    free = autoshard(grad_step, "2x4", *args, profiler="estimate", gpu="A100-SXM-80G", max_combinations=6)
+    table = free.profile_table.segments[0]
+    smallest = min(e.memory for e in table.entries)
+    tight = autoshard(grad_step, "2x4", *args, profiler="estimate", gpu="A100-SXM-80G", max_combinations=6,
+                      memory_limit=smallest)
+    assert tight.search_result.budget == smallest
+    chosen = next(e for e in table.entries if e.combo == tight.plan.choice)
+    assert chosen.memory <= smallest
+    with pytest.raises(InfeasibleError, match=f"needs .*{smallest} bytes"):
+        autoshard(grad_step, "2x4", *args, profiler="estimate", gpu="A100-SXM-80G", max_combinations=6,
+                  memory_limit=smallest - 1)
+
+
+def test_bad_inputs(args):
+    with pytest.raises(ConfigError, match="'GTX-480'"):
+        autoshard(grad_step, "2x4", *args, profiler="estimate", gpu="GTX-480")
+    with pytest.raises(ConfigError, match="'two gigs'"):
+        autoshard(grad_step, "2x4", *args, memory_limit="two gigs")
+    with pytest.raises(ConfigError, match="'3y3'"):
+        autoshard(grad_step, "3y3", *args)
+
+
+def test_gpt_train_step_plan(tmp_path):
+    """A searched plan of a 1-layer tiny GPT's AdamW step gives the single-device step's loss and params."""
+    from cfp.models import get_config, train_step
+    ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
+    params, opt = ts.init(jax.random.PRNGKey(0))
+    batch = ts.make_batch(8, jax.random.PRNGKey(1))
+    step = autoshard(ts.step, "8", params, opt, batch, profiler="estimate", gpu="A100-SXM-80G", top_k=1,
+                     max_combinations=2, verify=1, cache_dir=str(tmp_path))
+    new_p, _, loss = step(params, opt, batch)
+    ref_p, _, ref_loss = jax.jit(ts.step)(params, opt, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    # Adam divides by sqrt(v): float noise in near-zero gradients moves params by up to ~lr, so absolute tolerance
+    _close(new_p, ref_p, atol=2e-3, rtol=0)

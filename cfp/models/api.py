@@ -68,7 +68,10 @@ def init_params(model_name: str, config: Union[Config, str, None], rng) -> dict:
 
 
 def _key(rng):
-    return jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
+    """An int seed (numpy ints included) or an existing PRNG key."""
+    if isinstance(rng, numbers.Integral):
+        return jax.random.PRNGKey(int(rng))
+    return rng
 
 
 def make_batch(model_name: str, config: Union[Config, str, None], batch_size: int,

@@ -49,7 +49,10 @@ class CostModel:
     """Alpha-beta network and compute rates (defaults: a generic NVLink-class GPU)."""
 
     bandwidth: float | tuple[float, ...] = 100e9   # bytes/s, per mesh axis when a tuple
-    latency: float = 1e-5                           # alpha, seconds per collective
+    # alpha, seconds per collective. Small on purpose, as in Alpa (mesh_alpha ~ the cost of one byte): XLA's
+    # all-reduce combiner merges the many per-parameter gradient all-reduces, so NCCL's ~10 us per call
+    # would make every per-parameter collective look far costlier than it is.
+    latency: float = 1e-7
     flops: float = 100e12                           # dense FLOP/s per device
 
     def bw(self, axis: int) -> float:

@@ -1,0 +1,202 @@
+"""Compare CFP's plan with hand-written baselines and an Alpa-style ILP on one train step, side by side.
+
+    python benchmarks/compare.py --model gpt [--config tiny] [--num-layers 2] [--batch-size 16] [--mesh 8|2x4]
+                                 [--memory-per-device 4MB] [--iters 5] [--gpu A100-SXM-80G]
+
+Rows: data-parallel, fsdp, megatron-tp, dp-tp (2-D mesh only), alpa-ilp, cfp. Columns: median step time, ratio
+to the cfp row, per-device memory of the compiled step (arguments + outputs + temporaries, from
+`memory_analysis()`), communication bytes per step (per device, summed over the collectives parsed from the
+compiled HLO) and planning time. Every row is compiled first, then the rows are timed round-robin (one warm-up
+each, then `--iters` rounds) so they see the same machine state. A row over the memory budget is shown as
+"OOM (needs X)" and is not timed; a layout that does not apply shows its ConfigError.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from cfp.cli.common import MODELS, build_step, ensure_host_devices, positive_int  # noqa: E402
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= s:
+            return f"{n / s:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+class Row:
+    def __init__(self, name: str):
+        self.name, self.note = name, ""
+        self.run = None          # zero-argument callable running one step (blocking)
+        self.memory = self.comm = self.plan_time = None
+        self.times: list[float] = []
+
+    @property
+    def time(self):
+        return statistics.median(self.times) if self.times else None
+
+
+def _measure_compiled(row: Row, compiled, call_args, mesh_shape) -> None:
+    import jax
+
+    from cfp.analysis.collectives import parse_collectives
+    m = compiled.memory_analysis()
+    row.memory = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    row.comm = sum(c.bytes for c in parse_collectives(compiled.as_text(), mesh_shape))
+    row.run = lambda: jax.block_until_ready(compiled(*call_args))
+
+
+def build_rows(args, step, example_args, spec, budget, log):
+    import jax
+
+    from cfp.analysis.analysis import analyze_with_program
+    from cfp.analysis.apply import apply_plan
+    from cfp.errors import CfpError
+    from cfp.search.baselines import Baseline, baseline_step
+    from cfp.search.ilp import CostModel, ilp_plan
+
+    mesh = spec.make()
+    rows = []
+    for b in Baseline:
+        if b is Baseline.DP_TP and spec.ndim != 2:
+            continue
+        row = Row(b.value)
+        rows.append(row)
+        t0 = time.perf_counter()
+        try:
+            fn, shardings = baseline_step(b, step, example_args, mesh, args.model)
+            placed = jax.device_put(example_args, shardings)
+            row.plan_time = time.perf_counter() - t0
+            log(f"compiling {b.value} ...")
+            _measure_compiled(row, fn.lower(*placed).compile(), placed, spec.shape)
+        except CfpError as e:
+            row.note = f"n/a: {e}"
+
+    row = Row("alpa-ilp")
+    rows.append(row)
+    try:
+        t0 = time.perf_counter()
+        analysis, program = analyze_with_program(step, *example_args, mesh=spec)
+        cm = CostModel()
+        if args.gpu:
+            from cfp.profiling.gpus import get_gpu
+            g = get_gpu(args.gpu)
+            cm = CostModel(bandwidth=g.link_gbps * 1e9, flops=g.peak_flops("float32"))
+        res = ilp_plan(analysis, memory_budget=budget, cost=cm, time_limit=args.ilp_time_limit)
+        row.plan_time = time.perf_counter() - t0
+        row.note = (f"{res.num_variables} vars, {'optimal' if res.optimal else 'time limit'}, "
+                    f"{res.disagreements} bwd dots re-indexed")
+        log(f"compiling alpa-ilp (choice {list(res.choice)}) ...")
+        sharded = apply_plan(program, analysis, res.choice, mesh)
+        flat = jax.tree_util.tree_leaves(sharded.shard_args(*example_args))
+        _measure_compiled(row, sharded.compile(*example_args), flat, spec.shape)
+    except CfpError as e:
+        row.note = f"n/a: {e}"
+
+    try:
+        from cfp.autoshard import autoshard
+        name = "cfp"
+    except ImportError as e:
+        autoshard, name = None, f"cfp (search pass not available: {e})"
+    row = Row(name)
+    rows.append(row)
+    if autoshard is not None:
+        try:
+            t0 = time.perf_counter()
+            log(f"planning cfp (profiler {args.profiler}) ...")
+            sharded = autoshard(step, mesh, *example_args, memory_limit=budget, profiler=args.profiler,
+                                gpu=args.gpu, iters=args.iters)
+            row.plan_time = time.perf_counter() - t0
+            row.note = f"choice {list(sharded.plan.choice)}"
+            flat = jax.tree_util.tree_leaves(sharded.shard_args(*example_args))
+            _measure_compiled(row, sharded.compile(*example_args), flat, spec.shape)
+        except CfpError as e:
+            row.note = f"n/a: {e}"
+    return rows
+
+
+def time_rows(rows, iters: int, budget) -> None:
+    live = [r for r in rows if r.run is not None and (budget is None or r.memory <= budget)]
+    for r in live:
+        r.run()                                   # warm-up
+    for _ in range(iters):
+        for r in live:
+            t0 = time.perf_counter()
+            r.run()
+            r.times.append(time.perf_counter() - t0)
+
+
+def render(rows, budget) -> str:
+    cfp = next((r for r in rows if r.name == "cfp"), None)
+    ref = cfp.time if cfp is not None else None
+    head = f"{'plan':<14} {'step time':>11} {'vs cfp':>7} {'memory/dev':>18} {'comm/step':>11} {'planning':>9}  note"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        over = budget is not None and r.memory is not None and r.memory > budget
+        t = f"{r.time * 1e3:8.2f} ms" if r.time is not None else "-"
+        ratio = f"{r.time / ref:6.2f}x" if r.time is not None and ref else "-"
+        mem = f"OOM (needs {_fmt_bytes(r.memory)})" if over else (_fmt_bytes(r.memory) if r.memory is not None else "-")
+        comm = _fmt_bytes(r.comm) if r.comm is not None else "-"
+        pt = f"{r.plan_time:7.2f} s" if r.plan_time is not None else "-"
+        lines.append(f"{r.name[:14]:<14} {t:>11} {ratio:>7} {mem:>18} {comm:>11} {pt:>9}  {r.note}")
+    if cfp is not None and len(cfp.name) > 3:
+        lines.append(cfp.name)
+    base = [r for r in rows if r.name not in ("cfp", "alpa-ilp") and r.time is not None]
+    alpa = next((r for r in rows if r.name == "alpa-ilp"), None)
+    if ref:
+        if base:
+            best = min(base, key=lambda r: r.time)
+            lines.append(f"cfp speedup vs best baseline: {best.time / ref:.2f} ({best.name})")
+        else:
+            lines.append("cfp speedup vs best baseline: n/a (no baseline fits)")
+        lines.append(f"cfp speedup vs alpa-ilp: {alpa.time / ref:.2f}" if alpa is not None and alpa.time
+                     else "cfp speedup vs alpa-ilp: n/a (alpa-ilp has no feasible plan)")
+    else:
+        lines.append("cfp speedup: n/a (cfp produced no plan)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, choices=MODELS)
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--num-layers", dest="num_layers", type=positive_int, default=2)
+    p.add_argument("--batch-size", dest="batch_size", type=positive_int, default=16)
+    p.add_argument("--mesh", default="8", help="8 (1-D) or 2x4 (2-D)")
+    p.add_argument("--memory-per-device", default=None, help="per-device budget, e.g. 4MB or 2GB")
+    p.add_argument("--iters", type=positive_int, default=5)
+    p.add_argument("--gpu", default=None, help="catalog GPU: ILP cost model rates, and cfp's estimate profiler")
+    p.add_argument("--profiler", choices=("measure", "estimate"), default="measure")
+    p.add_argument("--ilp-time-limit", type=float, default=60.0)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    ensure_host_devices()
+    import jax
+
+    from cfp.errors import CfpError
+    from cfp.search.options import parse_bytes
+    log = (lambda *_: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
+        step, example_args, spec = build_step(args)
+    except CfpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = build_rows(args, step, example_args, spec, budget, log)
+    log(f"timing {args.iters} rounds ...")
+    time_rows(rows, args.iters, budget)
+    print(f"model {args.model}/{args.config} layers={args.num_layers} batch={args.batch_size} mesh={spec} "
+          f"({jax.devices()[0].platform} x{jax.device_count()}) budget="
+          f"{_fmt_bytes(budget) if budget else 'none'} iters={args.iters}")
+    print(render(rows, budget))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -121,11 +121,18 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
                     predicted.append(PredictedCollective("reshard", tuple(sorted(xa ^ xb)), nbytes, i, "conflict"))
 
         op = graph.operators[i]
-        if not op.is_dot and not dimflow.links(op, graph):
-            # an operator cfp does not model (gather, scatter, ...) reading a sharded input
-            axes = {a for t in op.inputs if t in spec for d in spec[t] for a in (d or ())}
-            if axes:
-                predicted.append(PredictedCollective("reshard", tuple(sorted(axes)), 0, i, "unmodelled"))
+        if op.is_dot:
+            continue
+        # a sharded dim this operator does not carry over (concatenated, sliced, gathered, ...) may need
+        # moving; reductions are the exception: their reduced dims are the all-reduce predicted above
+        linked = {(t, d) for (ta, da, tb, db) in dimflow.links(op, graph) for t, d in ((ta, da), (tb, db))}
+        red = dimflow.reduced_dims(op, graph)
+        if red is not None:
+            linked |= {(red[0], d) for d in red[1]}
+        axes = {a for t in list(op.inputs) + list(op.outputs) if t in spec
+                for d, dim_axes in enumerate(spec[t]) if (t, d) not in linked for a in (dim_axes or ())}
+        if axes:
+            predicted.append(PredictedCollective("reshard", tuple(sorted(axes)), 0, i, "unlinked dim"))
 
     final = tuple((t, tuple(d or () for d in dims)) for t, dims in sorted(spec.items())
                   if t in graph.producer and graph.producer[t] in in_block or _used_in(graph, t, in_block))

@@ -66,12 +66,10 @@ def trace(fn: Callable, *args) -> TracedProgram:
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
 
     def flat_fn(*flat):
-        return jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(in_tree, flat)))[0]
+        return fn(*jax.tree_util.tree_unflatten(in_tree, flat))
 
-    out_shape = jax.eval_shape(fn, *args)
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    closed = jax.make_jaxpr(flat_fn)(*flat_args)
-    return _flatten(closed, in_tree, out_tree)
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+    return _flatten(closed, in_tree, jax.tree_util.tree_structure(out_shape))
 
 
 def _aval_info(aval) -> tuple[tuple[int, ...], str]:
@@ -188,3 +186,9 @@ def sub_jaxpr_params(eqn: FlatEqn) -> Iterator[str]:
 def named_scope(name: str):
     """Public API re-export so replayed HLO carries cfp's block names in its metadata."""
     return jax.named_scope(name)
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX has created its backends (after which device-count flags no longer apply)."""
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()

@@ -118,9 +118,9 @@ def maybe_initialize_distributed(init_timeout_s: int = 60, heartbeat_timeout_s: 
     if not (0 <= pid < n) or d < 1:
         raise ConfigError(f"{ENV_PROCESS_ID}={pid}, {ENV_NUM_PROCESSES}={n}, {ENV_DEVICES_PER_PROC}={d} are "
                           "invalid (need 0 <= id < num_processes and devices >= 1)")
-    from jax._src import xla_bridge
+    from cfp.ir._jax_internals import backends_are_initialized
 
-    if xla_bridge.backends_are_initialized():
+    if backends_are_initialized():
         raise CfpError("maybe_initialize_distributed() was called after JAX devices were used; call it "
                        "first thing in the program")
     os.environ["XLA_FLAGS"] = xla_flags_with_device_count(os.environ.get("XLA_FLAGS", ""), d)

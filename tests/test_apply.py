@@ -1,0 +1,88 @@
+"""Applying strategy choices: the sharded program gives the unsharded numbers, and XLA's collectives are
+the ones the analysis predicts (a block called communication-free compiles without any collective)."""
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from cfp.analysis.analysis import analyze_with_program
+from cfp.analysis.apply import apply_plan, check_collectives
+from cfp.errors import ConfigError
+from cfp.models import get_config, loss_fn, make_batch, train_step
+
+
+def _grad_problem(model, mesh):
+    cfg = get_config(model, "tiny", num_layers=1)
+    ts = train_step(model, cfg)
+    params, _ = ts.init(jax.random.PRNGKey(0))
+    batch = make_batch(model, cfg, 8, jax.random.PRNGKey(1))
+    step = jax.value_and_grad(loss_fn(model, cfg))
+    analysis, program = analyze_with_program(step, params, batch, mesh=mesh)
+    return step, (params, batch), analysis, program
+
+
+def _choices(analysis, kinds, seed):
+    rng = random.Random(seed)
+    for kind in kinds:
+        if kind == "first":
+            yield [0] * len(analysis.blocks)
+        elif kind == "last":
+            yield [len(b.strategies) - 1 for b in analysis.blocks]
+        else:
+            yield [rng.randrange(len(b.strategies)) for b in analysis.blocks]
+
+
+def _assert_close(got, want):
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 * max(1.0, float(np.abs(b).max())))
+
+
+# each compile of a sharded step takes ~10 s on 2 cores: several assignments per model, not all of them
+@pytest.mark.parametrize("model,mesh,kinds", [("gpt", "2x4", ("first", "last", "random")), ("gpt", "8", ("random",)),
+                                              ("llama2", "2x4", ("first", "random")), ("moe", "8", ("last", "random"))])
+def test_sharded_loss_and_grads_match_unsharded_and_collectives_match_prediction(model, mesh, kinds):
+    step, args, analysis, program = _grad_problem(model, mesh)
+    want = jax.jit(step)(*args)
+    for choice in _choices(analysis, kinds, seed=len(model)):
+        sharded = apply_plan(program, analysis, choice)
+        got = sharded(*args)
+        _assert_close(got, want)
+        found = sharded.collectives(*args)
+        assert check_collectives(analysis, sharded.plan, found) == [], choice
+        for lay in sharded.plan.layouts:
+            if not lay.collectives:
+                assert not [c for c in found if c.block == lay.block and not c.reshard], \
+                    f"block {lay.block} predicted communication-free but compiled with collectives"
+
+
+def test_full_train_step_matches_single_device():
+    cfg = get_config("gpt", "tiny", num_layers=1)
+    ts = train_step("gpt", cfg)
+    params, opt = ts.init(jax.random.PRNGKey(0))
+    batch = ts.make_batch(8, jax.random.PRNGKey(1))
+    analysis, program = analyze_with_program(ts.step, params, opt, batch, mesh="8")
+    dp = [next(i for i, s in enumerate(b.strategies) if analysis.notation(b.index, i).split(" = ")[0].startswith("S"))
+          for b in analysis.blocks]
+    sharded = apply_plan(program, analysis, dp)
+    want = jax.jit(ts.step)(params, opt, batch)
+    got = sharded(params, opt, batch)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    # Adam divides by sqrt(v): parameters with (mathematically) zero gradient, such as attention key
+    # biases, turn float noise into O(lr) updates, so parameters are compared with an absolute tolerance.
+    for a, b in zip(jax.tree_util.tree_leaves(got[0]), jax.tree_util.tree_leaves(want[0])):
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)
+    # the parameters come back sharded as the plan says (ready for the next step without resharding)
+    leaves = jax.tree_util.tree_leaves(got[0])
+    assert all(len(x.sharding.device_set) == 8 for x in leaves)
+
+
+def test_bad_choice_is_rejected_with_the_value():
+    _, args, analysis, program = _grad_problem("gpt", "8")
+    with pytest.raises(ConfigError, match="plan has 2 strategies"):
+        apply_plan(program, analysis, [0, 0])
+    bad = [0] * len(analysis.blocks)
+    bad[3] = 99
+    with pytest.raises(ConfigError, match="strategy 99 of block 3"):
+        apply_plan(program, analysis, bad)

@@ -78,14 +78,18 @@ def run_profile(args) -> int:
     popts, _, _, analysis, program = _prepare(args)
     table = profile(program, analysis, popts)
     _print_table(table, analysis)
-    if args.dump_dir:
+    _dump_table(table, args.dump_dir)
+    return 0
+
+
+def _dump_table(table, dump_dir) -> None:
+    if dump_dir:
         import os
-        os.makedirs(args.dump_dir, exist_ok=True)
-        path = os.path.join(args.dump_dir, "profile_table.json")
+        os.makedirs(dump_dir, exist_ok=True)
+        path = os.path.join(dump_dir, "profile_table.json")
         with open(path, "w") as f:
             f.write(table.to_json(indent=1))
         print(f"wrote {path}")
-    return 0
 
 
 def run_search(args) -> int:
@@ -100,6 +104,7 @@ def run_search(args) -> int:
     popts, _, example_args, analysis, program = _prepare(args)
     table = profile(program, analysis, popts)
     print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s ({table.compiles} compiles)")
+    _dump_table(table, args.dump_dir)
     result = search(program, analysis, table, example_args, sopts)
     print(result.report())
     print(f"search time: {result.search_time:.2f} s; total planning time: {time.perf_counter() - t0:.2f} s")

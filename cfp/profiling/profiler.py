@@ -2,7 +2,8 @@
 
 Per combination the segment's sub-program (`subprogram.SegmentProgram`) is compiled; the `measure` profiler runs
 it (warm-up, then the median of `iters` runs), the `estimate` profiler applies the GPU cost model to the compiled
-per-device FLOPs, bytes and parsed collectives. Compiling the next combination overlaps running the current one.
+per-device FLOPs, bytes and parsed collectives. Compiling the next combination overlaps the current one's
+warm-up runs and HLO parsing; the timed runs wait for that compile to finish, so they run without contention.
 """
 from __future__ import annotations
 
@@ -146,9 +147,11 @@ class Profiler:
             nxt = pool.submit(self._compile, seg, combos[0]) if pool else None
             for i, combo in enumerate(combos):
                 sp, compiled = nxt.result() if pool else self._compile(seg, combo)
+                quiet = None
                 if pool and i + 1 < len(combos):
                     nxt = pool.submit(self._compile, seg, combos[i + 1])
-                entries.append(self._entry(seg, combo, sp, compiled))
+                    quiet = nxt.exception   # blocks until the background compile is done (errors surface later)
+                entries.append(self._entry(seg, combo, sp, compiled, quiet))
                 if advance:
                     advance()
         finally:
@@ -156,7 +159,7 @@ class Profiler:
                 pool.shutdown(wait=True)
         return entries
 
-    def _entry(self, seg: Segment, combo, sp: SegmentProgram, compiled) -> ProfileEntry:
+    def _entry(self, seg: Segment, combo, sp: SegmentProgram, compiled, quiet=None) -> ProfileEntry:
         shape = self.analysis.mesh.shape
         mem = compiled.memory_analysis()
         memory = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
@@ -169,7 +172,7 @@ class Profiler:
         comm_bytes = sum(c[1] for c in colls)
         measured = None
         if self.options.kind is ProfilerKind.MEASURE:
-            measured = time_compiled(compiled, sp.example_inputs(), self.options.iters, self.options.warmup)
+            measured = time_compiled(compiled, sp.example_inputs(), self.options.iters, self.options.warmup, quiet)
             t = measured
         else:
             dtype = costmodel.dominant_dtype(self.analysis, seg.blocks)
@@ -177,10 +180,12 @@ class Profiler:
         return ProfileEntry(tuple(combo), t, memory, comm_bytes, flops, nbytes, colls, measured)
 
 
-def time_compiled(compiled, args, iters: int, warmup: int) -> float:
-    """Median wall seconds of `compiled(*args)` over `iters` runs after `warmup` runs."""
+def time_compiled(compiled, args, iters: int, warmup: int, before_timing: Callable | None = None) -> float:
+    """Median wall seconds of `compiled(*args)` over `iters` runs after `warmup` runs (and `before_timing()`)."""
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
+    if before_timing is not None:
+        before_timing()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()

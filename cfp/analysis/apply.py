@@ -61,8 +61,13 @@ def resolve(analysis: Analysis, choice: Sequence[int]) -> AppliedPlan:
         for t, spec in lay.specs:
             first_spec.setdefault(t, spec)
     inputs = tuple(partition_spec(first_spec.get(t, ()), names) for t in g.inputs)
-    outputs = tuple(partition_spec(first_spec.get(t, ()), names) if t is not None else PartitionSpec()
-                    for t in g.outputs)
+    # An output at the same pytree path and shape as an input (new params and optimizer state of a train
+    # step) leaves with that input's sharding, so the next step starts without resharding.
+    same = {(path, g.tensor(t).shape): spec for path, t, spec in zip(g.input_paths, g.inputs, inputs)}
+    outputs = tuple(
+        PartitionSpec() if t is None else
+        same.get((path, g.tensor(t).shape), partition_spec(first_spec.get(t, ()), names))
+        for path, t in zip(g.output_paths or ("",) * len(g.outputs), g.outputs))
     return AppliedPlan(choice, layouts, inputs, outputs)
 
 

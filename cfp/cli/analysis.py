@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from cfp.analysis.analysis import analyze
     from cfp.analysis import report
 
-    step, example_args, mesh = build_step(args)
+    step, example_args, mesh = build_step(args, abstract=True)
     t0 = time.perf_counter()
     analysis = analyze(step, *example_args, mesh=mesh)
     elapsed = time.perf_counter() - t0

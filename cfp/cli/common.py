@@ -36,8 +36,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump-dir", default=None, help="directory for the mode's dump files")
 
 
-def build_step(args: argparse.Namespace):
-    """(step_fn, example_args, mesh_spec) of the model's optax AdamW train step on the requested mesh."""
+def build_step(args: argparse.Namespace, abstract: bool = False):
+    """(step_fn, example_args, mesh_spec) of the model's optax AdamW train step on the requested mesh.
+
+    With `abstract`, parameters and optimizer state are shape/dtype stand-ins (enough for the analysis).
+    """
     import jax
 
     from cfp.mesh import MeshSpec
@@ -50,6 +53,8 @@ def build_step(args: argparse.Namespace):
     overrides = {"num_layers": args.num_layers} if args.num_layers else {}
     config = get_config(args.model, args.config, **overrides)
     ts = train_step(args.model, config)
-    params, opt_state = ts.init(jax.random.PRNGKey(0))
+    # eager Flax init runs op by op (slow); one compiled call is fast, and analysis needs no values at all
+    params, opt_state = (jax.eval_shape(ts.init, jax.random.PRNGKey(0)) if abstract
+                         else jax.jit(ts.init)(jax.random.PRNGKey(0)))
     batch = ts.make_batch(args.batch_size, jax.random.PRNGKey(1))
     return ts.step, (params, opt_state, batch), mesh

@@ -33,9 +33,16 @@ def _available():
     return mods
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad options give one line (`cfp MODE: error: ...`) and exit code 2, not a usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cfp", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = OneLineParser(prog="cfp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     seen = set()
     for name, mod in _available().items():
         if id(mod) in seen:

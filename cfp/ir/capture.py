@@ -121,8 +121,11 @@ def capture(fn: Callable, *example_args) -> Program:
             outputs=tuple(eqn.outvars), scope=eqn.scope, source=eqn.source,
             backward="transpose" in eqn.transforms,
             opaque=name in internals.OPAQUE_PRIMITIVES, dot=dot, params=tuple(params)))
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(traced.in_tree, traced.invars))[0]]
+    def paths(tree, n):
+        leaves = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(tree, list(range(n))))[0]
+        return tuple(jax.tree_util.keystr(p) for p, _ in leaves)
+
     outs = tuple(a if kind == "var" else None for kind, a in traced.outvars)
-    graph = OpGraph(tuple(tensors), tuple(ops), tuple(traced.invars), outs, tuple(paths))
+    graph = OpGraph(tuple(tensors), tuple(ops), tuple(traced.invars), outs,
+                    paths(traced.in_tree, len(traced.invars)), paths(traced.out_tree, len(outs)))
     return Program(traced, graph)

@@ -93,6 +93,7 @@ class OpGraph:
     inputs: tuple[int, ...]
     outputs: tuple[int | None, ...]
     input_paths: tuple[str, ...]
+    output_paths: tuple[str, ...] = ()
 
     @functools.cached_property
     def _tensor_index(self) -> dict[int, Tensor]:
@@ -139,7 +140,8 @@ class OpGraph:
             ops.append(Operator(o["index"], o["primitive"], tuple(o["inputs"]), tuple(o["outputs"]),
                                 tuple(o["scope"]), o["source"], o["backward"], o["opaque"], dot,
                                 tuple(tuple(p) for p in o["params"])))
-        return cls(tensors, tuple(ops), tuple(d["inputs"]), tuple(d["outputs"]), tuple(d["input_paths"]))
+        return cls(tensors, tuple(ops), tuple(d["inputs"]), tuple(d["outputs"]), tuple(d["input_paths"]),
+                   tuple(d.get("output_paths", ())))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -15,8 +15,9 @@ Formulation (Zheng et al., Alpa, OSDI'22, §4.2), on cfp's `OpGraph`:
 * *Edge cost*: resharding a tensor from its producer's layout to the layout its consumer needs, one matrix
   per pair of nodes; the products x_u,i * x_v,j are linearised with continuous e_ij >= 0,
   sum_j e_ij = x_u,i, sum_i e_ij = x_v,j (as in Alpa).
-* *Memory*: sum of the per-device bytes of every flat input and every dot output under the chosen layouts
-  <= budget (a linear constraint; the smallest feasible budget is the sum of per-node minima).
+* *Memory*: sum of the per-device bytes of every flat input, every step output and every dot output (the
+  large activations) under the chosen layouts <= budget (a linear constraint; the smallest feasible budget
+  is the sum of per-node minima). Other temporaries are not modelled, so compiled memory is higher.
 
 Mapping to CFP's per-block `choice`: each ParallelBlock's strategy index is the ILP's choice for the block's
 forward dot (its candidate list is the same `enumerate_strategies` list). Alpa decides backward dots on their
@@ -231,6 +232,13 @@ def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | N
         for t in outs:
             owner[t] = g
 
+    # the step's outputs (new parameters and optimizer state) live beside its inputs: count them too
+    for t in set(graph.outputs):
+        h = owner.get(t) if t is not None else None
+        if h is not None:
+            nb = graph.tensor(t).nbytes
+            nodes[h].memory = nodes[h].memory + [nb / _shards(nodes[h].specs[k][t], shape) for k in range(nodes[h].k)]
+
     edges: dict[tuple[int, int], np.ndarray] = {}
     for (t, g), reqs in needs.items():
         h = owner.get(t)
@@ -258,7 +266,7 @@ class IlpResult:
     choice: tuple[int, ...]
     cost: float                 # ILP objective (seconds, per-operator decisions)
     cost_of_choice: float       # the same cost model with backward dots following their forward dot
-    memory: float               # bytes per device (inputs + dot outputs)
+    memory: float               # modelled bytes per device (inputs + outputs + dot outputs)
     disagreements: int          # backward dots whose ILP strategy differs from the block's re-indexed one
     optimal: bool
     solve_time: float

@@ -20,6 +20,7 @@ producer's end.
 """
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -99,6 +100,9 @@ def _path_table(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+_PROGRAMS: dict[tuple, StageProgram] = {}
+
+
 class HeteroTrainer:
     """Holds each local stage's params and optimizer state and runs training steps."""
 
@@ -118,9 +122,14 @@ class HeteroTrainer:
         self.full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
         self.programs: dict[tuple[int, int], StageProgram] = {}
         for st in layout.stages:
-            self.programs[st.key] = StageProgram(
-                st, self.modules, [self.devices[d] for d in st.devices],
-                _subtree(self.full_like, st.module_names()), self.tx)
+            devs = [self.devices[d] for d in st.devices]
+            # Compiled programs are reused by later trainers of the same model, stage and
+            # optimizer (a resumed run, another schedule, a test): compiling dominates start-up.
+            ckey = (model_name, config, st, tuple(devs), float(learning_rate), float(weight_decay))
+            if ckey not in _PROGRAMS:
+                _PROGRAMS[ckey] = StageProgram(st, self.modules, devs,
+                                               _subtree(self.full_like, st.module_names()), self.tx)
+            self.programs[st.key] = _PROGRAMS[ckey]
         self.set_schedule(schedule)
         self.aux_coef = float(getattr(config, "aux_loss_coef", 0.0))
         self.params: dict[tuple[int, int], Any] = {}
@@ -172,13 +181,17 @@ class HeteroTrainer:
         return params_out, self._collect(opt_like, opt_table), self.step_count
 
     def _collect(self, like: Any, table: dict[str, Any]) -> Any:
+        """Host numpy tree shaped like ``like`` from ``{keystr(path): array}``; in a multi-process
+        run, leaves missing here come from the lowest-numbered process that has them."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-        leaves = []
-        for path, l in flat:
-            v = table.get(jax.tree_util.keystr(path))
-            if jax.process_count() > 1:
-                v = _allgather_one(v, l)
-            leaves.append(np.asarray(jax.device_get(v)))
+        keys = [jax.tree_util.keystr(p) for p, _ in flat]
+        leaves = [np.asarray(jax.device_get(table[k])) if k in table else np.zeros(l.shape, l.dtype)
+                  for k, (_, l) in zip(keys, flat)]
+        if jax.process_count() > 1:
+            have = np.array([k in table for k in keys], np.int32)
+            flags, gathered = _process_allgather((have, leaves))
+            owner = np.argmax(np.asarray(flags), axis=0)  # first process holding each leaf
+            leaves = [np.asarray(g)[owner[i]] for i, g in enumerate(gathered)]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def compile(self, workers: Optional[int] = None) -> float:
@@ -257,7 +270,11 @@ class HeteroTrainer:
         """(full gradient tree as numpy, loss) of the global batch at the current parameters."""
         acc, loss, dispatched = self._run_schedule(batch)
         self._events(dispatched, 0.0)
-        summed = {k: jax.jit(sum_trees)(v) for k, v in self._gather_grads(acc).items()}
+        # summed on the host: the same elementwise float32 adds in the same order, no compile
+        summed = {}
+        for k, parts in self._gather_grads(acc).items():
+            host = [jax.tree_util.tree_map(np.asarray, t) for t in parts]
+            summed[k] = functools.reduce(lambda a, b: jax.tree_util.tree_map(np.add, a, b), host)
         table: dict[str, Any] = {}
         for key in sorted(summed):
             table.update({k: v for k, v in _path_table(summed[key]).items() if k not in table})
@@ -275,8 +292,8 @@ class HeteroTrainer:
         total_w = np.float32(b["weights"].astype(np.float32).sum())
         offsets = self.layout.batch_offsets()
         acts, grads_back, saved, labels, acc = {}, {}, {}, {}, {}
-        ce_parts, aux_parts, dispatched = [], [], {}
-        for a in self.order:
+        ce_parts, aux_parts, dispatched = {}, {}, {}
+        for idx, a in enumerate(self.order):
             key = (a.pipeline, a.stage)
             prog, pipe = self.programs[key], self.layout.pipelines[a.pipeline]
             st, m, mbs = prog.stage, a.microbatch, pipe.micro_batch_size
@@ -299,13 +316,13 @@ class HeteroTrainer:
                                          prog.repl)
                     labels[(key, m)] = lab
                     ce, aux = prog.fwd(self.params[key], x, lab[0], lab[1], total_w)
-                    ce_parts.append(ce)
+                    ce_parts[idx] = ce
                     done = ce
                 else:
                     y, aux = prog.fwd(self.params[key], x)
                     acts[(a.pipeline, st.index, m)] = y
                     done = y
-                aux_parts.append((aux, aux_ct))
+                aux_parts[idx] = (aux, aux_ct)
             else:
                 g = None
                 if not st.is_last:
@@ -329,9 +346,20 @@ class HeteroTrainer:
             dispatched[(key, m, a.phase)] = t0
             self._watchers[key].q.put(((m, a.phase), done))
 
-        loss = float(sum(float(c) for c in ce_parts) + sum(float(a) * float(w) for a, w in aux_parts))
+        # Loss terms by position in the global order, summed in that order in float64, so every
+        # process (and a single-process run) adds the same numbers in the same order.
+        n = len(self.order)
+        ce_v, aux_v, aux_w = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n)
+        for i, c in ce_parts.items():
+            ce_v[i] = np.asarray(c)
+        for i, (a, w) in aux_parts.items():
+            aux_v[i], aux_w[i] = np.asarray(a), w
         if jax.process_count() > 1:
-            loss = float(np.sum(_process_allgather(np.float64(loss))))
+            ce_v, aux_v, aux_w = (np.asarray(t).sum(axis=0) for t in
+                                  _process_allgather((ce_v, aux_v, aux_w.astype(np.float32))))
+        loss = 0.0
+        for i in range(n):
+            loss += float(ce_v[i]) + float(aux_v[i]) * float(np.float32(aux_w[i]))
         return acc, loss, dispatched
 
     def _gather_grads(self, acc: dict) -> dict:
@@ -391,15 +419,7 @@ def _with_sharding(like: Any, shardings: Any) -> Any:
                                   like, shardings)
 
 
-def _process_allgather(x: np.ndarray) -> np.ndarray:
+def _process_allgather(x: Any) -> Any:
+    """Every process's copy of the (host) pytree ``x``, stacked on a new leading axis."""
     from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x))
-
-
-def _allgather_one(value: Optional[Any], like: Any) -> np.ndarray:
-    """Every process gets the value held by the lowest-numbered process that has it."""
-    have = np.int32(value is not None)
-    local = np.asarray(jax.device_get(value)) if value is not None else np.zeros(like.shape, like.dtype)
-    flags = _process_allgather(have)
-    vals = _process_allgather(local)
-    return vals[int(np.argmax(flags))]
+    return multihost_utils.process_allgather(x)

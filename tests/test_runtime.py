@@ -1,0 +1,244 @@
+"""Heterogeneous 3D-parallel runtime: layout validation, schedules, equivalence with one device,
+token-weighted sync, checkpoint resume (also onto another layout), timeline, CLI errors."""
+import json
+
+import numpy as np
+import pytest
+
+from cfp.errors import ConfigError
+from cfp.runtime.layout import HeteroLayout
+from cfp.runtime.schedules import (SCHEDULES, Phase, ScheduleName, global_order, gpipe,
+                                   one_f_one_b)
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_from_lists_pads_cuts_and_packs_devices():
+    lay = HeteroLayout.from_lists("[[2,1,1],[4]]", "[[2,1,1],[4]]", [6], [3, 1, 7])
+    assert [p.global_batch_size for p in lay.pipelines] == [6, 6]   # padded with the last value
+    assert [p.chunks for p in lay.pipelines] == [3, 1]              # cut
+    assert [s.devices for s in lay.stages] == [(0, 1), (2,), (3,), (4, 5, 6, 7)]
+    assert [list(s.layers) for s in lay.pipelines[0].stages] == [[0, 1], [2], [3]]
+    assert lay.pipelines[0].stages[0].module_names() == ["embed", "layers_0", "layers_1"]
+    assert lay.pipelines[1].stages[0].module_names()[-1] == "head"
+    assert lay.num_devices == 8 and lay.total_batch_size == 12 and lay.batch_offsets() == [0, 6]
+    custom = HeteroLayout.from_lists([[1, 1]], [[1, 1]], 2, 1, devices_id="[[[5],[3]],]")
+    assert [s.devices for s in custom.stages] == [(5,), (3,)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(hetero_configs="[[2,1]", layer_partitions="[[1,1]]"), "not a Python list literal"),
+    (dict(hetero_configs="[[2,0]]", layer_partitions="[[1,1]]"), "hetero_configs[0][1]=0"),
+    (dict(hetero_configs="[[2,1]]", layer_partitions="[[1,1],[2]]"), "has 2 pipelines"),
+    (dict(hetero_configs="[[2,1]]", layer_partitions="[[2]]"), "has 1 stages"),
+    (dict(hetero_configs="[[1],[1]]", layer_partitions="[[2],[3]]"), "sum to different"),
+    (dict(hetero_configs="[[1]]", layer_partitions="[[2]]", global_batch_size=[6], chunks=[4]),
+     "global_batch_size=6 is not divisible by chunks=4"),
+    (dict(hetero_configs="[[1]]", layer_partitions="[[2]]", global_batch_size=[-1]),
+     "global_batch_size[0]=-1"),
+    (dict(hetero_configs="[[2]]", layer_partitions="[[2]]", devices_id="[[[0]]]"),
+     "has 1 devices but the stage's TP degree is 2"),
+    (dict(hetero_configs="[[1],[1]]", layer_partitions="[[2],[2]]", devices_id="[[[0]],[[0]]]"),
+     "device 0 is used by stage (0, 0) and stage (1, 0)"),
+])
+def test_invalid_layouts_name_the_value(kwargs, message):
+    args = dict(global_batch_size=2, chunks=1)
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=None) as e:
+        HeteroLayout.from_lists(args.pop("hetero_configs"), args.pop("layer_partitions"), **args)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_validate_for_model():
+    from cfp.models import get_config
+    cfg = get_config("llama2", "tiny", num_layers=4)  # 4 heads
+    with pytest.raises(ConfigError, match=r"hetero_configs\[0\]\[0\]=8: TP degree must divide num_heads=4"):
+        HeteroLayout.from_lists([[8]], [[4]]).validate_for(cfg, 8)
+    with pytest.raises(ConfigError, match="num_layers=4"):
+        HeteroLayout.from_lists([[1]], [[3]]).validate_for(cfg, 8)
+    with pytest.raises(ConfigError, match="uses device 9"):
+        HeteroLayout.from_lists([[1]], [[4]], devices_id=[[[9]]]).validate_for(cfg, 8)
+
+
+def test_cli_invalid_config_is_one_line_exit_2(capsys):
+    from cfp.cli.main import main
+    code = main(["train", "--model", "llama2", "--num-layers", "4", "--hetero-configs", "[[3,1]]",
+                 "--layer-partitions", "[[2,2]]", "--data", "synthetic"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0
+    assert "hetero_configs[0][0]=3: TP degree must divide num_heads=4" in err
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def test_schedules_are_data_and_respect_dependencies():
+    assert set(SCHEDULES) == {ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B}
+    f = lambda m: (Phase.FWD, m)
+    b = lambda m: (Phase.BWD, m)
+    assert gpipe(2, 2)[0] == [f(0), f(1), b(0), b(1)]
+    acts = one_f_one_b(3, 4)
+    assert acts[0] == [f(0), f(1), f(2), b(0), f(3), b(1), b(2), b(3)]
+    assert acts[2] == [f(0), b(0), f(1), b(1), f(2), b(2), f(3), b(3)]
+    for s, stage in enumerate(acts):  # 1F1B keeps at most p - s micro-batches in flight
+        live = peak = 0
+        for a in stage:
+            live += 1 if a.phase is Phase.FWD else -1
+            peak = max(peak, live)
+        assert peak <= 3 - s
+    order = global_order([one_f_one_b(3, 4), gpipe(1, 2)])
+    done = set()
+    for g in order:
+        if g.phase is Phase.FWD and g.stage > 0:
+            assert (g.pipeline, g.stage - 1, Phase.FWD, g.microbatch) in done
+        if g.phase is Phase.BWD and g.pipeline == 0 and g.stage < 2:
+            assert (g.pipeline, g.stage + 1, Phase.BWD, g.microbatch) in done
+        done.add((g.pipeline, g.stage, g.phase, g.microbatch))
+    assert len(order) == 3 * 8 + 4
+    with pytest.raises(ConfigError, match="unknown schedule 'zb'; valid choices: gpipe, 1f1b"):
+        ScheduleName.parse("zb")
+
+# ----------------------------------------------------------------------------- equivalence
+
+STEPS = 3
+_REF = {}
+
+
+def tiny(num_layers, model="llama2", **kw):
+    from cfp.models import get_config
+    base = dict(num_layers=num_layers, seq_len=8, vocab_size=64, hidden_size=32)
+    if model == "llama2":
+        base["ffn_size"] = 64
+    base.update(kw)
+    return get_config(model, "tiny", **base)
+
+
+def batches(model, cfg, rows):
+    import jax
+    from cfp.models import make_batch
+    return [jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, rows, 100 + i))
+            for i in range(STEPS)]
+
+
+def reference(model, cfg, rows):
+    """Single-device losses and params after STEPS steps of cfp.models.train_step (cached)."""
+    key = (model, cfg, rows)
+    if key not in _REF:
+        from cfp.models import train_step
+        from cfp.runtime.verify import replay
+        ts = train_step(model, cfg)
+        p, o = ts.init(0)
+        _REF[key] = replay(model, cfg, p, o, batches(model, cfg, rows),
+                           learning_rate=1e-3, weight_decay=0.01)
+    return _REF[key]
+
+
+def check_against_reference(trainer, model, cfg):
+    from cfp.runtime.verify import identical_across_pipelines, tree_error
+    rows = trainer.layout.total_batch_size
+    ref_losses, ref_params = reference(model, cfg, rows)
+    losses = [trainer.step(b).loss for b in batches(model, cfg, rows)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    params = trainer.state()[0]
+    # per-leaf normwise relative error (see cfp.runtime.verify for why not elementwise)
+    assert tree_error(params, ref_params) < 1e-5
+    assert identical_across_pipelines(trainer)
+
+
+LAYOUTS = [  # hetero_configs, layer_partitions, global batch, chunks
+    pytest.param([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1], id="2-1-1+4"),
+    pytest.param([[4], [2], [1], [1]], [[1], [1], [1], [1]], [4, 2, 1, 1], [2, 1, 1, 1],
+                 id="4+2+1+1"),
+    pytest.param([[2, 1]], [[1, 1]], [4], [2], id="tp2-into-tp1"),
+    pytest.param([[1] * 8], [[1] * 8], [8], [4], id="8-stages", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("tps, parts, gbs, chunks", LAYOUTS)
+def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
+    from cfp.runtime.engine import HeteroTrainer
+    layout = HeteroLayout.from_lists(tps, parts, gbs, chunks)
+    cfg = tiny(layout.num_layers)
+    trainer = HeteroTrainer("llama2", cfg, layout, "gpipe")
+    trainer.compile()
+    for schedule in ("gpipe", "1f1b"):  # stage programs are schedule-independent: compile once
+        trainer.set_schedule(schedule)
+        trainer.init(0)
+        check_against_reference(trainer, "llama2", cfg)
+
+
+def test_gradient_is_token_weighted():
+    """Pipelines [[2,1,1],[4]] with batches 6 and 2: the gradient equals the single-device gradient
+    of the concatenated batch (the seed's equal weighting of pipelines is a different gradient)."""
+    import jax
+    from cfp.models import loss_fn
+    from cfp.runtime.engine import HeteroTrainer
+    cfg = tiny(3)  # same programs as the 2-1-1+4 equivalence test: no new compile
+    layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
+    trainer = HeteroTrainer("llama2", cfg, layout).init(0)
+    batch = batches("llama2", cfg, 8)[0]
+    grads, loss = trainer.gradients(batch)
+    params = trainer.state()[0]
+    ref_loss, ref = jax.value_and_grad(loss_fn("llama2", cfg))(params, batch)
+    assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
+        r = np.asarray(r)
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+    # the seed's rule (mean of per-pipeline mean losses) is a different, wrong gradient
+    lf = loss_fn("llama2", cfg)
+    half = lambda lo, hi: {k: v[lo:hi] for k, v in batch.items()}
+    seed = jax.grad(lambda p: 0.5 * lf(p, half(0, 6)) + 0.5 * lf(p, half(6, 8)))(params)
+    assert not np.allclose(seed["params"]["embed"]["token"]["embedding"],
+                           grads["params"]["embed"]["token"]["embedding"], rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_bf16_compute_with_f32_master_weights():
+    import jax
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.verify import tree_error
+    cfg = tiny(2, dtype="bfloat16")
+    layout = HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2])
+    trainer = HeteroTrainer("llama2", cfg, layout, "1f1b").init(0)
+    ref_losses, ref_params = reference("llama2", cfg, 4)
+    losses = [trainer.step(b).loss for b in batches("llama2", cfg, 4)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    params = trainer.state()[0]
+    assert all(l.dtype == np.float32 for l in jax.tree_util.tree_leaves(params))
+    assert tree_error(params, ref_params) < 5e-2
+
+# ----------------------------------------------------------------------------- training loop
+
+
+def _opts(tmp_path, layout, **kw):
+    from cfp.runtime.training import DataSource, TrainOptions
+    base = dict(model="llama2", layout=layout, overrides=dict(num_layers=2, seq_len=16,
+                hidden_size=32, ffn_size=64), steps=4, data=DataSource.STDLIB,
+                checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def test_resume_reproduces_losses_also_on_another_layout(tmp_path):
+    from cfp.runtime.training import run_training
+    quiet = lambda *a, **k: None
+    lay = HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2])
+    full = run_training(_opts(tmp_path / "a", lay, timeline_dir=str(tmp_path / "tl")), log=quiet)
+    assert sorted(full.losses) == [1, 2, 3, 4]
+    # "killed" after step 2 (checkpoints of steps 1 and 2 on disk), then resumed
+    run_training(_opts(tmp_path / "b", lay, stop_after=2), log=quiet)
+    resumed = run_training(_opts(tmp_path / "b", lay, resume=True), log=quiet)
+    assert [resumed.losses[k] for k in range(1, 5)] == [full.losses[k] for k in range(1, 5)]
+    # resume the step-2 checkpoint onto a different layout (two pipelines, batches 3 + 1)
+    other = HeteroLayout.from_lists([[1], [2]], [[2], [2]], [3, 1], [3, 1])
+    run_training(_opts(tmp_path / "c", lay, stop_after=2), log=quiet)
+    moved = run_training(_opts(tmp_path / "c", other, resume=True, verify=True), log=quiet)
+    np.testing.assert_allclose([moved.losses[k] for k in range(1, 5)],
+                               [full.losses[k] for k in range(1, 5)], rtol=1e-5)
+    assert moved.verify_ok and moved.verify_error < 1e-5
+    # timeline: JSON + PNG, measured bubble next to the theoretical (p-1)/(m+p-1)
+    data = json.loads((tmp_path / "tl" / "timeline.json").read_text())
+    assert {(e["stage"], e["microbatch"], e["phase"]) for e in data["events"]} == {
+        (s, m, ph) for s in (0, 1) for m in (0, 1) for ph in ("fwd", "bwd")}
+    assert (tmp_path / "tl" / "timeline.png").stat().st_size > 0
+    assert full.bubbles[0]["theoretical_bubble"] == pytest.approx(1 / 3)
+    assert 0.0 <= full.bubbles[0]["bubble"] < 1.0

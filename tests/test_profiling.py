@@ -116,3 +116,20 @@ def test_estimate_profiler_and_top_k(mlp):
     cands = seg.candidates(1)
     assert cands[0].time == min(e.time for e in seg.entries)
     assert min(e.memory for e in cands) == min(e.memory for e in seg.entries)
+
+
+def test_cli_profile_then_cache(tmp_path, capsys):
+    """`cfp profile` on a 1-layer GPT writes its table; the same command again compiles nothing."""
+    import json
+
+    from cfp.cli.main import main
+    argv = ["profile", "--model", "gpt", "--num-layers", "1", "--batch-size", "8", "--mesh", "8",
+            "--profiler", "estimate", "--gpu", "RTX4090", "--max-combinations", "1", "--no-progress",
+            "--cache-dir", str(tmp_path / "cache"), "--dump-dir", str(tmp_path / "dump")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "compiles: 2" in out and "pruned: 11664 combinations > max 1" in out
+    table = json.loads((tmp_path / "dump" / "profile_table.json").read_text())
+    assert table["profiler"] == "estimate:RTX4090" and len(table["segments"]) == 2
+    assert main(argv) == 0
+    assert "compiles: 0" in capsys.readouterr().out

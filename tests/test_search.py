@@ -94,3 +94,17 @@ def test_load_plan_errors(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ConfigError, match="bad.json|version"):
         load_plan(str(bad))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["search", "--model", "gpt", "--memory-per-device", "2parsecs"], "'2parsecs'"),
+    (["search", "--model", "gpt", "--profiler", "estimate", "--gpu", "GTX480"], "'GTX480'"),
+    (["profile", "--model", "gpt", "--profiler", "estimate"], "needs a gpu"),
+    (["enum-benchmark", "--model", "gpt", "--gpu", "GTX480"], "'GTX480'"),
+])
+def test_cli_bad_inputs_exit_2(argv, needle, capsys):
+    """Bad options fail fast (before any capture or compile) with a one-line error and exit code 2."""
+    from cfp.cli.main import main
+    assert main(argv + ["--no-progress"] if argv[0] != "enum-benchmark" else argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err

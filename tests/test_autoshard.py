@@ -83,3 +83,12 @@ def test_gpt_train_step_plan(tmp_path):
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     # Adam divides by sqrt(v): float noise in near-zero gradients moves params by up to ~lr, so absolute tolerance
     _close(new_p, ref_p, atol=2e-3, rtol=0)
+
+
+def test_package_level_entry_points(args, tmp_path):
+    import cfp
+    first, second = cfp.autoshard, cfp.autoshard   # the second access sees the imported submodule
+    assert callable(first) and callable(second) and cfp.load_plan is load_plan
+    step = cfp.autoshard(grad_step, "8", *args, profiler="estimate", gpu="RTX3090", max_combinations=1, verify=0,
+                         plan_out=str(tmp_path / "p.json"))
+    assert cfp.load_plan(str(tmp_path / "p.json")).choice == step.plan.choice

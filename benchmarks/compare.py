@@ -52,19 +52,14 @@ def _measure_compiled(row: Row, compiled, call_args, mesh_shape) -> None:
     row.run = lambda: jax.block_until_ready(compiled(*call_args))
 
 
-def build_rows(args, step, example_args, spec, budget, log):
+def _baseline_rows(args, step, example_args, spec, mesh, wanted):
     import jax
 
-    from cfp.analysis.analysis import analyze_with_program
-    from cfp.analysis.apply import apply_plan
     from cfp.errors import CfpError
     from cfp.search.baselines import Baseline, baseline_step
-    from cfp.search.ilp import CostModel, ilp_plan
-
-    mesh = spec.make()
     rows = []
     for b in Baseline:
-        if b is Baseline.DP_TP and spec.ndim != 2:
+        if (b is Baseline.DP_TP and spec.ndim != 2) or (wanted and b.value not in wanted):
             continue
         row = Row(b.value)
         rows.append(row)
@@ -73,13 +68,19 @@ def build_rows(args, step, example_args, spec, budget, log):
             fn, shardings = baseline_step(b, step, example_args, mesh, args.model)
             placed = jax.device_put(example_args, shardings)
             row.plan_time = time.perf_counter() - t0
-            log(f"compiling {b.value} ...")
             _measure_compiled(row, fn.lower(*placed).compile(), placed, spec.shape)
         except CfpError as e:
             row.note = f"n/a: {e}"
+    return rows
 
+
+def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
+    import jax
+
+    from cfp.analysis.analysis import analyze_with_program
+    from cfp.errors import CfpError
+    from cfp.search.ilp import CostModel, ilp_plan, ilp_step
     row = Row("alpa-ilp")
-    rows.append(row)
     try:
         t0 = time.perf_counter()
         analysis, program = analyze_with_program(step, *example_args, mesh=spec)
@@ -93,31 +94,46 @@ def build_rows(args, step, example_args, spec, budget, log):
         row.note = (f"{res.num_variables} vars, {'optimal' if res.optimal else 'time limit'}, "
                     f"{res.disagreements} bwd dots re-indexed")
         log(f"compiling alpa-ilp (choice {list(res.choice)}) ...")
-        sharded = apply_plan(program, analysis, res.choice, mesh)
+        sharded = ilp_step(program, analysis, res, mesh)
         flat = jax.tree_util.tree_leaves(sharded.shard_args(*example_args))
         _measure_compiled(row, sharded.compile(*example_args), flat, spec.shape)
     except CfpError as e:
         row.note = f"n/a: {e}"
+    return row
 
+
+def _cfp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
+    import jax
+
+    from cfp.errors import CfpError
     try:
         from cfp.autoshard import autoshard
-        name = "cfp"
     except ImportError as e:
-        autoshard, name = None, f"cfp (search pass not available: {e})"
-    row = Row(name)
-    rows.append(row)
-    if autoshard is not None:
-        try:
-            t0 = time.perf_counter()
-            log(f"planning cfp (profiler {args.profiler}) ...")
-            sharded = autoshard(step, mesh, *example_args, memory_limit=budget, profiler=args.profiler,
-                                gpu=args.gpu, iters=args.iters)
-            row.plan_time = time.perf_counter() - t0
-            row.note = f"choice {list(sharded.plan.choice)}"
-            flat = jax.tree_util.tree_leaves(sharded.shard_args(*example_args))
-            _measure_compiled(row, sharded.compile(*example_args), flat, spec.shape)
-        except CfpError as e:
-            row.note = f"n/a: {e}"
+        return Row(f"cfp (search pass not available: {e})")
+    row = Row("cfp")
+    try:
+        t0 = time.perf_counter()
+        log(f"planning cfp (profiler {args.profiler}) ...")
+        sharded = autoshard(step, mesh, *example_args, memory_limit=budget, profiler=args.profiler,
+                            gpu=args.gpu, iters=args.iters)
+        row.plan_time = time.perf_counter() - t0
+        row.note = f"choice {list(sharded.plan.choice)}"
+        flat = jax.tree_util.tree_leaves(sharded.shard_args(*example_args))
+        _measure_compiled(row, sharded.compile(*example_args), flat, spec.shape)
+    except CfpError as e:
+        row.note = f"n/a: {e}"
+    return row
+
+
+def build_rows(args, step, example_args, spec, budget, log, wanted=None) -> list[Row]:
+    """Compile every requested row (`wanted`: a set of row names, None for all)."""
+    mesh = spec.make()
+    log("compiling baselines ...")
+    rows = _baseline_rows(args, step, example_args, spec, mesh, wanted)
+    if not wanted or "alpa-ilp" in wanted:
+        rows.append(_ilp_row(args, step, example_args, spec, mesh, budget, log))
+    if not wanted or "cfp" in wanted:
+        rows.append(_cfp_row(args, step, example_args, spec, mesh, budget, log))
     return rows
 
 
@@ -133,7 +149,7 @@ def time_rows(rows, iters: int, budget) -> None:
 
 
 def render(rows, budget) -> str:
-    cfp = next((r for r in rows if r.name == "cfp"), None)
+    cfp = next((r for r in rows if r.name.startswith("cfp")), None)
     ref = cfp.time if cfp is not None else None
     head = f"{'plan':<14} {'step time':>11} {'vs cfp':>7} {'memory/dev':>18} {'comm/step':>11} {'planning':>9}  note"
     lines = [head, "-" * len(head)]
@@ -145,9 +161,9 @@ def render(rows, budget) -> str:
         comm = _fmt_bytes(r.comm) if r.comm is not None else "-"
         pt = f"{r.plan_time:7.2f} s" if r.plan_time is not None else "-"
         lines.append(f"{r.name[:14]:<14} {t:>11} {ratio:>7} {mem:>18} {comm:>11} {pt:>9}  {r.note}")
-    if cfp is not None and len(cfp.name) > 3:
-        lines.append(cfp.name)
-    base = [r for r in rows if r.name not in ("cfp", "alpa-ilp") and r.time is not None]
+    if cfp is not None and cfp.name != "cfp":
+        lines.append(cfp.name)   # the fallback label, in full
+    base = [r for r in rows if r is not cfp and r.name != "alpa-ilp" and r.time is not None]
     alpa = next((r for r in rows if r.name == "alpa-ilp"), None)
     if ref:
         if base:
@@ -174,6 +190,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", default=None, help="catalog GPU: ILP cost model rates, and cfp's estimate profiler")
     p.add_argument("--profiler", choices=("measure", "estimate"), default="measure")
     p.add_argument("--ilp-time-limit", type=float, default=60.0)
+    p.add_argument("--rows", default=None,
+                   help="comma-separated subset of rows to run (data-parallel,fsdp,megatron-tp,dp-tp,alpa-ilp,cfp)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     ensure_host_devices()
@@ -188,7 +206,8 @@ def main(argv=None) -> int:
     except CfpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = build_rows(args, step, example_args, spec, budget, log)
+    wanted = set(args.rows.split(",")) if args.rows else None
+    rows = build_rows(args, step, example_args, spec, budget, log, wanted)
     log(f"timing {args.iters} rounds ...")
     time_rows(rows, args.iters, budget)
     print(f"model {args.model}/{args.config} layers={args.num_layers} batch={args.batch_size} mesh={spec} "

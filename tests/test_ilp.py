@@ -78,3 +78,16 @@ def test_ilp_choice_applies_and_matches_unsharded():
     ref = _mlp_step(*args)
     for k in ref:
         assert jnp.allclose(out[k], ref[k], atol=1e-5)
+
+
+def test_ilp_step_keeps_ilp_input_layouts():
+    from cfp.search.ilp import ilp_step
+    args = _mlp_args()
+    a, program = analyze_with_program(_mlp_step, *args, mesh="4")
+    res = ilp_plan(a)
+    step = ilp_step(program, a, res)
+    assert len(res.input_specs) == len(a.graph.inputs)
+    out = step(*args)
+    ref = _mlp_step(*args)
+    for k in ref:
+        assert jnp.allclose(out[k], ref[k], atol=1e-5)

@@ -19,7 +19,7 @@ Formulation (Zheng et al., Alpa, OSDI'22, §4.2), on cfp's `OpGraph`:
   large activations) under the chosen layouts <= budget (a linear constraint; the smallest feasible budget
   is the sum of per-node minima). Other temporaries are not modelled, so compiled memory is higher.
 
-Mapping to CFP's per-block `choice`: each ParallelBlock's strategy index is the ILP's choice for the block's
+Mapping to CFP's per-block `choice` (`ilp_step` applies it with the ILP's own input/output layouts): each ParallelBlock's strategy index is the ILP's choice for the block's
 forward dot (its candidate list is the same `enumerate_strategies` list). Alpa decides backward dots on their
 own; `apply_plan` instead derives them from the forward dot through the block's re-index plan, so where the
 ILP's backward choice differs it is overridden by the forward one. Those overrides are counted in
@@ -271,6 +271,8 @@ class IlpResult:
     optimal: bool
     solve_time: float
     num_variables: int
+    input_specs: tuple[DimAxes, ...] = ()     # the ILP's layout of every flat input of the step
+    output_specs: tuple[DimAxes, ...] = ()    # and of every flat output (None outputs: replicated)
 
 
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 60.0) -> tuple[tuple[int, ...], float, bool, int]:
@@ -372,5 +374,26 @@ def ilp_plan(analysis: Analysis, memory_budget: float | None = None, cost: CostM
                 disagree += 1
             if j is not None:
                 applied[problem.node_of_dot[bd.op]] = j
+    g = analysis.graph
+    owner = {t: i for i, n in enumerate(problem.nodes) for t in n.specs[0]}
+
+    def spec(t):
+        if t is None or t not in owner:
+            return () if t is None else tuple(() for _ in g.tensor(t).shape)
+        return problem.nodes[owner[t]].specs[assign[owner[t]]][t]
     return IlpResult(assign, tuple(choice), obj, problem.cost(applied), problem.memory(assign), disagree,
-                     optimal, time.perf_counter() - t0, nvars)
+                     optimal, time.perf_counter() - t0, nvars, tuple(spec(t) for t in g.inputs),
+                     tuple(spec(t) for t in g.outputs))
+
+
+def ilp_step(program, analysis: Analysis, result: IlpResult, mesh=None):
+    """The sharded step of an ILP plan: blocks as `apply_plan(result.choice)`, but the step's inputs and
+    outputs (parameters, optimizer state, batch) in the ILP's own layouts, so its memory decisions hold;
+    XLA reshards them where a block wants another layout (as FSDP gathers a sharded weight)."""
+    from cfp.analysis.apply import ShardedStep, partition_spec, resolve
+
+    names = analysis.mesh.axis_names
+    plan = dataclasses.replace(resolve(analysis, result.choice),
+                               input_specs=tuple(partition_spec(s, names) for s in result.input_specs),
+                               output_specs=tuple(partition_spec(s, names) for s in result.output_specs))
+    return ShardedStep(program, analysis, plan, mesh if mesh is not None else analysis.mesh.make())

@@ -173,6 +173,8 @@ def render(rows, budget) -> str:
             lines.append("cfp speedup vs best baseline: n/a (no baseline fits)")
         lines.append(f"cfp speedup vs alpa-ilp: {alpa.time / ref:.2f}" if alpa is not None and alpa.time
                      else "cfp speedup vs alpa-ilp: n/a (alpa-ilp has no feasible plan)")
+    elif cfp is None:
+        lines.append("cfp speedup: n/a (cfp row not run, see --rows)")
     else:
         lines.append("cfp speedup: n/a (cfp produced no plan)")
     return "\n".join(lines)

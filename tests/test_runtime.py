@@ -133,14 +133,14 @@ def reference(model, cfg, rows):
 
 
 def check_against_reference(trainer, model, cfg):
-    from cfp.runtime.verify import identical_across_pipelines, tree_error
+    from cfp.runtime.verify import identical_across_pipelines, leaf_error
     rows = trainer.layout.total_batch_size
     ref_losses, ref_params = reference(model, cfg, rows)
     losses = [trainer.step(b).loss for b in batches(model, cfg, rows)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     params = trainer.state()[0]
     # per-leaf normwise relative error (see cfp.runtime.verify for why not elementwise)
-    assert tree_error(params, ref_params) < 1e-5
+    assert leaf_error(params, ref_params) < 1e-5
     assert identical_across_pipelines(trainer)
 
 

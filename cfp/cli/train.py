@@ -121,6 +121,16 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
         stop_after=args.stop_after)
-    result = run_training(opts)
+    import jax
+    from cfp.errors import CfpError
+    try:
+        result = run_training(opts)
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        # a collective with a dead or unreachable peer fails here instead of hanging
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CfpError(f"process {jax.process_index()}: a cross-process transfer failed (did "
+                       f"another process die?): {first[:300]}") from None
     sys.stdout.flush()
     return 0 if result.verify_ok else 1

@@ -123,6 +123,11 @@ class HeteroTrainer:
         self.programs: dict[tuple[int, int], StageProgram] = {}
         for st in layout.stages:
             devs = [self.devices[d] for d in st.devices]
+            if len({d.process_index for d in devs}) > 1:
+                raise ConfigError(
+                    f"stage {st.key} uses devices {list(st.devices)} of processes "
+                    f"{sorted({d.process_index for d in devs})}; a stage's devices must belong to "
+                    f"one process (choose devices_id accordingly)")
             # Compiled programs are reused by later trainers of the same model, stage and
             # optimizer (a resumed run, another schedule, a test): compiling dominates start-up.
             ckey = (model_name, config, st, tuple(devs), float(learning_rate), float(weight_decay))
@@ -135,6 +140,7 @@ class HeteroTrainer:
         self.params: dict[tuple[int, int], Any] = {}
         self.opt_state: dict[tuple[int, int], Any] = {}
         self.step_count = 0
+        self._initialized = False
         self._watchers = {k: _Watcher() for k, pr in self.programs.items() if pr.is_local}
         self._act_like: dict[tuple[int, int], Any] = {}
 
@@ -158,6 +164,7 @@ class HeteroTrainer:
             self.opt_state[key] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like),
                                                                leaves)
         self.step_count = int(step)
+        self._initialized = True
         return self
 
     def state(self) -> tuple[Any, Any, int]:
@@ -282,7 +289,7 @@ class HeteroTrainer:
 
     def _run_schedule(self, batch: dict):
         """Dispatch every pipeline's fwd/bwd actions; returns (grad accumulators, loss, times)."""
-        if not self.params:
+        if not self._initialized:
             raise ConfigError("HeteroTrainer.step called before init() or load_state()")
         b = {k: np.asarray(v) for k, v in batch.items()}
         rows = b["inputs"].shape[0]

@@ -17,6 +17,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 TP_AXIS = "tp"
 COLUMN = frozenset({"query", "key", "value", "fc_in", "gate", "up", "lm_head", "wi", "wi_0", "wi_1"})
 ROW = frozenset({"out", "fc_out", "down", "wo"})
+EXPERT = frozenset({"wi", "wo"})  # MoE [experts, in, out] parameters
 
 
 def stage_mesh(devices: list) -> Mesh:
@@ -28,7 +29,7 @@ def _axis_for(path: tuple[str, ...], shape: tuple[int, ...]) -> int | None:
     """The axis to shard for a parameter at ``path`` (module names..., leaf name), or None."""
     leaf = path[-1]
     module = path[-2] if len(path) > 1 else ""
-    if any("expert" in p for p in path) and len(shape) == 3:
+    if (leaf in EXPERT or any("expert" in p for p in path)) and len(shape) == 3:
         return 0  # [experts, in, out]: expert-parallel inside the TP group
     if module in COLUMN:
         if leaf == "kernel":

@@ -122,7 +122,7 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
         stats = trainer.step(data.batch(step))
         losses[step + 1] = stats.loss
         tps = stats.tokens / stats.seconds
-        log(f"step {step + 1} loss {stats.loss:.6f} tokens/s {tps:,.0f} ({stats.seconds:.3f} s)")
+        log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {tps:,.0f} ({stats.seconds:.3f} s)")
         if step > start:  # the first step still traces (and warms caches); keep it out of rates
             timed.append(stats)
             for k, v in stats.busy().items():
@@ -137,10 +137,14 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
         result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
         result.busy = {k: v / len(timed) for k, v in busy_sum.items()}
         log(f"tokens/s {result.tokens_per_s:,.0f} (mean over steps {start + 2}..{step + 1})")
-        log("busy per stage (s/step): " + ", ".join(
-            f"p{k[0]}s{k[1]} {v:.4f}" for k, v in sorted(result.busy.items())))
-    if last_events:
-        result.bubbles = _timeline(opts, last_events, log)
+        line = "busy per stage (s/step): " + ", ".join(
+            f"p{k[0]}s{k[1]} {v:.4f}" for k, v in sorted(result.busy.items()))
+        if jax.process_count() > 1:  # each process measured its own stages
+            print(f"{line} (process {jax.process_index()})", flush=True)
+        else:
+            log(line)
+    if last_events is not None:
+        result.bubbles = _timeline(opts, last_events, log, len(trainer.order))
     if opts.verify:
         _verify(opts, trainer, config, data, init_state, start, losses, result, log)
     return result
@@ -177,16 +181,32 @@ def _save(opts, trainer, losses, config) -> None:
                     overwrite=True)
 
 
-def _timeline(opts, events, log) -> dict[int, dict[str, float]]:
+def _all_events(events, n_max: int) -> np.ndarray:
+    """Rows (pipeline, stage, microbatch, phase 0/1, start, end) of every process's events.
+
+    Each process measures its own stages against its own clock, from the same step boundary."""
+    rows = np.array([[e.pipeline, e.stage, e.microbatch, 0 if e.phase.value == "fwd" else 1,
+                      e.start, e.end] for e in events], np.float32).reshape(-1, 6)
+    if jax.process_count() == 1:
+        return rows
+    from jax.experimental import multihost_utils
+    padded = np.full((n_max, 6), -1.0, np.float32)
+    padded[:len(rows)] = rows
+    allrows = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, 6)
+    return allrows[allrows[:, 0] >= 0]
+
+
+def _timeline(opts, events, log, n_max: int) -> dict[int, dict[str, float]]:
     from cfp.runtime.timeline import Timeline
     tl = Timeline()
-    for e in events:
-        tl.record(e.pipeline, e.stage, e.microbatch, e.phase.value, e.start, e.end)
+    for row in _all_events(events, n_max):
+        tl.record(int(row[0]), int(row[1]), int(row[2]), "fwd" if row[3] == 0 else "bwd",
+                  float(row[4]), float(row[5]))
     summary = tl.summary()
     for q, v in summary.items():
         log(f"pipeline {q}: bubble measured {v['bubble']:.1%} vs theoretical "
             f"{v['theoretical_bubble']:.1%} (p={v['stages']}, m={v['microbatches']})")
-    if opts.timeline_dir and jax.process_index() == 0:
+    if opts.timeline_dir and jax.process_index() == 0 and len(tl):
         os.makedirs(opts.timeline_dir, exist_ok=True)
         tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))
         tl.plot_png(os.path.join(opts.timeline_dir, "timeline.png"),

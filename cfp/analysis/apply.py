@@ -86,17 +86,17 @@ def _needs_constraint(graph, ops: set[int], specs: dict) -> set[int]:
     return keep
 
 
-class ShardedStep:
-    """The captured step compiled under an `AppliedPlan` on a mesh; call it like the original step."""
+class ConstraintHooks:
+    """Replay hooks that impose block layouts: constraints on block tensors (scope `cfp_b<N>`) and on
+    tensors entering a block with another layout (scope `cfp_reshard<N>`)."""
 
-    def __init__(self, program: Program, analysis: Analysis, plan: AppliedPlan, mesh: jax.sharding.Mesh):
-        self.program, self.analysis, self.plan, self.mesh = program, analysis, plan, mesh
+    def __init__(self, analysis: Analysis, layouts: Sequence[BlockLayout], mesh: jax.sharding.Mesh):
         g = analysis.graph
         names = analysis.mesh.axis_names
-        block_of_op = {op: lay.block for lay in plan.layouts for op in analysis.blocks[lay.block].operators}
-        out_cons: dict[int, Any] = {}
-        use_cons: dict[tuple[int, int], Any] = {}
-        for lay in plan.layouts:
+        self.block_of_op = {op: lay.block for lay in layouts for op in analysis.blocks[lay.block].operators}
+        self.out_cons: dict[int, Any] = {}
+        self.use_cons: dict[tuple[int, int], Any] = {}
+        for lay in layouts:
             ops = set(analysis.blocks[lay.block].operators)
             pinned = _needs_constraint(g, ops, dict(lay.specs))
             for t, spec in lay.specs:
@@ -105,25 +105,34 @@ class ShardedStep:
                 sharding = NamedSharding(mesh, partition_spec(spec, names))
                 prod = g.producer.get(t)
                 if prod in ops:
-                    out_cons[t] = sharding
+                    self.out_cons[t] = sharding
                 for c in g.consumers.get(t, ()):
                     if c in ops and prod not in ops:
-                        use_cons[(c, t)] = sharding
+                        self.use_cons[(c, t)] = sharding
 
-        def on_output(i, t, v):
-            s = out_cons.get(t)
-            return jax.lax.with_sharding_constraint(v, s) if s is not None else v
+    def on_output(self, i, t, v):
+        s = self.out_cons.get(t)
+        return jax.lax.with_sharding_constraint(v, s) if s is not None else v
 
-        def on_input(i, t, v):
-            s = use_cons.get((i, t))
-            if s is None:
-                return v
-            with jax.named_scope(f"cfp_reshard{block_of_op[i]}"):
-                return jax.lax.with_sharding_constraint(v, s)
+    def on_input(self, i, t, v):
+        s = self.use_cons.get((i, t))
+        if s is None:
+            return v
+        with jax.named_scope(f"cfp_reshard{self.block_of_op[i]}"):
+            return jax.lax.with_sharding_constraint(v, s)
 
-        def scope_of(i):
-            b = block_of_op.get(i)
-            return None if b is None else f"cfp_b{b}"
+    def scope_of(self, i):
+        b = self.block_of_op.get(i)
+        return None if b is None else f"cfp_b{b}"
+
+
+class ShardedStep:
+    """The captured step compiled under an `AppliedPlan` on a mesh; call it like the original step."""
+
+    def __init__(self, program: Program, analysis: Analysis, plan: AppliedPlan, mesh: jax.sharding.Mesh):
+        self.program, self.analysis, self.plan, self.mesh = program, analysis, plan, mesh
+        hooks = ConstraintHooks(analysis, plan.layouts, mesh)
+        on_output, on_input, scope_of = hooks.on_output, hooks.on_input, hooks.scope_of
 
         def flat_fn(*flat):
             return tuple(program.replay(list(flat), on_output=on_output, scope_of=scope_of, on_input=on_input))

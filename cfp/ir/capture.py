@@ -56,15 +56,24 @@ class Program:
         """Evaluate the flat program on `flat_args` (concrete or traced).
 
         `on_output(op_index, tensor_id, value)` may replace an operator's output (e.g. with a sharding
-        constraint) for all its uses; `on_input(op_index, tensor_id, value)` replaces one use only; `scope_of(op_index)` names a `jax.named_scope` to emit the operator under, so the compiled
+        constraint) for all its uses; `on_input(op_index, tensor_id, value)` replaces one use only;
+        `scope_of(op_index)` names a `jax.named_scope` to emit the operator under, so the compiled
         HLO's metadata says which ParallelBlock each instruction (and each inserted collective) came from.
         """
         t = self._traced
         if len(flat_args) != len(t.invars):
             raise CaptureError(f"replay got {len(flat_args)} flat arguments, the program takes {len(t.invars)}")
+        env = self.evaluate(dict(zip(t.invars, flat_args)), range(len(t.eqns)), on_output, scope_of, on_input)
+        return [env[a] if kind == "var" else a for kind, a in t.outvars]
+
+    def evaluate(self, values: dict[int, Any], ops, on_output=None, scope_of=None, on_input=None) -> dict:
+        """Evaluate operators `ops` (indices, in program order) given the tensors in `values`; returns all
+        tensors known afterwards (constants included). Hooks as in `replay`; used to run one segment alone."""
+        t = self._traced
         env: dict[int, Any] = dict(t.const_values)
-        env.update(zip(t.invars, flat_args))
-        for i, eqn in enumerate(t.eqns):
+        env.update(values)
+        for i in ops:
+            eqn = t.eqns[i]
             vals = [env[a] if kind == "var" else a for kind, a in eqn.invars]
             if on_input:
                 vals = [on_input(i, a, v) if kind == "var" else v for (kind, a), v in zip(eqn.invars, vals)]
@@ -75,10 +84,9 @@ class Program:
             else:
                 outs = internals.bind(eqn, vals)
             for tid, val in zip(eqn.outvars, outs):
-                if tid is None:
-                    continue
-                env[tid] = on_output(i, tid, val) if on_output else val
-        return [env[a] if kind == "var" else a for kind, a in t.outvars]
+                if tid is not None:
+                    env[tid] = on_output(i, tid, val) if on_output else val
+        return env
 
     def as_function(self, **replay_kwargs) -> Callable:
         """The program as a function of the original (pytree) arguments, returning the original outputs."""

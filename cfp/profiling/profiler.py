@@ -162,7 +162,8 @@ class Profiler:
     def _entry(self, seg: Segment, combo, sp: SegmentProgram, compiled, quiet=None) -> ProfileEntry:
         shape = self.analysis.mesh.shape
         mem = compiled.memory_analysis()
-        memory = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+        memory = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                     - sp.borrowed_bytes)
         cost = compiled.cost_analysis() or {}
         if isinstance(cost, (list, tuple)):
             cost = cost[0] if cost else {}

@@ -2,7 +2,7 @@
 
 Inputs are the tensors the segment reads but does not produce (flat step inputs, constants, values of other
 segments); outputs are the tensors it produces that something outside reads. Inputs and outputs are sharded as
-the segment's block layouts imply, and every in-segment tensor is constrained like `apply.ShardedStep` does, so
+the segment's block layouts imply, and in-segment tensors are constrained by the same `ConstraintHooks` as `apply.ShardedStep`, so
 profiling one segment measures the same partitioned code the whole plan would run.
 """
 from __future__ import annotations
@@ -15,10 +15,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.apply import partition_spec
+from cfp.analysis.apply import ConstraintHooks, partition_spec
 from cfp.analysis.layout import BlockLayout, block_layout
 from cfp.analysis.segments import Segment
-from cfp.ir import _jax_internals as internals
 from cfp.ir.capture import Program
 
 
@@ -52,6 +51,14 @@ def layouts_for(analysis: Analysis, segment: Segment, combo: Sequence[int]) -> t
                  for b, c in zip(segment.blocks, combo))
 
 
+def _shards(spec, mesh_shape) -> int:
+    n = 1
+    for axes in spec:
+        for a in axes:
+            n *= mesh_shape[a]
+    return n
+
+
 class SegmentProgram:
     """The jitted sub-program of `segment` under strategy combination `combo` (one index per block)."""
 
@@ -63,50 +70,24 @@ class SegmentProgram:
         self.io = io
         names = analysis.mesh.axis_names
         layouts = layouts_for(analysis, segment, combo)
-        block_of_op = {o: lay.block for lay in layouts for o in analysis.blocks[lay.block].operators}
+        hooks = ConstraintHooks(analysis, layouts, mesh)
         first_spec: dict[int, Any] = {}
-        out_cons: dict[int, NamedSharding] = {}
-        use_cons: dict[tuple[int, int], NamedSharding] = {}
         for lay in layouts:
-            ops = set(analysis.blocks[lay.block].operators)
             for t, spec in lay.specs:
                 first_spec.setdefault(t, spec)
-                sharding = NamedSharding(mesh, partition_spec(spec, names))
-                prod = g.producer.get(t)
-                if prod in ops:
-                    out_cons[t] = sharding
-                for c in g.consumers.get(t, ()):
-                    if c in ops and prod not in ops:
-                        use_cons[(c, t)] = sharding
         self.in_shardings = tuple(NamedSharding(mesh, partition_spec(first_spec.get(t, ()), names))
                                   for t in io.inputs)
         self.out_shardings = tuple(NamedSharding(mesh, partition_spec(first_spec.get(t, ()), names))
                                    for t in io.outputs)
-        traced = program._traced  # the equations to replay; same object `Program.replay` walks
-        eqns = [(i, traced.eqns[i]) for i in io.ops]
-        consts = traced.const_values
-        in_ids, out_ids = io.inputs, io.outputs
+        # Activations produced by another segment are that segment's outputs: count them there only.
+        flat_inputs = set(g.inputs)
+        self.borrowed_bytes = sum(
+            g.tensor(t).nbytes // max(1, _shards(first_spec.get(t, ()), analysis.mesh.shape))
+            for t in io.inputs if t not in flat_inputs)
+        in_ids, out_ids, ops = io.inputs, io.outputs, io.ops
 
         def fn(*vals):
-            env: dict[int, Any] = dict(zip(in_ids, vals))
-            for i, eqn in eqns:
-                args = []
-                for kind, a in eqn.invars:
-                    if kind != "var":
-                        args.append(a)
-                        continue
-                    v = env[a] if a in env else consts[a]
-                    s = use_cons.get((i, a))
-                    if s is not None:
-                        with internals.named_scope(f"cfp_reshard{block_of_op[i]}"):
-                            v = jax.lax.with_sharding_constraint(v, s)
-                    args.append(v)
-                with internals.named_scope(f"cfp_b{block_of_op[i]}"):
-                    outs = internals.bind(eqn, args)
-                for tid, val in zip(eqn.outvars, outs):
-                    if tid is not None:
-                        s = out_cons.get(tid)
-                        env[tid] = jax.lax.with_sharding_constraint(val, s) if s is not None else val
+            env = program.evaluate(dict(zip(in_ids, vals)), ops, hooks.on_output, hooks.scope_of, hooks.on_input)
             return tuple(env[t] for t in out_ids)
 
         self._jitted = jax.jit(fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)

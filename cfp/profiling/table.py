@@ -13,7 +13,7 @@ from typing import Any
 
 from cfp.errors import ConfigError
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: segment memory excludes activations borrowed from other segments
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,7 +107,7 @@ def _cfp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
 
     from cfp.errors import CfpError
     try:
-        from cfp.autoshard import autoshard
+        from cfp.search.autoshard import autoshard
     except ImportError as e:
         return Row(f"cfp (search pass not available: {e})")
     row = Row("cfp")

@@ -19,7 +19,7 @@ def __getattr__(name):
     # autoshard/load_plan live with the search pass; imported lazily so `import cfp` stays light
     if name in ("autoshard", "load_plan"):
         import importlib
-        return getattr(importlib.import_module("cfp.autoshard"), name)
+        return getattr(importlib.import_module("cfp.search.autoshard"), name)
     raise AttributeError(f"module 'cfp' has no attribute {name!r}")
 
 

@@ -1,8 +1,6 @@
 """`autoshard`: analysis, profiling and search in one call, returning the sharded step."""
 from __future__ import annotations
 
-import sys
-import types
 from typing import Callable
 
 from cfp.analysis.analysis import analyze_with_program
@@ -46,14 +44,3 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     if plan_out:
         step.saved_plan.save(plan_out)
     return step
-
-
-class _CallableModule(types.ModuleType):
-    """Importing `cfp.autoshard` binds the package attribute `cfp.autoshard` to this module, shadowing the
-    function of the same name; making the module callable keeps `cfp.autoshard(step_fn, mesh, ...)` working."""
-
-    def __call__(self, *args, **kwargs):
-        return autoshard(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -87,6 +87,16 @@ class _Watcher:
                 self.q.task_done()
 
 
+_WATCHERS: dict[tuple[int, ...], _Watcher] = {}
+
+
+def _watcher(devices: tuple[int, ...]) -> _Watcher:
+    """One watcher thread per device group, shared by the trainers of a process (used in turn)."""
+    if devices not in _WATCHERS:
+        _WATCHERS[devices] = _Watcher()
+    return _WATCHERS[devices]
+
+
 def optimizer(learning_rate: float, weight_decay: float) -> optax.GradientTransformation:
     """The optimizer of ``cfp.models.train_step`` (AdamW), so the single-device replay matches."""
     return optax.adamw(learning_rate, weight_decay=weight_decay)
@@ -141,7 +151,8 @@ class HeteroTrainer:
         self.opt_state: dict[tuple[int, int], Any] = {}
         self.step_count = 0
         self._initialized = False
-        self._watchers = {k: _Watcher() for k, pr in self.programs.items() if pr.is_local}
+        self._watchers = {k: _watcher(pr.stage.devices) for k, pr in self.programs.items()
+                          if pr.is_local}
         self._act_like: dict[tuple[int, int], Any] = {}
 
     # ------------------------------------------------------------------ state
@@ -157,12 +168,11 @@ class HeteroTrainer:
             if not prog.is_local:
                 continue
             sub = prog.place_params(_subtree(params, prog.stage.module_names()))
-            like = prog.opt_init(sub)  # gives the stage state's structure and shardings
-            leaves = [jax.device_put(opt_table[jax.tree_util.keystr(p)], l.sharding)
-                      for p, l in jax.tree_util.tree_flatten_with_path(like)[0]]
+            # the stage's optax state has the full state's leaves at the same key paths
+            flat, treedef = jax.tree_util.tree_flatten_with_path(prog.opt_shardings)
+            leaves = [jax.device_put(opt_table[jax.tree_util.keystr(p)], sh) for p, sh in flat]
             self.params[key] = sub
-            self.opt_state[key] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like),
-                                                               leaves)
+            self.opt_state[key] = jax.tree_util.tree_unflatten(treedef, leaves)
         self.step_count = int(step)
         self._initialized = True
         return self
@@ -234,13 +244,11 @@ class HeteroTrainer:
     def _act_shape(self, key: tuple[int, int]) -> Any:
         """ShapeDtypeStruct of the activation stage ``key`` sends to the next stage."""
         if key not in self._act_like:
-            prog = self.programs[key]
             pipe = self.layout.pipelines[key[0]]
             x = jax.ShapeDtypeStruct((pipe.micro_batch_size, self.config.seq_len), jnp.int32)
             for s in pipe.stages[:key[1] + 1]:
                 x = jax.eval_shape(self.programs[s.key]._forward, self.programs[s.key].params_like, x)[0]
             self._act_like[key] = x
-            del prog
         return self._act_like[key]
 
     def _move(self, tree, src: Stage, dst: Stage, dst_shardings, like):

@@ -16,8 +16,7 @@ them to a stage with another TP degree is a plain ``device_put`` onto that stage
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -91,8 +90,7 @@ class StageProgram:
         return self._bwd_out(_add(acc, g_p), g_x)
 
     def _last_backward(self, params, x, targets, weights, total_weight, aux_ct, acc):
-        fn = functools.partial(self._last_fwd_of, targets=targets, weights=weights,
-                               total_weight=total_weight)
+        fn = lambda p, x_: self._last_forward(p, x_, targets, weights, total_weight)
         _, pull = self._vjp(fn, params, x)
         g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct.astype(jnp.float32)))
         return self._bwd_out(_add(acc, g_p), g_x)
@@ -102,9 +100,6 @@ class StageProgram:
         # the accumulator it is never donated, so the timing watcher can wait on it safely.
         done = jnp.zeros((), jnp.float32)
         return (acc, done) if self.stage.is_first else (acc, g_x, done)
-
-    def _last_fwd_of(self, params, x, *, targets, weights, total_weight):
-        return self._last_forward(params, x, targets, weights, total_weight)
 
     def _update(self, params, opt_state, grad_parts):
         # The pipelines' gradients are summed here, in list order, fused with AdamW (one program).
@@ -130,9 +125,6 @@ class StageProgram:
     # ------------------------------------------------------------------ placement helpers
     def place_params(self, params: Any) -> Any:
         return jax.device_put(params, self.shardings)
-
-    def activation_sharding(self) -> NamedSharding:
-        return self.repl
 
 
 def _add(a, b):

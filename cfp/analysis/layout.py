@@ -39,7 +39,8 @@ class BlockLayout:
         return dict(self.specs)
 
 
-def _shards(spec: DimAxes, mesh_shape: tuple[int, ...]) -> int:
+def shards(spec: DimAxes, mesh_shape: tuple[int, ...]) -> int:
+    """How many pieces a tensor with this spec is cut into."""
     return math.prod(mesh_shape[a] for axes in spec for a in axes)
 
 
@@ -75,7 +76,7 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
             assign(out, d, axes)
         ar = s.allreduce_axes(loops)
         if ar:
-            nbytes = graph.tensor(out).nbytes // max(1, _shards(tuple(tuple(spec[out][d] or ()) for d in range(len(spec[out]))), mesh_shape))
+            nbytes = graph.tensor(out).nbytes // max(1, shards(tuple(tuple(spec[out][d] or ()) for d in range(len(spec[out]))), mesh_shape))
             predicted.append(PredictedCollective("all-reduce", ar, nbytes, op.index, "contract"))
 
     in_block = set(block.operators)
@@ -101,7 +102,7 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
         if axes:
             out = op.outputs[0]
             out_spec = spec.get(out, [])
-            nbytes = graph.tensor(out).nbytes // max(1, _shards(tuple(a or () for a in out_spec), mesh_shape))
+            nbytes = graph.tensor(out).nbytes // max(1, shards(tuple(a or () for a in out_spec), mesh_shape))
             predicted.append(PredictedCollective("all-reduce", tuple(sorted(axes)), nbytes, i, "reduce"))
 
     # Whatever the strategy does not reach is replicated: constrain it so, rather than let the partitioner guess.

@@ -18,7 +18,7 @@ import jax
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.collectives import parse_collectives
-from cfp.analysis.layout import block_layout
+from cfp.analysis.layout import block_layout, shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
@@ -47,8 +47,15 @@ def candidate_combos(analysis: Analysis, segment: Segment, options: ProfileOptio
     layouts = {(b, s): block_layout(g, analysis.blocks[b], s, shape)
                for b in segment.blocks for s in range(len(analysis.blocks[b].strategies))}
     own = {k: costmodel.block_cost(analysis, lay, gpu) for k, lay in layouts.items()}
-    short = [sorted(range(n), key=lambda s, b=b: (own[(b, s)], s))[:options.per_block]
-             for b, n in zip(segment.blocks, space)]
+    # memory proxy: per-device bytes of every tensor the block's layout places (weights, optimizer state and
+    # activations alike); each block also keeps its leanest strategy so memory-bound budgets have candidates
+    foot = {k: sum(g.tensor(t).nbytes // shards(spec, shape) for t, spec in lay.specs)
+            for k, lay in layouts.items()}
+    short = []
+    for b, n in zip(segment.blocks, space):
+        keep = sorted(range(n), key=lambda s, b=b: (own[(b, s)], s))[:options.per_block]
+        lean = min(range(n), key=lambda s, b=b: (foot[(b, s)], own[(b, s)], s))
+        short.append(keep + [lean] if lean not in keep else keep)
     specs = {k: lay.spec_of for k, lay in layouts.items()}
     blocks = list(segment.blocks)
     shared = [(i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks))
@@ -65,10 +72,15 @@ def candidate_combos(analysis: Analysis, segment: Segment, options: ProfileOptio
                                                         specs[(blocks[j], combo[j])], link)
             t += pair_cost[key]
         return t
-    combos = sorted(itertools.product(*short), key=lambda c: (cost(c), c))[:options.max_combinations]
+    pool = list(itertools.product(*short))
+    by_cost = sorted(pool, key=lambda c: (cost(c), c))
+    n_lean = max(1, options.max_combinations // 4)
+    by_memory = sorted(pool, key=lambda c: (sum(foot[(b, s)] for b, s in zip(blocks, c)), cost(c), c))
+    combos = list(dict.fromkeys(by_memory[:n_lean] + by_cost))[:options.max_combinations]
     rule = (f"pruned: {total} combinations > max {options.max_combinations}; kept the {options.per_block} best "
-            f"strategies per block by analytic cost, then the {len(combos)} best of their "
-            f"{len(list(itertools.product(*short)))} combinations by analytic cost incl. resharding")
+            f"strategies per block by analytic cost plus its leanest in memory, then the {n_lean} leanest and "
+            f"the best by analytic cost incl. resharding of their {len(pool)} combinations "
+            f"({len(combos)} profiled)")
     return combos, rule
 
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.apply import ConstraintHooks, partition_spec
-from cfp.analysis.layout import BlockLayout, block_layout
+from cfp.analysis.layout import BlockLayout, block_layout, shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 
@@ -51,14 +51,6 @@ def layouts_for(analysis: Analysis, segment: Segment, combo: Sequence[int]) -> t
                  for b, c in zip(segment.blocks, combo))
 
 
-def _shards(spec, mesh_shape) -> int:
-    n = 1
-    for axes in spec:
-        for a in axes:
-            n *= mesh_shape[a]
-    return n
-
-
 class SegmentProgram:
     """The jitted sub-program of `segment` under strategy combination `combo` (one index per block)."""
 
@@ -82,7 +74,7 @@ class SegmentProgram:
         # Activations produced by another segment are that segment's outputs: count them there only.
         flat_inputs = set(g.inputs)
         self.borrowed_bytes = sum(
-            g.tensor(t).nbytes // max(1, _shards(first_spec.get(t, ()), analysis.mesh.shape))
+            g.tensor(t).nbytes // max(1, shards(first_spec.get(t, ()), analysis.mesh.shape))
             for t in io.inputs if t not in flat_inputs)
         in_ids, out_ids, ops = io.inputs, io.outputs, io.ops
 

@@ -15,7 +15,7 @@ import enum
 import hashlib
 from collections import deque
 
-from cfp.analysis.strategies import DotStrategy, Loop, dot_loops, enumerate_strategies
+from cfp.analysis.strategies import DotStrategy, Loop, LoopKind, dot_loops, enumerate_strategies
 from cfp.ir.graph import OpGraph, Operator
 
 _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
@@ -186,3 +186,17 @@ def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
             if j not in block_of and not ops[j].opaque and not ops[j].is_dot:
                 block_of[j] = block_of[i]
                 queue.append(j)
+
+
+def data_parallel_choice(graph: OpGraph, blocks) -> tuple[int, ...]:
+    """Per block, the strategy sharding its batch-like loop (a batch dim, else the leading lhs dim) on every
+    mesh axis: the uniform data-parallel plan. Blocks without one keep strategy 0."""
+    choice = []
+    for b in blocks:
+        loops = loops_of(graph.operators[b.forward.op], graph)
+        want = LoopKind.BATCH if any(l.kind is LoopKind.BATCH for l in loops) else LoopKind.LHS_FREE
+        first = next((i for i, l in enumerate(loops) if l.kind is want), None)
+        pick = next((i for i, s in enumerate(b.strategies)
+                     if set(s.loop_of_axis) - {None} == {first}), 0)
+        choice.append(pick)
+    return tuple(choice)

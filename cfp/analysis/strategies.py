@@ -95,19 +95,21 @@ class DotStrategy:
 def enumerate_strategies(loops: tuple[Loop, ...], mesh_shape: tuple[int, ...]) -> tuple[DotStrategy, ...]:
     """Every assignment of mesh axes (of size > 1) to loops that divides the loop sizes.
 
-    One representative loop per kind (the first whose size the smallest axis divides) keeps the space at
-    most 4 per axis, as in Alpa's dot handler; the same loop may take several axes (e.g. data parallel over
+    Representative loops — per kind, the first (on a 2-D mesh the first two) whose size the smallest axis
+    divides — keep the space small, as in Alpa's dot handler; the same loop may take several axes (e.g. data parallel over
     the whole 2-D mesh). Strategies where every axis shards the contracting loop are kept: they are valid,
     and the profiler, not the analysis, decides whether they are good.
     """
     active = [a for a, s in enumerate(mesh_shape) if s > 1]
     smallest = min((mesh_shape[a] for a in active), default=1)
     reps: list[int] = []
-    seen: set[LoopKind] = set()
+    per_kind: dict[LoopKind, int] = {}
     for li, loop in enumerate(loops):
-        if loop.kind not in seen and loop.size % smallest == 0 and loop.size >= smallest:
+        # up to one loop of each kind per mesh axis: on a 2-D mesh an attention dot can then shard the batch
+        # on one axis and the heads (its second batch loop) on the other, as Megatron does
+        if per_kind.get(loop.kind, 0) < max(1, len(active)) and loop.size % smallest == 0 and loop.size >= smallest:
             reps.append(li)
-            seen.add(loop.kind)
+            per_kind[loop.kind] = per_kind.get(loop.kind, 0) + 1
     out = []
     for choice in itertools.product(reps, repeat=len(active)):
         per_loop: dict[int, int] = {}

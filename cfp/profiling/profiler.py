@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import jax
 
 from cfp.analysis.analysis import Analysis
+from cfp.analysis.blocks import data_parallel_choice
 from cfp.analysis.collectives import parse_collectives
 from cfp.analysis.layout import block_layout, shards
 from cfp.analysis.segments import Segment
@@ -76,9 +77,12 @@ def candidate_combos(analysis: Analysis, segment: Segment, options: ProfileOptio
     by_cost = sorted(pool, key=lambda c: (cost(c), c))
     n_lean = max(1, options.max_combinations // 4)
     by_memory = sorted(pool, key=lambda c: (sum(foot[(b, s)] for b, s in zip(blocks, c)), cost(c), c))
-    combos = list(dict.fromkeys(by_memory[:n_lean] + by_cost))[:options.max_combinations]
+    # the data-parallel combination is always profiled: the search calibrates its memory sums on it
+    uniform = data_parallel_choice(g, analysis.blocks)
+    dp_combo = tuple(uniform[b] for b in segment.blocks)
+    combos = list(dict.fromkeys([dp_combo] + by_memory[:n_lean] + by_cost))[:options.max_combinations]
     rule = (f"pruned: {total} combinations > max {options.max_combinations}; kept the {options.per_block} best "
-            f"strategies per block by analytic cost plus its leanest in memory, then the {n_lean} leanest and "
+            f"strategies per block by analytic cost plus its leanest in memory, then data parallel, the {n_lean} leanest and "
             f"the best by analytic cost incl. resharding of their {len(pool)} combinations "
             f"({len(combos)} profiled)")
     return combos, rule

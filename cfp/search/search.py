@@ -10,9 +10,8 @@ import numpy as np
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.apply import ShardedStep, apply_plan
-from cfp.analysis.blocks import loops_of
+from cfp.analysis.blocks import data_parallel_choice
 from cfp.analysis.layout import block_layout
-from cfp.analysis.strategies import LoopKind
 from cfp.errors import ConfigError
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
@@ -93,7 +92,10 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
             raise ConfigError(f"profile table has no entry for segment kind {s.kind} ({s.fingerprint})")
         cands.append(table.segments[s.kind].candidates(options.top_k))
     cost = [[e.time for e in c] for c in cands]
-    mem = [[e.memory for e in c] for c in cands]
+    uniform = data_parallel_choice(analysis.graph, analysis.blocks)
+    steps: dict = {}
+    scale = _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log) if options.verify else 1.0
+    mem = [[int(e.memory * scale) for e in c] for c in cands]
     cache: dict = {}
     trans = []
     for i in range(len(segs) - 1):
@@ -106,16 +108,16 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         # As CFP does, uniform plans join the DP's best in the measured verification: profiles of segments
         # in isolation can mislead (on a busy host above all), and the whole-step data-parallel plan is the
         # natural yardstick. Its DP-estimated time is unknown: reported as the DP's best.
-        uniform = uniform_data_parallel(analysis)
         if uniform not in choices:
             plans = list(plans) + [plans[0]]
             choices = choices[: len(plans) - 1] + [uniform]
-    verified, steps = [], {}
+    verified = []
     for pl, choice in zip(plans, choices):
         if options.verify == 0:
             verified.append(VerifiedPlan(choice, pl.time, pl.time, pl.memory, 0.0))
             continue
-        step = steps[choice] = apply_plan(program, analysis, choice, mesh)
+        step = steps.get(choice) or apply_plan(program, analysis, choice, mesh)
+        steps[choice] = step
         verified.append(_verify(step, example_args, choice, pl.time, options, gpu, analysis))
         log(f"plan {list(choice)}: DP {pl.time:.4g} s, whole step {verified[-1].time:.4g} s, "
             f"{_fmt_bytes(verified[-1].memory)} per device")
@@ -129,22 +131,26 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     return SearchResult(best.choice, best, tuple(verified), link, budget, time.perf_counter() - t0, steps)
 
 
-def uniform_data_parallel(analysis: Analysis) -> tuple[int, ...]:
-    """Per block, the strategy that shards the batch-like loop (a batch dim, else the leading lhs dim) on
-    every mesh axis; blocks without one keep strategy 0."""
-    g = analysis.graph
-    choice = []
-    for b in analysis.blocks:
-        loops = loops_of(g.operators[b.forward.op], g)
-        want = LoopKind.BATCH if any(l.kind is LoopKind.BATCH for l in loops) else LoopKind.LHS_FREE
-        pick = 0
-        for i, s in enumerate(b.strategies):
-            kinds = [loops[l].kind for l in s.loop_of_axis if l is not None]
-            if kinds and all(k is want for k in kinds) and len(set(s.loop_of_axis) - {None}) == 1:
-                pick = i
-                break
-        choice.append(pick)
-    return tuple(choice)
+def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log) -> float:
+    """whole-step memory / sum of segment memories, measured on the data-parallel plan.
+
+    Segments profiled alone each count their own peak of temporaries, while the whole step reuses buffers
+    across segments; one whole compile of a reference plan calibrates the sum the DP adds up.
+    """
+    total = 0
+    for seg in analysis.segments:
+        combo = tuple(uniform[b] for b in seg.blocks)
+        entry = next((e for e in table.segments[seg.kind].entries if tuple(e.combo) == combo), None)
+        if entry is None:
+            return 1.0
+        total += entry.memory
+    step = steps[uniform] = apply_plan(program, analysis, uniform, mesh)
+    m = step.compile(*example_args).memory_analysis()
+    whole = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    scale = whole / total if total else 1.0
+    log(f"memory calibration: data-parallel plan {_fmt_bytes(whole)} whole vs {_fmt_bytes(total)} summed over "
+        f"segments: segment memories x{scale:.2f}")
+    return scale
 
 
 def _verify(step: ShardedStep, example_args, choice, dp_time, options: SearchOptions, gpu: GpuSpec | None,

@@ -12,13 +12,13 @@ from cfp.analysis.analysis import Analysis
 from cfp.analysis.apply import ShardedStep, apply_plan
 from cfp.analysis.blocks import data_parallel_choice
 from cfp.analysis.layout import block_layout
-from cfp.errors import ConfigError
+from cfp.errors import ConfigError, InfeasibleError
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
 from cfp.profiling.gpus import GpuSpec, get_gpu
 from cfp.profiling.profiler import time_compiled
 from cfp.profiling.table import ProfileTable
-from cfp.search.dp import _fmt_bytes, dp_search
+from cfp.search.dp import DPPlan, _fmt_bytes, dp_search
 from cfp.search.options import SearchOptions
 
 
@@ -102,7 +102,17 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         a = [_seg_specs(analysis, segs[i], e.combo, cache) for e in cands[i]]
         b = [_seg_specs(analysis, segs[i + 1], e.combo, cache) for e in cands[i + 1]]
         trans.append([[costmodel.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])
-    plans = dp_search(cost, mem, trans, options.memory_per_device, n_best=max(1, options.verify))
+    budget = options.memory_per_device
+    try:
+        plans = dp_search(cost, mem, trans, budget, n_best=max(1, options.verify))
+    except InfeasibleError:
+        if not options.verify:
+            raise
+        # the summed estimate is approximate: compile the leanest plans whole before giving up
+        log(f"estimated over the budget of {_fmt_bytes(budget)}; verifying the leanest plans whole")
+        lean = dp_search([[float(m) for m in row] for row in mem], mem,
+                         [[[0.0] * len(t[0]) for _ in t] for t in trans], None, n_best=max(1, options.verify))
+        plans = [DPPlan(p.picks, _plan_time(p.picks, cost, trans), p.memory) for p in lean]
     choices = [tuple(c for i, p in enumerate(pl.picks) for c in cands[i][p].combo) for pl in plans]
     if options.verify:
         # As CFP does, uniform plans join the DP's best in the measured verification: profiles of segments
@@ -121,14 +131,18 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         verified.append(_verify(step, example_args, choice, pl.time, options, gpu, analysis))
         log(f"plan {list(choice)}: DP {pl.time:.4g} s, whole step {verified[-1].time:.4g} s, "
             f"{_fmt_bytes(verified[-1].memory)} per device")
-    budget = options.memory_per_device
     fitting = [v for v in verified if budget is None or options.verify == 0 or v.memory <= budget]
     if not fitting:
-        log(f"warning: every verified plan exceeds the budget when compiled whole (the DP sums segment "
-            f"memories); keeping the smallest")
-        fitting = [min(verified, key=lambda v: v.memory)]
+        smallest = min(v.memory for v in verified)
+        raise InfeasibleError(f"memory budget {_fmt_bytes(budget)} per device is infeasible: the smallest "
+                              f"verified plan needs {_fmt_bytes(smallest)} ({smallest} bytes) per device")
     best = min(fitting, key=lambda v: v.time)
     return SearchResult(best.choice, best, tuple(verified), link, budget, time.perf_counter() - t0, steps)
+
+
+def _plan_time(picks, cost, trans) -> float:
+    t = sum(cost[i][p] for i, p in enumerate(picks))
+    return t + sum(trans[i][picks[i]][picks[i + 1]] for i in range(len(picks) - 1))
 
 
 def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log) -> float:

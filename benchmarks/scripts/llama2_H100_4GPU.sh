@@ -1,38 +1,6 @@
 #!/usr/bin/env bash
-# llama2 on 4 x H100: on real GPUs (nvidia-smi shows >= 4 H100s) run benchmarks/compare.py
-# (baselines, alpa-ilp and cfp timed side by side); otherwise plan with the H100-SXM cost model
-# ('cfp search --profiler estimate') on simulated CPU devices. Says which it did.
-# Overrides: CONFIG, NUM_LAYERS, BATCH_SIZE, MESH, MEMORY (per-device budget, e.g. 40GB), PYTHON, ITERS.
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-MODEL=llama2
-GPU=H100
-NGPU=4
-GPU_MODEL=H100-SXM
-CONFIG=${CONFIG:-7B}
-NUM_LAYERS=${NUM_LAYERS:-2}
-BATCH_SIZE=${BATCH_SIZE:-16}
-MESH=${MESH:-2x2}
-ITERS=${ITERS:-5}
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-MEM_ARGS=()
-if [ -n "${MEMORY:-}" ]; then MEM_ARGS=(--memory-per-device "$MEMORY"); fi
-
-found=0
-if command -v nvidia-smi >/dev/null 2>&1; then
-  found=$(nvidia-smi -L 2>/dev/null | grep -c "$GPU" || true)
-fi
-if [ "$found" -ge "$NGPU" ]; then
-  echo "mode: real GPUs ($found x $GPU visible, using $NGPU): measured comparison of $MODEL/$CONFIG on mesh $MESH"
-  export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NGPU - 1)))
-  exec "$PYTHON" benchmarks/compare.py --model "$MODEL" --config "$CONFIG" --num-layers "$NUM_LAYERS" \
-    --batch-size "$BATCH_SIZE" --mesh "$MESH" --iters "$ITERS" --gpu "$GPU_MODEL" ${MEM_ARGS[@]+"${MEM_ARGS[@]}"}
-else
-  echo "mode: cost-model estimate ($found x $GPU visible, need $NGPU): planning $MODEL/$CONFIG on mesh $MESH" \
-       "with the $GPU_MODEL cost model on simulated CPU devices; no step is run on a GPU"
-  exec env JAX_PLATFORMS=cpu "$PYTHON" -m cfp.cli.main search --model "$MODEL" --config "$CONFIG" \
-    --num-layers "$NUM_LAYERS" --batch-size "$BATCH_SIZE" --mesh "$MESH" --profiler estimate --gpu "$GPU_MODEL" \
-    ${MEM_ARGS[@]+"${MEM_ARGS[@]}"}
-fi
+# llama2 on 4 x H100: measured on real GPUs when nvidia-smi shows them, else planned with the H100-SXM cost model
+# (see run_gpu_benchmark.sh; overrides: CONFIG, NUM_LAYERS, BATCH_SIZE, MESH, MEMORY, PYTHON, ITERS)
+MODEL=llama2 GPU=H100 NGPU=4 GPU_MODEL=H100-SXM \
+CONFIG=${CONFIG:-7B} BATCH_SIZE=${BATCH_SIZE:-16} MESH=${MESH:-2x2} \
+  exec "$(dirname "$0")/run_gpu_benchmark.sh" "$@"

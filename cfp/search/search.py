@@ -20,6 +20,7 @@ from cfp.profiling.profiler import time_compiled
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPPlan, _fmt_bytes, dp_search
 from cfp.search.options import SearchOptions
+from cfp.search.uniform import dp_tp_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +117,12 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     choices = [tuple(c for i, p in enumerate(pl.picks) for c in cands[i][p].combo) for pl in plans]
     if options.verify:
         # As CFP does, uniform plans join the DP's best in the measured verification: profiles of segments
-        # in isolation can mislead (on a busy host above all), and the whole-step data-parallel plan is the
-        # natural yardstick. Its DP-estimated time is unknown: reported as the DP's best.
-        if uniform not in choices:
-            plans = list(plans) + [plans[0]]
-            choices = choices[: len(plans) - 1] + [uniform]
+        # in isolation can mislead (on a busy host above all), and whole-step data parallel (and DP x TP on
+        # a 2-D mesh) are the natural yardsticks. Their DP-estimated time is reported as the DP's best.
+        for ref in (uniform, dp_tp_choice(analysis)):
+            if ref is not None and ref not in choices:
+                plans = list(plans) + [plans[0]]
+                choices = choices[: len(plans) - 1] + [ref]
     verified = []
     for pl, choice in zip(plans, choices):
         if options.verify == 0:

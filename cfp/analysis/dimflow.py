@@ -84,6 +84,13 @@ def links(op: Operator, graph: OpGraph) -> list[Link]:
             if len(graph.tensor(t).shape) == len(out_shape):
                 result += [(t, d, out, d) for d in range(len(out_shape)) if d != skip]
         return result
+    if name.startswith("reduce_window"):
+        # windowed reductions (cumsum lowers to reduce_window_sum) carry only the dims they do not window
+        window = _param(op, "window_dimensions")
+        if window is not None:
+            in_shape = graph.tensor(ins[0]).shape
+            return [(ins[0], d, out, d) for d in range(len(out_shape))
+                    if window[d] == 1 and in_shape[d] == out_shape[d]]
     if name in ("slice", "dynamic_slice"):
         in_shape = graph.tensor(ins[0]).shape
         return [(ins[0], d, out, d) for d in range(len(out_shape)) if in_shape[d] == out_shape[d]]

@@ -40,17 +40,7 @@ from cfp.runtime import comm
 from cfp.runtime.layout import HeteroLayout, Stage
 from cfp.runtime.schedules import SCHEDULES, Phase, ScheduleName, check_schedule, global_order
 from cfp.runtime.stage import StageProgram, sum_trees
-
-
-@dataclass(frozen=True)
-class Event:
-    """One executed action: times in seconds from the step's start."""
-    pipeline: int
-    stage: int
-    microbatch: int
-    phase: Phase
-    start: float
-    end: float
+from cfp.runtime.timeline import Event
 
 
 @dataclass

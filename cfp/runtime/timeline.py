@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import json
 import os
 import time
 from collections.abc import Iterable
 
 from cfp.errors import ConfigError
-
-
-class Phase(str, enum.Enum):
-    FWD = "fwd"
-    BWD = "bwd"
+from cfp.runtime.schedules import Phase
 
 
 _COLORS = {Phase.FWD: "#4C72B0", Phase.BWD: "#DD8452"}

@@ -15,6 +15,7 @@ from cfp.analysis import report  # noqa: E402
 from cfp.analysis.analysis import analyze_with_program  # noqa: E402
 from cfp.analysis.apply import apply_plan, check_collectives  # noqa: E402
 from cfp.models import get_config, train_step  # noqa: E402
+from cfp.search.uniform import dp_tp_choice  # noqa: E402
 
 
 def main() -> None:
@@ -31,15 +32,11 @@ def main() -> None:
     print(report.summary_text(analysis))
     print(f"global analysis time: {analysis.analysis_time:.2f} s")
 
-    # A Megatron-like choice expressed in CFP strategies: column-parallel (n on axis 1) for every block whose
-    # forward dot offers it, data parallel on axis 0.
-    choice = []
-    for b in analysis.blocks:
-        texts = [analysis.notation(b.index, s) for s in range(len(b.strategies))]
-        pick = next((i for i, t in enumerate(texts) if "allreduce" not in t and "@ {0,1}" in t), 0)
-        choice.append(pick)
+    # Data parallel on axis 0 and Megatron-style tensor parallelism on axis 1, expressed as one CFP strategy
+    # per ParallelBlock (the search verifies this reference plan next to its own best).
+    choice = list(dp_tp_choice(analysis))
     print(f"\n== apply strategies {choice}")
-    for b in analysis.blocks[:3]:
+    for b in analysis.blocks[:8]:
         print(f"    block {b.index}: {analysis.notation(b.index, choice[b.index])}")
     sharded = apply_plan(program, analysis, choice)
     t0 = time.perf_counter()

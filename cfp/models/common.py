@@ -36,6 +36,17 @@ def check_seq_len(tokens_or_x: Any, config: Any) -> int:
     return s
 
 
+def token_and_position(module: nn.Module, config: Any, tokens: Any) -> Any:
+    """Token plus learned position embedding, created in `module`'s scope (params `token`, `position`);
+    call it from the compact `__call__` of a model's `Embed`."""
+    dt = compute_dtype(config)
+    s = check_seq_len(tokens, config)
+    tok = nn.Embed(config.vocab_size, config.hidden_size, dtype=dt, param_dtype=PARAM_DTYPE,
+                   embedding_init=INIT, name="token")(tokens)
+    pos = module.param("position", INIT, (config.seq_len, config.hidden_size), PARAM_DTYPE)
+    return tok + pos[:s].astype(dt)
+
+
 def dot_product_attention(q, k, v, causal: bool):
     """q [B,S,H,D], k/v [B,T,Hkv,D] with H % Hkv == 0 (grouped-query when Hkv < H).
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from cfp.models.common import (INIT, PARAM_DTYPE, MLP, Attention, check_seq_len, compose,
-                               compute_dtype, dense, layer_norm, zero_aux)
+from cfp.models.common import (MLP, Attention, compose, compute_dtype, dense, layer_norm,
+                               token_and_position, zero_aux)
 from cfp.models.configs import GPTConfig
 
 
@@ -19,13 +19,7 @@ class Embed(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        cfg = self.config
-        dt = compute_dtype(cfg)
-        s = check_seq_len(tokens, cfg)
-        tok = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=PARAM_DTYPE,
-                       embedding_init=INIT, name="token")(tokens)
-        pos = self.param("position", INIT, (cfg.seq_len, cfg.hidden_size), PARAM_DTYPE)
-        return tok + pos[:s].astype(dt)
+        return token_and_position(self, self.config, tokens)
 
 
 class Layer(nn.Module):

@@ -80,9 +80,10 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
             predicted.append(PredictedCollective("all-reduce", ar, nbytes, op.index, "contract"))
 
     in_block = set(block.operators)
+    op_links = {i: dimflow.links(graph.operators[i], graph) for i in block.operators}
     links_of: dict[int, list[tuple[int, int, int, int]]] = {}
     for i in block.operators:
-        for link in dimflow.links(graph.operators[i], graph):
+        for link in op_links[i]:
             links_of.setdefault(link[0], []).append(link)
             links_of.setdefault(link[2], []).append((link[2], link[3], link[0], link[1]))
     while queue:
@@ -114,7 +115,7 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
     # A dim that two linked tensors shard differently (propagation met itself from two dots) must be
     # resharded inside the block: predicted too, so "communication-free" is only claimed when it holds.
     for i in block.operators:
-        for (ta, da, tb, db) in dimflow.links(graph.operators[i], graph):
+        for (ta, da, tb, db) in op_links[i]:
             if ta in spec and tb in spec:
                 xa, xb = set(spec[ta][da] or ()), set(spec[tb][db] or ())
                 if xa != xb:
@@ -126,7 +127,7 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
             continue
         # a sharded dim this operator does not carry over (concatenated, sliced, gathered, ...) may need
         # moving; reductions are the exception: their reduced dims are the all-reduce predicted above
-        linked = {(t, d) for (ta, da, tb, db) in dimflow.links(op, graph) for t, d in ((ta, da), (tb, db))}
+        linked = {(t, d) for (ta, da, tb, db) in op_links[i] for t, d in ((ta, da), (tb, db))}
         red = dimflow.reduced_dims(op, graph)
         if red is not None:
             linked |= {(red[0], d) for d in red[1]}

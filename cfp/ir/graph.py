@@ -28,6 +28,10 @@ class Tensor:
                     "float64": 8, "int64": 8, "uint64": 8}.get(self.dtype, 4)
         return self.size * itemsize
 
+    def short(self) -> str:
+        """HLO-style type, e.g. `f32[8,64]`."""
+        return f"{_short(self.dtype)}[{','.join(map(str, self.shape))}]"
+
 
 @dataclasses.dataclass(frozen=True)
 class DotDims:
@@ -75,13 +79,6 @@ class Operator:
 def _short(dtype: str) -> str:
     return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "bool": "pred",
             "float64": "f64", "int64": "s64", "uint32": "u32", "uint8": "u8", "int8": "s8"}.get(dtype, dtype)
-
-
-def _tensor_short(self: Tensor) -> str:
-    return f"{_short(self.dtype)}[{','.join(map(str, self.shape))}]"
-
-
-Tensor.short = _tensor_short  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass(frozen=True)

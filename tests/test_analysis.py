@@ -96,3 +96,13 @@ def test_strategy_notation_matches_alpa_style():
 def test_indivisible_loops_are_not_offered():
     loops = dot_loops((6, 5), (5, 3), DotDims((1,), (0,), (), ()))
     assert enumerate_strategies(loops, (4,))[0].loop_of_axis == (None,)   # nothing divides: replicated only
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama2", "moe", "bert"])
+def test_backward_dots_map_forward_loops_one_to_one(model):
+    # a forward operand read through a transpose (MoE's egcm,emf->egcf) must not fold two loops into one
+    a = _analysis(model, 2)
+    for b in a.blocks:
+        for d in b.dots[1:]:
+            mapped = [fl for fl in d.plan if fl is not None]
+            assert len(mapped) == len(set(mapped)), (b.index, d.op, d.plan)

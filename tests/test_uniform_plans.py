@@ -1,9 +1,13 @@
 """Reference plans verified next to the DP's best: data parallel, and DP x TP that recovers Megatron."""
 import jax
+import pytest
 
-from cfp.analysis.analysis import analyze
+from cfp.analysis.analysis import analyze, analyze_with_program
+from cfp.analysis.apply import apply_plan
+from cfp.analysis.collectives import parse_collectives
 from cfp.analysis.blocks import data_parallel_choice
 from cfp.models import get_config, train_step
+from cfp.search.baselines import Baseline, baseline_step
 from cfp.search.uniform import dp_tp_choice
 
 
@@ -29,3 +33,21 @@ def test_dp_tp_choice_is_megatron_on_a_2d_mesh():
     assert text["mlp/fc_in"] == "SRS = SRR x RS @ {0,1}"               # column parallel
     assert text["mlp/fc_out"] == "SRR = SRS x SR @ {0,1} (allreduce @ 1)"   # row parallel
     assert dp_tp_choice(_analysis("8")) is None
+
+
+@pytest.mark.parametrize("model,mesh", [("gpt", "2x4"), ("llama2", "8"), ("llama2", "2x4"), ("moe", "2x4")])
+def test_data_parallel_choice_compiles_to_the_data_parallel_baseline(model, mesh):
+    # the same collectives as jax.jit with hand-written data-parallel shardings: one gradient all-reduce
+    # (and the loss's); nothing where analysis lost track of the batch dim (RoPE's split/pad, the loss's
+    # gather, MoE's transposed expert inputs)
+    ts = train_step(model, get_config(model, "tiny", num_layers=1))
+    params, opt = jax.jit(ts.init)(jax.random.PRNGKey(0))
+    args = (params, opt, ts.make_batch(8, jax.random.PRNGKey(1)))
+    a, program = analyze_with_program(ts.step, *args, mesh=mesh)
+    sharded = apply_plan(program, a, data_parallel_choice(a.graph, a.blocks))
+    found = sorted((c.kind, c.bytes) for c in sharded.collectives(*args))
+    fn, shardings = baseline_step(Baseline.DATA_PARALLEL, ts.step, args, sharded.mesh)
+    placed = jax.device_put(args, shardings)
+    expected = sorted((c.kind, c.bytes) for c in parse_collectives(fn.lower(*placed).compile().as_text(),
+                                                                  a.mesh.shape))
+    assert found == expected

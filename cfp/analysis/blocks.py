@@ -77,7 +77,12 @@ def _plan(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...
     f_loops = loops_of(fwd, graph)
     b_loops = loops_of(bwd, graph)
     f_lhs, f_rhs, f_out = fwd.inputs[0], fwd.inputs[1], fwd.outputs[0]
-    f_src = {_trace_view(graph, f_lhs)[0]: "lhs", _trace_view(graph, f_rhs)[0]: "rhs"}
+    # forward operands by their source tensor, with the map from a source dim back to the operand's dim
+    # (the forward operand may itself be a transposed view of the source that the backward dot reads)
+    f_src = {}
+    for side, t in (("lhs", f_lhs), ("rhs", f_rhs)):
+        src, perm = _trace_view(graph, t)
+        f_src[src] = (side, {s: d for d, s in enumerate(perm)})
     loop_by_dim = {(side, getattr(l, f"{side}_dim")): i for i, l in enumerate(f_loops)
                    for side in ("lhs", "rhs", "out") if getattr(l, f"{side}_dim") is not None}
     shapes = {"lhs": graph.tensor(f_lhs).shape, "rhs": graph.tensor(f_rhs).shape, "out": graph.tensor(f_out).shape}
@@ -85,8 +90,10 @@ def _plan(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...
     used: set[str] = set()
     for operand in (bwd.inputs[0], bwd.inputs[1]):
         src, perm = _trace_view(graph, operand)
-        side = f_src.get(src)
-        if side is None or side in used:
+        side, to_fwd = f_src.get(src, (None, None))
+        if side is not None and side not in used:
+            perm = tuple(to_fwd[p] for p in perm)
+        else:
             # not a forward operand: the cotangent of the forward output, or a recomputed operand
             shape = graph.tensor(operand).shape
             side = next((s for s in ("out", "lhs", "rhs") if s not in used and shapes[s] == shape), None)
@@ -189,14 +196,16 @@ def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
 
 
 def data_parallel_choice(graph: OpGraph, blocks) -> tuple[int, ...]:
-    """Per block, the strategy sharding its batch-like loop (a batch dim, else the leading lhs dim) on every
-    mesh axis: the uniform data-parallel plan. Blocks without one keep strategy 0."""
+    """Per block, the strategy sharding one batch-like loop on every mesh axis: the uniform data-parallel plan.
+
+    Candidates in order: the forward dot's batch loops, then its lhs free loops (the first lhs free loop of
+    an MLP dot is the batch); the first that some strategy puts on every mesh axis wins (an expert loop
+    too small for the mesh gives way to the token groups). Blocks with none keep strategy 0."""
     choice = []
     for b in blocks:
         loops = loops_of(graph.operators[b.forward.op], graph)
-        want = LoopKind.BATCH if any(l.kind is LoopKind.BATCH for l in loops) else LoopKind.LHS_FREE
-        first = next((i for i, l in enumerate(loops) if l.kind is want), None)
-        pick = next((i for i, s in enumerate(b.strategies)
-                     if set(s.loop_of_axis) - {None} == {first}), 0)
+        order = [i for kind in (LoopKind.BATCH, LoopKind.LHS_FREE) for i, l in enumerate(loops) if l.kind is kind]
+        pick = next((k for loop in order for k, s in enumerate(b.strategies)
+                     if set(s.loop_of_axis) == {loop}), 0)
         choice.append(pick)
     return tuple(choice)

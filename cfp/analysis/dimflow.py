@@ -15,8 +15,8 @@ Link = tuple[int, int, int, int]
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
                "reduce_and", "reduce_or", "reduce_xor"}
 # Operators whose output dims are unrelated to their inputs' (or whose sharding semantics we do not model).
-_NO_LINKS = {"gather", "scatter", "scatter-add", "scatter_add", "iota", "rng_bit_generator", "sort",
-             "random_bits", "random_seed", "random_wrap", "random_unwrap", "threefry2x32", "pad",
+_NO_LINKS = {"iota", "rng_bit_generator", "sort",
+             "random_bits", "random_seed", "random_wrap", "random_unwrap", "threefry2x32",
              "dynamic_update_slice", "rev", "top_k", "while", "scan", "cond"}
 
 
@@ -54,8 +54,54 @@ def _reshape_links(in_shape, out_shape) -> list[tuple[int, int]]:
     return pairs
 
 
+_SCATTERS = {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+             "scatter-max", "scatter_max"}
+
+
+def _gather_links(op: Operator, graph: OpGraph) -> list[Link]:
+    """gather(operand, indices): the output's batch dims are the indices' dims (but the last, the index
+    vector) and, through explicit batching dims, the operand's; its offset dims are the operand's dims that
+    are neither collapsed nor batching, where the slice takes the whole dim."""
+    dn = _param(op, "dimension_numbers")
+    sizes = _param(op, "slice_sizes")
+    if not dn or sizes is None or len(op.inputs) < 2 or None in op.inputs[:2]:
+        return []
+    offset, collapsed, _, op_batch, idx_batch = (list(x) for x in dn)
+    operand, indices, out = op.inputs[0], op.inputs[1], op.outputs[0]
+    o_shape, i_shape = graph.tensor(operand).shape, graph.tensor(indices).shape
+    out_rank = len(graph.tensor(out).shape)
+    batch_out = [d for d in range(out_rank) if d not in offset]
+    result = [(indices, k, out, d) for k, d in enumerate(batch_out) if k < len(i_shape) - 1]
+    result += [(operand, ob, out, batch_out[ib]) for ob, ib in zip(op_batch, idx_batch) if ib < len(batch_out)]
+    windowed = [d for d in range(len(o_shape)) if d not in collapsed and d not in op_batch]
+    result += [(operand, d, out, od) for d, od in zip(windowed, sorted(offset)) if sizes[d] == o_shape[d]]
+    return result
+
+
+def _scatter_links(op: Operator, graph: OpGraph) -> list[Link]:
+    """scatter(operand, indices, updates): the output is the operand dim for dim; the updates' window dims
+    are operand dims (where the window spans the whole dim), their scatter dims the indices' dims, and
+    explicit batching dims tie updates to operand. Scattered (non-window) dims of the updates are not linked:
+    sharding them means partial results, i.e. an all-reduce."""
+    dn = _param(op, "dimension_numbers")
+    if not dn or len(op.inputs) < 3 or None in op.inputs[:3]:
+        return []
+    window, inserted, _, op_batch, idx_batch = (list(x) for x in dn)
+    operand, indices, updates, out = op.inputs[0], op.inputs[1], op.inputs[2], op.outputs[0]
+    o_shape, u_shape = graph.tensor(operand).shape, graph.tensor(updates).shape
+    i_rank = len(graph.tensor(indices).shape)
+    result = [(operand, d, out, d) for d in range(len(o_shape))]
+    scatter_dims = [d for d in range(len(u_shape)) if d not in window]
+    result += [(indices, k, updates, d) for k, d in enumerate(scatter_dims) if k < i_rank - 1]
+    result += [(updates, scatter_dims[ib], out, ob) for ob, ib in zip(op_batch, idx_batch) if ib < len(scatter_dims)]
+    windowed = [d for d in range(len(o_shape)) if d not in inserted and d not in op_batch]
+    result += [(updates, ud, out, d) for d, ud in zip(windowed, sorted(window)) if u_shape[ud] == o_shape[d]]
+    return result
+
+
 def links(op: Operator, graph: OpGraph) -> list[Link]:
-    """Dim links between an operator's tensor inputs and its first output (dots are handled by strategies)."""
+    """Dim links between an operator's tensor inputs and its output (every output of a `split`); dots are
+    handled by strategies."""
     if op.is_dot or op.opaque or op.primitive in _NO_LINKS or not op.outputs or op.outputs[0] is None:
         return []
     out = op.outputs[0]
@@ -91,6 +137,19 @@ def links(op: Operator, graph: OpGraph) -> list[Link]:
             in_shape = graph.tensor(ins[0]).shape
             return [(ins[0], d, out, d) for d in range(len(out_shape))
                     if window[d] == 1 and in_shape[d] == out_shape[d]]
+    if name == "gather":
+        return _gather_links(op, graph)
+    if name in _SCATTERS:
+        return _scatter_links(op, graph)
+    if name == "pad":
+        # the transpose of a slice or concatenate: unpadded dims carry over
+        config = _param(op, "padding_config")
+        return [(ins[0], d, out, d) for d, cfg in enumerate(config) if not any(cfg)]
+    if name == "split":
+        # one input, several outputs cut along `axis`: every other dim carries over to each piece
+        axis = _param(op, "axis")
+        return [(ins[0], d, o, d) for o in op.outputs if o is not None
+                for d in range(len(graph.tensor(o).shape)) if d != axis]
     if name in ("slice", "dynamic_slice"):
         in_shape = graph.tensor(ins[0]).shape
         return [(ins[0], d, out, d) for d in range(len(out_shape)) if in_shape[d] == out_shape[d]]

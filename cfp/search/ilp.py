@@ -186,7 +186,7 @@ def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | N
             continue
         lk = dimflow.links(op, graph)
         outs = [t for t in op.outputs if t is not None]
-        linked_ins = {a for (a, _, b, _) in lk if b == (outs[0] if outs else None)}
+        linked_ins = {a for (a, _, b, _) in lk if b in outs}
         prim = max(linked_ins, key=lambda t: (graph.tensor(t).nbytes, -op.inputs.index(t)), default=None)
         g = owner.get(prim) if prim is not None else None
         if g is None:
@@ -195,36 +195,36 @@ def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | N
                 if t is not None and t in owner:
                     need(t, -1, [tuple(() for _ in graph.tensor(t).shape)])
             continue
-        out = outs[0]
         red = dimflow.reduced_dims(op, graph)
         node = nodes[g]
         req: dict[int, list[DimAxes]] = {t: [] for t in op.inputs if t is not None and t != prim}
         for k in range(node.k):
             src = node.specs[k][prim]
-            o: list[tuple[int, ...]] = [() for _ in graph.tensor(out).shape]
+            out_specs = {}
             carried = set()
-            for (a, da, b, db) in lk:
-                if a == prim and b == out and src[da] and not o[db]:
-                    if not set(src[da]) & {x for d in o for x in d}:
-                        o[db] = src[da]
-                        carried.add(da)
-            o_t = tuple(o)
+            for out in outs:       # a split has several outputs, each carrying the uncut dims
+                o: list[tuple[int, ...]] = [() for _ in graph.tensor(out).shape]
+                for (a, da, b, db) in lk:
+                    if a == prim and b == out and src[da] and not o[db]:
+                        if not set(src[da]) & {x for d in o for x in d}:
+                            o[db] = src[da]
+                            carried.add(da)
+                out_specs[out] = tuple(o)
             reduced = set(red[1]) if red else set()
             ar = tuple(sorted(a for d in reduced if d < len(src) for a in src[d]))
             dropped = tuple(tuple(src[d]) if (d not in carried and d not in reduced) else ()
                             for d in range(len(src)))
-            obytes = graph.tensor(out).nbytes / _shards(o_t, shape)
+            obytes = graph.tensor(outs[0]).nbytes / _shards(out_specs[outs[0]], shape)
             node.cost[k] += cm.all_reduce(obytes, ar, shape)
             if any(dropped):
                 kept = tuple(tuple(x for x in src[d] if x not in dropped[d]) for d in range(len(src)))
                 node.cost[k] += cm.reshard(src, kept, graph.tensor(prim).nbytes, shape)
-            node.specs[k][out] = o_t
-            for extra in outs[1:]:
-                node.specs[k][extra] = tuple(() for _ in graph.tensor(extra).shape)
+            node.specs[k].update(out_specs)
+            o_t = out_specs[outs[0]]
             for t in req:
                 r = [()] * len(graph.tensor(t).shape)
                 for (a, da, b, db) in lk:
-                    if a == t and b == out and o_t[db] and graph.tensor(t).shape[da] == graph.tensor(out).shape[db]:
+                    if a == t and b == outs[0] and o_t[db] and graph.tensor(t).shape[da] == graph.tensor(b).shape[db]:
                         r[da] = o_t[db]
                 req[t].append(tuple(r))
         for t, per_k in req.items():

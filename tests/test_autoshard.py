@@ -92,3 +92,38 @@ def test_package_level_entry_points(args, tmp_path):
     step = cfp.autoshard(grad_step, "8", *args, profiler="estimate", gpu="RTX3090", max_combinations=1, verify=0,
                          plan_out=str(tmp_path / "p.json"))
     assert cfp.load_plan(str(tmp_path / "p.json")).choice == step.plan.choice
+
+
+def test_budget_below_data_parallel_shards_state(tmp_path):
+    """Under a budget that data parallel exceeds, the search stores state sharded (ZeRO-3) where it must."""
+    from cfp.analysis.analysis import analyze_with_program
+    from cfp.analysis.apply import apply_plan
+    from cfp.analysis.blocks import data_parallel_choice
+    from cfp.models import get_config, train_step
+    ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
+    params, opt = ts.init(jax.random.PRNGKey(0))
+    batch = ts.make_batch(8, jax.random.PRNGKey(1))
+    analysis, program = analyze_with_program(ts.step, params, opt, batch, mesh="2x4")
+    dp = data_parallel_choice(analysis.graph, analysis.blocks)
+
+    def memory(shard):
+        m = apply_plan(program, analysis, dp, shard_state=shard).compile(params, opt, batch).memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    budget = (memory(()) + memory(True)) // 2
+    out = tmp_path / "plan.json"
+    step = autoshard(ts.step, "2x4", params, opt, batch, memory_limit=budget, profiler="estimate",
+                     gpu="A100-SXM-80G", top_k=2, max_combinations=4, verify=1, cache_dir=str(tmp_path),
+                     plan_out=str(out))
+    res = step.search_result
+    assert res.best.memory <= budget and res.shard_state and step.plan.shard_state == res.shard_state
+    _, _, loss = step(params, opt, batch)
+    np.testing.assert_allclose(float(loss), float(jax.jit(ts.step)(params, opt, batch)[2]), rtol=1e-5)
+    assert load_plan(str(out)).shard_state == res.shard_state
+    assert apply_saved_plan(str(out), ts.step, params, opt, batch).plan == step.plan
+    try:                       # without state sharding: only tensor-parallel strategies can save memory
+        other = autoshard(ts.step, "2x4", params, opt, batch, memory_limit=budget, profiler="estimate",
+                          gpu="A100-SXM-80G", top_k=2, max_combinations=4, verify=1, cache_dir=str(tmp_path),
+                          shard_state=False)
+    except InfeasibleError:
+        return
+    assert other.search_result.shard_state == () and other.search_result.best.memory <= budget

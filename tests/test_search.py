@@ -79,10 +79,17 @@ def test_search_options_validate():
 
 def test_plan_roundtrip(tmp_path):
     plan = Plan((2, 4), ("x0", "x1"), (1, 0), ("SR = SR x RR @ {0}", "RR = RR x RR @ {}"), ("a", "b"),
-                {"[0]['w']": [None, "x1"], "[1]": [["x0", "x1"]]}, ([],), {"time": 1.0})
+                {"[0]['w']": [None, "x1"], "[1]": [["x0", "x1"]]}, ([],), {"time": 1.0}, shard_state=(1,))
     path = plan.save(str(tmp_path / "p" / "plan.json"))
     back = load_plan(path)
     assert back == plan
+    # a version-1 file (before state sharding) loads with no sharded state
+    import json
+    old = json.loads(plan.to_json())
+    del old["shard_state"]
+    old["version"] = 1
+    (tmp_path / "v1.json").write_text(json.dumps(old))
+    assert load_plan(str(tmp_path / "v1.json")).shard_state == ()
     from jax.sharding import PartitionSpec
     assert back.partition_specs()["[1]"] == PartitionSpec(("x0", "x1"))
 

@@ -4,10 +4,18 @@ Only JAX's public sharding API is used (`NamedSharding`, `with_sharding_constrai
 tensor of a block is constrained to its layout under `jax.named_scope("cfp_b<N>")`; a tensor entering a block with another
 layout is constrained at that use under `cfp_reshard<N>`, so the compiled HLO tells resharding from in-block
 communication.
+
+With `shard_state` (ZeRO-3 / FSDP on top of the block strategies, per block), the step's state — every input that comes
+back as an output at the same pytree path and shape: parameters and optimizer state — is stored sharded over
+the mesh axes its block leaves it replicated on. Only the dots of such a block are then constrained (their
+operands): each dot still computes
+under its strategy (gathering the weight it reads), while XLA propagates the stored sharding through the
+element-wise optimizer update, which turns the gradient all-reduce into a reduce-scatter.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -42,10 +50,77 @@ class AppliedPlan:
     layouts: tuple[BlockLayout, ...]
     input_specs: tuple[PartitionSpec, ...]
     output_specs: tuple[PartitionSpec, ...]
+    shard_state: tuple[int, ...] = ()      # blocks whose parameters and optimizer state are stored sharded
 
 
-def resolve(analysis: Analysis, choice: Sequence[int]) -> AppliedPlan:
-    """Compute every block's layout and the flat input/output specs for `choice` (one index per block)."""
+def state_inputs(graph) -> tuple[int, ...]:
+    """Positions of the flat inputs that the step returns updated (same pytree path and shape): its state."""
+    outs = {(path, graph.tensor(t).shape) for path, t in zip(graph.output_paths or (), graph.outputs)
+            if t is not None}
+    return tuple(i for i, (path, t) in enumerate(zip(graph.input_paths, graph.inputs))
+                 if (path, graph.tensor(t).shape) in outs)
+
+
+def sharded_state_spec(spec: DimAxes, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> DimAxes:
+    """`spec` with the mesh axes it leaves free added where they divide: all of them on the largest dim that
+    takes them, else each (largest first) on the largest dim that still divides."""
+    spec = tuple(tuple(a) for a in spec) if spec else tuple(() for _ in shape)
+    free = [a for a in range(len(mesh_shape)) if not any(a in axes for axes in spec)]
+    if not free or not shape:
+        return spec
+
+    def left(d, s):
+        return shape[d] // math.prod(mesh_shape[a] for a in s[d])
+
+    for group in (free, *([a] for a in sorted(free, key=lambda a: -mesh_shape[a]))):
+        n = math.prod(mesh_shape[a] for a in group)
+        dims = sorted((d for d in range(len(shape)) if left(d, spec) % n == 0), key=lambda d: (-left(d, spec), d))
+        if dims:
+            spec = tuple(axes + tuple(group) if d == dims[0] else axes for d, axes in enumerate(spec))
+            if len(group) == len(free):
+                break
+    return spec
+
+
+def state_blocks(shard_state, num_blocks: int) -> tuple[int, ...]:
+    """Normalise a `shard_state` argument: True (every block), False/None (none) or block indices."""
+    if shard_state is None or shard_state is False:
+        return ()
+    if shard_state is True:
+        return tuple(range(num_blocks))
+    try:
+        blocks = tuple(sorted({int(b) for b in shard_state}))
+    except (TypeError, ValueError):
+        raise ConfigError(f"shard_state={shard_state!r} must be True, False or block indices") from None
+    bad = [b for b in blocks if not 0 <= b < num_blocks]
+    if bad:
+        raise ConfigError(f"shard_state blocks {bad} are out of range 0..{num_blocks - 1}")
+    return blocks
+
+
+def state_owners(analysis: Analysis, layouts: Sequence[BlockLayout]) -> dict[int, int]:
+    """Input position of each state tensor -> its block: the first whose layout gives it a spec, else the
+    block of its first consumer (an optimizer-state leaf the strategies never reach)."""
+    g = analysis.graph
+    first: dict[int, int] = {}
+    for lay in layouts:
+        for t, _ in lay.specs:
+            first.setdefault(t, lay.block)
+    block_of_op = {op: b.index for b in analysis.blocks for op in b.operators}
+    owners = {}
+    for i in state_inputs(g):
+        t = g.inputs[i]
+        owner = first.get(t, next((block_of_op[c] for c in g.consumers.get(t, ()) if c in block_of_op), None))
+        if owner is not None:
+            owners[i] = owner
+    return owners
+
+
+def resolve(analysis: Analysis, choice: Sequence[int], shard_state=()) -> AppliedPlan:
+    """Compute every block's layout and the flat input/output specs for `choice` (one index per block).
+
+    `shard_state` (True, or block indices) stores the parameters and optimizer state those blocks own sharded
+    over the mesh axes their layouts replicate them on (ZeRO-3)."""
     choice = tuple(int(c) for c in choice)
     if len(choice) != len(analysis.blocks):
         raise ConfigError(f"plan has {len(choice)} strategies, the program has {len(analysis.blocks)} blocks")
@@ -60,7 +135,13 @@ def resolve(analysis: Analysis, choice: Sequence[int]) -> AppliedPlan:
     for lay in layouts:
         for t, spec in lay.specs:
             first_spec.setdefault(t, spec)
-    inputs = tuple(partition_spec(first_spec.get(t, ()), names) for t in g.inputs)
+    in_dims = [first_spec.get(t, ()) for t in g.inputs]
+    sharded = state_blocks(shard_state, len(analysis.blocks))
+    if sharded:
+        for i, owner in state_owners(analysis, layouts).items():
+            if owner in sharded:
+                in_dims[i] = sharded_state_spec(in_dims[i], g.tensor(g.inputs[i]).shape, shape)
+    inputs = tuple(partition_spec(d, names) for d in in_dims)
     # An output at the same pytree path and shape as an input (new params and optimizer state of a train
     # step) leaves with that input's sharding, so the next step starts without resharding.
     same = {(path, g.tensor(t).shape): spec for path, t, spec in zip(g.input_paths, g.inputs, inputs)}
@@ -68,7 +149,7 @@ def resolve(analysis: Analysis, choice: Sequence[int]) -> AppliedPlan:
         PartitionSpec() if t is None else
         same.get((path, g.tensor(t).shape), partition_spec(first_spec.get(t, ()), names))
         for path, t in zip(g.output_paths or ("",) * len(g.outputs), g.outputs))
-    return AppliedPlan(choice, layouts, inputs, outputs)
+    return AppliedPlan(choice, layouts, inputs, outputs, sharded)
 
 
 # operators around which a free partitioner tends to pick layouts of its own (sums, scans, gathers, concats)
@@ -76,7 +157,7 @@ _PINNED_PRIMITIVES = frozenset({"add_any", "reduce_sum", "reduce_max", "cumsum",
                                 "concatenate", "gather", "dynamic_slice", "slice"})
 
 
-def _needs_constraint(graph, ops: set[int], specs: dict) -> set[int]:
+def _needs_constraint(graph, ops: set[int], specs: dict, dots_only: bool = False) -> set[int]:
     """Tensors of a block to constrain: every sharded one, every tensor entering the block (resharding
     belongs at the entry, not wherever the partitioner would put it), and every operand/result of its dots,
     gradient sums (`add_any`), reductions, scans, gathers and concatenations — the places where a free partitioner would otherwise pick a
@@ -84,11 +165,12 @@ def _needs_constraint(graph, ops: set[int], specs: dict) -> set[int]:
     are left free: pinning them replicated costs memory (measured +42% on a data-parallel GPT step, 8.38 vs
     5.92 MB per device) and buys nothing.
     """
-    keep = {t for t, spec in specs.items() if any(spec) or graph.producer.get(t) not in ops}
+    keep = set() if dots_only else {t for t, spec in specs.items() if any(spec) or graph.producer.get(t) not in ops}
     for i in ops:
         op = graph.operators[i]
-        if op.is_dot or op.primitive in _PINNED_PRIMITIVES:
-            keep.update(t for t in (*op.inputs, *op.outputs) if t in specs)
+        if op.is_dot or (op.primitive in _PINNED_PRIMITIVES and not dots_only):
+            # dots_only leaves a dot's result free: a sharded contraction may then end in a reduce-scatter
+            keep.update(t for t in (*op.inputs, *(() if dots_only else op.outputs)) if t in specs)
     return keep
 
 
@@ -96,7 +178,8 @@ class ConstraintHooks:
     """Replay hooks that impose block layouts: constraints on block tensors (scope `cfp_b<N>`) and on
     tensors entering a block with another layout (scope `cfp_reshard<N>`)."""
 
-    def __init__(self, analysis: Analysis, layouts: Sequence[BlockLayout], mesh: jax.sharding.Mesh):
+    def __init__(self, analysis: Analysis, layouts: Sequence[BlockLayout], mesh: jax.sharding.Mesh,
+                 dots_only: Sequence[int] = ()):
         g = analysis.graph
         names = analysis.mesh.axis_names
         self.block_of_op = {op: lay.block for lay in layouts for op in analysis.blocks[lay.block].operators}
@@ -104,7 +187,7 @@ class ConstraintHooks:
         self.use_cons: dict[tuple[int, int], Any] = {}
         for lay in layouts:
             ops = set(analysis.blocks[lay.block].operators)
-            pinned = _needs_constraint(g, ops, dict(lay.specs))
+            pinned = _needs_constraint(g, ops, dict(lay.specs), lay.block in dots_only)
             for t, spec in lay.specs:
                 if t not in pinned:
                     continue
@@ -137,7 +220,7 @@ class ShardedStep:
 
     def __init__(self, program: Program, analysis: Analysis, plan: AppliedPlan, mesh: jax.sharding.Mesh):
         self.program, self.analysis, self.plan, self.mesh = program, analysis, plan, mesh
-        hooks = ConstraintHooks(analysis, plan.layouts, mesh)
+        hooks = ConstraintHooks(analysis, plan.layouts, mesh, dots_only=frozenset(plan.shard_state))
         on_output, on_input, scope_of = hooks.on_output, hooks.on_input, hooks.scope_of
 
         def flat_fn(*flat):
@@ -174,11 +257,12 @@ class ShardedStep:
 
 
 def apply_plan(program: Program, analysis: Analysis, choice: Sequence[int],
-               mesh: jax.sharding.Mesh | None = None) -> ShardedStep:
-    """Build the sharded step for `choice` (one strategy index per ParallelBlock)."""
+               mesh: jax.sharding.Mesh | None = None, shard_state=()) -> ShardedStep:
+    """Build the sharded step for `choice` (one strategy index per ParallelBlock); `shard_state` (True, or
+    block indices) stores those blocks' parameters and optimizer state sharded (ZeRO-3), see `resolve`."""
     if mesh is None:
         mesh = analysis.mesh.make()
-    return ShardedStep(program, analysis, resolve(analysis, choice), mesh)
+    return ShardedStep(program, analysis, resolve(analysis, choice, shard_state), mesh)
 
 
 def check_collectives(analysis: Analysis, plan: AppliedPlan, found: Sequence[Collective]) -> list[str]:

@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     s.add_argument("--memory-per-device", default=None, help="per-device memory budget, e.g. 2GB or 512MB")
     s.add_argument("--verify", type=int, default=2, help="best DP plans compiled and timed whole")
     s.add_argument("--plan-out", default=None, help="write the chosen plan (JSON) here")
+    s.add_argument("--no-shard-state", dest="shard_state", action="store_false",
+                   help="under a budget, do not consider storing parameters/optimizer state sharded (ZeRO-3)")
     s.set_defaults(func=run_search)
 
     e = sub.add_parser("enum-benchmark", help="every strategy combination of one segment: comm, compute, time, memory")
@@ -93,14 +95,14 @@ def _dump_table(table, dump_dir) -> None:
 
 
 def run_search(args) -> int:
-    from cfp.analysis.apply import apply_plan
+    from cfp.analysis.apply import resolve
     from cfp.profiling.profiler import profile
     from cfp.search.options import SearchOptions
     from cfp.search.plan import make_plan
     from cfp.search.search import search
     t0 = time.perf_counter()
     sopts = SearchOptions(memory_per_device=args.memory_per_device, top_k=args.top_k, verify=args.verify,
-                          iters=args.iters, warmup=args.warmup)
+                          iters=args.iters, warmup=args.warmup, shard_state=args.shard_state)
     popts, _, example_args, analysis, program = _prepare(args)
     table = profile(program, analysis, popts)
     print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s ({table.compiles} compiles)")
@@ -109,7 +111,7 @@ def run_search(args) -> int:
     print(result.report())
     print(f"search time: {result.search_time:.2f} s; total planning time: {time.perf_counter() - t0:.2f} s")
     if args.plan_out:
-        applied = apply_plan(program, analysis, result.choice).plan
+        applied = resolve(analysis, result.choice, result.shard_state)
         b = result.best
         make_plan(analysis, applied, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory, "flops": b.flops,
                                       "profiler": table.profiler}).save(args.plan_out)

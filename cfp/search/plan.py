@@ -13,7 +13,7 @@ from cfp.errors import ConfigError
 from cfp.mesh import MeshSpec
 from cfp.profiling.subprogram import spec_entries, spec_from_entries
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2     # 2 added `shard_state`; version 1 files load with none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Plan:
     input_specs: dict[str, list]
     output_specs: tuple[list, ...]
     metrics: dict[str, Any]
+    shard_state: tuple[int, ...] = ()       # blocks whose parameters/optimizer state are stored sharded
     version: int = PLAN_VERSION
 
     @property
@@ -53,11 +54,11 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
-        if d.get("version") != PLAN_VERSION:
-            raise ConfigError(f"plan version {d.get('version')!r} is not the supported {PLAN_VERSION}")
+        if d.get("version") not in (1, PLAN_VERSION):
+            raise ConfigError(f"plan version {d.get('version')!r} is not one of the supported 1..{PLAN_VERSION}")
         return cls(tuple(d["mesh_shape"]), tuple(d["axis_names"]), tuple(d["choice"]), tuple(d["strategies"]),
                    tuple(d["block_fingerprints"]), dict(d["input_specs"]), tuple(d["output_specs"]),
-                   dict(d["metrics"]), d["version"])
+                   dict(d["metrics"]), tuple(d.get("shard_state", ())), PLAN_VERSION)
 
 
 def make_plan(analysis: Analysis, applied: AppliedPlan, metrics: dict | None = None) -> Plan:
@@ -66,7 +67,7 @@ def make_plan(analysis: Analysis, applied: AppliedPlan, metrics: dict | None = N
                 tuple(analysis.notation(b, c) for b, c in enumerate(applied.choice)),
                 tuple(b.fingerprint for b in analysis.blocks),
                 {path: spec_entries(s) for path, s in zip(g.input_paths, applied.input_specs)},
-                tuple(spec_entries(s) for s in applied.output_specs), dict(metrics or {}))
+                tuple(spec_entries(s) for s in applied.output_specs), dict(metrics or {}), applied.shard_state)
 
 
 def load_plan(path: str) -> Plan:
@@ -92,6 +93,7 @@ def apply_saved_plan(plan: Plan | str, step_fn: Callable, *example_args, mesh=No
     if fps != plan.block_fingerprints:
         raise ConfigError(f"plan has {len(plan.block_fingerprints)} blocks that do not match this step's "
                           f"{len(fps)} blocks; search again for this step")
-    step = apply_plan(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None)
+    step = apply_plan(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None,
+                      shard_state=plan.shard_state)
     step.saved_plan = plan
     return step

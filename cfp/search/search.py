@@ -20,12 +20,14 @@ from cfp.profiling.profiler import time_compiled
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPPlan, _fmt_bytes, dp_search
 from cfp.search.options import SearchOptions
+from cfp.search.state import StateEstimator
 from cfp.search.uniform import dp_tp_choice
 
 
 @dataclasses.dataclass(frozen=True)
 class VerifiedPlan:
     choice: tuple[int, ...]
+    shard_state: tuple[int, ...]   # blocks whose parameters/optimizer state are stored sharded (ZeRO-3)
     dp_time: float            # the DP's sum of segment times plus resharding
     time: float               # whole-step seconds: measured, or the GPU cost model under `estimate`
     memory: int               # per-device bytes of the compiled whole step (arguments + outputs + temporaries)
@@ -35,17 +37,20 @@ class VerifiedPlan:
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
     choice: tuple[int, ...]
+    shard_state: tuple[int, ...]
     best: VerifiedPlan
     verified: tuple[VerifiedPlan, ...]
     link_gbps: float
     budget: int | None
     search_time: float
-    steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # choice -> compiled ShardedStep
+    # (choice, shard_state) -> compiled ShardedStep
+    steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def report(self) -> str:
         b = self.best
         return "\n".join([
             f"searched ParallelBlock Strategies solution: {list(self.choice)}",
+            *([f"sharded state (ZeRO-3) of blocks: {list(self.shard_state)}"] if self.shard_state else []),
             f"searched training cost: {[float(f'{v.time:.4g}') for v in self.verified]}",
             f"memory_cost: {b.memory} ({_fmt_bytes(b.memory)} per device"
             + (f", budget {_fmt_bytes(self.budget)})" if self.budget else ")"),
@@ -87,23 +92,34 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     mesh = mesh if mesh is not None else analysis.mesh.make()
     link = options.link_gbps or (gpu.link_gbps if gpu else measure_link_gbps(mesh))
     segs = analysis.segments
-    cands = []
+    entries = []
     for s in segs:
         if s.kind not in table.segments:
             raise ConfigError(f"profile table has no entry for segment kind {s.kind} ({s.fingerprint})")
-        cands.append(table.segments[s.kind].candidates(options.top_k))
-    cost = [[e.time for e in c] for c in cands]
+        entries.append(table.segments[s.kind].candidates(options.top_k))
     uniform = data_parallel_choice(analysis.graph, analysis.blocks)
+    budget = options.memory_per_device
     steps: dict = {}
     scale = _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log) if options.verify else 1.0
-    mem = [[int(e.memory * scale) for e in c] for c in cands]
+    # Under a budget every candidate also exists with its state sharded (ZeRO-3): less memory, more gathering.
+    estimator = StateEstimator(analysis, uniform) if budget is not None and options.shard_state else None
+    if estimator is not None and options.verify and (uniform, ()) in steps:
+        _state_scale(program, analysis, estimator, uniform, example_args, mesh, steps, log)
+    cands, cost, mem = [], [], []
+    for seg, ents in zip(segs, entries):
+        row = [(e, False) for e in ents]
+        if estimator is not None:
+            row += [(e, True) for e in ents if estimator.segment(seg.blocks, e.combo).memory > 0]
+        cands.append(row)
+        saving = [estimator.segment(seg.blocks, e.combo) if z else None for e, z in row]
+        cost.append([e.time + (sv.time(link * 1e9) if sv else 0.0) for (e, _), sv in zip(row, saving)])
+        mem.append([max(int(e.memory * scale) - (sv.memory if sv else 0), 0) for (e, _), sv in zip(row, saving)])
     cache: dict = {}
     trans = []
     for i in range(len(segs) - 1):
-        a = [_seg_specs(analysis, segs[i], e.combo, cache) for e in cands[i]]
-        b = [_seg_specs(analysis, segs[i + 1], e.combo, cache) for e in cands[i + 1]]
+        a = [_seg_specs(analysis, segs[i], e.combo, cache) for e, _ in cands[i]]
+        b = [_seg_specs(analysis, segs[i + 1], e.combo, cache) for e, _ in cands[i + 1]]
         trans.append([[costmodel.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])
-    budget = options.memory_per_device
     try:
         plans = dp_search(cost, mem, trans, budget, n_best=max(1, options.verify))
     except InfeasibleError:
@@ -114,32 +130,45 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         lean = dp_search([[float(m) for m in row] for row in mem], mem,
                          [[[0.0] * len(t[0]) for _ in t] for t in trans], None, n_best=max(1, options.verify))
         plans = [DPPlan(p.picks, _plan_time(p.picks, cost, trans), p.memory) for p in lean]
-    choices = [tuple(c for i, p in enumerate(pl.picks) for c in cands[i][p].combo) for pl in plans]
+    keys = [_plan_key(pl.picks, segs, cands) for pl in plans]
     if options.verify:
         # As CFP does, uniform plans join the DP's best in the measured verification: profiles of segments
         # in isolation can mislead (on a busy host above all), and whole-step data parallel (and DP x TP on
-        # a 2-D mesh) are the natural yardsticks. Their DP-estimated time is reported as the DP's best.
+        # a 2-D mesh) are the natural yardsticks; under a budget, also with their state sharded (data
+        # parallel so becomes FSDP). Their DP-estimated time is reported as the DP's best.
+        every = tuple(range(len(analysis.blocks)))
         for ref in (uniform, dp_tp_choice(analysis)):
-            if ref is not None and ref not in choices:
-                plans = list(plans) + [plans[0]]
-                choices = choices[: len(plans) - 1] + [ref]
+            for shard in ((), every) if estimator is not None else ((),):
+                if ref is not None and (ref, shard) not in keys:
+                    plans = list(plans) + [plans[0]]
+                    keys = keys[: len(plans) - 1] + [(ref, shard)]
     verified = []
-    for pl, choice in zip(plans, choices):
+    for pl, (choice, shard) in zip(plans, keys):
         if options.verify == 0:
-            verified.append(VerifiedPlan(choice, pl.time, pl.time, pl.memory, 0.0))
+            verified.append(VerifiedPlan(choice, shard, pl.time, pl.time, pl.memory, 0.0))
             continue
-        step = steps.get(choice) or apply_plan(program, analysis, choice, mesh)
-        steps[choice] = step
-        verified.append(_verify(step, example_args, choice, pl.time, options, gpu, analysis))
-        log(f"plan {list(choice)}: DP {pl.time:.4g} s, whole step {verified[-1].time:.4g} s, "
-            f"{_fmt_bytes(verified[-1].memory)} per device")
+        step = steps.get((choice, shard)) or apply_plan(program, analysis, choice, mesh, shard_state=shard)
+        steps[(choice, shard)] = step
+        verified.append(_verify(step, example_args, choice, shard, pl.time, options, gpu, analysis))
+        v = verified[-1]
+        log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP {pl.time:.4g} s, whole step "
+            f"{'not timed (over the budget)' if v.time == float('inf') else f'{v.time:.4g} s'}, "
+            f"{_fmt_bytes(v.memory)} per device")
     fitting = [v for v in verified if budget is None or options.verify == 0 or v.memory <= budget]
     if not fitting:
         smallest = min(v.memory for v in verified)
         raise InfeasibleError(f"memory budget {_fmt_bytes(budget)} per device is infeasible: the smallest "
                               f"verified plan needs {_fmt_bytes(smallest)} ({smallest} bytes) per device")
     best = min(fitting, key=lambda v: v.time)
-    return SearchResult(best.choice, best, tuple(verified), link, budget, time.perf_counter() - t0, steps)
+    return SearchResult(best.choice, best.shard_state, best, tuple(verified), link, budget,
+                        time.perf_counter() - t0, steps)
+
+
+def _plan_key(picks, segs, cands) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(choice, sharded-state blocks) of a DP plan."""
+    choice = tuple(c for i, p in enumerate(picks) for c in cands[i][p][0].combo)
+    shard = tuple(sorted(b for i, p in enumerate(picks) if cands[i][p][1] for b in segs[i].blocks))
+    return choice, shard
 
 
 def _plan_time(picks, cost, trans) -> float:
@@ -160,7 +189,7 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
         if entry is None:
             return 1.0
         total += entry.memory
-    step = steps[uniform] = apply_plan(program, analysis, uniform, mesh)
+    step = steps[(uniform, ())] = apply_plan(program, analysis, uniform, mesh)
     m = step.compile(*example_args).memory_analysis()
     whole = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
     scale = whole / total if total else 1.0
@@ -169,8 +198,27 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
     return scale
 
 
-def _verify(step: ShardedStep, example_args, choice, dp_time, options: SearchOptions, gpu: GpuSpec | None,
-            analysis: Analysis) -> VerifiedPlan:
+def _whole_memory(step: ShardedStep, example_args) -> int:
+    m = step.compile(*example_args).memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+
+
+def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_args, mesh, steps, log) -> None:
+    """Calibrate the state-sharding savings on one whole compile: data parallel with every block's state
+    sharded (FSDP) against plain data parallel."""
+    every = tuple(range(len(analysis.blocks)))
+    step = steps[(uniform, every)] = apply_plan(program, analysis, uniform, mesh, shard_state=every)
+    actual = _whole_memory(steps[(uniform, ())], example_args) - _whole_memory(step, example_args)
+    est = sum(estimator.segment(seg.blocks, tuple(uniform[b] for b in seg.blocks)).memory
+              for seg in analysis.segments)
+    if est > 0 and actual > 0:
+        estimator.scale = actual / est
+        log(f"state-sharding calibration: data parallel saves {_fmt_bytes(actual)} whole vs {_fmt_bytes(est)} "
+            f"estimated: savings x{estimator.scale:.2f}")
+
+
+def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: SearchOptions,
+            gpu: GpuSpec | None, analysis: Analysis) -> VerifiedPlan:
     compiled = step.compile(*example_args)
     m = compiled.memory_analysis()
     memory = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
@@ -178,7 +226,10 @@ def _verify(step: ShardedStep, example_args, choice, dp_time, options: SearchOpt
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     flops_dev = float(cost.get("flops", 0.0))
-    if gpu is None:
+    budget = options.memory_per_device
+    if budget is not None and memory > budget:
+        t = float("inf")      # does not fit: not worth timing
+    elif gpu is None:
         flat = jax.tree_util.tree_leaves(step.shard_args(*example_args))
         t = time_compiled(compiled, flat, options.iters, options.warmup)
     else:
@@ -187,6 +238,6 @@ def _verify(step: ShardedStep, example_args, choice, dp_time, options: SearchOpt
         dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
         t = (costmodel.compute_time(flops_dev, float(cost.get("bytes accessed", 0.0)), gpu, dtype)
              + costmodel.comm_time(colls, gpu))
-    return VerifiedPlan(tuple(choice), dp_time, t, memory, flops_dev * analysis.mesh.size)
+    return VerifiedPlan(tuple(choice), tuple(shard), dp_time, t, memory, flops_dev * analysis.mesh.size)
 
 

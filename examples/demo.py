@@ -1,63 +1,100 @@
-"""cfp demo: analyse a small GPT's train step on 8 simulated CPU devices and train it sharded.
+"""cfp demo: autoshard a small GPT's AdamW train step on 8 simulated CPU devices under a memory budget.
 
-    make demo        (or: .venv/bin/python examples/demo.py)
+    make demo        (or: .venv/bin/python examples/demo.py [--layers 2] [--mesh 2x4] [--budget-fraction 0.85])
+
+Data parallel does not fit the budget (85% of its own per-device memory), so the search must trade: it
+profiles each unique segment under its strategy combinations, runs the DP over segments with the budget,
+verifies the best plans whole, and returns the sharded step. The demo prints the plan, trains a few steps
+against the single-device step, and times the plan next to data parallel.
 """
+import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cfp.analysis import report  # noqa: E402
-from cfp.analysis.analysis import analyze_with_program  # noqa: E402
-from cfp.analysis.apply import apply_plan, check_collectives  # noqa: E402
+import cfp  # noqa: E402
+from cfp.mesh import MeshSpec  # noqa: E402
 from cfp.models import get_config, train_step  # noqa: E402
-from cfp.search.uniform import dp_tp_choice  # noqa: E402
+from cfp.search.baselines import Baseline, baseline_step  # noqa: E402
+
+
+def _memory(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
 
 
 def main() -> None:
-    cfg = get_config("gpt", "tiny", num_layers=2)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--mesh", default="2x4")
+    p.add_argument("--budget-fraction", type=float, default=0.85,
+                   help="memory budget as a fraction of data parallel's per-device memory")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    if not 0 < args.budget_fraction:
+        raise SystemExit(f"demo: --budget-fraction {args.budget_fraction} must be positive")
+
+    cfg = get_config("gpt", "tiny", num_layers=args.layers)
     ts = train_step("gpt", cfg)
     params, opt = jax.jit(ts.init)(jax.random.PRNGKey(0))
     batch = ts.make_batch(16, jax.random.PRNGKey(1))
-    print(f"== analysis: GPT tiny (hidden {cfg.hidden_size}, {cfg.num_layers} layers), mesh 2x4, "
-          f"{jax.device_count()} devices")
-    analysis, program = analyze_with_program(ts.step, params, opt, batch, mesh="2x4")
-    print(report.parallel_blocks_text(analysis, max_ops_per_block=2).split("Parallel Block 2:")[0].rstrip())
-    print("    ...")
-    print(report.segments_text(analysis))
-    print(report.summary_text(analysis))
-    print(f"global analysis time: {analysis.analysis_time:.2f} s")
+    spec = MeshSpec.parse(args.mesh, num_devices=jax.device_count())
+    mesh = spec.make()
+    print(f"== GPT tiny (hidden {cfg.hidden_size}, {cfg.num_layers} layers, batch 16), mesh {spec}, "
+          f"{jax.device_count()} {jax.devices()[0].platform} devices")
 
-    # Data parallel on axis 0 and Megatron-style tensor parallelism on axis 1, expressed as one CFP strategy
-    # per ParallelBlock (the search verifies this reference plan next to its own best).
-    choice = list(dp_tp_choice(analysis))
-    print(f"\n== apply strategies {choice}")
-    for b in analysis.blocks[:8]:
-        print(f"    block {b.index}: {analysis.notation(b.index, choice[b.index])}")
-    sharded = apply_plan(program, analysis, choice)
+    dp_fn, dp_shardings = baseline_step(Baseline.DATA_PARALLEL, ts.step, (params, opt, batch), mesh)
+    dp_args = jax.device_put((params, opt, batch), dp_shardings)
+    dp_compiled = dp_fn.lower(*dp_args).compile()
+    dp_mem = _memory(dp_compiled)
+    budget = int(dp_mem * args.budget_fraction)
+    print(f"data parallel needs {dp_mem / 1e6:.2f} MB per device; budget {budget / 1e6:.2f} MB")
+
+    print("\n== cfp.autoshard (analysis, profiling, search)")
     t0 = time.perf_counter()
-    found = sharded.collectives(params, opt, batch)
-    print(f"compiled in {time.perf_counter() - t0:.1f} s; collectives inserted by XLA: {len(found)}; "
-          f"mismatches with the prediction: {len(check_collectives(analysis, sharded.plan, found))}")
+    step = cfp.autoshard(ts.step, mesh, params, opt, batch, memory_limit=budget, iters=3, max_combinations=8)
+    res = step.search_result
+    print(f"planned in {time.perf_counter() - t0:.1f} s")
+    print(res.report())
+    names = step.saved_plan.strategies
+    for b in range(min(8, len(names))):
+        print(f"    block {b}: {names[b]}")
+    print(f"    ... {len(names)} blocks")
 
-    print("\n== train 3 steps, sharded vs single device")
+    print(f"\n== train {args.steps} steps: cfp plan vs single device")
     single = jax.jit(ts.step)
     p1, o1 = params, opt
-    p2, o2 = sharded.shard_args(params, opt, batch)[:2]
-    for step in range(3):
-        b = ts.make_batch(16, jax.random.PRNGKey(100 + step))
+    p2, o2 = step.shard_args(params, opt, batch)[:2]
+    for i in range(args.steps):
+        b = ts.make_batch(16, jax.random.PRNGKey(100 + i))
         p1, o1, l1 = single(p1, o1, b)
-        t0 = time.perf_counter()
-        p2, o2, l2 = sharded(p2, o2, b)
-        l2 = float(l2)
-        print(f"step {step}: loss sharded {l2:.6f}  single-device {float(l1):.6f}  "
-              f"(sharded step {time.perf_counter() - t0:.3f} s)")
-        if not np.isclose(l2, float(l1), rtol=1e-4):
-            raise SystemExit(f"demo: sharded loss {l2} differs from single-device loss {float(l1)}")
+        p2, o2, l2 = step(p2, o2, b)
+        print(f"step {i}: loss cfp {float(l2):.6f}  single-device {float(l1):.6f}")
+        if not np.isclose(float(l2), float(l1), rtol=1e-4):
+            raise SystemExit(f"demo: sharded loss {float(l2)} differs from single-device loss {float(l1)}")
+
+    print("\n== step time, side by side (median of 10 interleaved runs)")
+    cfp_compiled = step.compile(params, opt, batch)
+    cfp_args = jax.tree_util.tree_leaves(step.shard_args(params, opt, batch))
+    runs = {"data parallel": (dp_compiled, dp_args), "cfp plan": (cfp_compiled, cfp_args)}
+    times = {k: [] for k in runs}
+    for c, a in runs.values():
+        jax.block_until_ready(c(*a))
+    for _ in range(10):
+        for k, (c, a) in runs.items():
+            t = time.perf_counter()
+            jax.block_until_ready(c(*a))
+            times[k].append(time.perf_counter() - t)
+    for k, (c, _) in runs.items():
+        mem = _memory(c)
+        fits = "fits" if mem <= budget else "over the budget"
+        print(f"{k:<14} {statistics.median(times[k]) * 1e3:7.2f} ms   {mem / 1e6:6.2f} MB per device ({fits})")
 
 
 if __name__ == "__main__":

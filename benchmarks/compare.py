@@ -1,13 +1,14 @@
 """Compare CFP's plan with hand-written baselines and an Alpa-style ILP on one train step, side by side.
 
     python benchmarks/compare.py --model gpt [--config tiny] [--num-layers 2] [--batch-size 16] [--mesh 8|2x4]
-                                 [--memory-per-device 4MB] [--iters 5] [--gpu A100-SXM-80G]
+                                 [--memory-per-device 4MB] [--iters 20] [--gpu A100-SXM-80G]
 
 Rows: data-parallel, fsdp, megatron-tp, dp-tp (2-D mesh only), alpa-ilp, cfp. Columns: median step time, ratio
 to the cfp row, per-device memory of the compiled step (arguments + outputs + temporaries, from
 `memory_analysis()`), communication bytes per step (per device, summed over the collectives parsed from the
 compiled HLO) and planning time. Every row is compiled first, then the rows are timed round-robin (one warm-up
-each, then `--iters` rounds) so they see the same machine state. A row over the memory budget is shown as
+each, then `--iters` rounds) so they see the same machine state; the speedup line gives the larger
+run-to-run spread (half the interquartile range over the median) of the two rows it compares. A row over the memory budget is shown as
 "OOM (needs X)" and is not timed; a layout that does not apply shows its ConfigError.
 """
 from __future__ import annotations
@@ -40,6 +41,14 @@ class Row:
     @property
     def time(self):
         return statistics.median(self.times) if self.times else None
+
+    @property
+    def spread(self):
+        """Half the interquartile range relative to the median: this row's run-to-run noise."""
+        if len(self.times) < 4:
+            return None
+        q = statistics.quantiles(self.times, n=4)
+        return (q[2] - q[0]) / 2 / self.time
 
 
 def _measure_compiled(row: Row, compiled, call_args, mesh_shape) -> None:
@@ -115,7 +124,7 @@ def _cfp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
         t0 = time.perf_counter()
         log(f"planning cfp (profiler {args.profiler}) ...")
         sharded = autoshard(step, mesh, *example_args, memory_limit=budget, profiler=args.profiler,
-                            gpu=args.gpu, iters=args.iters)
+                            gpu=args.gpu, iters=args.profile_iters)
         row.plan_time = time.perf_counter() - t0
         row.note = f"choice {list(sharded.plan.choice)}"
         flat = jax.tree_util.tree_leaves(sharded.shard_args(*example_args))
@@ -168,7 +177,9 @@ def render(rows, budget) -> str:
     if ref:
         if base:
             best = min(base, key=lambda r: r.time)
-            lines.append(f"cfp speedup vs best baseline: {best.time / ref:.2f} ({best.name})")
+            noise = [x for x in (best.spread, cfp.spread) if x is not None]
+            lines.append(f"cfp speedup vs best baseline: {best.time / ref:.2f} ({best.name}"
+                         + (f"; run-to-run spread +-{100 * max(noise):.0f}%)" if noise else ")"))
         else:
             lines.append("cfp speedup vs best baseline: n/a (no baseline fits)")
         lines.append(f"cfp speedup vs alpa-ilp: {alpa.time / ref:.2f}" if alpa is not None and alpa.time
@@ -188,7 +199,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", dest="batch_size", type=positive_int, default=16)
     p.add_argument("--mesh", default="8", help="8 (1-D) or 2x4 (2-D)")
     p.add_argument("--memory-per-device", default=None, help="per-device budget, e.g. 4MB or 2GB")
-    p.add_argument("--iters", type=positive_int, default=5)
+    p.add_argument("--iters", type=positive_int, default=20, help="timed rounds (every row once per round)")
+    p.add_argument("--profile-iters", dest="profile_iters", type=positive_int, default=5,
+                   help="cfp's timed runs per profiled combination and verified plan")
     p.add_argument("--gpu", default=None, help="catalog GPU: ILP cost model rates, and cfp's estimate profiler")
     p.add_argument("--profiler", choices=("measure", "estimate"), default="measure")
     p.add_argument("--ilp-time-limit", type=float, default=60.0)

@@ -16,7 +16,7 @@ def _profile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=positive_int, default=5, help="timed runs per measurement (>= 3)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top-k", type=positive_int, default=4, help="fastest and smallest combinations kept per segment")
-    p.add_argument("--max-combinations", type=positive_int, default=16,
+    p.add_argument("--max-combinations", type=positive_int, default=12,
                    help="combinations profiled per segment kind before pruning by analytic cost")
     p.add_argument("--cache-dir", default=None, help="profile cache directory (default: ~/.cache/cfp/profiles)")
     p.add_argument("--no-cache", action="store_true", help="profile again, ignoring and not writing the cache")

@@ -35,7 +35,7 @@ class ProfileOptions:
     warmup: int = 2
     top_k: int = 4
     cache_dir: str | None = None     # None: no cache
-    max_combinations: int = 16
+    max_combinations: int = 12
     per_block: int = 2
     overlap_compile: bool = True     # compile combination i+1 in a thread while combination i runs
     progress: bool = True

@@ -15,7 +15,7 @@ __all__ = ["autoshard", "load_plan", "apply_saved_plan", "Plan"]
 
 
 def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profiler: str = "measure",
-              gpu: str | None = None, iters: int = 5, top_k: int = 4, max_combinations: int = 16,
+              gpu: str | None = None, iters: int = 5, top_k: int = 4, max_combinations: int = 12,
               verify: int = 2, cache_dir: str | None = None, plan_out: str | None = None,
               shard_state: bool = True, verbose: bool = False) -> ShardedStep:
     """Search the fastest intra-operator plan of `step_fn(*example_args)` on `mesh` within `memory_limit`.

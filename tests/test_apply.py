@@ -57,12 +57,17 @@ def test_sharded_loss_and_grads_match_unsharded_and_collectives_match_prediction
                     f"block {lay.block} predicted communication-free but compiled with collectives"
 
 
-def test_full_train_step_matches_single_device():
-    cfg = get_config("gpt", "tiny", num_layers=1)
-    ts = train_step("gpt", cfg)
+def _train_problem(mesh):
+    """A 1-layer tiny GPT's AdamW step: (train step, params, opt state, batch, analysis, program)."""
+    ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
     params, opt = ts.init(jax.random.PRNGKey(0))
     batch = ts.make_batch(8, jax.random.PRNGKey(1))
-    analysis, program = analyze_with_program(ts.step, params, opt, batch, mesh="8")
+    analysis, program = analyze_with_program(ts.step, params, opt, batch, mesh=mesh)
+    return ts, params, opt, batch, analysis, program
+
+
+def test_full_train_step_matches_single_device():
+    ts, params, opt, batch, analysis, program = _train_problem("8")
     dp = [next(i for i, s in enumerate(b.strategies) if analysis.notation(b.index, i).split(" = ")[0].startswith("S"))
           for b in analysis.blocks]
     sharded = apply_plan(program, analysis, dp)
@@ -93,11 +98,7 @@ def test_sharded_state_matches_single_device_and_shrinks_memory():
     # parameter and optimizer-state leaf is stored cut 8 ways where a dim divides, and the step still
     # computes the single-device numbers
     from cfp.analysis.blocks import data_parallel_choice
-    cfg = get_config("gpt", "tiny", num_layers=1)
-    ts = train_step("gpt", cfg)
-    params, opt = ts.init(jax.random.PRNGKey(0))
-    batch = ts.make_batch(8, jax.random.PRNGKey(1))
-    analysis, program = analyze_with_program(ts.step, params, opt, batch, mesh="2x4")
+    ts, params, opt, batch, analysis, program = _train_problem("2x4")
     dp = data_parallel_choice(analysis.graph, analysis.blocks)
     plain = apply_plan(program, analysis, dp)
     zero = apply_plan(program, analysis, dp, shard_state=True)

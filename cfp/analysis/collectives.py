@@ -40,17 +40,31 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
+def _device_ids(text: str | None, n: int) -> np.ndarray:
+    """Device order of a mesh-form replica group: none (0..n-1), an iota `[2,4]T(1,0)` or a list `0,4,1,5`."""
+    if not text:
+        return np.arange(n)
+    m = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if m:
+        ids = np.arange(n).reshape([int(x) for x in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(x) for x in text.split(",") if x.strip()])
+
+
 def _groups(line: str, num_devices: int) -> list[list[int]]:
     m = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)\}", line)
     if m:
         return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:  # iota form: mesh['axis_0'=2,'axis_1'=4] {'axis_0'} -> groups vary over the listed axes
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", line)
+    if m:  # mesh form: mesh['axis_0'=2,'axis_1'=4] {'axis_0'} -> groups vary over the listed axes;
+        # `device_ids=([2,4]T(1,0))` (an iota, maybe transposed) or `device_ids=(0,4,1,5,...)` orders the devices
         dims = re.findall(r"'?(\w+)'?=(\d+)", m.group(1))
         names = [d[0] for d in dims]
         sizes = [int(d[1]) for d in dims]
-        over = [names.index(n) for n in re.findall(r"'?(\w+)'?", m.group(2)) if n in names]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        over = [names.index(n) for n in re.findall(r"'?(\w+)'?", m.group(3)) if n in names]
+        ids = _device_ids(m.group(2), math.prod(sizes)).reshape(sizes)
         keep = [i for i in range(len(sizes)) if i not in over]
         ids = ids.transpose(keep + over).reshape(-1, math.prod(sizes[i] for i in over) if over else 1)
         return ids.tolist()

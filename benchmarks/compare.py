@@ -55,8 +55,8 @@ def _measure_compiled(row: Row, compiled, call_args, mesh_shape) -> None:
     import jax
 
     from cfp.analysis.collectives import parse_collectives
-    m = compiled.memory_analysis()
-    row.memory = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    from cfp.profiling.profiler import compiled_memory
+    row.memory = compiled_memory(compiled)
     row.comm = sum(c.bytes for c in parse_collectives(compiled.as_text(), mesh_shape))
     row.run = lambda: jax.block_until_ready(compiled(*call_args))
 

@@ -21,12 +21,8 @@ import numpy as np  # noqa: E402
 import cfp  # noqa: E402
 from cfp.mesh import MeshSpec  # noqa: E402
 from cfp.models import get_config, train_step  # noqa: E402
+from cfp.profiling.profiler import compiled_memory  # noqa: E402
 from cfp.search.baselines import Baseline, baseline_step  # noqa: E402
-
-
-def _memory(compiled) -> int:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
 
 
 def main() -> None:
@@ -52,7 +48,7 @@ def main() -> None:
     dp_fn, dp_shardings = baseline_step(Baseline.DATA_PARALLEL, ts.step, (params, opt, batch), mesh)
     dp_args = jax.device_put((params, opt, batch), dp_shardings)
     dp_compiled = dp_fn.lower(*dp_args).compile()
-    dp_mem = _memory(dp_compiled)
+    dp_mem = compiled_memory(dp_compiled)
     budget = int(dp_mem * args.budget_fraction)
     print(f"data parallel needs {dp_mem / 1e6:.2f} MB per device; budget {budget / 1e6:.2f} MB")
 
@@ -92,7 +88,7 @@ def main() -> None:
             jax.block_until_ready(c(*a))
             times[k].append(time.perf_counter() - t)
     for k, (c, _) in runs.items():
-        mem = _memory(c)
+        mem = compiled_memory(c)
         fits = "fits" if mem <= budget else "over the budget"
         print(f"{k:<14} {statistics.median(times[k]) * 1e3:7.2f} ms   {mem / 1e6:6.2f} MB per device ({fits})")
 

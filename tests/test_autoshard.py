@@ -100,6 +100,7 @@ def test_budget_below_data_parallel_shards_state(tmp_path):
     from cfp.analysis.apply import apply_plan
     from cfp.analysis.blocks import data_parallel_choice
     from cfp.models import get_config, train_step
+    from cfp.profiling.profiler import compiled_memory
     ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
     params, opt = ts.init(jax.random.PRNGKey(0))
     batch = ts.make_batch(8, jax.random.PRNGKey(1))
@@ -107,8 +108,7 @@ def test_budget_below_data_parallel_shards_state(tmp_path):
     dp = data_parallel_choice(analysis.graph, analysis.blocks)
 
     def memory(shard):
-        m = apply_plan(program, analysis, dp, shard_state=shard).compile(params, opt, batch).memory_analysis()
-        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        return compiled_memory(apply_plan(program, analysis, dp, shard_state=shard).compile(params, opt, batch))
     budget = (memory(()) + memory(True)) // 2
     out = tmp_path / "plan.json"
     step = autoshard(ts.step, "2x4", params, opt, batch, memory_limit=budget, profiler="estimate",

@@ -1,16 +1,16 @@
 """Apply a per-block strategy choice: shardings of inputs/outputs plus constraints, compiled with `jax.jit`.
 
 Only JAX's public sharding API is used (`NamedSharding`, `with_sharding_constraint`, `jax.jit`). Every sharded
-tensor of a block is constrained to its layout under `jax.named_scope("cfp_b<N>")`; a tensor entering a block with another
-layout is constrained at that use under `cfp_reshard<N>`, so the compiled HLO tells resharding from in-block
-communication.
+tensor of a block is constrained to its layout under `jax.named_scope("cfp_b<N>")`; a tensor entering a block
+with another layout is constrained at that use under `cfp_reshard<N>`, so the compiled HLO tells resharding
+from in-block communication.
 
-With `shard_state` (ZeRO-3 / FSDP on top of the block strategies, per block), the step's state — every input that comes
-back as an output at the same pytree path and shape: parameters and optimizer state — is stored sharded over
-the mesh axes its block leaves it replicated on. Only the dots of such a block are then constrained (their
-operands): each dot still computes
-under its strategy (gathering the weight it reads), while XLA propagates the stored sharding through the
-element-wise optimizer update, which turns the gradient all-reduce into a reduce-scatter.
+With `shard_state` (ZeRO-3 / FSDP on top of the block strategies, per block), the step's state — every input
+that comes back as an output at the same pytree path and shape: parameters and optimizer state — is stored
+sharded over the mesh axes its block leaves it replicated on. Only the dots' operands of such a block are then
+constrained: each dot still computes under its strategy (gathering the weight it reads), while XLA propagates
+the stored sharding through the element-wise optimizer update, which turns the gradient all-reduce into a
+reduce-scatter.
 """
 from __future__ import annotations
 
@@ -160,10 +160,10 @@ _PINNED_PRIMITIVES = frozenset({"add_any", "reduce_sum", "reduce_max", "cumsum",
 def _needs_constraint(graph, ops: set[int], specs: dict, dots_only: bool = False) -> set[int]:
     """Tensors of a block to constrain: every sharded one, every tensor entering the block (resharding
     belongs at the entry, not wherever the partitioner would put it), and every operand/result of its dots,
-    gradient sums (`add_any`), reductions, scans, gathers and concatenations — the places where a free partitioner would otherwise pick a
-    layout of its own and move data. Other replicated intermediates (an optimizer update of a replicated weight, say)
-    are left free: pinning them replicated costs memory (measured +42% on a data-parallel GPT step, 8.38 vs
-    5.92 MB per device) and buys nothing.
+    gradient sums (`add_any`), reductions, scans, gathers and concatenations — the places where a free
+    partitioner would otherwise pick a layout of its own and move data. Other replicated intermediates (an
+    optimizer update of a replicated weight, say) are left free: pinning them replicated costs memory
+    (measured +42% on a data-parallel GPT step, 8.38 vs 5.92 MB per device) and buys nothing.
     """
     keep = set() if dots_only else {t for t, spec in specs.items() if any(spec) or graph.producer.get(t) not in ops}
     for i in ops:

@@ -177,12 +177,8 @@ class Profiler:
 
     def _entry(self, seg: Segment, combo, sp: SegmentProgram, compiled, quiet=None) -> ProfileEntry:
         shape = self.analysis.mesh.shape
-        mem = compiled.memory_analysis()
-        memory = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                     - sp.borrowed_bytes)
-        cost = compiled.cost_analysis() or {}
-        if isinstance(cost, (list, tuple)):
-            cost = cost[0] if cost else {}
+        memory = compiled_memory(compiled) - sp.borrowed_bytes
+        cost = compiled_cost(compiled)
         flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
         colls = tuple((c.kind, c.bytes, costmodel.group_size(c.axes, shape))
                       for c in parse_collectives(compiled.as_text(), shape))
@@ -195,6 +191,20 @@ class Profiler:
             dtype = costmodel.dominant_dtype(self.analysis, seg.blocks)
             t = costmodel.compute_time(flops, nbytes, self.gpu, dtype) + costmodel.comm_time(colls, self.gpu)
         return ProfileEntry(tuple(combo), t, memory, comm_bytes, flops, nbytes, colls, measured)
+
+
+def compiled_memory(compiled) -> int:
+    """Per-device bytes of a compiled program: arguments + outputs + temporaries (`memory_analysis()`)."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+
+
+def compiled_cost(compiled) -> dict:
+    """`cost_analysis()` as one dict (some backends return a list with one per program)."""
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return cost
 
 
 def time_compiled(compiled, args, iters: int, warmup: int, before_timing: Callable | None = None) -> float:

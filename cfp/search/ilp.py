@@ -38,11 +38,10 @@ import numpy as np
 from cfp.analysis.analysis import Analysis
 from cfp.analysis import dimflow
 from cfp.analysis.blocks import loops_of
+from cfp.analysis.layout import DimAxes, shards
 from cfp.analysis.strategies import DotStrategy, enumerate_strategies
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.ir.graph import OpGraph
-
-DimAxes = tuple[tuple[int, ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +84,6 @@ class CostModel:
 
 def _dim_of_axis(spec: DimAxes) -> dict[int, int]:
     return {a: d for d, axes in enumerate(spec) for a in axes}
-
-
-def _shards(spec: DimAxes, shape: Sequence[int]) -> int:
-    return math.prod(shape[a] for axes in spec for a in axes)
 
 
 def candidate_specs(tshape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[DimAxes, ...]:
@@ -160,7 +155,7 @@ def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | N
         specs = candidate_specs(ts.shape, shape)
         nodes.append(Node("input", graph.input_paths[pos] if pos < len(graph.input_paths) else f"input{pos}",
                           [{t: s} for s in specs], np.zeros(len(specs)),
-                          np.array([ts.nbytes / _shards(s, shape) for s in specs], float)))
+                          np.array([ts.nbytes / shards(s, shape) for s in specs], float)))
         owner[t] = len(nodes) - 1
 
     for op in graph.operators:
@@ -173,7 +168,7 @@ def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | N
             specs, costs, mem = [], [], []
             for s in strats:
                 o = s.dim_axes(loops, "out", ranks[2])
-                obytes = graph.tensor(out).nbytes / _shards(o, shape)
+                obytes = graph.tensor(out).nbytes / shards(o, shape)
                 used = math.prod(shape[a] for a, l in enumerate(s.loop_of_axis) if l is not None)
                 costs.append(cm.all_reduce(obytes, s.allreduce_axes(loops), shape) + flops / used / cm.flops)
                 specs.append({out: o})
@@ -214,7 +209,7 @@ def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | N
             ar = tuple(sorted(a for d in reduced if d < len(src) for a in src[d]))
             dropped = tuple(tuple(src[d]) if (d not in carried and d not in reduced) else ()
                             for d in range(len(src)))
-            obytes = graph.tensor(outs[0]).nbytes / _shards(out_specs[outs[0]], shape)
+            obytes = graph.tensor(outs[0]).nbytes / shards(out_specs[outs[0]], shape)
             node.cost[k] += cm.all_reduce(obytes, ar, shape)
             if any(dropped):
                 kept = tuple(tuple(x for x in src[d] if x not in dropped[d]) for d in range(len(src)))
@@ -237,7 +232,7 @@ def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | N
         h = owner.get(t) if t is not None else None
         if h is not None:
             nb = graph.tensor(t).nbytes
-            nodes[h].memory = nodes[h].memory + [nb / _shards(nodes[h].specs[k][t], shape) for k in range(nodes[h].k)]
+            nodes[h].memory = nodes[h].memory + [nb / shards(nodes[h].specs[k][t], shape) for k in range(nodes[h].k)]
 
     edges: dict[tuple[int, int], np.ndarray] = {}
     for (t, g), reqs in needs.items():

@@ -16,7 +16,7 @@ from cfp.errors import ConfigError, InfeasibleError
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
 from cfp.profiling.gpus import GpuSpec, get_gpu
-from cfp.profiling.profiler import time_compiled
+from cfp.profiling.profiler import compiled_cost, compiled_memory, time_compiled
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPPlan, _fmt_bytes, dp_search
 from cfp.search.options import SearchOptions
@@ -105,15 +105,17 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     estimator = StateEstimator(analysis, uniform) if budget is not None and options.shard_state else None
     if estimator is not None and options.verify and (uniform, ()) in steps:
         _state_scale(program, analysis, estimator, uniform, example_args, mesh, steps, log)
-    cands, cost, mem = [], [], []
+    cands, cost, mem = [], [], []      # per segment: (entry, state sharded?) and its time and memory
     for seg, ents in zip(segs, entries):
-        row = [(e, False) for e in ents]
+        row = [(e, False, 0.0, int(e.memory * scale)) for e in ents]
         if estimator is not None:
-            row += [(e, True) for e in ents if estimator.segment(seg.blocks, e.combo).memory > 0]
-        cands.append(row)
-        saving = [estimator.segment(seg.blocks, e.combo) if z else None for e, z in row]
-        cost.append([e.time + (sv.time(link * 1e9) if sv else 0.0) for (e, _), sv in zip(row, saving)])
-        mem.append([max(int(e.memory * scale) - (sv.memory if sv else 0), 0) for (e, _), sv in zip(row, saving)])
+            for e in ents:
+                sv = estimator.segment(seg.blocks, e.combo)
+                if sv.memory > 0:
+                    row.append((e, True, sv.time(link * 1e9), max(int(e.memory * scale) - sv.memory, 0)))
+        cands.append([(e, z) for e, z, _, _ in row])
+        cost.append([e.time + extra for e, _, extra, _ in row])
+        mem.append([m for _, _, _, m in row])
     cache: dict = {}
     trans = []
     for i in range(len(segs) - 1):
@@ -137,11 +139,12 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         # a 2-D mesh) are the natural yardsticks; under a budget, also with their state sharded (data
         # parallel so becomes FSDP). Their DP-estimated time is reported as the DP's best.
         every = tuple(range(len(analysis.blocks)))
+        plans = list(plans)
         for ref in (uniform, dp_tp_choice(analysis)):
             for shard in ((), every) if estimator is not None else ((),):
                 if ref is not None and (ref, shard) not in keys:
-                    plans = list(plans) + [plans[0]]
-                    keys = keys[: len(plans) - 1] + [(ref, shard)]
+                    plans.append(plans[0])
+                    keys.append((ref, shard))
     verified = []
     for pl, (choice, shard) in zip(plans, keys):
         if options.verify == 0:
@@ -190,17 +193,11 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
             return 1.0
         total += entry.memory
     step = steps[(uniform, ())] = apply_plan(program, analysis, uniform, mesh)
-    m = step.compile(*example_args).memory_analysis()
-    whole = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    whole = compiled_memory(step.compile(*example_args))
     scale = whole / total if total else 1.0
     log(f"memory calibration: data-parallel plan {_fmt_bytes(whole)} whole vs {_fmt_bytes(total)} summed over "
         f"segments: segment memories x{scale:.2f}")
     return scale
-
-
-def _whole_memory(step: ShardedStep, example_args) -> int:
-    m = step.compile(*example_args).memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
 
 
 def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_args, mesh, steps, log) -> None:
@@ -208,7 +205,8 @@ def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_
     sharded (FSDP) against plain data parallel."""
     every = tuple(range(len(analysis.blocks)))
     step = steps[(uniform, every)] = apply_plan(program, analysis, uniform, mesh, shard_state=every)
-    actual = _whole_memory(steps[(uniform, ())], example_args) - _whole_memory(step, example_args)
+    actual = (compiled_memory(steps[(uniform, ())].compile(*example_args))
+              - compiled_memory(step.compile(*example_args)))
     est = sum(estimator.segment(seg.blocks, tuple(uniform[b] for b in seg.blocks)).memory
               for seg in analysis.segments)
     if est > 0 and actual > 0:
@@ -220,11 +218,8 @@ def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_
 def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: SearchOptions,
             gpu: GpuSpec | None, analysis: Analysis) -> VerifiedPlan:
     compiled = step.compile(*example_args)
-    m = compiled.memory_analysis()
-    memory = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
+    memory = compiled_memory(compiled)
+    cost = compiled_cost(compiled)
     flops_dev = float(cost.get("flops", 0.0))
     budget = options.memory_per_device
     if budget is not None and memory > budget:

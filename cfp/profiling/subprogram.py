@@ -2,8 +2,8 @@
 
 Inputs are the tensors the segment reads but does not produce (flat step inputs, constants, values of other
 segments); outputs are the tensors it produces that something outside reads. Inputs and outputs are sharded as
-the segment's block layouts imply, and in-segment tensors are constrained by the same `ConstraintHooks` as `apply.ShardedStep`, so
-profiling one segment measures the same partitioned code the whole plan would run.
+the segment's block layouts imply, and in-segment tensors are constrained by the same `ConstraintHooks` as
+`apply.ShardedStep`, so profiling one segment measures the same partitioned code the whole plan would run.
 """
 from __future__ import annotations
 

@@ -79,8 +79,12 @@ def _checkpointer():
                                             barrier_sync_key_prefix=f"cfp_ckpt_p{pid}")
     # explicit item handlers: the ones orbax would create from the args default to primary_host=0, which
     # makes every other process skip writing (e.g. the JSON metadata)
+    # directories created before the items write: orbax's default creates them in a background thread,
+    # and under load the JSON metadata write once found its directory missing (a two-process test)
     handler = ocp.CompositeCheckpointHandler(
-        composite_options=ocp.CompositeOptions(multiprocessing_options=mp),
+        composite_options=ocp.CompositeOptions(
+            multiprocessing_options=mp,
+            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False)),
         state=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
                                           type_handler_registry=_local_numpy_registry()),
         metadata=ocp.JsonCheckpointHandler(multiprocessing_options=mp))

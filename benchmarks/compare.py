@@ -54,8 +54,8 @@ class Row:
 def _measure_compiled(row: Row, compiled, call_args, mesh_shape) -> None:
     import jax
 
-    from cfp.analysis.collectives import parse_collectives
-    from cfp.profiling.profiler import compiled_memory
+    from cfp.xla.hlo import parse_collectives
+    from cfp.xla.compiled import compiled_memory
     row.memory = compiled_memory(compiled)
     row.comm = sum(c.bytes for c in parse_collectives(compiled.as_text(), mesh_shape))
     row.run = lambda: jax.block_until_ready(compiled(*call_args))
@@ -65,7 +65,7 @@ def _baseline_rows(args, step, example_args, spec, mesh, wanted):
     import jax
 
     from cfp.errors import CfpError
-    from cfp.search.baselines import Baseline, baseline_step
+    from cfp.baselines.handwritten import Baseline, baseline_step
     rows = []
     for b in Baseline:
         if (b is Baseline.DP_TP and spec.ndim != 2) or (wanted and b.value not in wanted):
@@ -88,7 +88,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
 
     from cfp.analysis.analysis import analyze_with_program
     from cfp.errors import CfpError
-    from cfp.search.ilp import CostModel, ilp_plan, ilp_step
+    from cfp.baselines.ilp import CostModel, ilp_plan, ilp_step
     row = Row("alpa-ilp")
     try:
         t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def _cfp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
 
     from cfp.errors import CfpError
     try:
-        from cfp.search.autoshard import autoshard
+        from cfp.api import autoshard
     except ImportError as e:
         return Row(f"cfp (search pass not available: {e})")
     row = Row("cfp")
@@ -126,7 +126,7 @@ def _cfp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
         sharded = autoshard(step, mesh, *example_args, memory_limit=budget, profiler=args.profiler,
                             gpu=args.gpu, iters=args.profile_iters)
         row.plan_time = time.perf_counter() - t0
-        row.note = f"choice {list(sharded.plan.choice)}"
+        row.note = f"choice {list(sharded.shardings.choice)}"
         flat = jax.tree_util.tree_leaves(sharded.shard_args(*example_args))
         _measure_compiled(row, sharded.compile(*example_args), flat, spec.shape)
     except CfpError as e:

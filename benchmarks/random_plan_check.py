@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from cfp.analysis.analysis import analyze_with_program
-    from cfp.analysis.apply import apply_plan, check_collectives
+    from cfp.sharding.step import apply_choice
+    from cfp.sharding.check import check_collectives
     from cfp.models import get_config, loss_fn, make_batch, train_step
 
     agree = total = 0
@@ -51,8 +52,8 @@ def main(argv=None) -> int:
         rng = random.Random(args.seed)
         for k in range(args.plans):
             choice = [rng.randrange(len(b.strategies)) for b in analysis.blocks]
-            sharded = apply_plan(program, analysis, choice)
-            problems = check_collectives(analysis, sharded.plan, sharded.collectives(params, batch))
+            sharded = apply_choice(program, analysis, choice)
+            problems = check_collectives(analysis, sharded.shardings, sharded.collectives(params, batch))
             got = jax.tree_util.tree_leaves(sharded(params, batch))
             # relative to the largest value of loss and gradients: some gradients are exactly zero in math
             # (attention key biases) and float noise there has no scale of its own

@@ -18,7 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 from cfp.models import get_config, train_step  # noqa: E402
-from cfp.search.autoshard import autoshard  # noqa: E402
+from cfp.api import autoshard  # noqa: E402
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "tests" / "golden" / "plans"
 CASES = [("gpt", "8"), ("gpt", "2x4"), ("llama2", "8"), ("moe", "8")]
@@ -35,8 +35,8 @@ def golden_plan(model: str, mesh: str) -> dict:
     step = autoshard(ts.step, mesh, params, opt, batch, profiler="estimate", gpu=s["gpu"],
                      max_combinations=s["max_combinations"], verify=0)
     a = step.analysis
-    return {"model": model, "mesh": mesh, "settings": s, "choice": list(step.plan.choice),
-            "strategies": [a.notation(b, c) for b, c in enumerate(step.plan.choice)]}
+    return {"model": model, "mesh": mesh, "settings": s, "choice": list(step.shardings.choice),
+            "strategies": [a.notation(b, c) for b, c in enumerate(step.shardings.choice)]}
 
 
 def path_for(model: str, mesh: str) -> Path:

@@ -16,10 +16,10 @@ def analyze(step_fn, *example_args, mesh):
 
 
 def __getattr__(name):
-    # autoshard/load_plan live with the search pass; imported lazily so `import cfp` stays light
+    # autoshard/load_plan run every pass (cfp.api); imported lazily so `import cfp` stays light
     if name in ("autoshard", "load_plan"):
         import importlib
-        return getattr(importlib.import_module("cfp.search.autoshard"), name)
+        return getattr(importlib.import_module("cfp.api"), name)
     raise AttributeError(f"module 'cfp' has no attribute {name!r}")
 
 

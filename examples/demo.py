@@ -21,8 +21,8 @@ import numpy as np  # noqa: E402
 import cfp  # noqa: E402
 from cfp.mesh import MeshSpec  # noqa: E402
 from cfp.models import get_config, train_step  # noqa: E402
-from cfp.profiling.profiler import compiled_memory  # noqa: E402
-from cfp.search.baselines import Baseline, baseline_step  # noqa: E402
+from cfp.xla.compiled import compiled_memory  # noqa: E402
+from cfp.baselines.handwritten import Baseline, baseline_step  # noqa: E402
 
 
 def main() -> None:

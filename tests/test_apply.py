@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from cfp.analysis.analysis import analyze_with_program
-from cfp.analysis.apply import apply_plan, check_collectives
+from cfp.sharding.step import apply_choice
+from cfp.sharding.check import check_collectives
 from cfp.errors import ConfigError
 from cfp.models import get_config, loss_fn, make_batch, train_step
 
@@ -46,12 +47,12 @@ def test_sharded_loss_and_grads_match_unsharded_and_collectives_match_prediction
     step, args, analysis, program = _grad_problem(model, mesh)
     want = jax.jit(step)(*args)
     for choice in _choices(analysis, kinds, seed=len(model)):
-        sharded = apply_plan(program, analysis, choice)
+        sharded = apply_choice(program, analysis, choice)
         got = sharded(*args)
         _assert_close(got, want)
         found = sharded.collectives(*args)
-        assert check_collectives(analysis, sharded.plan, found) == [], choice
-        for lay in sharded.plan.layouts:
+        assert check_collectives(analysis, sharded.shardings, found) == [], choice
+        for lay in sharded.shardings.layouts:
             if not lay.collectives:
                 assert not [c for c in found if c.block == lay.block and not c.reshard], \
                     f"block {lay.block} predicted communication-free but compiled with collectives"
@@ -70,7 +71,7 @@ def test_full_train_step_matches_single_device():
     ts, params, opt, batch, analysis, program = _train_problem("8")
     dp = [next(i for i, s in enumerate(b.strategies) if analysis.notation(b.index, i).split(" = ")[0].startswith("S"))
           for b in analysis.blocks]
-    sharded = apply_plan(program, analysis, dp)
+    sharded = apply_choice(program, analysis, dp)
     want = jax.jit(ts.step)(params, opt, batch)
     got = sharded(params, opt, batch)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
@@ -85,12 +86,12 @@ def test_full_train_step_matches_single_device():
 
 def test_bad_choice_is_rejected_with_the_value():
     _, args, analysis, program = _grad_problem("gpt", "8")
-    with pytest.raises(ConfigError, match="plan has 2 strategies"):
-        apply_plan(program, analysis, [0, 0])
+    with pytest.raises(ConfigError, match="choice has 2 strategies"):
+        apply_choice(program, analysis, [0, 0])
     bad = [0] * len(analysis.blocks)
     bad[3] = 99
     with pytest.raises(ConfigError, match="strategy 99 of block 3"):
-        apply_plan(program, analysis, bad)
+        apply_choice(program, analysis, bad)
 
 
 def test_sharded_state_matches_single_device_and_shrinks_memory():
@@ -100,14 +101,14 @@ def test_sharded_state_matches_single_device_and_shrinks_memory():
     from cfp.analysis.blocks import data_parallel_choice
     ts, params, opt, batch, analysis, program = _train_problem("2x4")
     dp = data_parallel_choice(analysis.graph, analysis.blocks)
-    plain = apply_plan(program, analysis, dp)
-    zero = apply_plan(program, analysis, dp, shard_state=True)
-    assert zero.plan.shard_state == tuple(range(len(analysis.blocks)))
+    plain = apply_choice(program, analysis, dp)
+    zero = apply_choice(program, analysis, dp, shard_state=True)
+    assert zero.shardings.shard_state == tuple(range(len(analysis.blocks)))
     kernel = analysis.graph.input_paths.index("[0]['params']['layers_0']['mlp']['fc_in']['kernel']")
     # fc_in kernel [64, 256]: its largest dim takes both axes
-    assert zero.plan.input_specs[kernel] == jax.sharding.PartitionSpec(None, ("x0", "x1"))
-    assert plain.plan.input_specs[kernel] == jax.sharding.PartitionSpec()
-    from cfp.profiling.profiler import compiled_memory
+    assert zero.shardings.input_specs[kernel] == jax.sharding.PartitionSpec(None, ("x0", "x1"))
+    assert plain.shardings.input_specs[kernel] == jax.sharding.PartitionSpec()
+    from cfp.xla.compiled import compiled_memory
     assert compiled_memory(zero.compile(params, opt, batch)) < 0.85 * compiled_memory(plain.compile(params, opt, batch))
     want = jax.jit(ts.step)(params, opt, batch)
     got = zero(params, opt, batch)
@@ -117,6 +118,6 @@ def test_sharded_state_matches_single_device_and_shrinks_memory():
     for a, b in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-3)
     fc_in = jax.tree_util.tree_leaves(got[0])[kernel]
-    assert fc_in.sharding.spec == zero.plan.input_specs[kernel]     # comes back stored sharded
+    assert fc_in.sharding.spec == zero.shardings.input_specs[kernel]     # comes back stored sharded
     with pytest.raises(ConfigError, match="out of range"):
-        apply_plan(program, analysis, dp, shard_state=[999])
+        apply_choice(program, analysis, dp, shard_state=[999])

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cfp.search.autoshard import apply_saved_plan, autoshard, load_plan
+from cfp.api import apply_saved_plan, autoshard, load_plan
 from cfp.errors import ConfigError, InfeasibleError
 
 
@@ -37,13 +37,13 @@ def test_plan_matches_single_device(args, tmp_path, profiler, gpu):
                      plan_out=str(out))
     _close(step(*args), grad_step(*args), rtol=1e-5, atol=1e-6)
     res = step.search_result
-    assert res.choice == step.plan.choice and res.best.memory > 0 and res.best.time > 0
+    assert res.choice == step.shardings.choice and res.best.memory > 0 and res.best.time > 0
     assert "searched ParallelBlock Strategies solution" in res.report()
     plan = load_plan(str(out))
-    assert plan.choice == step.plan.choice
+    assert plan.choice == step.shardings.choice
     assert set(plan.input_specs) == {"[0]['b1']", "[0]['w1']", "[0]['w2']", "[1]", "[2]"}
     again = apply_saved_plan(str(out), grad_step, *args)
-    assert again.plan == step.plan
+    assert again.shardings == step.shardings
     _close(again(*args), grad_step(*args), rtol=1e-5, atol=1e-6)
 
 
@@ -91,16 +91,16 @@ def test_package_level_entry_points(args, tmp_path):
     assert cfp.load_plan is load_plan
     step = cfp.autoshard(grad_step, "8", *args, profiler="estimate", gpu="RTX3090", max_combinations=1, verify=0,
                          plan_out=str(tmp_path / "p.json"))
-    assert cfp.load_plan(str(tmp_path / "p.json")).choice == step.plan.choice
+    assert cfp.load_plan(str(tmp_path / "p.json")).choice == step.shardings.choice
 
 
 def test_budget_below_data_parallel_shards_state(tmp_path):
     """Under a budget that data parallel exceeds, the search stores state sharded (ZeRO-3) where it must."""
     from cfp.analysis.analysis import analyze_with_program
-    from cfp.analysis.apply import apply_plan
+    from cfp.sharding.step import apply_choice
     from cfp.analysis.blocks import data_parallel_choice
     from cfp.models import get_config, train_step
-    from cfp.profiling.profiler import compiled_memory
+    from cfp.xla.compiled import compiled_memory
     ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
     params, opt = ts.init(jax.random.PRNGKey(0))
     batch = ts.make_batch(8, jax.random.PRNGKey(1))
@@ -108,18 +108,18 @@ def test_budget_below_data_parallel_shards_state(tmp_path):
     dp = data_parallel_choice(analysis.graph, analysis.blocks)
 
     def memory(shard):
-        return compiled_memory(apply_plan(program, analysis, dp, shard_state=shard).compile(params, opt, batch))
+        return compiled_memory(apply_choice(program, analysis, dp, shard_state=shard).compile(params, opt, batch))
     budget = (memory(()) + memory(True)) // 2
     out = tmp_path / "plan.json"
     step = autoshard(ts.step, "2x4", params, opt, batch, memory_limit=budget, profiler="estimate",
                      gpu="A100-SXM-80G", top_k=2, max_combinations=4, verify=1, cache_dir=str(tmp_path),
                      plan_out=str(out))
     res = step.search_result
-    assert res.best.memory <= budget and res.shard_state and step.plan.shard_state == res.shard_state
+    assert res.best.memory <= budget and res.shard_state and step.shardings.shard_state == res.shard_state
     _, _, loss = step(params, opt, batch)
     np.testing.assert_allclose(float(loss), float(jax.jit(ts.step)(params, opt, batch)[2]), rtol=1e-5)
     assert load_plan(str(out)).shard_state == res.shard_state
-    assert apply_saved_plan(str(out), ts.step, params, opt, batch).plan == step.plan
+    assert apply_saved_plan(str(out), ts.step, params, opt, batch).shardings == step.shardings
     try:                       # without state sharding: only tensor-parallel strategies can save memory
         other = autoshard(ts.step, "2x4", params, opt, batch, memory_limit=budget, profiler="estimate",
                           gpu="A100-SXM-80G", top_k=2, max_combinations=4, verify=1, cache_dir=str(tmp_path),

@@ -6,7 +6,7 @@ import pytest
 from cfp.errors import ConfigError
 from cfp.mesh import MeshSpec
 from cfp.models import get_config, train_step
-from cfp.search.baselines import Baseline, baseline_shardings, baseline_specs, baseline_step
+from cfp.baselines.handwritten import Baseline, baseline_shardings, baseline_specs, baseline_step
 
 
 @pytest.fixture(scope="module")

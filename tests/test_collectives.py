@@ -1,7 +1,7 @@
 """Parsing XLA's collectives: replica groups in every form XLA prints, mapped back to mesh axes."""
 import pytest
 
-from cfp.analysis.collectives import parse_collectives
+from cfp.xla.hlo import parse_collectives
 
 _LINE = ("  %all-reduce.2 = f32[2,4,1,64]{{3,2,1,0}} all-reduce(%fusion.9), channel_id=18, {groups}, "
          "use_global_device_ids=true, to_apply=%region_4, metadata={{op_name=\"jit(f)/cfp_b4/reduce_sum\"}}")

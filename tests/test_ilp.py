@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import pytest
 
 from cfp.analysis.analysis import analyze_with_program
-from cfp.analysis.apply import apply_plan
+from cfp.sharding.step import apply_choice
 from cfp.errors import InfeasibleError
-from cfp.search.ilp import CostModel, brute_force, build_problem, candidate_specs, ilp_plan, solve
+from cfp.baselines.ilp import CostModel, brute_force, build_problem, candidate_specs, ilp_plan, solve
 
 
 def _mlp_step(p, x, y):
@@ -74,14 +74,14 @@ def test_ilp_choice_applies_and_matches_unsharded():
     res = ilp_plan(a)
     assert len(res.choice) == len(a.blocks) and res.optimal
     assert res.cost_of_choice >= res.cost - 1e-15
-    out = apply_plan(program, a, res.choice)(*args)
+    out = apply_choice(program, a, res.choice)(*args)
     ref = _mlp_step(*args)
     for k in ref:
         assert jnp.allclose(out[k], ref[k], atol=1e-5)
 
 
 def test_ilp_step_keeps_ilp_input_layouts():
-    from cfp.search.ilp import ilp_step
+    from cfp.baselines.ilp import ilp_step
     args = _mlp_args()
     a, program = analyze_with_program(_mlp_step, *args, mesh="4")
     res = ilp_plan(a)

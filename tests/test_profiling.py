@@ -10,7 +10,7 @@ from cfp.profiling import costmodel
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GPUS, get_gpu
 from cfp.profiling.options import ProfileOptions, ProfilerKind
-from cfp.profiling.profiler import Profiler, candidate_combos, profile
+from cfp.profiling.profiler import Profiler, candidate_choices, profile
 from cfp.profiling.subprogram import SegmentProgram, segment_io
 from cfp.profiling.table import ProfileTable
 
@@ -77,9 +77,9 @@ def test_subprogram_matches_whole_program(mlp):
 def test_pruning_rule(mlp):
     analysis, _, _ = mlp
     seg = analysis.segments[0]
-    full, rule = candidate_combos(analysis, seg, ProfileOptions(max_combinations=10**6))
+    full, rule = candidate_choices(analysis, seg, ProfileOptions(max_combinations=10**6))
     assert rule.startswith("exhaustive") and len(full) == np.prod([len(analysis.blocks[b].strategies) for b in seg.blocks])
-    few, rule = candidate_combos(analysis, seg, ProfileOptions(max_combinations=3, per_block=2))
+    few, rule = candidate_choices(analysis, seg, ProfileOptions(max_combinations=3, per_block=2))
     assert rule.startswith("pruned") and len(few) == 3 and len(set(few)) == 3
 
 

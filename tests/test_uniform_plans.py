@@ -3,12 +3,12 @@ import jax
 import pytest
 
 from cfp.analysis.analysis import analyze, analyze_with_program
-from cfp.analysis.apply import apply_plan
-from cfp.analysis.collectives import parse_collectives
+from cfp.sharding.step import apply_choice
+from cfp.xla.hlo import parse_collectives
 from cfp.analysis.blocks import data_parallel_choice
 from cfp.models import get_config, train_step
-from cfp.search.baselines import Baseline, baseline_step
-from cfp.search.uniform import dp_tp_choice
+from cfp.baselines.handwritten import Baseline, baseline_step
+from cfp.baselines.uniform import dp_tp_choice
 
 
 def _analysis(mesh):
@@ -44,7 +44,7 @@ def test_data_parallel_choice_compiles_to_the_data_parallel_baseline(model, mesh
     params, opt = jax.jit(ts.init)(jax.random.PRNGKey(0))
     args = (params, opt, ts.make_batch(8, jax.random.PRNGKey(1)))
     a, program = analyze_with_program(ts.step, *args, mesh=mesh)
-    sharded = apply_plan(program, a, data_parallel_choice(a.graph, a.blocks))
+    sharded = apply_choice(program, a, data_parallel_choice(a.graph, a.blocks))
     found = sorted((c.kind, c.bytes) for c in sharded.collectives(*args))
     fn, shardings = baseline_step(Baseline.DATA_PARALLEL, ts.step, args, sharded.mesh)
     placed = jax.device_put(args, shardings)

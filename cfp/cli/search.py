@@ -95,7 +95,7 @@ def _dump_table(table, dump_dir) -> None:
 
 
 def run_search(args) -> int:
-    from cfp.analysis.apply import resolve
+    from cfp.sharding.specs import resolve
     from cfp.profiling.profiler import profile
     from cfp.search.options import SearchOptions
     from cfp.search.plan import make_plan

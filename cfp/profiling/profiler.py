@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -18,7 +17,6 @@ import jax
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import data_parallel_choice
-from cfp.analysis.collectives import parse_collectives
 from cfp.analysis.layout import block_layout, shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
@@ -26,16 +24,13 @@ from cfp.profiling import costmodel
 from cfp.hardware.gpus import get_gpu
 from cfp.profiling.options import ProfileOptions, ProfilerKind
 from cfp.profiling.subprogram import SegmentProgram
+from cfp.xla.compiled import compiled_cost, compiled_memory, device_kind, time_compiled
+from cfp.xla.hlo import parse_collectives
 from cfp.profiling.table import (ProfileEntry, ProfileTable, SegmentProfile, cache_key, cache_load,
                                  cache_store)
 
 
-def device_kind() -> str:
-    d = jax.devices()[0]
-    return f"{d.platform}:{d.device_kind}"
-
-
-def candidate_combos(analysis: Analysis, segment: Segment, options: ProfileOptions) -> tuple[list[tuple[int, ...]], str]:
+def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOptions) -> tuple[list[tuple[int, ...]], str]:
     """The combinations to profile and the rule that chose them (see `ProfileOptions`)."""
     space = [len(analysis.blocks[b].strategies) for b in segment.blocks]
     total = 1
@@ -124,7 +119,7 @@ class Profiler:
                 todo.append((kind, seg, key))
         with self._progress() as progress:
             for kind, seg, key in todo:
-                combos, rule = candidate_combos(self.analysis, seg, self.options)
+                combos, rule = candidate_choices(self.analysis, seg, self.options)
                 self.log(f"segment kind {kind} (blocks {seg.start}..{seg.stop - 1}): {rule}")
                 task = progress.add_task(f"segment kind {kind}", total=len(combos)) if progress else None
                 entries = self.profile_segment(seg, combos,
@@ -191,34 +186,6 @@ class Profiler:
             dtype = costmodel.dominant_dtype(self.analysis, seg.blocks)
             t = costmodel.compute_time(flops, nbytes, self.gpu, dtype) + costmodel.comm_time(colls, self.gpu)
         return ProfileEntry(tuple(combo), t, memory, comm_bytes, flops, nbytes, colls, measured)
-
-
-def compiled_memory(compiled) -> int:
-    """Per-device bytes of a compiled program: arguments + outputs + temporaries (`memory_analysis()`)."""
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
-
-
-def compiled_cost(compiled) -> dict:
-    """`cost_analysis()` as one dict (some backends return a list with one per program)."""
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return cost
-
-
-def time_compiled(compiled, args, iters: int, warmup: int, before_timing: Callable | None = None) -> float:
-    """Median wall seconds of `compiled(*args)` over `iters` runs after `warmup` runs (and `before_timing()`)."""
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*args))
-    if before_timing is not None:
-        before_timing()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def profile(program: Program, analysis: Analysis, options: ProfileOptions | None = None,

@@ -12,10 +12,11 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.apply import ConstraintHooks, partition_spec
+from cfp.sharding.constraints import ConstraintHooks
+from cfp.sharding.specs import partition_spec
 from cfp.analysis.layout import BlockLayout, block_layout, shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
@@ -94,12 +95,3 @@ class SegmentProgram:
     def example_inputs(self) -> tuple:
         """Zero-filled inputs placed with the input shardings (values do not change the timing of dense code)."""
         return tuple(jax.device_put(np.zeros(a.shape, a.dtype), s) for a, s in zip(self._avals, self.in_shardings))
-
-
-def spec_entries(spec: PartitionSpec) -> list:
-    """A PartitionSpec as JSON: one entry per dim, None, an axis name or a list of names."""
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def spec_from_entries(entries: list) -> PartitionSpec:
-    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])

@@ -7,11 +7,23 @@ import json
 import os
 from typing import Any, Callable
 
+from jax.sharding import PartitionSpec
+
 from cfp.analysis.analysis import Analysis, analyze_with_program
-from cfp.analysis.apply import AppliedPlan, ShardedStep, apply_plan
 from cfp.errors import ConfigError
 from cfp.mesh import MeshSpec
-from cfp.profiling.subprogram import spec_entries, spec_from_entries
+from cfp.sharding.specs import StepShardings
+from cfp.sharding.step import ShardedStep, apply_choice
+
+
+def spec_entries(spec: PartitionSpec) -> list:
+    """A PartitionSpec as JSON: one entry per dim, None, an axis name or a list of names."""
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_from_entries(entries: list) -> PartitionSpec:
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
+
 
 PLAN_VERSION = 2     # 2 added `shard_state`; version 1 files load with none
 
@@ -61,7 +73,7 @@ class Plan:
                    dict(d["metrics"]), tuple(d.get("shard_state", ())), PLAN_VERSION)
 
 
-def make_plan(analysis: Analysis, applied: AppliedPlan, metrics: dict | None = None) -> Plan:
+def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None = None) -> Plan:
     g = analysis.graph
     return Plan(analysis.mesh.shape, analysis.mesh.axis_names, applied.choice,
                 tuple(analysis.notation(b, c) for b, c in enumerate(applied.choice)),
@@ -93,7 +105,7 @@ def apply_saved_plan(plan: Plan | str, step_fn: Callable, *example_args, mesh=No
     if fps != plan.block_fingerprints:
         raise ConfigError(f"plan has {len(plan.block_fingerprints)} blocks that do not match this step's "
                           f"{len(fps)} blocks; search again for this step")
-    step = apply_plan(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None,
+    step = apply_choice(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None,
                       shard_state=plan.shard_state)
     step.saved_plan = plan
     return step

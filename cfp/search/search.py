@@ -9,19 +9,19 @@ import jax
 import numpy as np
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.apply import ShardedStep, apply_plan
+from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.analysis.blocks import data_parallel_choice
 from cfp.analysis.layout import block_layout
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
 from cfp.hardware.gpus import GpuSpec, get_gpu
-from cfp.profiling.profiler import compiled_cost, compiled_memory, time_compiled
+from cfp.xla.compiled import compiled_cost, compiled_memory, time_compiled
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPPlan, _fmt_bytes, dp_search
 from cfp.search.options import SearchOptions
 from cfp.search.state import StateEstimator
-from cfp.search.uniform import dp_tp_choice
+from cfp.baselines.uniform import dp_tp_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         if options.verify == 0:
             verified.append(VerifiedPlan(choice, shard, pl.time, pl.time, pl.memory, 0.0))
             continue
-        step = steps.get((choice, shard)) or apply_plan(program, analysis, choice, mesh, shard_state=shard)
+        step = steps.get((choice, shard)) or apply_choice(program, analysis, choice, mesh, shard_state=shard)
         steps[(choice, shard)] = step
         verified.append(_verify(step, example_args, choice, shard, pl.time, options, gpu, analysis))
         v = verified[-1]
@@ -192,7 +192,7 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
         if entry is None:
             return 1.0
         total += entry.memory
-    step = steps[(uniform, ())] = apply_plan(program, analysis, uniform, mesh)
+    step = steps[(uniform, ())] = apply_choice(program, analysis, uniform, mesh)
     whole = compiled_memory(step.compile(*example_args))
     scale = whole / total if total else 1.0
     log(f"memory calibration: data-parallel plan {_fmt_bytes(whole)} whole vs {_fmt_bytes(total)} summed over "
@@ -204,7 +204,7 @@ def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_
     """Calibrate the state-sharding savings on one whole compile: data parallel with every block's state
     sharded (FSDP) against plain data parallel."""
     every = tuple(range(len(analysis.blocks)))
-    step = steps[(uniform, every)] = apply_plan(program, analysis, uniform, mesh, shard_state=every)
+    step = steps[(uniform, every)] = apply_choice(program, analysis, uniform, mesh, shard_state=every)
     actual = (compiled_memory(steps[(uniform, ())].compile(*example_args))
               - compiled_memory(step.compile(*example_args)))
     est = sum(estimator.segment(seg.blocks, tuple(uniform[b] for b in seg.blocks)).memory

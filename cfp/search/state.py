@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.apply import sharded_state_spec, state_owners
+from cfp.sharding.specs import sharded_state_spec, state_owners
 from cfp.analysis.blocks import _trace_view
 from cfp.analysis.layout import BlockLayout, block_layout, shards
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from cfp.analysis.analysis import analyze_with_program
-from cfp.analysis.apply import ShardedStep, apply_plan
+from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile
 from cfp.search.plan import Plan, apply_saved_plan, load_plan, make_plan
@@ -23,7 +23,8 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     `mesh`: a jax Mesh, a `MeshSpec` or "2x4"; `memory_limit`: per-device bytes or a string like "2GB";
     `profiler`: "measure" (time on the local devices) or "estimate" (cost model of `gpu`); `shard_state`: under
     a budget, also consider storing parameters and optimizer state sharded (ZeRO-3). Returns the
-    `ShardedStep` (call it like `step_fn`); `.plan` is the applied plan, `.saved_plan` the plan file content,
+    `ShardedStep` (call it like `step_fn`); `.shardings` are the applied
+    `StepShardings`, `.saved_plan` the plan file content,
     `.search_result` the search's figures. Raises InfeasibleError when nothing fits `memory_limit`.
     """
     log = print if verbose else (lambda *_: None)
@@ -37,10 +38,10 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
                     mesh=mesh if hasattr(mesh, "devices") else None)
     step = result.steps.get((result.choice, result.shard_state))   # already compiled while verifying
     if step is None:
-        step = apply_plan(program, analysis, result.choice, mesh if hasattr(mesh, "devices") else None,
+        step = apply_choice(program, analysis, result.choice, mesh if hasattr(mesh, "devices") else None,
                           shard_state=result.shard_state)
     b = result.best
-    step.saved_plan = make_plan(analysis, step.plan, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
+    step.saved_plan = make_plan(analysis, step.shardings, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
                                                       "flops": b.flops, "profiler": table.profiler})
     step.search_result = result
     step.profile_table = table

@@ -21,7 +21,7 @@ Formulation (Zheng et al., Alpa, OSDI'22, §4.2), on cfp's `OpGraph`:
 
 Mapping to CFP's per-block `choice` (`ilp_step` applies it with the ILP's own input/output layouts): each ParallelBlock's strategy index is the ILP's choice for the block's
 forward dot (its candidate list is the same `enumerate_strategies` list). Alpa decides backward dots on their
-own; `apply_plan` instead derives them from the forward dot through the block's re-index plan, so where the
+own; `apply_choice` instead derives them from the forward dot through the block's re-index plan, so where the
 ILP's backward choice differs it is overridden by the forward one. Those overrides are counted in
 `IlpResult.disagreements` and `IlpResult.cost_of_choice` re-prices the plan as applied.
 """
@@ -255,7 +255,7 @@ def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | N
 
 @dataclasses.dataclass(frozen=True)
 class IlpResult:
-    """The ILP's plan: a strategy per node, the per-block `choice` for `apply_plan`, and its estimates."""
+    """The ILP's plan: a strategy per node, the per-block `choice` for `apply_choice`, and its estimates."""
 
     assignment: tuple[int, ...]
     choice: tuple[int, ...]
@@ -382,10 +382,12 @@ def ilp_plan(analysis: Analysis, memory_budget: float | None = None, cost: CostM
 
 
 def ilp_step(program, analysis: Analysis, result: IlpResult, mesh=None):
-    """The sharded step of an ILP plan: blocks as `apply_plan(result.choice)`, but the step's inputs and
+    """The sharded step of an ILP plan: blocks as `apply_choice(result.choice)`, but the step's inputs and
     outputs (parameters, optimizer state, batch) in the ILP's own layouts, so its memory decisions hold;
     XLA reshards them where a block wants another layout (as FSDP gathers a sharded weight)."""
-    from cfp.analysis.apply import ShardedStep, partition_spec, resolve
+    from cfp.sharding.step import ShardedStep
+
+    from cfp.sharding.specs import partition_spec, resolve
 
     names = analysis.mesh.axis_names
     plan = dataclasses.replace(resolve(analysis, result.choice),

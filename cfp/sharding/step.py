@@ -1,0 +1,64 @@
+"""The captured step compiled under a strategy choice with `jax.jit` (only JAX's public sharding API)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from jax.sharding import NamedSharding
+
+from cfp.analysis.analysis import Analysis
+from cfp.errors import ConfigError
+from cfp.ir.capture import Program
+from cfp.sharding.constraints import ConstraintHooks
+from cfp.sharding.specs import StepShardings, resolve
+from cfp.xla.hlo import Collective, parse_collectives
+
+
+class ShardedStep:
+    """The captured step compiled under `StepShardings` on a mesh; call it like the original step."""
+
+    def __init__(self, program: Program, analysis: Analysis, shardings: StepShardings, mesh: jax.sharding.Mesh):
+        self.program, self.analysis, self.shardings, self.mesh = program, analysis, shardings, mesh
+        hooks = ConstraintHooks(analysis, shardings.layouts, mesh, dots_only=frozenset(shardings.shard_state))
+        on_output, on_input, scope_of = hooks.on_output, hooks.on_input, hooks.scope_of
+
+        def flat_fn(*flat):
+            return tuple(program.replay(list(flat), on_output=on_output, scope_of=scope_of, on_input=on_input))
+        self.in_shardings = tuple(NamedSharding(mesh, s) for s in shardings.input_specs)
+        self.out_shardings = tuple(NamedSharding(mesh, s) for s in shardings.output_specs)
+        self._jitted = jax.jit(flat_fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)
+        self._compiled = None
+
+    def lower(self, *args):
+        flat = jax.tree_util.tree_leaves(args)
+        return self._jitted.lower(*flat)
+
+    def compile(self, *args):
+        if self._compiled is None:
+            self._compiled = self.lower(*args).compile()
+        return self._compiled
+
+    def shard_args(self, *args):
+        """Place the step's arguments with its input shardings."""
+        flat, tree = jax.tree_util.tree_flatten(args)
+        return jax.tree_util.tree_unflatten(tree, [jax.device_put(x, s) for x, s in zip(flat, self.in_shardings)])
+
+    def __call__(self, *args):
+        flat, tree = jax.tree_util.tree_flatten(args)
+        if tree != self.program.in_tree:
+            raise ConfigError(f"arguments have structure {tree}, the step was captured with {self.program.in_tree}")
+        out = self.compile(*args)(*flat)
+        return jax.tree_util.tree_unflatten(self.program.out_tree, list(out))
+
+    def collectives(self, *args) -> tuple[Collective, ...]:
+        """Collectives XLA inserted in the compiled step, attributed to blocks."""
+        return parse_collectives(self.compile(*args).as_text(), self.analysis.mesh.shape)
+
+
+def apply_choice(program: Program, analysis: Analysis, choice: Sequence[int],
+                 mesh: jax.sharding.Mesh | None = None, shard_state=()) -> ShardedStep:
+    """Build the sharded step for `choice` (one strategy index per ParallelBlock); `shard_state` (True, or
+    block indices) stores those blocks' parameters and optimizer state sharded (ZeRO-3), see `resolve`."""
+    if mesh is None:
+        mesh = analysis.mesh.make()
+    return ShardedStep(program, analysis, resolve(analysis, choice, shard_state), mesh)

@@ -1,0 +1,46 @@
+"""What a compiled XLA program tells: per-device memory, cost analysis, and its measured wall time.
+
+The one home for these measurements; the sharding, profiling, search and baseline passes all read compiled
+programs through it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import jax
+
+
+def device_kind() -> str:
+    """`platform:device_kind` of the first local device (part of the profile cache key)."""
+    d = jax.devices()[0]
+    return f"{d.platform}:{d.device_kind}"
+
+
+def compiled_memory(compiled) -> int:
+    """Per-device bytes of a compiled program: arguments + outputs + temporaries (`memory_analysis()`)."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+
+
+def compiled_cost(compiled) -> dict:
+    """`cost_analysis()` as one dict (some backends return a list with one per program)."""
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return cost
+
+
+def time_compiled(compiled, args, iters: int, warmup: int, before_timing: Callable | None = None) -> float:
+    """Median wall seconds of `compiled(*args)` over `iters` runs after `warmup` runs (and `before_timing()`)."""
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    if before_timing is not None:
+        before_timing()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -9,9 +9,9 @@ Formulation (Zheng et al., Alpa, OSDI'22, §4.2), on cfp's `OpGraph`:
   through `dimflow.links`. Operators without dim links (gather, iota, control flow, ...) run replicated.
 * *Node cost* per strategy: all-reduces of sharded contracting dims and of reductions over sharded dims,
   all-gathers of sharded dims an operator drops, resharding inside a node, and dot compute time.
-  Collectives use the alpha-beta model: all-reduce = alpha + 2(n-1)/n * bytes / bw; all-gather =
-  alpha + (n-1)/n * bytes / bw; all-to-all = alpha + (n-1)/n * bytes / n / bw; slicing a replicated tensor
-  is free.
+  Collectives are alpha-beta: a per-call latency alpha plus cfp's one collective time model
+  (`cfp.hardware.collectives.collective_time`, ring: all-reduce 2(n-1)/n * B / bw, all-gather and
+  all-to-all (n-1)/n * B / bw, B the per-device buffer); slicing a replicated tensor is free.
 * *Edge cost*: resharding a tensor from its producer's layout to the layout its consumer needs, one matrix
   per pair of nodes; the products x_u,i * x_v,j are linearised with continuous e_ij >= 0,
   sum_j e_ij = x_u,i, sum_i e_ij = x_v,j (as in Alpa).
@@ -41,6 +41,7 @@ from cfp.analysis.blocks import loops_of
 from cfp.analysis.layout import DimAxes, shards
 from cfp.analysis.strategies import DotStrategy, enumerate_strategies
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.hardware.collectives import collective_time
 from cfp.ir.graph import OpGraph
 
 
@@ -62,7 +63,7 @@ class CostModel:
         n = math.prod(shape[a] for a in axes)
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return self.latency + 2 * (n - 1) / n * nbytes / min(self.bw(a) for a in axes)
+        return self.latency + collective_time("all-reduce", nbytes, n, min(self.bw(a) for a in axes))
 
     def reshard(self, src: DimAxes, dst: DimAxes, nbytes: float, shape: Sequence[int]) -> float:
         """Move a tensor of `nbytes` (whole) from layout `src` to `dst`, one mesh axis at a time."""
@@ -77,8 +78,10 @@ class CostModel:
             # bytes each device holds along this axis: the tensor divided by the axes both layouts keep
             kept = math.prod(shape[b] for b in dim_s if b != a and dim_s[b] == dim_d.get(b))
             local = nbytes / kept
-            moved = (n - 1) / n * local / (1 if dd is None else n)   # all-gather / all-to-all
-            total += self.latency + moved / self.bw(a)
+            if dd is None:      # sharded -> replicated: all-gather of the whole local part
+                total += self.latency + collective_time("all-gather", local, n, self.bw(a))
+            else:               # another dim: all-to-all of the device's shard
+                total += self.latency + collective_time("all-to-all", local / n, n, self.bw(a))
         return total
 
 

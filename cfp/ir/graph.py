@@ -6,6 +6,8 @@ import functools
 import json
 from typing import Any
 
+from cfp.dtypes import hlo_name, itemsize
+
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
@@ -24,13 +26,11 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        itemsize = {"bool": 1, "int8": 1, "uint8": 1, "bfloat16": 2, "float16": 2, "int16": 2,
-                    "float64": 8, "int64": 8, "uint64": 8}.get(self.dtype, 4)
-        return self.size * itemsize
+        return self.size * itemsize(self.dtype)
 
     def short(self) -> str:
         """HLO-style type, e.g. `f32[8,64]`."""
-        return f"{_short(self.dtype)}[{','.join(map(str, self.shape))}]"
+        return f"{hlo_name(self.dtype)}[{','.join(map(str, self.shape))}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +74,6 @@ class Operator:
             extra = (f" contract={self.dot.lhs_contract}x{self.dot.rhs_contract}"
                      f" batch={self.dot.lhs_batch}x{self.dot.rhs_batch}")
         return f"{self.index} {self.primitive} {outs} = ({ins}){extra}  [{'/'.join(self.scope)}]"
-
-
-def _short(dtype: str) -> str:
-    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "bool": "pred",
-            "float64": "f64", "int64": "s64", "uint32": "u32", "uint8": "u8", "int8": "s8"}.get(dtype, dtype)
 
 
 @dataclasses.dataclass(frozen=True)

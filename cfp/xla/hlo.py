@@ -13,9 +13,9 @@ import re
 
 import numpy as np
 
+from cfp.dtypes import hlo_itemsize
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "pred": 1,
-                "s8": 1, "u8": 1, "s16": 2, "u16": 2}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<kind>" +
                     "|".join(re.escape(k) for k in KINDS) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
@@ -36,7 +36,7 @@ def _shape_bytes(text: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(text):
         n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        total += n * _DTYPE_BYTES.get(dtype, 4)
+        total += n * hlo_itemsize(dtype)
     return total
 
 

@@ -21,7 +21,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cfp.cli.common import MODELS, build_step, ensure_host_devices, positive_int  # noqa: E402
+from cfp.cli.common import build_step, ensure_host_devices, positive_int  # noqa: E402
+from cfp.models.configs import MODEL_NAMES  # noqa: E402
 
 
 def _fmt_bytes(n: float) -> str:
@@ -193,7 +194,7 @@ def render(rows, budget) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, choices=MODELS)
+    p.add_argument("--model", required=True, choices=MODEL_NAMES)
     p.add_argument("--config", default="tiny")
     p.add_argument("--num-layers", dest="num_layers", type=positive_int, default=2)
     p.add_argument("--batch-size", dest="batch_size", type=positive_int, default=16)

@@ -16,7 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cfp.cli.common import MODELS, ensure_host_devices, positive_int  # noqa: E402
+from cfp.cli.common import ensure_host_devices, positive_int  # noqa: E402
+from cfp.models.configs import MODEL_NAMES  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,9 +29,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     models = args.models.split(",")
-    bad = [m for m in models if m not in MODELS]
+    bad = [m for m in models if m not in MODEL_NAMES]
     if bad:
-        print(f"error: unknown model(s) {bad}; valid: {', '.join(MODELS)}", file=sys.stderr)
+        print(f"error: unknown model(s) {bad}; valid: {', '.join(MODEL_NAMES)}", file=sys.stderr)
         return 2
     ensure_host_devices()
     import jax

@@ -5,8 +5,7 @@ import argparse
 import os
 
 from cfp.errors import ConfigError
-
-MODELS = ("gpt", "llama2", "moe", "bert")
+from cfp.models.configs import MODEL_NAMES
 
 
 def ensure_host_devices(n: int = 8) -> None:
@@ -16,18 +15,31 @@ def ensure_host_devices(n: int = 8) -> None:
         os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={n}").strip()
 
 
-def positive_int(text: str) -> int:
+def _int(text: str) -> int:
     try:
-        v = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    v = _int(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
     return v
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be a non-negative integer")
+    return v
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, choices=MODELS, help="model family")
+    p.add_argument("--model", required=True, choices=MODEL_NAMES, help="model family")
     p.add_argument("--config", default="tiny", help="named config of the model (default: tiny)")
     p.add_argument("--num-layers", "--num_layer", dest="num_layers", type=positive_int, default=None,
                    help="number of transformer layers (default: the config's)")

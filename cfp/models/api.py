@@ -13,10 +13,8 @@ import jax.numpy as jnp
 import optax
 
 from cfp.errors import ConfigError
-from cfp.models.configs import CONFIG_CLASSES, Config, check_model_name, get_config
+from cfp.models.configs import CONFIG_CLASSES, MODEL_FAMILIES, Config, check_model_name, get_config
 
-_MODULES = {"gpt": "cfp.models.gpt", "llama2": "cfp.models.llama", "moe": "cfp.models.moe",
-            "bert": "cfp.models.bert"}
 
 Batch = dict  # {"inputs": int32[B,S], "targets": int32[B,S], "weights": float32[B,S]}
 
@@ -33,7 +31,7 @@ def _resolve(model_name: str, config: Union[Config, str, None]) -> Config:
 
 
 def _module(model_name: str):
-    return importlib.import_module(_MODULES[check_model_name(model_name)])
+    return importlib.import_module(MODEL_FAMILIES[check_model_name(model_name)].module)
 
 
 def build_model(model_name: str, config: Union[Config, str, None] = None):

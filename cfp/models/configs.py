@@ -209,9 +209,23 @@ class BertConfig:
 Config = Union[GPTConfig, LlamaConfig, MoEConfig, BertConfig]
 
 # --------------------------------------------------------------------------- registry
-MODEL_NAMES = ("gpt", "llama2", "moe", "bert")
-CONFIG_CLASSES = {"gpt": GPTConfig, "llama2": LlamaConfig, "moe": MoEConfig,
-                  "bert": BertConfig}
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family of the zoo: its config class and the module defining its Embed/Layer/Head/Model."""
+
+    config_class: type
+    module: str
+
+
+# the one model registry: the CLI, the model API and the configs below all read it
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "gpt": ModelFamily(GPTConfig, "cfp.models.gpt"),
+    "llama2": ModelFamily(LlamaConfig, "cfp.models.llama"),
+    "moe": ModelFamily(MoEConfig, "cfp.models.moe"),
+    "bert": ModelFamily(BertConfig, "cfp.models.bert"),
+}
+MODEL_NAMES = tuple(MODEL_FAMILIES)
+CONFIG_CLASSES = {name: f.config_class for name, f in MODEL_FAMILIES.items()}
 
 
 def _gpt(seq, hidden, layers, heads, vocab=51200):

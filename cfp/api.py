@@ -28,7 +28,7 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     `.search_result` the search's figures. Raises InfeasibleError when nothing fits `memory_limit`.
     """
     log = print if verbose else (lambda *_: None)
-    popts = ProfileOptions(kind=profiler, gpu=gpu, iters=iters, top_k=top_k, cache_dir=cache_dir,
+    popts = ProfileOptions(kind=profiler, gpu=gpu, iters=iters, cache_dir=cache_dir,
                            max_combinations=max_combinations, progress=verbose)
     sopts = SearchOptions(memory_per_device=memory_limit, top_k=top_k, verify=verify, iters=iters,
                           shard_state=shard_state)
@@ -42,7 +42,7 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
                           shard_state=result.shard_state)
     b = result.best
     step.saved_plan = make_plan(analysis, step.shardings, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
-                                                      "flops": b.flops, "profiler": table.profiler})
+                                                      "flops": b.flops, "profiler": str(table.profiler)})
     step.search_result = result
     step.profile_table = table
     if plan_out:

@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from cfp.analysis.analysis import Analysis, analyze
-from cfp.analysis.blocks import DotRole, _trace_view
+from cfp.analysis.blocks import DotRole, trace_view
 from cfp.analysis.strategies import LoopKind, dot_loops, enumerate_strategies
 from cfp.ir.graph import DotDims
 from cfp.models import get_config, train_step
@@ -44,7 +44,7 @@ def test_each_weight_fuses_forward_and_weight_gradient(model):
     weights = _weights(a)
     assert len(weights) >= 6
     for t, path in weights:
-        fwd = [op for op in g.dots if not op.backward and any(_trace_view(g, x)[0] == t for x in op.inputs[:2])]
+        fwd = [op for op in g.dots if not op.backward and any(trace_view(g, x)[0] == t for x in op.inputs[:2])]
         assert fwd, f"no forward dot reads {path}"
         block = next(b for b in a.blocks if b.forward.op == fwd[0].index)
         shape = g.tensor(t).shape

@@ -107,9 +107,9 @@ def test_cache_hit_compiles_nothing(mlp, tmp_path):
 def test_estimate_profiler_and_top_k(mlp):
     analysis, program, _ = mlp
     table = profile(program, analysis, ProfileOptions(kind="estimate", gpu="A100-PCIe-40G", max_combinations=4,
-                                                      top_k=1, overlap_compile=False, progress=False),
+                                                      overlap_compile=False, progress=False),
                     log=lambda *_: None)
-    assert table.profiler == "estimate:A100-PCIe-40G"
+    assert str(table.profiler) == "estimate:A100-PCIe-40G"
     seg = table.segments[0]
     assert all(e.measured is None and e.time > 0 and e.flops > 0 for e in seg.entries)
     # a sharded contraction shows up as communication somewhere in the profiled combinations
@@ -134,3 +134,14 @@ def test_cli_profile_then_cache(tmp_path, capsys):
     assert table["profiler"] == "estimate:RTX4090" and len(table["segments"]) == 2
     assert main(argv) == 0
     assert "compiles: 0" in capsys.readouterr().out
+
+
+def test_profiler_spec_round_trips_and_rejects_unknown():
+    from cfp.errors import ConfigError
+    from cfp.profiling.options import ProfilerKind, ProfilerSpec
+    for text in ("measure", "estimate:A100-SXM-80G"):
+        assert str(ProfilerSpec.parse(text)) == text
+    assert ProfilerSpec.parse("estimate:H100-SXM").gpu == "H100-SXM"
+    assert ProfilerSpec.parse("measure").kind is ProfilerKind.MEASURE
+    with pytest.raises(ConfigError, match="'guess'"):
+        ProfilerSpec.parse("guess")

@@ -4,9 +4,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from cfp.analysis.blocks import BlockDot, DotRole, ParallelBlock, build_blocks, loops_of
+from cfp.analysis.layout import BlockLayout, block_layout
 from cfp.analysis.segments import Segment, find_segments
 from cfp.analysis.strategies import DotStrategy
 from cfp.errors import ConfigError
@@ -47,6 +48,24 @@ class Analysis:
     @property
     def search_space(self) -> tuple[int, ...]:
         return tuple(len(b.strategies) for b in self.blocks)
+
+    def layout(self, block: int, strategy: int) -> BlockLayout:
+        """Block `block`'s tensor layouts under its strategy `strategy`; computed once per Analysis (a pure
+        function of the frozen graph, block and mesh), then reused by every pass."""
+        store = self.__dict__.setdefault("_layouts", {})     # not a field: not serialised, not compared
+        key = (block, strategy)
+        if key not in store:
+            store[key] = block_layout(self.graph, self.blocks[block], strategy, self.mesh.shape)
+        return store[key]
+
+    def segment_specs(self, segment: Segment, choice: Sequence[int]) -> dict:
+        """Tensor id -> dim axes of every tensor the segment's blocks lay out under `choice` (one strategy
+        index per block of the segment; the first block to lay a tensor out wins)."""
+        specs: dict = {}
+        for b, c in zip(segment.blocks, choice):
+            for t, s in self.layout(b, c).spec_of.items():
+                specs.setdefault(t, s)
+        return specs
 
     def notation(self, block: int, strategy: int, dot: int | None = None) -> str:
         """Alpa/CFP notation of `strategy` of `block`, for its forward dot or the given member dot."""
@@ -89,8 +108,9 @@ class Analysis:
         return cls.from_dict(json.loads(text))
 
 
-def analyze_program(program: Program, options: AnalysisOptions) -> Analysis:
-    t0 = time.perf_counter()
+def analyze_program(program: Program, options: AnalysisOptions, started: float | None = None) -> Analysis:
+    """Blocks and segments of a captured program; `analysis_time` counts from `started` (default: now)."""
+    t0 = time.perf_counter() if started is None else started
     graph = program.graph
     blocks, remainder = build_blocks(graph, options.mesh.shape)
     segments = find_segments(graph, blocks)
@@ -110,8 +130,7 @@ def analyze_with_program(step_fn: Callable, *example_args, mesh) -> tuple[Analys
     t0 = time.perf_counter()
     spec = as_mesh_spec(mesh)
     program = capture(step_fn, *example_args)
-    analysis = analyze_program(program, AnalysisOptions(spec))
-    return dataclasses.replace(analysis, analysis_time=time.perf_counter() - t0), program
+    return analyze_program(program, AnalysisOptions(spec), started=t0), program
 
 
 def as_mesh_spec(mesh) -> MeshSpec:

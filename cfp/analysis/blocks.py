@@ -59,7 +59,7 @@ def loops_of(op: Operator, graph: OpGraph) -> tuple[Loop, ...]:
     return dot_loops(graph.tensor(lhs).shape, graph.tensor(rhs).shape, op.dot)
 
 
-def _trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
+def trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
     """Follow dtype converts and transposes back to a source tensor: (source, dim of source per dim)."""
     perm = tuple(range(len(graph.tensor(tid).shape)))
     while tid in graph.producer:
@@ -81,7 +81,7 @@ def _plan(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...
     # (the forward operand may itself be a transposed view of the source that the backward dot reads)
     f_src = {}
     for side, t in (("lhs", f_lhs), ("rhs", f_rhs)):
-        src, perm = _trace_view(graph, t)
+        src, perm = trace_view(graph, t)
         f_src[src] = (side, {s: d for d, s in enumerate(perm)})
     loop_by_dim = {(side, getattr(l, f"{side}_dim")): i for i, l in enumerate(f_loops)
                    for side in ("lhs", "rhs", "out") if getattr(l, f"{side}_dim") is not None}
@@ -89,7 +89,7 @@ def _plan(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...
     sides: list[tuple[str, tuple[int, ...]] | None] = []
     used: set[str] = set()
     for operand in (bwd.inputs[0], bwd.inputs[1]):
-        src, perm = _trace_view(graph, operand)
+        src, perm = trace_view(graph, operand)
         side, to_fwd = f_src.get(src, (None, None))
         if side is not None and side not in used:
             perm = tuple(to_fwd[p] for p in perm)
@@ -121,8 +121,8 @@ def _source_key(op: Operator) -> tuple:
 
 
 def _shares_operand(fwd: Operator, bwd: Operator, graph: OpGraph) -> bool:
-    f = {_trace_view(graph, t)[0] for t in fwd.inputs[:2]}
-    return any(_trace_view(graph, t)[0] in f for t in bwd.inputs[:2])
+    f = {trace_view(graph, t)[0] for t in fwd.inputs[:2]}
+    return any(trace_view(graph, t)[0] in f for t in bwd.inputs[:2])
 
 
 def _fingerprint(fwd: Operator, dots: list[BlockDot], graph: OpGraph) -> str:

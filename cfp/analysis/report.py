@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import DimAxes, block_layout
+from cfp.analysis.layout import DimAxes
 
 
 def spec_text(spec: DimAxes) -> str:
@@ -43,10 +43,9 @@ def segments_text(analysis: Analysis) -> str:
 def strategy_map_text(analysis: Analysis) -> str:
     """Every operator with its strategies: dots in Alpa notation, other operators as their output layout."""
     g = analysis.graph
-    shape = analysis.mesh.shape
     lines = []
     for b in analysis.blocks:
-        layouts = [block_layout(g, b, s, shape).spec_of for s in range(len(b.strategies))]
+        layouts = [analysis.layout(b.index, s).spec_of for s in range(len(b.strategies))]
         dots = {d.op for d in b.dots}
         for i in b.operators:
             op = g.operators[i]

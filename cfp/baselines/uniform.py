@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import data_parallel_choice, loops_of
-from cfp.analysis.layout import block_layout, shards
+from cfp.analysis.layout import shards
 from cfp.analysis.strategies import LoopKind
 
 
@@ -31,7 +31,7 @@ def dp_tp_choice(analysis: Analysis) -> tuple[int, ...] | None:
         ops = set(b.operators)
 
         def cost(i):
-            lay = block_layout(g, b, i, shape)
+            lay = analysis.layout(b.index, i)
             total = sum(c.bytes for c in lay.collectives)
             for t, spec in lay.specs:
                 if g.producer.get(t) not in ops and t in producer_spec and producer_spec[t] != spec:
@@ -40,7 +40,7 @@ def dp_tp_choice(analysis: Analysis) -> tuple[int, ...] | None:
 
         pick = min(options, key=lambda i: (cost(i), i))
         choice.append(pick)
-        for t, spec in block_layout(g, b, pick, shape).specs:
+        for t, spec in analysis.layout(b.index, pick).specs:
             if g.producer.get(t) in ops:
                 producer_spec[t] = spec
     return tuple(choice)

@@ -52,7 +52,7 @@ def _popts(args):
     from cfp.profiling.options import ProfileOptions, default_cache_dir
     cache = None if args.no_cache else (args.cache_dir or default_cache_dir())
     return ProfileOptions(kind=args.profiler, gpu=args.gpu, iters=args.iters, warmup=args.warmup,
-                          top_k=args.top_k, cache_dir=cache, max_combinations=args.max_combinations,
+                          cache_dir=cache, max_combinations=args.max_combinations,
                           progress=not args.no_progress)
 
 
@@ -114,7 +114,7 @@ def run_search(args) -> int:
         applied = resolve(analysis, result.choice, result.shard_state)
         b = result.best
         make_plan(analysis, applied, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory, "flops": b.flops,
-                                      "profiler": table.profiler}).save(args.plan_out)
+                                      "profiler": str(table.profiler)}).save(args.plan_out)
         print(f"wrote {args.plan_out}")
     return 0
 

@@ -13,6 +13,7 @@ from cfp.analysis.blocks import loops_of
 from cfp.analysis.layout import BlockLayout
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec
+from cfp.xla.compiled import CompiledFigures
 
 # Ranking only needs relative costs; the default ranks with the most common training GPU's ratios.
 DEFAULT_RANKING_GPU = "A100-SXM-80G"
@@ -24,6 +25,17 @@ def comm_time(collectives: Iterable[tuple[str, int, int]], gpu: GpuSpec) -> floa
 
 def compute_time(flops: float, bytes_accessed: float, gpu: GpuSpec, dtype: str) -> float:
     return max(flops / gpu.peak_flops(dtype), bytes_accessed / (gpu.mem_gbps * 1e9))
+
+
+def collective_groups(figures: CompiledFigures, mesh_shape: Sequence[int]) -> tuple[tuple[str, int, int], ...]:
+    """(kind, bytes, group size) of every collective of a compiled program."""
+    return tuple((c.kind, c.bytes, group_size(c.axes, mesh_shape)) for c in figures.collectives)
+
+
+def estimated_time(figures: CompiledFigures, mesh_shape: Sequence[int], gpu: GpuSpec, dtype: str) -> float:
+    """The `estimate` profiler's seconds of a compiled program: roofline compute plus its collectives."""
+    return (compute_time(figures.flops, figures.bytes_accessed, gpu, dtype)
+            + comm_time(collective_groups(figures, mesh_shape), gpu))
 
 
 def group_size(axes: Sequence[int], mesh_shape: Sequence[int]) -> int:

@@ -14,6 +14,27 @@ class ProfilerKind(enum.Enum):
     ESTIMATE = "estimate"   # compile, then a cost model of a catalog GPU on compiled FLOPs/bytes/collectives
 
 
+@dataclasses.dataclass(frozen=True)
+class ProfilerSpec:
+    """Which profiler made a profile table: `measure`, or `estimate` with its catalog GPU.
+
+    Written to JSON as "measure" or "estimate:<gpu>" (`str`), read back with `parse`."""
+
+    kind: ProfilerKind
+    gpu: str | None = None      # the catalog GPU of `estimate`
+
+    def __str__(self) -> str:
+        return self.kind.value if self.kind is ProfilerKind.MEASURE else f"{self.kind.value}:{self.gpu}"
+
+    @classmethod
+    def parse(cls, text: str) -> "ProfilerSpec":
+        kind, _, gpu = text.partition(":")
+        try:
+            return cls(ProfilerKind(kind), gpu or None)
+        except ValueError:
+            raise ConfigError(f"profiler {text!r} is not 'measure' or 'estimate:<gpu>'") from None
+
+
 def default_cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "cfp", "profiles")
 
@@ -22,18 +43,19 @@ def default_cache_dir() -> str:
 class ProfileOptions:
     """How segments are profiled.
 
-    Reduction rule for large spaces: a segment whose full combination space has at most `max_combinations`
-    members is profiled exhaustively. Otherwise each block keeps its `per_block` best strategies by the analytic
-    cost (predicted collective bytes + dot FLOPs per device), the product of those short lists is ranked by the
-    analytic cost of the whole combination (blocks plus resharding between them) and the best
-    `max_combinations` are profiled. The rule is printed with every pruned segment.
+    Reduction rule for large spaces: a segment whose full choice space has at most `max_combinations` members
+    is profiled exhaustively. Otherwise each block keeps its `per_block` best strategies by the analytic cost
+    (dot FLOPs per device and predicted collectives, timed on `gpu` or the default ranking GPU) plus its leanest
+    strategy in memory; of the product of those short lists, the data-parallel choice (always: the search
+    calibrates its memory sums on it), the `max_combinations // 4` leanest by estimated memory and then the
+    best by analytic cost including resharding between the blocks are profiled, `max_combinations` in all.
+    The rule is printed with every pruned segment.
     """
 
     kind: ProfilerKind = ProfilerKind.MEASURE
     gpu: str | None = None
     iters: int = 5
     warmup: int = 2
-    top_k: int = 4
     cache_dir: str | None = None     # None: no cache
     max_combinations: int = 12
     per_block: int = 2
@@ -55,7 +77,7 @@ class ProfileOptions:
             get_gpu(self.gpu)
         elif self.gpu is not None:
             get_gpu(self.gpu)
-        for name, lo in (("iters", 3), ("warmup", 0), ("top_k", 1), ("max_combinations", 1), ("per_block", 1)):
+        for name, lo in (("iters", 3), ("warmup", 0), ("max_combinations", 1), ("per_block", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")

@@ -17,15 +17,14 @@ import jax
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import data_parallel_choice
-from cfp.analysis.layout import block_layout, shards
+from cfp.analysis.layout import shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
 from cfp.hardware.gpus import get_gpu
-from cfp.profiling.options import ProfileOptions, ProfilerKind
+from cfp.profiling.options import ProfileOptions, ProfilerKind, ProfilerSpec
 from cfp.profiling.subprogram import SegmentProgram
-from cfp.xla.compiled import compiled_cost, compiled_memory, device_kind, time_compiled
-from cfp.xla.hlo import parse_collectives
+from cfp.xla.compiled import compiled_figures, device_kind, time_compiled
 from cfp.profiling.table import (ProfileEntry, ProfileTable, SegmentProfile, cache_key, cache_load,
                                  cache_store)
 
@@ -40,7 +39,7 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
         return list(itertools.product(*[range(n) for n in space])), f"exhaustive: all {total} combinations"
     gpu = get_gpu(options.gpu or costmodel.DEFAULT_RANKING_GPU)
     g, shape = analysis.graph, analysis.mesh.shape
-    layouts = {(b, s): block_layout(g, analysis.blocks[b], s, shape)
+    layouts = {(b, s): analysis.layout(b, s)
                for b in segment.blocks for s in range(len(analysis.blocks[b].strategies))}
     own = {k: costmodel.block_cost(analysis, lay, gpu) for k, lay in layouts.items()}
     # memory proxy: per-device bytes of every tensor the block's layout places (weights, optimizer state and
@@ -94,13 +93,12 @@ class Profiler:
         self.gpu = get_gpu(options.gpu) if options.gpu else None
 
     @property
-    def profiler_name(self) -> str:
-        o = self.options
-        return "measure" if o.kind is ProfilerKind.MEASURE else f"estimate:{self.gpu.name}"
+    def spec(self) -> ProfilerSpec:
+        return ProfilerSpec(self.options.kind, None if self.options.kind is ProfilerKind.MEASURE else self.gpu.name)
 
     def _settings(self) -> str:
         o = self.options
-        return f"{self.profiler_name}|iters={o.iters}|warmup={o.warmup}|max={o.max_combinations}|per={o.per_block}"
+        return f"{self.spec}|iters={o.iters}|warmup={o.warmup}|max={o.max_combinations}|per={o.per_block}"
 
     def run(self) -> ProfileTable:
         t0 = time.perf_counter()
@@ -127,7 +125,7 @@ class Profiler:
                 prof = SegmentProfile(kind, seg.fingerprint, self._space(seg), rule, tuple(entries))
                 cache_store(self.options.cache_dir, key, prof)
                 out[kind] = prof
-        return ProfileTable(self.analysis.mesh.shape, dk, jv, self.profiler_name, dict(sorted(out.items())),
+        return ProfileTable(self.analysis.mesh.shape, dk, jv, self.spec, dict(sorted(out.items())),
                             self.compiles, time.perf_counter() - t0)
 
     def _space(self, seg: Segment) -> tuple[int, ...]:
@@ -170,22 +168,18 @@ class Profiler:
                 pool.shutdown(wait=True)
         return entries
 
-    def _entry(self, seg: Segment, combo, sp: SegmentProgram, compiled, quiet=None) -> ProfileEntry:
+    def _entry(self, seg: Segment, choice, sp: SegmentProgram, compiled, quiet=None) -> ProfileEntry:
         shape = self.analysis.mesh.shape
-        memory = compiled_memory(compiled) - sp.borrowed_bytes
-        cost = compiled_cost(compiled)
-        flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-        colls = tuple((c.kind, c.bytes, costmodel.group_size(c.axes, shape))
-                      for c in parse_collectives(compiled.as_text(), shape))
-        comm_bytes = sum(c[1] for c in colls)
+        fig = compiled_figures(compiled, shape)
+        colls = costmodel.collective_groups(fig, shape)
         measured = None
         if self.options.kind is ProfilerKind.MEASURE:
             measured = time_compiled(compiled, sp.example_inputs(), self.options.iters, self.options.warmup, quiet)
             t = measured
         else:
-            dtype = costmodel.dominant_dtype(self.analysis, seg.blocks)
-            t = costmodel.compute_time(flops, nbytes, self.gpu, dtype) + costmodel.comm_time(colls, self.gpu)
-        return ProfileEntry(tuple(combo), t, memory, comm_bytes, flops, nbytes, colls, measured)
+            t = costmodel.estimated_time(fig, shape, self.gpu, costmodel.dominant_dtype(self.analysis, seg.blocks))
+        return ProfileEntry(tuple(choice), t, fig.memory - sp.borrowed_bytes, sum(c[1] for c in colls), fig.flops,
+                            fig.bytes_accessed, colls, measured)
 
 
 def profile(program: Program, analysis: Analysis, options: ProfileOptions | None = None,

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from cfp.analysis.analysis import Analysis
 from cfp.sharding.constraints import ConstraintHooks
 from cfp.sharding.specs import partition_spec
-from cfp.analysis.layout import BlockLayout, block_layout, shards
+from cfp.analysis.layout import BlockLayout, shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 
@@ -48,8 +48,7 @@ def segment_io(analysis: Analysis, segment: Segment) -> SegmentIO:
 
 
 def layouts_for(analysis: Analysis, segment: Segment, combo: Sequence[int]) -> tuple[BlockLayout, ...]:
-    return tuple(block_layout(analysis.graph, analysis.blocks[b], c, analysis.mesh.shape)
-                 for b, c in zip(segment.blocks, combo))
+    return tuple(analysis.layout(b, c) for b, c in zip(segment.blocks, combo))
 
 
 class SegmentProgram:

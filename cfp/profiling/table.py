@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from cfp.errors import ConfigError
+from cfp.profiling.options import ProfilerSpec
 
 TABLE_VERSION = 2  # 2: segment memory excludes activations borrowed from other segments
 
@@ -67,7 +68,7 @@ class ProfileTable:
     mesh_shape: tuple[int, ...]
     device_kind: str
     jax_version: str
-    profiler: str                     # "measure" or "estimate:<gpu>"
+    profiler: ProfilerSpec
     segments: dict[int, SegmentProfile]   # by segment kind
     compiles: int = 0                 # compilations this table cost (0 when every segment came from the cache)
     profile_time: float = 0.0
@@ -75,6 +76,7 @@ class ProfileTable:
     def to_json(self, **kw) -> str:
         d = dataclasses.asdict(self)
         d["version"] = TABLE_VERSION
+        d["profiler"] = str(self.profiler)
         d["segments"] = {str(k): v.to_dict() for k, v in self.segments.items()}
         return json.dumps(d, **kw)
 
@@ -83,7 +85,7 @@ class ProfileTable:
         d = json.loads(text)
         if d.get("version") != TABLE_VERSION:
             raise ConfigError(f"profile table version {d.get('version')!r} is not the supported {TABLE_VERSION}")
-        return cls(tuple(d["mesh_shape"]), d["device_kind"], d["jax_version"], d["profiler"],
+        return cls(tuple(d["mesh_shape"]), d["device_kind"], d["jax_version"], ProfilerSpec.parse(d["profiler"]),
                    {int(k): SegmentProfile.from_dict(v) for k, v in d["segments"].items()},
                    d.get("compiles", 0), d.get("profile_time", 0.0))
 

@@ -13,20 +13,14 @@ import itertools
 from typing import Sequence
 
 from cfp.errors import InfeasibleError
+from cfp.search.options import fmt_bytes
 
 
 @dataclasses.dataclass(frozen=True)
-class DPPlan:
+class DPSolution:
     picks: tuple[int, ...]     # candidate index per position
     time: float
     memory: int
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3f} {unit}"
-    return f"{int(n)} B"
 
 
 def min_memory(mem: Sequence[Sequence[int]]) -> int:
@@ -34,15 +28,15 @@ def min_memory(mem: Sequence[Sequence[int]]) -> int:
 
 
 def dp_search(cost: Sequence[Sequence[float]], mem: Sequence[Sequence[int]],
-              trans: Sequence[Sequence[Sequence[float]]], budget: float | None, n_best: int = 1) -> list[DPPlan]:
+              trans: Sequence[Sequence[Sequence[float]]], budget: float | None, n_best: int = 1) -> list[DPSolution]:
     """The `n_best` fastest plans (Pareto-optimal in memory) within `budget` bytes (None: unbounded)."""
     if not cost:
-        return [DPPlan((), 0.0, 0)]
+        return [DPSolution((), 0.0, 0)]
     limit = float("inf") if budget is None else budget
     need = min_memory(mem)
     if need > limit:
-        raise InfeasibleError(f"memory budget {_fmt_bytes(limit)} per device is infeasible: the smallest plan "
-                              f"needs {_fmt_bytes(need)} ({need} bytes) per device")
+        raise InfeasibleError(f"memory budget {fmt_bytes(limit)} per device is infeasible: the smallest plan "
+                              f"needs {fmt_bytes(need)} ({need} bytes) per device")
     # frontier[j]: list of (memory, time, picks) non-dominated, for plans ending in candidate j
     frontier = [[(mem[0][j], cost[0][j], (j,))] if mem[0][j] <= limit else [] for j in range(len(cost[0]))]
     for i in range(1, len(cost)):
@@ -54,7 +48,7 @@ def dp_search(cost: Sequence[Sequence[float]], mem: Sequence[Sequence[int]],
             nxt.append(_pareto(cands))
         frontier = nxt
     final = sorted((t, m, p) for front in frontier for (m, t, p) in front)
-    return [DPPlan(p, t, m) for t, m, p in final[:n_best]]
+    return [DPSolution(p, t, m) for t, m, p in final[:n_best]]
 
 
 def _pareto(cands):
@@ -67,7 +61,7 @@ def _pareto(cands):
     return out
 
 
-def brute_force(cost, mem, trans, budget: float | None) -> DPPlan | None:
+def brute_force(cost, mem, trans, budget: float | None) -> DPSolution | None:
     """Exhaustive reference for tests: the fastest plan within budget, or None."""
     limit = float("inf") if budget is None else budget
     best = None
@@ -78,5 +72,5 @@ def brute_force(cost, mem, trans, budget: float | None) -> DPPlan | None:
         t = sum(cost[i][j] for i, j in enumerate(picks))
         t += sum(trans[i][picks[i]][picks[i + 1]] for i in range(len(picks) - 1))
         if best is None or t < best.time:
-            best = DPPlan(picks, t, m)
+            best = DPSolution(picks, t, m)
     return best

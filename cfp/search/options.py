@@ -27,6 +27,14 @@ def parse_bytes(text) -> int:
     return value
 
 
+def fmt_bytes(n: float) -> str:
+    """Bytes for people: "1.234 GB", "512.000 KB", "17 B"."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{int(n)} B"
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
     """`memory_per_device`: per-device bytes budget (None: unbounded). `verify`: how many of the DP's best

@@ -9,23 +9,23 @@ import jax
 import numpy as np
 
 from cfp.analysis.analysis import Analysis
-from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.analysis.blocks import data_parallel_choice
-from cfp.analysis.layout import block_layout
+from cfp.baselines.uniform import dp_tp_choice
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.hardware.gpus import GpuSpec, get_gpu
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
-from cfp.hardware.gpus import GpuSpec, get_gpu
-from cfp.xla.compiled import compiled_cost, compiled_memory, time_compiled
+from cfp.profiling.options import ProfilerKind
 from cfp.profiling.table import ProfileTable
-from cfp.search.dp import DPPlan, _fmt_bytes, dp_search
-from cfp.search.options import SearchOptions
+from cfp.search.dp import DPSolution, dp_search
+from cfp.search.options import SearchOptions, fmt_bytes
 from cfp.search.state import StateEstimator
-from cfp.baselines.uniform import dp_tp_choice
+from cfp.sharding.step import ShardedStep, apply_choice
+from cfp.xla.compiled import compiled_figures, compiled_memory, time_compiled
 
 
 @dataclasses.dataclass(frozen=True)
-class VerifiedPlan:
+class VerifiedChoice:
     choice: tuple[int, ...]
     shard_state: tuple[int, ...]   # blocks whose parameters/optimizer state are stored sharded (ZeRO-3)
     dp_time: float            # the DP's sum of segment times plus resharding
@@ -38,8 +38,8 @@ class VerifiedPlan:
 class SearchResult:
     choice: tuple[int, ...]
     shard_state: tuple[int, ...]
-    best: VerifiedPlan
-    verified: tuple[VerifiedPlan, ...]
+    best: VerifiedChoice
+    verified: tuple[VerifiedChoice, ...]
     link_gbps: float
     budget: int | None
     search_time: float
@@ -52,8 +52,8 @@ class SearchResult:
             f"searched ParallelBlock Strategies solution: {list(self.choice)}",
             *([f"sharded state (ZeRO-3) of blocks: {list(self.shard_state)}"] if self.shard_state else []),
             f"searched training cost: {[float(f'{v.time:.4g}') for v in self.verified]}",
-            f"memory_cost: {b.memory} ({_fmt_bytes(b.memory)} per device"
-            + (f", budget {_fmt_bytes(self.budget)})" if self.budget else ")"),
+            f"memory_cost: {b.memory} ({fmt_bytes(b.memory)} per device"
+            + (f", budget {fmt_bytes(self.budget)})" if self.budget else ")"),
             f"TFLOP_COUNT: {b.flops / 1e12:.6g}",
             f"tflops: {[float(f'{v.flops / 1e12 / v.time:.4g}') if v.time > 0 else 0.0 for v in self.verified]}",
         ])
@@ -70,42 +70,60 @@ def measure_link_gbps(mesh: jax.sharding.Mesh, nbytes: int = 1 << 22, iters: int
     return max((n - 1) / n * nbytes / t / 1e9, 1e-3)
 
 
-def _seg_specs(analysis: Analysis, seg, combo, cache: dict) -> dict:
-    specs: dict = {}
-    for b, c in zip(seg.blocks, combo):
-        if (b, c) not in cache:
-            cache[(b, c)] = block_layout(analysis.graph, analysis.blocks[b], c, analysis.mesh.shape).spec_of
-        for t, s in cache[(b, c)].items():
-            specs.setdefault(t, s)
-    return specs
-
-
 def search(program: Program, analysis: Analysis, table: ProfileTable, example_args: Sequence[Any],
            options: SearchOptions | None = None, log: Callable[[str], None] = print,
            mesh: jax.sharding.Mesh | None = None) -> SearchResult:
-    """The fastest plan within the memory budget; raises InfeasibleError when no plan fits."""
+    """The fastest choice within the memory budget; raises InfeasibleError when no choice fits."""
     options = options or SearchOptions()
     t0 = time.perf_counter()
-    if tuple(table.mesh_shape) != tuple(analysis.mesh.shape):
-        raise ConfigError(f"profile table is for mesh {table.mesh_shape}, the analysis for {analysis.mesh.shape}")
-    gpu = get_gpu(table.profiler.split(":", 1)[1]) if table.profiler.startswith("estimate:") else None
+    entries = _segment_entries(analysis, table, options.top_k)
+    gpu = get_gpu(table.profiler.gpu) if table.profiler.kind is ProfilerKind.ESTIMATE else None
     mesh = mesh if mesh is not None else analysis.mesh.make()
     link = options.link_gbps or (gpu.link_gbps if gpu else measure_link_gbps(mesh))
-    segs = analysis.segments
+    uniform = data_parallel_choice(analysis.graph, analysis.blocks)
+    steps: dict = {}
+    scale, estimator = _calibrate(program, analysis, table, uniform, example_args, mesh, options, steps, log)
+    cands, cost, mem = _candidate_rows(analysis.segments, entries, estimator, scale, link)
+    trans = _transitions(analysis, cands, link)
+    solutions = _dp_solutions(cost, mem, trans, options, log)
+    keys = [_solution_key(sol.picks, analysis.segments, cands) for sol in solutions]
+    if options.verify:
+        solutions, keys = _with_uniform_choices(analysis, uniform, solutions, keys, estimator is not None)
+    verified = [_verify_solution(program, analysis, sol, choice, shard, example_args, mesh, steps, options, gpu, log)
+                for sol, (choice, shard) in zip(solutions, keys)]
+    best = _best_fitting(verified, options)
+    return SearchResult(best.choice, best.shard_state, best, tuple(verified), link, options.memory_per_device,
+                        time.perf_counter() - t0, steps)
+
+
+def _segment_entries(analysis: Analysis, table: ProfileTable, top_k: int) -> list:
+    """Per segment: the profiled choices the DP considers (the table's `top_k` fastest and leanest)."""
+    if tuple(table.mesh_shape) != tuple(analysis.mesh.shape):
+        raise ConfigError(f"profile table is for mesh {table.mesh_shape}, the analysis for {analysis.mesh.shape}")
     entries = []
-    for s in segs:
+    for s in analysis.segments:
         if s.kind not in table.segments:
             raise ConfigError(f"profile table has no entry for segment kind {s.kind} ({s.fingerprint})")
-        entries.append(table.segments[s.kind].candidates(options.top_k))
-    uniform = data_parallel_choice(analysis.graph, analysis.blocks)
-    budget = options.memory_per_device
-    steps: dict = {}
-    scale = _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log) if options.verify else 1.0
+        entries.append(table.segments[s.kind].candidates(top_k))
+    return entries
+
+
+def _calibrate(program, analysis, table, uniform, example_args, mesh, options: SearchOptions, steps, log):
+    """(memory scale of the summed segment memories, state-sharding estimator or None), both calibrated on
+    whole compiles of data parallel (plain, and with every block's state sharded) when verifying."""
+    scale = (_memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log)
+             if options.verify else 1.0)
     # Under a budget every candidate also exists with its state sharded (ZeRO-3): less memory, more gathering.
-    estimator = StateEstimator(analysis, uniform) if budget is not None and options.shard_state else None
+    estimator = (StateEstimator(analysis, uniform)
+                 if options.memory_per_device is not None and options.shard_state else None)
     if estimator is not None and options.verify and (uniform, ()) in steps:
         _state_scale(program, analysis, estimator, uniform, example_args, mesh, steps, log)
-    cands, cost, mem = [], [], []      # per segment: (entry, state sharded?) and its time and memory
+    return scale, estimator
+
+
+def _candidate_rows(segs, entries, estimator: StateEstimator | None, scale: float, link: float):
+    """Per segment: its candidates (profile entry, state sharded?), their times and their memories."""
+    cands, cost, mem = [], [], []
     for seg, ents in zip(segs, entries):
         row = [(e, False, 0.0, int(e.memory * scale)) for e in ents]
         if estimator is not None:
@@ -116,65 +134,81 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         cands.append([(e, z) for e, z, _, _ in row])
         cost.append([e.time + extra for e, _, extra, _ in row])
         mem.append([m for _, _, _, m in row])
-    cache: dict = {}
-    trans = []
+    return cands, cost, mem
+
+
+def _transitions(analysis: Analysis, cands, link: float) -> list:
+    """Resharding seconds between every candidate of a segment and every candidate of the next."""
+    segs, trans = analysis.segments, []
     for i in range(len(segs) - 1):
-        a = [_seg_specs(analysis, segs[i], e.combo, cache) for e, _ in cands[i]]
-        b = [_seg_specs(analysis, segs[i + 1], e.combo, cache) for e, _ in cands[i + 1]]
+        a = [analysis.segment_specs(segs[i], e.combo) for e, _ in cands[i]]
+        b = [analysis.segment_specs(segs[i + 1], e.combo) for e, _ in cands[i + 1]]
         trans.append([[costmodel.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])
+    return trans
+
+
+def _dp_solutions(cost, mem, trans, options: SearchOptions, log) -> list[DPSolution]:
+    """The DP's best solutions; over the budget by estimate, the leanest ones for whole-step verification."""
+    budget = options.memory_per_device
     try:
-        plans = dp_search(cost, mem, trans, budget, n_best=max(1, options.verify))
+        return dp_search(cost, mem, trans, budget, n_best=max(1, options.verify))
     except InfeasibleError:
         if not options.verify:
             raise
-        # the summed estimate is approximate: compile the leanest plans whole before giving up
-        log(f"estimated over the budget of {_fmt_bytes(budget)}; verifying the leanest plans whole")
-        lean = dp_search([[float(m) for m in row] for row in mem], mem,
-                         [[[0.0] * len(t[0]) for _ in t] for t in trans], None, n_best=max(1, options.verify))
-        plans = [DPPlan(p.picks, _plan_time(p.picks, cost, trans), p.memory) for p in lean]
-    keys = [_plan_key(pl.picks, segs, cands) for pl in plans]
-    if options.verify:
-        # As CFP does, uniform plans join the DP's best in the measured verification: profiles of segments
-        # in isolation can mislead (on a busy host above all), and whole-step data parallel (and DP x TP on
-        # a 2-D mesh) are the natural yardsticks; under a budget, also with their state sharded (data
-        # parallel so becomes FSDP). Their DP-estimated time is reported as the DP's best.
-        every = tuple(range(len(analysis.blocks)))
-        plans = list(plans)
-        for ref in (uniform, dp_tp_choice(analysis)):
-            for shard in ((), every) if estimator is not None else ((),):
-                if ref is not None and (ref, shard) not in keys:
-                    plans.append(plans[0])
-                    keys.append((ref, shard))
-    verified = []
-    for pl, (choice, shard) in zip(plans, keys):
-        if options.verify == 0:
-            verified.append(VerifiedPlan(choice, shard, pl.time, pl.time, pl.memory, 0.0))
-            continue
-        step = steps.get((choice, shard)) or apply_choice(program, analysis, choice, mesh, shard_state=shard)
-        steps[(choice, shard)] = step
-        verified.append(_verify(step, example_args, choice, shard, pl.time, options, gpu, analysis))
-        v = verified[-1]
-        log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP {pl.time:.4g} s, whole step "
-            f"{'not timed (over the budget)' if v.time == float('inf') else f'{v.time:.4g} s'}, "
-            f"{_fmt_bytes(v.memory)} per device")
+    # the summed estimate is approximate: compile the leanest choices whole before giving up
+    log(f"estimated over the budget of {fmt_bytes(budget)}; verifying the leanest plans whole")
+    lean = dp_search([[float(m) for m in row] for row in mem], mem,
+                     [[[0.0] * len(t[0]) for _ in t] for t in trans], None, n_best=max(1, options.verify))
+    return [DPSolution(p.picks, _solution_time(p.picks, cost, trans), p.memory) for p in lean]
+
+
+def _with_uniform_choices(analysis: Analysis, uniform, solutions, keys, shard_states: bool):
+    """As CFP does, uniform choices join the DP's best in the measured verification: profiles of segments
+    in isolation can mislead (on a busy host above all), and whole-step data parallel (and DP x TP on a 2-D
+    mesh) are the natural yardsticks; under a budget, also with their state sharded (data parallel so becomes
+    FSDP). Their DP-estimated time is reported as the DP's best."""
+    every = tuple(range(len(analysis.blocks)))
+    solutions, keys = list(solutions), list(keys)
+    for ref in (uniform, dp_tp_choice(analysis)):
+        for shard in ((), every) if shard_states else ((),):
+            if ref is not None and (ref, shard) not in keys:
+                solutions.append(solutions[0])
+                keys.append((ref, shard))
+    return solutions, keys
+
+
+def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_args, mesh, steps,
+                     options: SearchOptions, gpu: GpuSpec | None, log) -> VerifiedChoice:
+    """Compile (and unless `verify` is 0, time or estimate) one choice whole."""
+    if options.verify == 0:
+        return VerifiedChoice(choice, shard, sol.time, sol.time, sol.memory, 0.0)
+    step = steps.get((choice, shard)) or apply_choice(program, analysis, choice, mesh, shard_state=shard)
+    steps[(choice, shard)] = step
+    v = _verify(step, example_args, choice, shard, sol.time, options, gpu, analysis)
+    log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP {sol.time:.4g} s, whole step "
+        f"{'not timed (over the budget)' if v.time == float('inf') else f'{v.time:.4g} s'}, "
+        f"{fmt_bytes(v.memory)} per device")
+    return v
+
+
+def _best_fitting(verified, options: SearchOptions) -> VerifiedChoice:
+    budget = options.memory_per_device
     fitting = [v for v in verified if budget is None or options.verify == 0 or v.memory <= budget]
     if not fitting:
         smallest = min(v.memory for v in verified)
-        raise InfeasibleError(f"memory budget {_fmt_bytes(budget)} per device is infeasible: the smallest "
-                              f"verified plan needs {_fmt_bytes(smallest)} ({smallest} bytes) per device")
-    best = min(fitting, key=lambda v: v.time)
-    return SearchResult(best.choice, best.shard_state, best, tuple(verified), link, budget,
-                        time.perf_counter() - t0, steps)
+        raise InfeasibleError(f"memory budget {fmt_bytes(budget)} per device is infeasible: the smallest "
+                              f"verified plan needs {fmt_bytes(smallest)} ({smallest} bytes) per device")
+    return min(fitting, key=lambda v: v.time)
 
 
-def _plan_key(picks, segs, cands) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(choice, sharded-state blocks) of a DP plan."""
+def _solution_key(picks, segs, cands) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(choice, sharded-state blocks) of a DP solution."""
     choice = tuple(c for i, p in enumerate(picks) for c in cands[i][p][0].combo)
     shard = tuple(sorted(b for i, p in enumerate(picks) if cands[i][p][1] for b in segs[i].blocks))
     return choice, shard
 
 
-def _plan_time(picks, cost, trans) -> float:
+def _solution_time(picks, cost, trans) -> float:
     t = sum(cost[i][p] for i, p in enumerate(picks))
     return t + sum(trans[i][picks[i]][picks[i + 1]] for i in range(len(picks) - 1))
 
@@ -189,13 +223,15 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
     for seg in analysis.segments:
         combo = tuple(uniform[b] for b in seg.blocks)
         entry = next((e for e in table.segments[seg.kind].entries if tuple(e.combo) == combo), None)
-        if entry is None:
+        if entry is None:     # a table made elsewhere may lack it; the profiler always profiles it
+            log(f"memory calibration skipped: segment kind {seg.kind} has no profile of the data-parallel "
+                f"choice {list(combo)}; segment memories are summed unscaled")
             return 1.0
         total += entry.memory
     step = steps[(uniform, ())] = apply_choice(program, analysis, uniform, mesh)
     whole = compiled_memory(step.compile(*example_args))
     scale = whole / total if total else 1.0
-    log(f"memory calibration: data-parallel plan {_fmt_bytes(whole)} whole vs {_fmt_bytes(total)} summed over "
+    log(f"memory calibration: data-parallel plan {fmt_bytes(whole)} whole vs {fmt_bytes(total)} summed over "
         f"segments: segment memories x{scale:.2f}")
     return scale
 
@@ -211,28 +247,22 @@ def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_
               for seg in analysis.segments)
     if est > 0 and actual > 0:
         estimator.scale = actual / est
-        log(f"state-sharding calibration: data parallel saves {_fmt_bytes(actual)} whole vs {_fmt_bytes(est)} "
+        log(f"state-sharding calibration: data parallel saves {fmt_bytes(actual)} whole vs {fmt_bytes(est)} "
             f"estimated: savings x{estimator.scale:.2f}")
 
 
 def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: SearchOptions,
-            gpu: GpuSpec | None, analysis: Analysis) -> VerifiedPlan:
+            gpu: GpuSpec | None, analysis: Analysis) -> VerifiedChoice:
     compiled = step.compile(*example_args)
-    memory = compiled_memory(compiled)
-    cost = compiled_cost(compiled)
-    flops_dev = float(cost.get("flops", 0.0))
     budget = options.memory_per_device
-    if budget is not None and memory > budget:
+    shape = analysis.mesh.shape
+    fits = budget is None or compiled_memory(compiled) <= budget
+    fig = compiled_figures(compiled, shape, collectives=fits and gpu is not None)
+    if not fits:
         t = float("inf")      # does not fit: not worth timing
     elif gpu is None:
         flat = jax.tree_util.tree_leaves(step.shard_args(*example_args))
         t = time_compiled(compiled, flat, options.iters, options.warmup)
     else:
-        colls = [(c.kind, c.bytes, costmodel.group_size(c.axes, analysis.mesh.shape))
-                 for c in step.collectives(*example_args)]
-        dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
-        t = (costmodel.compute_time(flops_dev, float(cost.get("bytes accessed", 0.0)), gpu, dtype)
-             + costmodel.comm_time(colls, gpu))
-    return VerifiedPlan(tuple(choice), tuple(shard), dp_time, t, memory, flops_dev * analysis.mesh.size)
-
-
+        t = costmodel.estimated_time(fig, shape, gpu, costmodel.dominant_dtype(analysis, range(len(analysis.blocks))))
+    return VerifiedChoice(tuple(choice), tuple(shard), dp_time, t, fig.memory, fig.flops * analysis.mesh.size)

@@ -16,8 +16,8 @@ import dataclasses
 
 from cfp.analysis.analysis import Analysis
 from cfp.sharding.specs import sharded_state_spec, state_owners
-from cfp.analysis.blocks import _trace_view
-from cfp.analysis.layout import BlockLayout, block_layout, shards
+from cfp.analysis.blocks import trace_view
+from cfp.analysis.layout import BlockLayout, shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +36,13 @@ class StateEstimator:
         self.analysis = analysis
         g = analysis.graph
         # which block owns which state tensor barely depends on the strategies: fix it on a reference plan
-        layouts = [block_layout(g, b, c, analysis.mesh.shape) for b, c in zip(analysis.blocks, reference)]
+        layouts = [analysis.layout(b.index, c) for b, c in zip(analysis.blocks, reference)]
         self.owned: dict[int, list[int]] = {}
         for i, b in state_owners(analysis, layouts).items():
             self.owned.setdefault(b, []).append(g.inputs[i])
         self._read_by_dots = {}
         for b in analysis.blocks:
-            self._read_by_dots[b.index] = {_trace_view(g, t)[0] for d in b.dots
+            self._read_by_dots[b.index] = {trace_view(g, t)[0] for d in b.dots
                                            for t in g.operators[d.op].inputs[:2]}
         self._cache: dict[tuple[int, int], StateSaving] = {}
         self.scale = 1.0      # whole-step calibration of the memory savings (set by the search)
@@ -51,7 +51,7 @@ class StateEstimator:
         key = (block, strategy)
         if key not in self._cache:
             g, mesh = self.analysis.graph, self.analysis.mesh.shape
-            lay = layout or block_layout(g, self.analysis.blocks[block], strategy, mesh)
+            lay = layout or self.analysis.layout(block, strategy)
             spec_of = lay.spec_of
             memory = gathered = 0
             for t in self.owned.get(block, ()):

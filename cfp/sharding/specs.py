@@ -13,7 +13,7 @@ from typing import Sequence
 from jax.sharding import PartitionSpec
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import BlockLayout, DimAxes, block_layout
+from cfp.analysis.layout import BlockLayout, DimAxes
 from cfp.errors import ConfigError
 
 
@@ -118,7 +118,7 @@ def resolve(analysis: Analysis, choice: Sequence[int], shard_state=()) -> StepSh
             raise ConfigError(f"strategy {c} of block {b.index} is out of range 0..{len(b.strategies) - 1}")
     g = analysis.graph
     shape = analysis.mesh.shape
-    layouts = tuple(block_layout(g, b, c, shape) for b, c in zip(analysis.blocks, choice))
+    layouts = tuple(analysis.layout(b.index, c) for b, c in zip(analysis.blocks, choice))
     names = analysis.mesh.axis_names
     first_spec: dict[int, DimAxes] = {}
     for lay in layouts:

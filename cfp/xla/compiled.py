@@ -5,11 +5,14 @@ programs through it.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
+
+from cfp.xla.hlo import Collective, parse_collectives
 
 
 def device_kind() -> str:
@@ -44,3 +47,21 @@ def time_compiled(compiled, args, iters: int, warmup: int, before_timing: Callab
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledFigures:
+    """Per-device figures of one compiled program, read from XLA (nothing is run)."""
+
+    memory: int                             # bytes: arguments + outputs + temporaries
+    flops: float                            # `cost_analysis()` FLOPs
+    bytes_accessed: float                   # `cost_analysis()` bytes accessed
+    collectives: tuple[Collective, ...]     # parsed from the partitioned HLO (empty unless asked for)
+
+
+def compiled_figures(compiled, mesh_shape: Sequence[int], collectives: bool = True) -> CompiledFigures:
+    """Memory, cost and (with `collectives`) the collectives of `compiled` on a mesh of `mesh_shape`."""
+    cost = compiled_cost(compiled)
+    found = parse_collectives(compiled.as_text(), tuple(mesh_shape)) if collectives else ()
+    return CompiledFigures(compiled_memory(compiled), float(cost.get("flops", 0.0)),
+                           float(cost.get("bytes accessed", 0.0)), found)

@@ -44,25 +44,68 @@ def shards(spec: DimAxes, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(mesh_shape[a] for axes in spec for a in axes)
 
 
+Spec = dict[int, list]     # tensor id -> per dim: the mesh axes sharding it, None while not reached yet
+
+
 def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
                  mesh_shape: tuple[int, ...]) -> BlockLayout:
-    fwd = block.strategies[strategy]
-    spec: dict[int, list[tuple[int, ...] | None]] = {}
-    predicted: list[PredictedCollective] = []
-    queue: deque[int] = deque()
+    """The tensor layouts of `block` under `strategy` and the collectives they imply: the dots' operands and
+    results laid out by the strategy, propagated through the block along dim links, the rest replicated."""
+    prop = _Propagation(graph, mesh_shape)
+    predicted = _seed_from_dots(graph, block, block.strategies[strategy], prop)
+    op_links = {i: dimflow.links(graph.operators[i], graph) for i in block.operators}
+    prop.run(op_links)
+    spec = prop.spec
+    predicted += _reduction_collectives(graph, block, spec, mesh_shape)
+    # Whatever the strategy does not reach is replicated: constrain it so, rather than let the partitioner guess.
+    for i in block.operators:
+        for t in graph.operators[i].outputs:
+            if t is not None and t not in spec:
+                spec[t] = [()] * len(graph.tensor(t).shape)
+    predicted += _reshard_collectives(graph, block, op_links, spec)
+    in_block = set(block.operators)
+    final = tuple((t, tuple(d or () for d in dims)) for t, dims in sorted(spec.items())
+                  if t in graph.producer and graph.producer[t] in in_block or _used_in(graph, t, in_block))
+    return BlockLayout(block.index, strategy, final, tuple(predicted))
 
-    def assign(t: int, dim: int, axes: tuple[int, ...]) -> None:
-        shape = graph.tensor(t).shape
-        cur = spec.setdefault(t, [None] * len(shape))
+
+class _Propagation:
+    """Dim-by-dim assignment of mesh axes to tensors, then its spread along dim links (first come wins)."""
+
+    def __init__(self, graph: OpGraph, mesh_shape: tuple[int, ...]):
+        self.graph, self.mesh_shape = graph, mesh_shape
+        self.spec: Spec = {}
+        self.queue: deque[int] = deque()
+
+    def assign(self, t: int, dim: int, axes: tuple[int, ...]) -> None:
+        shape = self.graph.tensor(t).shape
+        cur = self.spec.setdefault(t, [None] * len(shape))
         if cur[dim] is not None:
             return
         used = {a for d in cur if d for a in d}
         axes = tuple(a for a in axes if a not in used)
-        if axes and shape[dim] % math.prod(mesh_shape[a] for a in axes):
+        if axes and shape[dim] % math.prod(self.mesh_shape[a] for a in axes):
             axes = ()
         cur[dim] = axes
-        queue.append(t)
+        self.queue.append(t)
 
+    def run(self, op_links: dict[int, list]) -> None:
+        links_of: dict[int, list[tuple[int, int, int, int]]] = {}
+        for links in op_links.values():
+            for link in links:
+                links_of.setdefault(link[0], []).append(link)
+                links_of.setdefault(link[2], []).append((link[2], link[3], link[0], link[1]))
+        while self.queue:
+            t = self.queue.popleft()
+            for (_, da, tb, db) in links_of.get(t, ()):
+                axes = self.spec[t][da]
+                if axes is not None:
+                    self.assign(tb, db, axes)
+
+
+def _seed_from_dots(graph: OpGraph, block: ParallelBlock, fwd, prop: _Propagation) -> list[PredictedCollective]:
+    """Lay out every dot's operands and result by its strategy; the all-reduces of sharded contractions."""
+    predicted = []
     for bd in block.dots:
         op = graph.operators[bd.op]
         loops = loops_of(op, graph)
@@ -70,29 +113,22 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
         for pos, side in ((0, "lhs"), (1, "rhs")):
             t = op.inputs[pos]
             for d, axes in enumerate(s.dim_axes(loops, side, len(graph.tensor(t).shape))):
-                assign(t, d, axes)
+                prop.assign(t, d, axes)
         out = op.outputs[0]
         for d, axes in enumerate(s.dim_axes(loops, "out", len(graph.tensor(out).shape))):
-            assign(out, d, axes)
+            prop.assign(out, d, axes)
         ar = s.allreduce_axes(loops)
         if ar:
-            nbytes = graph.tensor(out).nbytes // max(1, shards(tuple(tuple(spec[out][d] or ()) for d in range(len(spec[out]))), mesh_shape))
+            out_spec = tuple(tuple(d or ()) for d in prop.spec[out])
+            nbytes = graph.tensor(out).nbytes // max(1, shards(out_spec, prop.mesh_shape))
             predicted.append(PredictedCollective("all-reduce", ar, nbytes, op.index, "contract"))
+    return predicted
 
-    in_block = set(block.operators)
-    op_links = {i: dimflow.links(graph.operators[i], graph) for i in block.operators}
-    links_of: dict[int, list[tuple[int, int, int, int]]] = {}
-    for i in block.operators:
-        for link in op_links[i]:
-            links_of.setdefault(link[0], []).append(link)
-            links_of.setdefault(link[2], []).append((link[2], link[3], link[0], link[1]))
-    while queue:
-        t = queue.popleft()
-        for (_, da, tb, db) in links_of.get(t, ()):
-            axes = spec[t][da]
-            if axes is not None:
-                assign(tb, db, axes)
 
+def _reduction_collectives(graph: OpGraph, block: ParallelBlock, spec: Spec,
+                           mesh_shape: tuple[int, ...]) -> list[PredictedCollective]:
+    """All-reduces of reductions over sharded dims."""
+    predicted = []
     for i in block.operators:
         op = graph.operators[i]
         red = dimflow.reduced_dims(op, graph)
@@ -105,23 +141,21 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
             out_spec = spec.get(out, [])
             nbytes = graph.tensor(out).nbytes // max(1, shards(tuple(a or () for a in out_spec), mesh_shape))
             predicted.append(PredictedCollective("all-reduce", tuple(sorted(axes)), nbytes, i, "reduce"))
+    return predicted
 
-    # Whatever the strategy does not reach is replicated: constrain it so, rather than let the partitioner guess.
-    for i in block.operators:
-        for t in graph.operators[i].outputs:
-            if t is not None and t not in spec:
-                spec[t] = [()] * len(graph.tensor(t).shape)
 
-    # A dim that two linked tensors shard differently (propagation met itself from two dots) must be
-    # resharded inside the block: predicted too, so "communication-free" is only claimed when it holds.
+def _reshard_collectives(graph: OpGraph, block: ParallelBlock, op_links: dict[int, list],
+                         spec: Spec) -> list[PredictedCollective]:
+    """Resharding inside the block, so "communication-free" is only claimed when it holds."""
+    predicted = []
     for i in block.operators:
+        # A dim that two linked tensors shard differently (propagation met itself from two dots)
         for (ta, da, tb, db) in op_links[i]:
             if ta in spec and tb in spec:
                 xa, xb = set(spec[ta][da] or ()), set(spec[tb][db] or ())
                 if xa != xb:
                     nbytes = graph.tensor(ta).nbytes
                     predicted.append(PredictedCollective("reshard", tuple(sorted(xa ^ xb)), nbytes, i, "conflict"))
-
         op = graph.operators[i]
         if op.is_dot:
             continue
@@ -135,10 +169,7 @@ def block_layout(graph: OpGraph, block: ParallelBlock, strategy: int,
                 for d, dim_axes in enumerate(spec[t]) if (t, d) not in linked for a in (dim_axes or ())}
         if axes:
             predicted.append(PredictedCollective("reshard", tuple(sorted(axes)), 0, i, "unlinked dim"))
-
-    final = tuple((t, tuple(d or () for d in dims)) for t, dims in sorted(spec.items())
-                  if t in graph.producer and graph.producer[t] in in_block or _used_in(graph, t, in_block))
-    return BlockLayout(block.index, strategy, final, tuple(predicted))
+    return predicted
 
 
 def _used_in(graph: OpGraph, t: int, ops: set[int]) -> bool:

@@ -142,118 +142,148 @@ class Problem:
 
 def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | None = None) -> Problem:
     """Nodes, follow groups and edge matrices of `graph` on a mesh of `mesh_shape` (see module doc)."""
-    cm = cost or CostModel()
-    shape = tuple(mesh_shape)
-    nodes: list[Node] = []
-    owner: dict[int, int] = {}          # tensor id -> node producing it (absent: fixed, replicated)
-    node_of_dot: dict[int, int] = {}
-    needs: dict[tuple[int, int], set] = {}   # (tensor, consumer node) -> set of per-strategy requirements
-
-    def need(t: int | None, g: int, per_k: Sequence[DimAxes]) -> None:
-        if t is not None:
-            needs.setdefault((t, g), set()).add(tuple(per_k))
-
-    for pos, t in enumerate(graph.inputs):
-        ts = graph.tensor(t)
-        specs = candidate_specs(ts.shape, shape)
-        nodes.append(Node("input", graph.input_paths[pos] if pos < len(graph.input_paths) else f"input{pos}",
-                          [{t: s} for s in specs], np.zeros(len(specs)),
-                          np.array([ts.nbytes / shards(s, shape) for s in specs], float)))
-        owner[t] = len(nodes) - 1
-
+    pb = _ProblemBuilder(graph, tuple(mesh_shape), cost or CostModel())
+    pb.add_inputs()
     for op in graph.operators:
         if op.is_dot:
-            loops = loops_of(op, graph)
-            strats = enumerate_strategies(loops, shape)
-            out = op.outputs[0]
-            ranks = [len(graph.tensor(t).shape) for t in (op.inputs[0], op.inputs[1], out)]
-            flops = 2 * math.prod(l.size for l in loops)
-            specs, costs, mem = [], [], []
-            for s in strats:
-                o = s.dim_axes(loops, "out", ranks[2])
-                obytes = graph.tensor(out).nbytes / shards(o, shape)
-                used = math.prod(shape[a] for a, l in enumerate(s.loop_of_axis) if l is not None)
-                costs.append(cm.all_reduce(obytes, s.allreduce_axes(loops), shape) + flops / used / cm.flops)
-                specs.append({out: o})
-                mem.append(obytes)
-            nodes.append(Node("dot", f"{op.index} {op.primitive}", specs, np.array(costs), np.array(mem),
-                              strats, op.index))
-            g = node_of_dot[op.index] = owner[out] = len(nodes) - 1
-            for pos, side in ((0, "lhs"), (1, "rhs")):
-                need(op.inputs[pos], g, [s.dim_axes(loops, side, ranks[pos]) for s in strats])
-            continue
+            pb.add_dot(op)
+        else:
+            pb.add_follower(op)
+    pb.count_outputs()
+    return Problem(pb.nodes, pb.edges(), pb.shape, pb.node_of_dot)
+
+
+class _ProblemBuilder:
+    """The phases of `build_problem`: input nodes, dot nodes, followers joining their largest operand's node,
+    step outputs' memory, then the edge matrices of every layout a consumer needs from another node."""
+
+    def __init__(self, graph: OpGraph, shape: tuple[int, ...], cm: CostModel):
+        self.graph, self.shape, self.cm = graph, shape, cm
+        self.nodes: list[Node] = []
+        self.owner: dict[int, int] = {}          # tensor id -> node producing it (absent: fixed, replicated)
+        self.node_of_dot: dict[int, int] = {}
+        self.needs: dict[tuple[int, int], set] = {}   # (tensor, consumer node) -> per-strategy requirements
+
+    def need(self, t: int | None, g: int, per_k: Sequence[DimAxes]) -> None:
+        if t is not None:
+            self.needs.setdefault((t, g), set()).add(tuple(per_k))
+
+    def add_inputs(self) -> None:
+        graph, shape = self.graph, self.shape
+        for pos, t in enumerate(graph.inputs):
+            ts = graph.tensor(t)
+            specs = candidate_specs(ts.shape, shape)
+            label = graph.input_paths[pos] if pos < len(graph.input_paths) else f"input{pos}"
+            self.nodes.append(Node("input", label, [{t: s} for s in specs], np.zeros(len(specs)),
+                                   np.array([ts.nbytes / shards(s, shape) for s in specs], float)))
+            self.owner[t] = len(self.nodes) - 1
+
+    def add_dot(self, op) -> None:
+        graph, shape, cm = self.graph, self.shape, self.cm
+        loops = loops_of(op, graph)
+        strats = enumerate_strategies(loops, shape)
+        out = op.outputs[0]
+        ranks = [len(graph.tensor(t).shape) for t in (op.inputs[0], op.inputs[1], out)]
+        flops = 2 * math.prod(l.size for l in loops)
+        specs, costs, mem = [], [], []
+        for s in strats:
+            o = s.dim_axes(loops, "out", ranks[2])
+            obytes = graph.tensor(out).nbytes / shards(o, shape)
+            used = math.prod(shape[a] for a, l in enumerate(s.loop_of_axis) if l is not None)
+            costs.append(cm.all_reduce(obytes, s.allreduce_axes(loops), shape) + flops / used / cm.flops)
+            specs.append({out: o})
+            mem.append(obytes)
+        self.nodes.append(Node("dot", f"{op.index} {op.primitive}", specs, np.array(costs), np.array(mem),
+                               strats, op.index))
+        g = self.node_of_dot[op.index] = self.owner[out] = len(self.nodes) - 1
+        for pos, side in ((0, "lhs"), (1, "rhs")):
+            self.need(op.inputs[pos], g, [s.dim_axes(loops, side, ranks[pos]) for s in strats])
+
+    def add_follower(self, op) -> None:
+        """A non-dot joins the node of its largest linked operand (Alpa's follow rule), or runs replicated."""
+        graph = self.graph
         lk = dimflow.links(op, graph)
         outs = [t for t in op.outputs if t is not None]
         linked_ins = {a for (a, _, b, _) in lk if b in outs}
         prim = max(linked_ins, key=lambda t: (graph.tensor(t).nbytes, -op.inputs.index(t)), default=None)
-        g = owner.get(prim) if prim is not None else None
+        g = self.owner.get(prim) if prim is not None else None
         if g is None:
             # no dim links, or it only reads constants: runs replicated, needs replicated operands
             for t in op.inputs:
-                if t is not None and t in owner:
-                    need(t, -1, [tuple(() for _ in graph.tensor(t).shape)])
-            continue
-        red = dimflow.reduced_dims(op, graph)
-        node = nodes[g]
+                if t is not None and t in self.owner:
+                    self.need(t, -1, [tuple(() for _ in graph.tensor(t).shape)])
+            return
         req: dict[int, list[DimAxes]] = {t: [] for t in op.inputs if t is not None and t != prim}
-        for k in range(node.k):
-            src = node.specs[k][prim]
-            out_specs = {}
-            carried = set()
-            for out in outs:       # a split has several outputs, each carrying the uncut dims
-                o: list[tuple[int, ...]] = [() for _ in graph.tensor(out).shape]
-                for (a, da, b, db) in lk:
-                    if a == prim and b == out and src[da] and not o[db]:
-                        if not set(src[da]) & {x for d in o for x in d}:
-                            o[db] = src[da]
-                            carried.add(da)
-                out_specs[out] = tuple(o)
-            reduced = set(red[1]) if red else set()
-            ar = tuple(sorted(a for d in reduced if d < len(src) for a in src[d]))
-            dropped = tuple(tuple(src[d]) if (d not in carried and d not in reduced) else ()
-                            for d in range(len(src)))
-            obytes = graph.tensor(outs[0]).nbytes / shards(out_specs[outs[0]], shape)
-            node.cost[k] += cm.all_reduce(obytes, ar, shape)
-            if any(dropped):
-                kept = tuple(tuple(x for x in src[d] if x not in dropped[d]) for d in range(len(src)))
-                node.cost[k] += cm.reshard(src, kept, graph.tensor(prim).nbytes, shape)
-            node.specs[k].update(out_specs)
-            o_t = out_specs[outs[0]]
-            for t in req:
-                r = [()] * len(graph.tensor(t).shape)
-                for (a, da, b, db) in lk:
-                    if a == t and b == outs[0] and o_t[db] and graph.tensor(t).shape[da] == graph.tensor(b).shape[db]:
-                        r[da] = o_t[db]
-                req[t].append(tuple(r))
+        red = dimflow.reduced_dims(op, graph)
+        for k in range(self.nodes[g].k):
+            self._follow(lk, red, outs, prim, self.nodes[g], k, req)
         for t, per_k in req.items():
-            need(t, g, per_k)
+            self.need(t, g, per_k)
         for t in outs:
-            owner[t] = g
+            self.owner[t] = g
 
-    # the step's outputs (new parameters and optimizer state) live beside its inputs: count them too
-    for t in set(graph.outputs):
-        h = owner.get(t) if t is not None else None
-        if h is not None:
-            nb = graph.tensor(t).nbytes
-            nodes[h].memory = nodes[h].memory + [nb / shards(nodes[h].specs[k][t], shape) for k in range(nodes[h].k)]
+    def _follow(self, lk, red, outs, prim: int, node: Node, k: int, req: dict) -> None:
+        """Strategy `k` of `node` carried through a follower (dim links `lk`, reduced dims `red`): its output layouts, the all-reduce of
+        reduced sharded dims, the gathering of sharded dims it drops, and the layouts its other operands need."""
+        graph, shape, cm = self.graph, self.shape, self.cm
+        src = node.specs[k][prim]
+        out_specs = {}
+        carried = set()
+        for out in outs:       # a split has several outputs, each carrying the uncut dims
+            o: list[tuple[int, ...]] = [() for _ in graph.tensor(out).shape]
+            for (a, da, b, db) in lk:
+                if a == prim and b == out and src[da] and not o[db]:
+                    if not set(src[da]) & {x for d in o for x in d}:
+                        o[db] = src[da]
+                        carried.add(da)
+            out_specs[out] = tuple(o)
+        reduced = set(red[1]) if red else set()
+        ar = tuple(sorted(a for d in reduced if d < len(src) for a in src[d]))
+        dropped = tuple(tuple(src[d]) if (d not in carried and d not in reduced) else ()
+                        for d in range(len(src)))
+        obytes = graph.tensor(outs[0]).nbytes / shards(out_specs[outs[0]], shape)
+        node.cost[k] += cm.all_reduce(obytes, ar, shape)
+        if any(dropped):
+            kept = tuple(tuple(x for x in src[d] if x not in dropped[d]) for d in range(len(src)))
+            node.cost[k] += cm.reshard(src, kept, graph.tensor(prim).nbytes, shape)
+        node.specs[k].update(out_specs)
+        o_t = out_specs[outs[0]]
+        for t in req:
+            r = [()] * len(graph.tensor(t).shape)
+            for (a, da, b, db) in lk:
+                if a == t and b == outs[0] and o_t[db] and graph.tensor(t).shape[da] == graph.tensor(b).shape[db]:
+                    r[da] = o_t[db]
+            req[t].append(tuple(r))
 
-    edges: dict[tuple[int, int], np.ndarray] = {}
-    for (t, g), reqs in needs.items():
-        h = owner.get(t)
-        if h is None:
-            continue                     # a constant: replicated, slicing it is free
-        nbytes = graph.tensor(t).nbytes
-        src = [nodes[h].specs[j][t] for j in range(nodes[h].k)]
-        for per_k in reqs:
-            if g == -1:                  # a replicated consumer: cost depends on the producer only
-                nodes[h].cost += [cm.reshard(s, per_k[0], nbytes, shape) for s in src]
-            elif g == h:
-                nodes[h].cost += [cm.reshard(src[k], per_k[k], nbytes, shape) for k in range(nodes[h].k)]
-            else:
-                m = np.array([[cm.reshard(s, r, nbytes, shape) for r in per_k] for s in src])
-                key, m = ((h, g), m) if h < g else ((g, h), m.T)
-                edges[key] = edges.get(key, 0) + m
-    return Problem(nodes, edges, shape, node_of_dot)
+    def count_outputs(self) -> None:
+        """The step's outputs (new parameters and optimizer state) live beside its inputs: count them too."""
+        nodes = self.nodes
+        for t in set(self.graph.outputs):
+            h = self.owner.get(t) if t is not None else None
+            if h is not None:
+                nb = self.graph.tensor(t).nbytes
+                nodes[h].memory = nodes[h].memory + [nb / shards(nodes[h].specs[k][t], self.shape)
+                                                     for k in range(nodes[h].k)]
+
+    def edges(self) -> dict[tuple[int, int], np.ndarray]:
+        nodes, cm, shape = self.nodes, self.cm, self.shape
+        edges: dict[tuple[int, int], np.ndarray] = {}
+        for (t, g), reqs in self.needs.items():
+            h = self.owner.get(t)
+            if h is None:
+                continue                     # a constant: replicated, slicing it is free
+            nbytes = self.graph.tensor(t).nbytes
+            src = [nodes[h].specs[j][t] for j in range(nodes[h].k)]
+            for per_k in reqs:
+                if g == -1:                  # a replicated consumer: cost depends on the producer only
+                    nodes[h].cost += [cm.reshard(s, per_k[0], nbytes, shape) for s in src]
+                elif g == h:
+                    nodes[h].cost += [cm.reshard(src[k], per_k[k], nbytes, shape) for k in range(nodes[h].k)]
+                else:
+                    m = np.array([[cm.reshard(s, r, nbytes, shape) for r in per_k] for s in src])
+                    key, m = ((h, g), m) if h < g else ((g, h), m.T)
+                    edges[key] = edges.get(key, 0) + m
+        return edges
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,7 +89,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
 
     from cfp.analysis.analysis import analyze_with_program
     from cfp.errors import CfpError
-    from cfp.baselines.ilp import CostModel, ilp_plan, ilp_step
+    from cfp.baselines.ilp import CostModel, ilp_choice, ilp_step
     row = Row("alpa-ilp")
     try:
         t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
             from cfp.hardware.gpus import get_gpu
             g = get_gpu(args.gpu)
             cm = CostModel(bandwidth=g.link_gbps * 1e9, flops=g.peak_flops("float32"))
-        res = ilp_plan(analysis, memory_budget=budget, cost=cm, time_limit=args.ilp_time_limit)
+        res = ilp_choice(analysis, memory_budget=budget, cost=cm, time_limit=args.ilp_time_limit)
         row.plan_time = time.perf_counter() - t0
         row.note = (f"{res.num_variables} vars, {'optimal' if res.optimal else 'time limit'}, "
                     f"{res.disagreements} bwd dots re-indexed")

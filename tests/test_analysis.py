@@ -52,7 +52,7 @@ def test_each_weight_fuses_forward_and_weight_gradient(model):
                  and sorted(g.tensor(g.operators[d.op].outputs[0]).shape) == sorted(shape)]
         assert grads, f"{path}: no weight-gradient dot in block {block.index}"
         for d in block.dots:
-            assert None not in d.plan, f"{path}: dot {d.op} not fully re-indexed: {d.plan}"
+            assert None not in d.loop_map, f"{path}: dot {d.op} not fully re-indexed: {d.loop_map}"
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama2"])
@@ -104,5 +104,5 @@ def test_backward_dots_map_forward_loops_one_to_one(model):
     a = _analysis(model, 2)
     for b in a.blocks:
         for d in b.dots[1:]:
-            mapped = [fl for fl in d.plan if fl is not None]
-            assert len(mapped) == len(set(mapped)), (b.index, d.op, d.plan)
+            mapped = [fl for fl in d.loop_map if fl is not None]
+            assert len(mapped) == len(set(mapped)), (b.index, d.op, d.loop_map)

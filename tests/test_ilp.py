@@ -6,7 +6,7 @@ import pytest
 from cfp.analysis.analysis import analyze_with_program
 from cfp.sharding.step import apply_choice
 from cfp.errors import InfeasibleError
-from cfp.baselines.ilp import CostModel, brute_force, build_problem, candidate_specs, ilp_plan, solve
+from cfp.baselines.ilp import CostModel, brute_force, build_problem, candidate_specs, ilp_choice, solve
 
 
 def _mlp_step(p, x, y):
@@ -39,7 +39,7 @@ def test_candidate_specs():
 def test_ilp_equals_brute_force_mlp(mesh):
     a, _ = analyze_with_program(_mlp_step, *_mlp_args(), mesh=mesh)
     problem = build_problem(a.graph, a.mesh.shape)
-    assign, cost, optimal, _ = solve(problem)
+    node_choice, cost, optimal, _ = solve(problem)
     best, best_cost = brute_force(problem)
     assert optimal
     assert cost == pytest.approx(best_cost, rel=1e-9, abs=1e-15)
@@ -54,8 +54,8 @@ def test_ilp_equals_brute_force_slow_network_and_memory_budget():
     _, cost, _, _ = solve(problem)
     assert cost == pytest.approx(brute_force(problem)[1], rel=1e-9)
     budget = (problem.min_memory() + problem.memory([0] * len(problem.nodes))) / 2
-    assign, cost_b, _, _ = solve(problem, memory_budget=budget)
-    assert problem.memory(assign) <= budget
+    node_choice, cost_b, _, _ = solve(problem, memory_budget=budget)
+    assert problem.memory(node_choice) <= budget
     assert cost_b == pytest.approx(brute_force(problem, memory_budget=budget)[1], rel=1e-9)
 
 
@@ -63,15 +63,15 @@ def test_infeasible_budget_names_smallest():
     a, _ = analyze_with_program(_mlp_step, *_mlp_args(), mesh="4")
     problem = build_problem(a.graph, a.mesh.shape)
     with pytest.raises(InfeasibleError, match="smallest budget"):
-        ilp_plan(a, memory_budget=problem.min_memory() - 1)
+        ilp_choice(a, memory_budget=problem.min_memory() - 1)
     # exactly the smallest budget is feasible
-    assert ilp_plan(a, memory_budget=problem.min_memory()).memory <= problem.min_memory()
+    assert ilp_choice(a, memory_budget=problem.min_memory()).memory <= problem.min_memory()
 
 
 def test_ilp_choice_applies_and_matches_unsharded():
     args = _mlp_args()
     a, program = analyze_with_program(_mlp_step, *args, mesh="4")
-    res = ilp_plan(a)
+    res = ilp_choice(a)
     assert len(res.choice) == len(a.blocks) and res.optimal
     assert res.cost_of_choice >= res.cost - 1e-15
     out = apply_choice(program, a, res.choice)(*args)
@@ -84,7 +84,7 @@ def test_ilp_step_keeps_ilp_input_layouts():
     from cfp.baselines.ilp import ilp_step
     args = _mlp_args()
     a, program = analyze_with_program(_mlp_step, *args, mesh="4")
-    res = ilp_plan(a)
+    res = ilp_choice(a)
     step = ilp_step(program, a, res)
     assert len(res.input_specs) == len(a.graph.inputs)
     out = step(*args)

@@ -15,7 +15,7 @@ from cfp.ir.capture import Program, capture
 from cfp.ir.graph import OpGraph
 from cfp.mesh import MeshSpec
 
-ANALYSIS_VERSION = 1
+ANALYSIS_VERSION = 2     # 2 renamed BlockDot.plan to loop_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Analysis:
             raise ConfigError(f"analysis version {d.get('version')!r} is not the supported {ANALYSIS_VERSION}")
         blocks = tuple(ParallelBlock(
             b["index"],
-            tuple(BlockDot(x["op"], DotRole(x["role"]), tuple(x["plan"])) for x in b["dots"]),
+            tuple(BlockDot(x["op"], DotRole(x["role"]), tuple(x["loop_map"])) for x in b["dots"]),
             tuple(b["operators"]),
             tuple(DotStrategy(tuple(s["loop_of_axis"])) for s in b["strategies"]),
             b["fingerprint"], tuple(b["scope"])) for b in d["blocks"])

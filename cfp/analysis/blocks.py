@@ -3,7 +3,7 @@
 1. Each forward dot opens a block. Differentiation keeps the user frame and module scope of the operation it
    transposes, so a backward dot belongs to the forward dot with the same (scope, source); operand identity
    breaks ties (a weight gradient reads the forward's saved input, a data gradient reads the weight).
-2. A re-index *plan* maps each backward loop onto a forward loop through the operands they share, so one
+2. A re-index *loop map* maps each backward loop onto a forward loop through the operands they share, so one
    strategy index (over the forward dot's strategies) fixes the sharding of every dot in the block.
 3. Every other operator joins the block nearest to it in the dataflow graph (breadth-first from all dots at
    once; ties go to the earlier block). Opaque control flow and operators no dot reaches form the remainder.
@@ -28,16 +28,16 @@ class DotRole(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class BlockDot:
-    """A dot of a block; `plan[i]` is the forward loop that this dot's loop i follows (None: unmatched)."""
+    """A dot of a block; `loop_map[i]` is the forward loop that this dot's loop i follows (None: unmatched)."""
 
     op: int
     role: DotRole
-    plan: tuple[int | None, ...]
+    loop_map: tuple[int | None, ...]
 
     def strategy(self, forward: DotStrategy) -> DotStrategy:
         """This dot's strategy when the block's forward dot uses `forward`."""
         return DotStrategy(tuple(
-            (self.plan.index(fl) if fl is not None and fl in self.plan else None) for fl in forward.loop_of_axis))
+            (self.loop_map.index(fl) if fl is not None and fl in self.loop_map else None) for fl in forward.loop_of_axis))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
     return tid, perm
 
 
-def _plan(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...]:
+def _loop_map(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...]:
     f_loops = loops_of(fwd, graph)
     b_loops = loops_of(bwd, graph)
     f_lhs, f_rhs, f_out = fwd.inputs[0], fwd.inputs[1], fwd.outputs[0]
@@ -103,7 +103,7 @@ def _plan(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...
             sides.append((side, perm))
         else:
             sides.append(None)
-    plan = []
+    loop_map = []
     for loop in b_loops:
         fl = None
         for k, dim in enumerate((loop.lhs_dim, loop.rhs_dim)):
@@ -112,8 +112,8 @@ def _plan(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None, ...
                 fl = loop_by_dim.get((side, perm[dim]))
                 if fl is not None:
                     break
-        plan.append(fl)
-    return tuple(plan)
+        loop_map.append(fl)
+    return tuple(loop_map)
 
 
 def _source_key(op: Operator) -> tuple:
@@ -127,7 +127,7 @@ def _shares_operand(fwd: Operator, bwd: Operator, graph: OpGraph) -> bool:
 
 def _fingerprint(fwd: Operator, dots: list[BlockDot], graph: OpGraph) -> str:
     parts = [graph.tensor(fwd.inputs[0]).short(), graph.tensor(fwd.inputs[1]).short(), repr(fwd.dot)]
-    parts += [f"{d.role.value}:{d.plan}" for d in dots[1:]]
+    parts += [f"{d.role.value}:{d.loop_map}" for d in dots[1:]]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
@@ -150,7 +150,7 @@ def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[Par
             lone.append(b)
             continue
         f = cands[-1] if len(cands) > 1 else cands[0]
-        members[f.index].append(BlockDot(b.index, DotRole.BACKWARD, _plan(f, b, graph)))
+        members[f.index].append(BlockDot(b.index, DotRole.BACKWARD, _loop_map(f, b, graph)))
     heads = sorted(forward + lone, key=lambda o: o.index)
     block_of: dict[int, int] = {}
     block_dots: list[list[BlockDot]] = []
@@ -196,7 +196,7 @@ def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
 
 
 def data_parallel_choice(graph: OpGraph, blocks) -> tuple[int, ...]:
-    """Per block, the strategy sharding one batch-like loop on every mesh axis: the uniform data-parallel plan.
+    """Per block, the strategy sharding one batch-like loop on every mesh axis: the uniform data-parallel choice.
 
     Candidates in order: the forward dot's batch loops, then its lhs free loops (the first lhs free loop of
     an MLP dot is the batch); the first that some strategy puts on every mesh axis wins (an expert loop

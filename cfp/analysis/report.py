@@ -19,7 +19,8 @@ def parallel_blocks_text(analysis: Analysis, max_ops_per_block: int | None = 12)
         lines.append(f"Parallel Block {b.index}:  [{'/'.join(b.scope)}]  strategies: {len(b.strategies)}")
         for d in b.dots:
             lines.append(f"    {g.operators[d.op].describe(g)}")
-            lines.append(f"    Plan: {', '.join('-' if p is None else str(p) for p in d.plan)},  ({d.role.value})")
+            # "Plan:" is the label of CFP's own ParallelBlock dump, kept so the files compare; it shows the loop map
+            lines.append(f"    Plan: {', '.join('-' if p is None else str(p) for p in d.loop_map)},  ({d.role.value})")
         others = [i for i in b.operators if i not in {d.op for d in b.dots}]
         shown = others if max_ops_per_block is None else others[:max_ops_per_block]
         for i in shown:

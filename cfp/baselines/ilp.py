@@ -21,9 +21,9 @@ Formulation (Zheng et al., Alpa, OSDI'22, §4.2), on cfp's `OpGraph`:
 
 Mapping to CFP's per-block `choice` (`ilp_step` applies it with the ILP's own input/output layouts): each ParallelBlock's strategy index is the ILP's choice for the block's
 forward dot (its candidate list is the same `enumerate_strategies` list). Alpa decides backward dots on their
-own; `apply_choice` instead derives them from the forward dot through the block's re-index plan, so where the
+own; `apply_choice` instead derives them from the forward dot through the block's loop map, so where the
 ILP's backward choice differs it is overridden by the forward one. Those overrides are counted in
-`IlpResult.disagreements` and `IlpResult.cost_of_choice` re-prices the plan as applied.
+`IlpResult.disagreements` and `IlpResult.cost_of_choice` re-prices the choice as applied.
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ from cfp.analysis.strategies import DotStrategy, enumerate_strategies
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.hardware.collectives import collective_time
 from cfp.ir.graph import OpGraph
+from cfp.sharding.specs import partition_spec, resolve
+from cfp.sharding.step import ShardedStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +131,12 @@ class Problem:
     mesh_shape: tuple[int, ...]
     node_of_dot: dict[int, int]
 
-    def cost(self, assign: Sequence[int]) -> float:
-        c = sum(n.cost[k] for n, k in zip(self.nodes, assign))
-        return float(c + sum(m[assign[u], assign[v]] for (u, v), m in self.edges.items()))
+    def cost(self, node_choice: Sequence[int]) -> float:
+        c = sum(n.cost[k] for n, k in zip(self.nodes, node_choice))
+        return float(c + sum(m[node_choice[u], node_choice[v]] for (u, v), m in self.edges.items()))
 
-    def memory(self, assign: Sequence[int]) -> float:
-        return float(sum(n.memory[k] for n, k in zip(self.nodes, assign)))
+    def memory(self, node_choice: Sequence[int]) -> float:
+        return float(sum(n.memory[k] for n, k in zip(self.nodes, node_choice)))
 
     def min_memory(self) -> float:
         return float(sum(n.memory.min() for n in self.nodes))
@@ -288,9 +290,9 @@ class _ProblemBuilder:
 
 @dataclasses.dataclass(frozen=True)
 class IlpResult:
-    """The ILP's plan: a strategy per node, the per-block `choice` for `apply_choice`, and its estimates."""
+    """The ILP's solution: a strategy per node, the per-block `choice` for `apply_choice`, and its estimates."""
 
-    assignment: tuple[int, ...]
+    node_choice: tuple[int, ...]
     choice: tuple[int, ...]
     cost: float                 # ILP objective (seconds, per-operator decisions)
     cost_of_choice: float       # the same cost model with backward dots following their forward dot
@@ -304,11 +306,11 @@ class IlpResult:
 
 
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 60.0) -> tuple[tuple[int, ...], float, bool, int]:
-    """Solve the ILP with HiGHS: (assignment, objective, proven optimal, number of variables)."""
+    """Solve the ILP with HiGHS: (node choice, objective, proven optimal, number of variables)."""
     import highspy
 
     if memory_budget is not None and problem.min_memory() > memory_budget:
-        raise InfeasibleError(f"no plan fits {memory_budget / 2**20:.2f} MiB per device; the smallest budget "
+        raise InfeasibleError(f"no layout fits {memory_budget / 2**20:.2f} MiB per device; the smallest budget "
                               f"that fits is {problem.min_memory() / 2**20:.2f} MiB")
     base: list[int] = []
     col = 0
@@ -359,46 +361,46 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     status = h.getModelStatus()
     sol = np.array(h.getSolution().col_value)
     if status == highspy.HighsModelStatus.kInfeasible:
-        raise InfeasibleError(f"no plan fits {memory_budget} bytes per device")
+        raise InfeasibleError(f"no layout fits {memory_budget} bytes per device")
     if sol.size < nx:
-        raise InfeasibleError(f"HiGHS found no plan within {time_limit} s (status {h.modelStatusToString(status)})")
-    assign = tuple(int(np.argmax(sol[base[i]:base[i] + n.k])) for i, n in enumerate(problem.nodes))
-    return assign, problem.cost(assign), status == highspy.HighsModelStatus.kOptimal, col
+        raise InfeasibleError(f"HiGHS found no solution within {time_limit} s (status {h.modelStatusToString(status)})")
+    node_choice = tuple(int(np.argmax(sol[base[i]:base[i] + n.k])) for i, n in enumerate(problem.nodes))
+    return node_choice, problem.cost(node_choice), status == highspy.HighsModelStatus.kOptimal, col
 
 
 def brute_force(problem: Problem, memory_budget: float | None = None) -> tuple[tuple[int, ...], float]:
     """Exhaustive minimum of the same objective (tests; only for tiny problems)."""
     best, best_cost = None, math.inf
-    for assign in itertools.product(*(range(n.k) for n in problem.nodes)):
-        if memory_budget is not None and problem.memory(assign) > memory_budget:
+    for node_choice in itertools.product(*(range(n.k) for n in problem.nodes)):
+        if memory_budget is not None and problem.memory(node_choice) > memory_budget:
             continue
-        c = problem.cost(assign)
+        c = problem.cost(node_choice)
         if c < best_cost - 1e-15:
-            best, best_cost = assign, c
+            best, best_cost = node_choice, c
     if best is None:
-        raise InfeasibleError("no plan fits the memory budget")
+        raise InfeasibleError("no layout fits the memory budget")
     return best, best_cost
 
 
-def ilp_plan(analysis: Analysis, memory_budget: float | None = None, cost: CostModel | None = None,
+def ilp_choice(analysis: Analysis, memory_budget: float | None = None, cost: CostModel | None = None,
              time_limit: float = 60.0) -> IlpResult:
-    """Alpa-style ILP plan of `analysis`'s program, mapped to one strategy per ParallelBlock."""
+    """Alpa-style ILP solution of `analysis`'s program, mapped to one strategy per ParallelBlock."""
     t0 = time.perf_counter()
     problem = build_problem(analysis.graph, analysis.mesh.shape, cost)
-    assign, obj, optimal, nvars = solve(problem, memory_budget, time_limit)
-    choice, applied, disagree = [], list(assign), 0
+    node_choice, obj, optimal, nvars = solve(problem, memory_budget, time_limit)
+    choice, applied, disagree = [], list(node_choice), 0
     for b in analysis.blocks:
         ni = problem.node_of_dot[b.forward.op]
         node = problem.nodes[ni]
         if tuple(node.strategies) != tuple(b.strategies):
             raise ConfigError(f"block {b.index}: ILP and analysis enumerate different strategies")
-        k = assign[ni]
+        k = node_choice[ni]
         choice.append(k)
         for bd in b.dots[1:]:
             bn = problem.nodes[problem.node_of_dot[bd.op]]
             want = bd.strategy(b.strategies[k])
             j = bn.strategies.index(want) if want in bn.strategies else None
-            if j != assign[problem.node_of_dot[bd.op]]:
+            if j != node_choice[problem.node_of_dot[bd.op]]:
                 disagree += 1
             if j is not None:
                 applied[problem.node_of_dot[bd.op]] = j
@@ -408,22 +410,18 @@ def ilp_plan(analysis: Analysis, memory_budget: float | None = None, cost: CostM
     def spec(t):
         if t is None or t not in owner:
             return () if t is None else tuple(() for _ in g.tensor(t).shape)
-        return problem.nodes[owner[t]].specs[assign[owner[t]]][t]
-    return IlpResult(assign, tuple(choice), obj, problem.cost(applied), problem.memory(assign), disagree,
+        return problem.nodes[owner[t]].specs[node_choice[owner[t]]][t]
+    return IlpResult(node_choice, tuple(choice), obj, problem.cost(applied), problem.memory(node_choice), disagree,
                      optimal, time.perf_counter() - t0, nvars, tuple(spec(t) for t in g.inputs),
                      tuple(spec(t) for t in g.outputs))
 
 
 def ilp_step(program, analysis: Analysis, result: IlpResult, mesh=None):
-    """The sharded step of an ILP plan: blocks as `apply_choice(result.choice)`, but the step's inputs and
+    """The sharded step of an ILP solution: blocks as `apply_choice(result.choice)`, but the step's inputs and
     outputs (parameters, optimizer state, batch) in the ILP's own layouts, so its memory decisions hold;
     XLA reshards them where a block wants another layout (as FSDP gathers a sharded weight)."""
-    from cfp.sharding.step import ShardedStep
-
-    from cfp.sharding.specs import partition_spec, resolve
-
     names = analysis.mesh.axis_names
-    plan = dataclasses.replace(resolve(analysis, result.choice),
-                               input_specs=tuple(partition_spec(s, names) for s in result.input_specs),
-                               output_specs=tuple(partition_spec(s, names) for s in result.output_specs))
-    return ShardedStep(program, analysis, plan, mesh if mesh is not None else analysis.mesh.make())
+    shardings = dataclasses.replace(resolve(analysis, result.choice),
+                                    input_specs=tuple(partition_spec(s, names) for s in result.input_specs),
+                                    output_specs=tuple(partition_spec(s, names) for s in result.output_specs))
+    return ShardedStep(program, analysis, shardings, mesh if mesh is not None else analysis.mesh.make())

@@ -71,7 +71,7 @@ def _print_table(table, analysis) -> None:
     for kind, seg in table.segments.items():
         print(f"segment kind {kind} ({seg.fingerprint}), space {list(seg.space)}: {seg.rule}")
         for e in seg.candidates(len(seg.entries)):
-            print(f"  {list(e.combo)}  time {e.time * 1e3:9.3f} ms  memory {e.memory / 1e6:9.3f} MB  "
+            print(f"  {list(e.choice)}  time {e.time * 1e3:9.3f} ms  memory {e.memory / 1e6:9.3f} MB  "
                   f"comm {e.comm_bytes / 1e6:8.3f} MB")
 
 
@@ -133,15 +133,15 @@ def run_enum(args) -> int:
     if seg is None:
         raise ConfigError(f"segment kind {args.segment} does not exist; kinds are 0..{analysis.num_unique_segments - 1}")
     space = [len(analysis.blocks[b].strategies) for b in seg.blocks]
-    combos = list(itertools.islice(itertools.product(*[range(n) for n in space]), args.limit))
+    choices = list(itertools.islice(itertools.product(*[range(n) for n in space]), args.limit))
     print(f"segment kind {seg.kind} blocks {seg.start}..{seg.stop - 1}, space {space}; "
-          f"enumerating {len(combos)} combinations; cost model: {gpu.name}")
+          f"enumerating {len(choices)} combinations; cost model: {gpu.name}")
     prof = Profiler(program, analysis, ProfileOptions(iters=args.iters, progress=False), log=lambda *_: None)
     dtype = costmodel.dominant_dtype(analysis, seg.blocks)
     print(f"{'combination':<28} {'comm MB':>9} {'comm ms':>9} {'compute ms':>10} {'measured ms':>11} {'memory MB':>10}")
-    for e in prof.profile_segment(seg, combos):
+    for e in prof.profile_segment(seg, choices):
         ct = costmodel.comm_time(e.collectives, gpu)
         cp = costmodel.compute_time(e.flops, e.bytes_accessed, gpu, dtype)
-        print(f"{str(list(e.combo)):<28} {e.comm_bytes / 1e6:9.3f} {ct * 1e3:9.4f} {cp * 1e3:10.4f} "
+        print(f"{str(list(e.choice)):<28} {e.comm_bytes / 1e6:9.3f} {ct * 1e3:9.4f} {cp * 1e3:10.4f} "
               f"{e.measured * 1e3:11.3f} {e.memory / 1e6:10.3f}")
     return 0

@@ -58,13 +58,13 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
     link = gpu.link_gbps * 1e9
     pair_cost: dict = {}
 
-    def cost(combo):
-        t = sum(own[(b, s)] for b, s in zip(blocks, combo))
+    def cost(choice):
+        t = sum(own[(b, s)] for b, s in zip(blocks, choice))
         for i, j in shared:
-            key = (i, combo[i], j, combo[j])
+            key = (i, choice[i], j, choice[j])
             if key not in pair_cost:
-                pair_cost[key] = costmodel.reshard_cost(analysis, specs[(blocks[i], combo[i])],
-                                                        specs[(blocks[j], combo[j])], link)
+                pair_cost[key] = costmodel.reshard_cost(analysis, specs[(blocks[i], choice[i])],
+                                                        specs[(blocks[j], choice[j])], link)
             t += pair_cost[key]
         return t
     pool = list(itertools.product(*short))
@@ -73,13 +73,13 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
     by_memory = sorted(pool, key=lambda c: (sum(foot[(b, s)] for b, s in zip(blocks, c)), cost(c), c))
     # the data-parallel combination is always profiled: the search calibrates its memory sums on it
     uniform = data_parallel_choice(g, analysis.blocks)
-    dp_combo = tuple(uniform[b] for b in segment.blocks)
-    combos = list(dict.fromkeys([dp_combo] + by_memory[:n_lean] + by_cost))[:options.max_combinations]
+    dp_choice = tuple(uniform[b] for b in segment.blocks)
+    choices = list(dict.fromkeys([dp_choice] + by_memory[:n_lean] + by_cost))[:options.max_combinations]
     rule = (f"pruned: {total} combinations > max {options.max_combinations}; kept the {options.per_block} best "
             f"strategies per block by analytic cost plus its leanest in memory, then data parallel, the {n_lean} leanest and "
             f"the best by analytic cost incl. resharding of their {len(pool)} combinations "
-            f"({len(combos)} profiled)")
-    return combos, rule
+            f"({len(choices)} profiled)")
+    return choices, rule
 
 
 class Profiler:
@@ -117,10 +117,10 @@ class Profiler:
                 todo.append((kind, seg, key))
         with self._progress() as progress:
             for kind, seg, key in todo:
-                combos, rule = candidate_choices(self.analysis, seg, self.options)
+                choices, rule = candidate_choices(self.analysis, seg, self.options)
                 self.log(f"segment kind {kind} (blocks {seg.start}..{seg.stop - 1}): {rule}")
-                task = progress.add_task(f"segment kind {kind}", total=len(combos)) if progress else None
-                entries = self.profile_segment(seg, combos,
+                task = progress.add_task(f"segment kind {kind}", total=len(choices)) if progress else None
+                entries = self.profile_segment(seg, choices,
                                                (lambda: progress.advance(task)) if progress else None)
                 prof = SegmentProfile(kind, seg.fingerprint, self._space(seg), rule, tuple(entries))
                 cache_store(self.options.cache_dir, key, prof)
@@ -141,26 +141,26 @@ class Profiler:
                       TimeElapsedColumn(), transient=False) as p:
             yield p
 
-    def _compile(self, seg: Segment, combo) -> tuple[SegmentProgram, object]:
-        sp = SegmentProgram(self.program, self.analysis, seg, combo, self.mesh)
+    def _compile(self, seg: Segment, choice) -> tuple[SegmentProgram, object]:
+        sp = SegmentProgram(self.program, self.analysis, seg, choice, self.mesh)
         compiled = sp.compile()
         self.compiles += 1
         return sp, compiled
 
-    def profile_segment(self, seg: Segment, combos: Sequence[tuple[int, ...]],
+    def profile_segment(self, seg: Segment, choices: Sequence[tuple[int, ...]],
                         advance: Callable[[], None] | None = None) -> list[ProfileEntry]:
         entries = []
-        overlap = self.options.overlap_compile and len(combos) > 1
+        overlap = self.options.overlap_compile and len(choices) > 1
         pool = concurrent.futures.ThreadPoolExecutor(1) if overlap else None
         try:
-            nxt = pool.submit(self._compile, seg, combos[0]) if pool else None
-            for i, combo in enumerate(combos):
-                sp, compiled = nxt.result() if pool else self._compile(seg, combo)
+            nxt = pool.submit(self._compile, seg, choices[0]) if pool else None
+            for i, choice in enumerate(choices):
+                sp, compiled = nxt.result() if pool else self._compile(seg, choice)
                 quiet = None
-                if pool and i + 1 < len(combos):
-                    nxt = pool.submit(self._compile, seg, combos[i + 1])
+                if pool and i + 1 < len(choices):
+                    nxt = pool.submit(self._compile, seg, choices[i + 1])
                     quiet = nxt.exception   # blocks until the background compile is done (errors surface later)
-                entries.append(self._entry(seg, combo, sp, compiled, quiet))
+                entries.append(self._entry(seg, choice, sp, compiled, quiet))
                 if advance:
                     advance()
         finally:

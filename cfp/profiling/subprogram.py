@@ -47,21 +47,21 @@ def segment_io(analysis: Analysis, segment: Segment) -> SegmentIO:
     return SegmentIO(tuple(ops), tuple(inputs), tuple(outputs))
 
 
-def layouts_for(analysis: Analysis, segment: Segment, combo: Sequence[int]) -> tuple[BlockLayout, ...]:
-    return tuple(analysis.layout(b, c) for b, c in zip(segment.blocks, combo))
+def layouts_for(analysis: Analysis, segment: Segment, choice: Sequence[int]) -> tuple[BlockLayout, ...]:
+    return tuple(analysis.layout(b, c) for b, c in zip(segment.blocks, choice))
 
 
 class SegmentProgram:
-    """The jitted sub-program of `segment` under strategy combination `combo` (one index per block)."""
+    """The jitted sub-program of `segment` under strategy combination `choice` (one index per block)."""
 
-    def __init__(self, program: Program, analysis: Analysis, segment: Segment, combo: Sequence[int],
+    def __init__(self, program: Program, analysis: Analysis, segment: Segment, choice: Sequence[int],
                  mesh: jax.sharding.Mesh):
-        self.segment, self.combo, self.mesh = segment, tuple(combo), mesh
+        self.segment, self.choice, self.mesh = segment, tuple(choice), mesh
         g = analysis.graph
         io = segment_io(analysis, segment)
         self.io = io
         names = analysis.mesh.axis_names
-        layouts = layouts_for(analysis, segment, combo)
+        layouts = layouts_for(analysis, segment, choice)
         hooks = ConstraintHooks(analysis, layouts, mesh)
         first_spec: dict[int, Any] = {}
         for lay in layouts:

@@ -14,14 +14,14 @@ from typing import Any
 from cfp.errors import ConfigError
 from cfp.profiling.options import ProfilerSpec
 
-TABLE_VERSION = 2  # 2: segment memory excludes activations borrowed from other segments
+TABLE_VERSION = 3  # 2: segment memory excludes activations borrowed from other segments; 3: entry "combo" -> "choice"
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileEntry:
     """One strategy combination of a segment (one strategy index per block of the segment)."""
 
-    combo: tuple[int, ...]
+    choice: tuple[int, ...]
     time: float                 # seconds per run: measured median, or the cost model's estimate
     memory: int                 # per-device bytes: arguments + outputs + temporaries
     comm_bytes: int             # per-device bytes of all collectives in the compiled sub-program
@@ -45,8 +45,8 @@ class SegmentProfile:
         small = sorted(self.entries, key=lambda e: (e.memory, e.time))[:top_k]
         seen, out = set(), []
         for e in sorted(fast + small, key=lambda e: (e.time, e.memory)):
-            if e.combo not in seen:
-                seen.add(e.combo)
+            if e.choice not in seen:
+                seen.add(e.choice)
                 out.append(e)
         return tuple(out)
 
@@ -55,7 +55,7 @@ class SegmentProfile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SegmentProfile":
-        entries = tuple(ProfileEntry(tuple(e["combo"]), e["time"], e["memory"], e["comm_bytes"], e["flops"],
+        entries = tuple(ProfileEntry(tuple(e["choice"]), e["time"], e["memory"], e["comm_bytes"], e["flops"],
                                      e["bytes_accessed"], tuple(tuple(c) for c in e["collectives"]),
                                      e.get("measured")) for e in d["entries"])
         return cls(d["kind"], d["fingerprint"], tuple(d["space"]), d["rule"], entries)

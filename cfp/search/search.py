@@ -128,7 +128,7 @@ def _candidate_rows(segs, entries, estimator: StateEstimator | None, scale: floa
         row = [(e, False, 0.0, int(e.memory * scale)) for e in ents]
         if estimator is not None:
             for e in ents:
-                sv = estimator.segment(seg.blocks, e.combo)
+                sv = estimator.segment(seg.blocks, e.choice)
                 if sv.memory > 0:
                     row.append((e, True, sv.time(link * 1e9), max(int(e.memory * scale) - sv.memory, 0)))
         cands.append([(e, z) for e, z, _, _ in row])
@@ -141,8 +141,8 @@ def _transitions(analysis: Analysis, cands, link: float) -> list:
     """Resharding seconds between every candidate of a segment and every candidate of the next."""
     segs, trans = analysis.segments, []
     for i in range(len(segs) - 1):
-        a = [analysis.segment_specs(segs[i], e.combo) for e, _ in cands[i]]
-        b = [analysis.segment_specs(segs[i + 1], e.combo) for e, _ in cands[i + 1]]
+        a = [analysis.segment_specs(segs[i], e.choice) for e, _ in cands[i]]
+        b = [analysis.segment_specs(segs[i + 1], e.choice) for e, _ in cands[i + 1]]
         trans.append([[costmodel.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])
     return trans
 
@@ -203,7 +203,7 @@ def _best_fitting(verified, options: SearchOptions) -> VerifiedChoice:
 
 def _solution_key(picks, segs, cands) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(choice, sharded-state blocks) of a DP solution."""
-    choice = tuple(c for i, p in enumerate(picks) for c in cands[i][p][0].combo)
+    choice = tuple(c for i, p in enumerate(picks) for c in cands[i][p][0].choice)
     shard = tuple(sorted(b for i, p in enumerate(picks) if cands[i][p][1] for b in segs[i].blocks))
     return choice, shard
 
@@ -221,11 +221,11 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
     """
     total = 0
     for seg in analysis.segments:
-        combo = tuple(uniform[b] for b in seg.blocks)
-        entry = next((e for e in table.segments[seg.kind].entries if tuple(e.combo) == combo), None)
+        choice = tuple(uniform[b] for b in seg.blocks)
+        entry = next((e for e in table.segments[seg.kind].entries if tuple(e.choice) == choice), None)
         if entry is None:     # a table made elsewhere may lack it; the profiler always profiles it
             log(f"memory calibration skipped: segment kind {seg.kind} has no profile of the data-parallel "
-                f"choice {list(combo)}; segment memories are summed unscaled")
+                f"choice {list(choice)}; segment memories are summed unscaled")
             return 1.0
         total += entry.memory
     step = steps[(uniform, ())] = apply_choice(program, analysis, uniform, mesh)

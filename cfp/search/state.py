@@ -66,6 +66,6 @@ class StateEstimator:
             self._cache[key] = StateSaving(memory, gathered)
         return self._cache[key]
 
-    def segment(self, blocks, combo) -> StateSaving:
-        parts = [self.saving(b, c) for b, c in zip(blocks, combo)]
+    def segment(self, blocks, choice) -> StateSaving:
+        parts = [self.saving(b, c) for b, c in zip(blocks, choice)]
         return StateSaving(int(self.scale * sum(p.memory for p in parts)), sum(p.gathered for p in parts))

@@ -7,8 +7,7 @@ its dims are named from the shared vocabulary below. Mesh axes are assigned to t
 replicated under every rule.
 
 Vocabulary: "embed" (hidden size), "heads" / "kv_heads" (attention heads), "head_dim", "mlp" (feed-forward
-size), "vocab" (LM head outputs), "token_vocab" (token embedding rows: a lookup, not a matmul, so rules treat
-it apart), "exp" (MoE experts); None is a dim no rule may shard.
+size), "vocab", "exp" (MoE experts); None is a dim no rule may shard.
 """
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ Dims = tuple[Optional[str], ...]
 
 # the config field behind each name, for error messages
 DIM_FIELDS = {"heads": "num_heads", "kv_heads": "num_kv_heads", "mlp": "ffn_size", "vocab": "vocab_size",
-              "exp": "num_experts", "embed": "hidden_size",
-              "token_vocab": "vocab_size"}
+              "exp": "num_experts", "embed": "hidden_size"}
 
 # (owning module, parameter) -> dims; models/common.py's Attention and MLP, llama.py's SwiGLU, moe.py's MoEFFN,
 # the GPT/Llama embedding and LM head (BERT's tied-free head `transform`/`decoder` is left replicated)
@@ -44,7 +42,7 @@ PARAM_DIMS: dict[tuple[str, str], Dims] = {
     ("moe", "wo"): ("exp", "mlp", "embed"),
     ("moe", "gate"): ("embed", None),
     # token embedding [V, H] and LM head [H, V]
-    ("token", "embedding"): ("token_vocab", "embed"),
+    ("token", "embedding"): ("vocab", "embed"),
     ("lm_head", "kernel"): ("embed", "vocab"),
 }
 

@@ -1,7 +1,7 @@
 """Megatron-style tensor-parallel shardings of a stage's parameters over its ``tp`` mesh axis.
 
-The rules themselves are `cfp.sharding.rules` (shared with the baselines and the planner); here its
-`STAGE_RULES` are bound to a stage's 1-D ``tp`` mesh, leniently: a dim that ``tp`` does not divide (e.g. 2 KV
+The rules themselves are `cfp.sharding.rules` (shared with the baselines and the planner); here they are
+bound to a stage's 1-D ``tp`` mesh, leniently: a dim that ``tp`` does not divide (e.g. 2 KV
 heads under TP 4) stays replicated. Shardings decide speed and memory, not the program's meaning: the
 partitioner keeps the computation, only the order of floating-point sums may change.
 """
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from cfp.sharding.rules import STAGE_RULES, path_keys, tensor_spec
+from cfp.sharding.rules import path_keys, tensor_spec
 
 TP_AXIS = "tp"
 
@@ -26,7 +26,7 @@ def stage_mesh(devices: list) -> Mesh:
 def param_specs(params: Any, tp: int) -> Any:
     """PartitionSpec tree for ``params`` (a tree of arrays or ShapeDtypeStructs) under TP ``tp``."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: tensor_spec(path_keys(path), tuple(leaf.shape), TP_AXIS, tp, rules=STAGE_RULES), params)
+        lambda path, leaf: tensor_spec(path_keys(path), tuple(leaf.shape), TP_AXIS, tp), params)
 
 
 def param_shardings(params: Any, mesh: Mesh) -> Any:

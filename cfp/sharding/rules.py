@@ -5,8 +5,7 @@ Models name their parameters' dims (`cfp.models.dims`); `TENSOR_RULES` maps name
 axes, in priority order: a parameter takes the axes on the first of its named dims that a rule lists and the
 tensor-parallel size divides. That gives Megatron-LM's column-parallel q/k/v, fc_in, gate and up (heads or
 output features), row-parallel attention out, fc_out and down (input features; their biases are added
-after the all-reduce, replicated), vocab-parallel LM head and (outside pipeline stages) token embedding, and
-expert-parallel MoE weights.
+after the all-reduce, replicated), vocab-parallel embedding and LM head, and expert-parallel MoE weights.
 
 MoE `wi`/`wo` ([E, H, F], [E, F, H]) take the axes on the expert dim ("exp" before "mlp"), decided by
 measurement (`benchmarks/moe_wi.py`, tiny MoE train step, batch 16, 8 simulated CPU devices, 20 round-robin
@@ -31,9 +30,8 @@ from cfp.models.dims import DIM_FIELDS, param_dims
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    dim: str                # a logical dim name of `cfp.models.dims`
-    required: bool          # part of the Megatron contract: strict callers raise when it does not divide
-    in_stages: bool = True  # the pipeline runtime's stages apply it too
+    dim: str            # a logical dim name of `cfp.models.dims`
+    required: bool      # part of the Megatron contract: strict callers raise when it does not divide
 
 
 TENSOR_RULES: tuple[Rule, ...] = (
@@ -42,12 +40,7 @@ TENSOR_RULES: tuple[Rule, ...] = (
     Rule("kv_heads", required=True),
     Rule("mlp", required=True),
     Rule("vocab", required=False),
-    # Stages keep the token embedding whole: sharding its rows moved the 8-stage GPipe/1F1B parameters of
-    # tests/test_runtime.py 2.6e-5 (normwise) from the single-device run, over that test's 1e-5.
-    Rule("token_vocab", required=False, in_stages=False),
 )
-# the rules a pipeline stage's tensor parallelism applies
-STAGE_RULES: tuple[Rule, ...] = tuple(r for r in TENSOR_RULES if r.in_stages)
 
 
 def path_keys(path) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from cfp.analysis.analysis import analyze_with_program
+from cfp.mesh import MeshSpec
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile
@@ -32,7 +33,7 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
                            max_combinations=max_combinations, progress=verbose)
     sopts = SearchOptions(memory_per_device=memory_limit, top_k=top_k, verify=verify, iters=iters,
                           shard_state=shard_state)
-    analysis, program = analyze_with_program(step_fn, *example_args, mesh=mesh)
+    analysis, program = analyze_with_program(step_fn, *example_args, mesh=MeshSpec.of(mesh))
     table = profile(program, analysis, popts, log=log)
     result = search(program, analysis, table, example_args, sopts, log=log,
                     mesh=mesh if hasattr(mesh, "devices") else None)

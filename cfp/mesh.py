@@ -46,6 +46,17 @@ class MeshSpec:
                               f"{num_devices} devices available")
         return spec
 
+    @classmethod
+    def of(cls, mesh) -> "MeshSpec":
+        """The MeshSpec of a MeshSpec, a string such as "2x4", or a `jax.sharding.Mesh`."""
+        if isinstance(mesh, MeshSpec):
+            return mesh
+        if isinstance(mesh, str):
+            return cls.parse(mesh)
+        if hasattr(mesh, "devices") and hasattr(mesh, "axis_names"):
+            return cls(tuple(mesh.devices.shape), tuple(mesh.axis_names))
+        raise ConfigError(f"mesh {mesh!r} is not a MeshSpec, a string like '2x4' or a jax Mesh")
+
     def __str__(self) -> str:
         return "x".join(map(str, self.shape))
 

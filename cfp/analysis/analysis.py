@@ -128,16 +128,6 @@ def analyze(step_fn: Callable, *example_args, mesh: MeshSpec | str | Any) -> Ana
 def analyze_with_program(step_fn: Callable, *example_args, mesh) -> tuple[Analysis, Program]:
     """Like `analyze`, also returning the captured `Program` (needed to apply a plan)."""
     t0 = time.perf_counter()
-    spec = as_mesh_spec(mesh)
+    spec = MeshSpec.of(mesh)
     program = capture(step_fn, *example_args)
     return analyze_program(program, AnalysisOptions(spec), started=t0), program
-
-
-def as_mesh_spec(mesh) -> MeshSpec:
-    if isinstance(mesh, MeshSpec):
-        return mesh
-    if isinstance(mesh, str):
-        return MeshSpec.parse(mesh)
-    if hasattr(mesh, "devices") and hasattr(mesh, "axis_names"):
-        return MeshSpec(tuple(mesh.devices.shape), tuple(mesh.axis_names))
-    raise ConfigError(f"mesh {mesh!r} is not a MeshSpec, a string like '2x4' or a jax Mesh")

@@ -77,25 +77,34 @@ def step_sequences(data: Sequences, step: int, seed: int, tokens_per_step: int) 
     return order[:min(n, order.size)]
 
 
+def use_strategy(trainer, strategy: Strategy) -> None:
+    """Place the strategy's pipelines on consecutive devices and switch the trainer to them."""
+    from cfp.runtime.varlen import place_pipelines
+    trainer.set_pipelines(place_pipelines([(s.cp, s.tp) for s in strategy.pipelines()], _devices()))
+
+
+def train_step(opts: DataTrainOptions, data: Sequences, trainer, strategy: Strategy, step: int):
+    """Draw, assign, materialise and run one step; (StepStats, number of micro-batches)."""
+    pipes = strategy.pipelines()
+    ids = step_sequences(data, step, opts.seed, opts.tokens_per_step)
+    plan = assign_step(opts.method, pipes, data.lengths[ids], opts.ilp_max_sequences)
+    packed = opts.method.packing is not Packing.PAD
+    mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed, pipes[k].max_len) for mb in p]
+           for k, p in enumerate(plan)]
+    return trainer.step(mbs), sum(len(p) for p in plan)
+
+
 def run(opts: DataTrainOptions, data: Sequences, trainer, strategy: Strategy,
         log: Optional[Callable[[str], None]] = print) -> DataTrainResult:
-    from cfp.runtime.varlen import place_pipelines
-
-    pipes = strategy.pipelines()
-    trainer.set_pipelines(place_pipelines([(s.cp, s.tp) for s in pipes], _devices()))
+    use_strategy(trainer, strategy)
     losses, real, slots, secs = [], 0, 0, 0.0
     for step in range(opts.steps):
-        ids = step_sequences(data, step, opts.seed, opts.tokens_per_step)
-        plan = assign_step(opts.method, pipes, data.lengths[ids], opts.ilp_max_sequences)
-        packed = opts.method.packing is not Packing.PAD
-        mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed, pipes[k].max_len) for mb in p]
-               for k, p in enumerate(plan)]
-        st = trainer.step(mbs)
+        st, n_mb = train_step(opts, data, trainer, strategy, step)
         losses.append(st.loss)
         real, slots, secs = real + st.real_tokens, slots + st.padded_tokens, secs + st.seconds
         if log:
             log(f"step {step + 1}: loss {st.loss:.4f}  {st.real_tokens} tokens in "
-                f"{sum(len(p) for p in plan)} micro-batches  non-pad tokens/s: {st.real_tokens / st.seconds:.0f}  "
+                f"{n_mb} micro-batches  non-pad tokens/s: {st.real_tokens / st.seconds:.0f}  "
                 f"padding: {100 * (1 - st.real_tokens / st.padded_tokens):.1f}%  (measured)")
     return DataTrainResult(tuple(losses), real, slots, secs, trainer.compile_s)
 

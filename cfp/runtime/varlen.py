@@ -121,10 +121,11 @@ class VarlenTrainer:
     """Training state on the home layout plus one runner per pipeline shape; `set_pipelines` switches."""
 
     def __init__(self, model_name: str, config, params, tx: optax.GradientTransformation,
-                 cp_method=CpMethod.RING):
+                 cp_method=CpMethod.RING, runners: dict | None = None):
+        """`runners` may be shared between trainers of the same model so compiled programs are reused."""
         self.model_name, self.config, self.tx, self.cp_method = model_name, config, tx, cp_method
         self.params, self.opt_state = params, jax.jit(tx.init)(params)
-        self._runners: dict[PipelineMesh, PipelineRunner] = {}
+        self._runners: dict[PipelineMesh, PipelineRunner] = {} if runners is None else runners
         self.pipelines: list[PipelineMesh] = []
         self._update = jax.jit(self._apply)
 

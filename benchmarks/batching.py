@@ -12,9 +12,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cfp.cli.common import ensure_host_devices  # noqa: E402
+from cfp.cli.common import ensure_host_devices, patient_collectives  # noqa: E402
 
 ensure_host_devices(8)
+patient_collectives()
 
 
 def main() -> None:

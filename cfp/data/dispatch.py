@@ -44,27 +44,29 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
     _check_fit(pipelines, lengths)
     kinds = sorted(set(pipelines), key=lambda s: s.max_len)
     members = {k: [p for p, s in enumerate(pipelines) if s == k] for k in kinds}
-    heaps = {k: [(0.0, p) for p in members[k]] for k in kinds}
-    costs = {k: k.seq_cost(lengths) for k in kinds}
-    bubble = {k: k.pp - 1 for k in kinds}
-    started: set[int] = set()
-    assign = np.empty(lengths.size, np.int64)
+    heaps = [[(0.0, p) for p in members[k]] for k in kinds]
+    # plain Python numbers: indexing numpy arrays element by element is several times slower
+    costs = [k.seq_cost(lengths).tolist() for k in kinds]
+    caps = [k.max_len for k in kinds]
+    bubble = [k.pp - 1 for k in kinds]
+    started = [False] * len(pipelines)
+    assign = [0] * lengths.size
+    lens = lengths.tolist()
     for i in np.argsort(-lengths, kind="stable").tolist():
-        s = lengths[i]
-        best, best_k = np.inf, None
-        for k in kinds:
-            if k.max_len < s:
+        s = lens[i]
+        best, best_k = np.inf, -1
+        for k in range(len(kinds)):
+            if caps[k] < s:
                 continue
             load, p = heaps[k][0]
             ck = costs[k][i]
-            t = load + ck + (bubble[k] * ck if p not in started else 0.0)
+            t = load + ck if started[p] else load + ck * (1 + bubble[k])
             if t < best:
                 best, best_k = t, k
-        _, p = heapq.heappop(heaps[best_k])
-        started.add(p)
-        heapq.heappush(heaps[best_k], (best, p))
+        p = heapq.heapreplace(heaps[best_k], (best, heaps[best_k][0][1]))[1]
+        started[p] = True
         assign[i] = p
-    return assign
+    return np.asarray(assign, np.int64)
 
 
 def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0

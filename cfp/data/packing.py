@@ -61,8 +61,9 @@ def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len
     sq = [0.0] * m
     bins: MicroBatches = [[] for _ in range(m)]
     a, b, c, dense = scheme.a, scheme.b, scheme.c, scheme.dense_rows
+    lens = lengths.tolist()
     for i in order.tolist():
-        s = int(lengths[i])
+        s = lens[i]
         aside = []
         while heap and tokens[heap[0][1]] + s > max_len:
             aside.append(heapq.heappop(heap))
@@ -81,9 +82,10 @@ def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len
 
 
 def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = None,
-                  extra: int = 20, patience: int = 3) -> MicroBatches:
-    """Fine-grained packing: search m in [⌈tokens/max_len⌉, +extra] (stopping after `patience` counts
-    without improvement) and keep the greedy packing with the least pipeline time."""
+                  extra: int = 20) -> MicroBatches:
+    """Fine-grained packing: search m in [⌈tokens/max_len⌉, +extra] (offsets 0,1,2,4,8,16,extra, then
+    halving the gaps around the best count; counts whose lower bound cannot win are skipped) and keep the
+    greedy packing with the least pipeline time."""
     lengths = np.asarray(lengths, np.int64)
     max_len = scheme.max_len if max_len is None else max_len
     _check(lengths, max_len)
@@ -93,25 +95,34 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
     total = float(lengths.sum())
     sq = float((lengths.astype(np.float64) ** 2).sum())
     m0 = -(-int(total) // max_len)
-    best, best_t, worse = None, np.inf, 0
-    for m in range(m0, min(m0 + extra, lengths.size) + 1):
+    top = min(m0 + extra, lengths.size)
+    tried: dict[int, tuple] = {}
+
+    def attempt(m: int):
+        if m in tried or not m0 <= m <= top:
+            return
         # lower bound of the pipeline time at m (Σ over micro-batches is convex in their tokens)
         work = scheme.a * (total * total / m if scheme.dense_rows else sq) + scheme.b * total + m * scheme.c
-        if work + (scheme.pp - 1) * work / m >= best_t:
-            worse += 1
-            if worse >= patience:
-                break
-            continue
+        bound = work + (scheme.pp - 1) * work / m
+        if tried and bound >= min(t for t, _ in tried.values()):
+            tried[m] = (np.inf, None)
+            return
         found = _lpt(lengths, order, scheme, m, max_len)
-        if found is None:
-            continue
-        mbs, t = found
-        if t < best_t * (1 - 1e-12):
-            best, best_t, worse = mbs, t, 0
-        else:
-            worse += 1
-            if worse >= patience and best is not None:
-                break
+        tried[m] = (np.inf, None) if found is None else (found[1], found[0])
+
+    # coarse offsets, then halve the gaps on both sides of the best count found so far
+    for m in sorted({m0 + d for d in (0, 1, 2, 4, 8, 16, extra)}):
+        attempt(m)
+    while True:
+        cur = min(tried, key=lambda m: tried[m][0])
+        lo = max((m for m in tried if m < cur), default=cur)
+        hi = min((m for m in tried if m > cur), default=cur)
+        todo = [m for m in ((lo + cur) // 2, (cur + hi) // 2) if m not in tried and m0 <= m <= top]
+        if not todo:
+            break
+        for m in todo:
+            attempt(m)
+    best_t, best = min(tried.values(), key=lambda v: v[0])
     if best is None:  # first-fit always succeeds when every sequence fits
         best = pack_fixed(lengths, max_len)
     return best

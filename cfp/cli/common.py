@@ -21,8 +21,7 @@ def patient_collectives(seconds: int = 600) -> None:
     default, which an oversubscribed machine running 8 simulated devices can exceed); before JAX starts."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + f" --xla_cpu_collective_call_terminate_timeout_seconds={seconds}"
-                                   f"").strip()
+        os.environ["XLA_FLAGS"] = (flags + f" --xla_cpu_collective_call_terminate_timeout_seconds={seconds}").strip()
 
 
 def positive_int(text: str) -> int:

@@ -95,7 +95,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
         analysis, program = analyze_with_program(step, *example_args, mesh=spec)
         cm = CostModel()
         if args.gpu:
-            from cfp.profiling.gpus import get_gpu
+            from cfp.hardware.gpus import get_gpu
             g = get_gpu(args.gpu)
             cm = CostModel(bandwidth=g.link_gbps * 1e9, flops=g.peak_flops("float32"))
         res = ilp_plan(analysis, memory_budget=budget, cost=cm, time_limit=args.ilp_time_limit)

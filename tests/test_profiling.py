@@ -7,7 +7,8 @@ import pytest
 from cfp.analysis.analysis import analyze_with_program
 from cfp.errors import ConfigError
 from cfp.profiling import costmodel
-from cfp.profiling.gpus import GPUS, get_gpu
+from cfp.hardware.collectives import collective_time
+from cfp.hardware.gpus import GPUS, get_gpu
 from cfp.profiling.options import ProfileOptions, ProfilerKind
 from cfp.profiling.profiler import Profiler, candidate_combos, profile
 from cfp.profiling.subprogram import SegmentProgram, segment_io
@@ -52,9 +53,9 @@ def test_gpu_catalog():
     h100 = get_gpu("H100-SXM")
     assert h100.peak_flops("bfloat16") > h100.peak_flops("float32")
     # ring all-reduce moves twice what an all-gather does
-    assert costmodel.collective_time("all-reduce", 1e9, 8, 1e9) == pytest.approx(
-        2 * costmodel.collective_time("all-gather", 1e9, 8, 1e9))
-    assert costmodel.collective_time("all-reduce", 1e9, 1, 1e9) == 0.0
+    assert collective_time("all-reduce", 1e9, 8, 1e9) == pytest.approx(
+        2 * collective_time("all-gather", 1e9, 8, 1e9))
+    assert collective_time("all-reduce", 1e9, 1, 1e9) == 0.0
 
 
 def test_subprogram_matches_whole_program(mlp):

@@ -123,7 +123,7 @@ def run_enum(args) -> int:
     ensure_host_devices()
     from cfp.analysis.analysis import analyze_with_program
     from cfp.profiling import costmodel
-    from cfp.profiling.gpus import get_gpu
+    from cfp.hardware.gpus import get_gpu
     from cfp.profiling.options import ProfileOptions
     from cfp.profiling.profiler import Profiler
     gpu = get_gpu(args.gpu)

@@ -1,8 +1,7 @@
 """Cost models: the `estimate` profiler's time of a compiled program, and the analytic pre-ranking of strategies.
 
-Collective times use ring algorithms on a group of n devices with per-direction link bandwidth `bw`:
-all-reduce 2(n-1)/n·B/bw, all-gather / reduce-scatter / all-to-all (n-1)/n·B/bw, collective-permute B/bw, where
-B is the per-device bytes of the (larger) buffer. Compute is roofline: max(FLOPs / peak, bytes / memory bw).
+Collective times come from `cfp.hardware.collectives` (ring model). Compute is roofline:
+max(FLOPs / peak, bytes / memory bw).
 """
 from __future__ import annotations
 
@@ -12,22 +11,11 @@ from typing import Iterable, Sequence
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import loops_of
 from cfp.analysis.layout import BlockLayout
-from cfp.profiling.gpus import GpuSpec
+from cfp.hardware.collectives import collective_time
+from cfp.hardware.gpus import GpuSpec
 
 # Ranking only needs relative costs; the default ranks with the most common training GPU's ratios.
 DEFAULT_RANKING_GPU = "A100-SXM-80G"
-
-
-def collective_time(kind: str, nbytes: float, n: int, link_bytes_per_s: float) -> float:
-    if n <= 1:
-        return 0.0
-    if kind == "all-reduce":
-        factor = 2 * (n - 1) / n
-    elif kind == "collective-permute":
-        factor = 1.0
-    else:
-        factor = (n - 1) / n
-    return factor * nbytes / link_bytes_per_s
 
 
 def comm_time(collectives: Iterable[tuple[str, int, int]], gpu: GpuSpec) -> float:

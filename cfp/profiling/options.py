@@ -6,7 +6,7 @@ import enum
 import os
 
 from cfp.errors import ConfigError
-from cfp.profiling.gpus import get_gpu
+from cfp.hardware.gpus import get_gpu
 
 
 class ProfilerKind(enum.Enum):

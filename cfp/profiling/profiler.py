@@ -23,7 +23,7 @@ from cfp.analysis.layout import block_layout, shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
-from cfp.profiling.gpus import get_gpu
+from cfp.hardware.gpus import get_gpu
 from cfp.profiling.options import ProfileOptions, ProfilerKind
 from cfp.profiling.subprogram import SegmentProgram
 from cfp.profiling.table import (ProfileEntry, ProfileTable, SegmentProfile, cache_key, cache_load,

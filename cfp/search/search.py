@@ -15,7 +15,7 @@ from cfp.analysis.layout import block_layout
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
-from cfp.profiling.gpus import GpuSpec, get_gpu
+from cfp.hardware.gpus import GpuSpec, get_gpu
 from cfp.profiling.profiler import compiled_cost, compiled_memory, time_compiled
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPPlan, _fmt_bytes, dp_search

@@ -1,0 +1,1 @@
+"""Hardware descriptions shared by every cost estimate: the device catalog and the collective model."""

@@ -1,0 +1,115 @@
+"""The device catalog: peak dense throughput per precision, memory, memory bandwidth and the default link.
+
+One catalog for every user (the profiling pass's `estimate` cost model, the heterogeneous-cluster planner, the
+sequence-scheme cost fits). Every figure is a dense (no sparsity) peak from the source named in the entry's
+`source`; where a datasheet quotes "with sparsity" figures only, the dense value is half of it. Link bandwidth is
+per direction between two devices of one machine.
+
+Sources:
+  [A100]    NVIDIA A100 Tensor Core GPU datasheet (2021): FP32 19.5, TF32 156, BF16/FP16 312 TF; HBM2 40 GB
+            1,555 GB/s (PCIe 40G), HBM2e 80 GB 1,935 GB/s (PCIe 80G) / 2,039 GB/s (SXM 80G); NVLink 600 GB/s total;
+            PCIe Gen4 x16 64 GB/s total.
+  [H100]    NVIDIA H100 Tensor Core GPU datasheet (2023): SXM FP32 67, TF32 989*, BF16 1,979*, FP8 3,958* TF;
+            HBM3 80 GB 3.35 TB/s; NVLink 900 GB/s total. PCIe FP32 51, TF32 756*, BF16 1,513*, FP8 3,026* TF;
+            HBM2e 80 GB 2 TB/s; PCIe Gen5 128 GB/s total. (* with sparsity: dense is half)
+  [H200]    NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: same compute as H100 SXM; HBM3e 141 GB 4.8 TB/s;
+            NVLink 900 GB/s total.
+  [GA102]   NVIDIA Ampere GA102 GPU architecture whitepaper (v2.1), RTX 3090 / 3080 Ti: FP32 35.6 / 34.1,
+            TF32 tensor 35.6 / 34.1, FP16 and BF16 tensor with FP32 accumulate 71 / 68.2 TF (dense); GDDR6X 24 GB
+            936 GB/s / 12 GB 912 GB/s; PCIe Gen4 x16.
+  [AD102]   NVIDIA Ada GPU architecture whitepaper (v2.02), RTX 4090: FP32 82.6, TF32 tensor 82.6, FP16/BF16
+            tensor with FP32 accumulate 165.2, FP8 with FP32 accumulate 330.3 TF (dense); GDDR6X 24 GB 1,008 GB/s;
+            PCIe Gen4 x16 (no NVLink).
+  [L4]      NVIDIA L4 Tensor Core GPU datasheet (2023): FP32 30.3, TF32 120*, BF16/FP16 242*, FP8 485* TF;
+            GDDR6 24 GB 300 GB/s; PCIe Gen4 x16. (* with sparsity)
+  [V100]    NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2 32 GB: FP32 15.7, FP16 tensor 125 TF (no TF32/BF16
+            tensor cores: those dtypes run at the FP32 rate); HBM2 900 GB/s; NVLink 300 GB/s total.
+  [cpu]     Measured on this project's 2-core machine with 8 simulated XLA:CPU devices: a 1024x1024 float32
+            matmul on all 8 devices at once runs at 252 GFLOP/s in total (31.5 per device); a numpy copy moves
+            14 GB/s (read + write). Devices share the cores, so per-device figures hold only when all are busy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Mapping
+
+from cfp.errors import ConfigError
+
+
+class Precision(str, enum.Enum):
+    """The arithmetic a dot runs in on the device (not its storage dtype)."""
+
+    FP32 = "fp32"     # CUDA cores
+    TF32 = "tf32"     # tensor cores, float32 storage
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """One device type. `tflops` maps each supported precision to its dense peak (TFLOP/s)."""
+
+    name: str
+    tflops: tuple[tuple[Precision, float], ...]
+    mem_gbps: float        # GB/s device memory bandwidth
+    mem_gb: float
+    link_gbps: float       # GB/s per direction between two devices of one machine
+    link: str
+    source: str
+
+    def __post_init__(self):
+        table = dict(self.tflops)
+        if Precision.FP32 not in table or any(v <= 0 for v in table.values()):
+            raise ConfigError(f"gpu {self.name!r}: needs a positive FP32 peak, got {table}")
+        for field in ("mem_gbps", "mem_gb", "link_gbps"):
+            if not getattr(self, field) > 0:
+                raise ConfigError(f"gpu {self.name!r}: {field}={getattr(self, field)!r} must be positive")
+
+    @property
+    def peaks(self) -> Mapping[Precision, float]:
+        return dict(self.tflops)
+
+    def peak(self, precision: Precision) -> float:
+        """Dense peak FLOP/s in `precision`; a precision the device lacks runs at its FP32 rate."""
+        table = self.peaks
+        return 1e12 * table.get(Precision(precision), table[Precision.FP32])
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s of a dot whose operands are `dtype`, at float32 run as FP32 (CUDA cores)."""
+        return self.peak(Precision.BF16 if dtype in ("bfloat16", "float16") else Precision.FP32)
+
+
+def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None) -> GpuSpec:
+    table = {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16 or bf16,
+             Precision.FP8: fp8}
+    return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source)
+
+
+GPUS: dict[str, GpuSpec] = {g.name: g for g in (
+    _gpu("A100-PCIe-40G", 19.5, 156.0, 312.0, None, 1555.0, 40.0, 32.0, "PCIe Gen4 x16", "A100"),
+    _gpu("A100-PCIe-80G", 19.5, 156.0, 312.0, None, 1935.0, 80.0, 32.0, "PCIe Gen4 x16", "A100"),
+    _gpu("A100-SXM-80G", 19.5, 156.0, 312.0, None, 2039.0, 80.0, 300.0, "NVLink 3", "A100"),
+    _gpu("H100-SXM", 67.0, 494.5, 989.0, 1979.0, 3350.0, 80.0, 450.0, "NVLink 4", "H100"),
+    _gpu("H100-PCIe", 51.0, 378.0, 756.5, 1513.0, 2000.0, 80.0, 64.0, "PCIe Gen5 x16", "H100"),
+    _gpu("H200", 67.0, 494.5, 989.0, 1979.0, 4800.0, 141.0, 450.0, "NVLink 4", "H200"),
+    _gpu("RTX3090", 35.6, 35.6, 71.0, None, 936.0, 24.0, 32.0, "PCIe Gen4 x16", "GA102"),
+    _gpu("RTX3080Ti", 34.1, 34.1, 68.2, None, 912.0, 12.0, 32.0, "PCIe Gen4 x16", "GA102"),
+    _gpu("RTX4090", 82.6, 82.6, 165.2, 330.3, 1008.0, 24.0, 32.0, "PCIe Gen4 x16", "AD102"),
+    _gpu("L4", 30.3, 60.0, 121.0, 242.5, 300.0, 24.0, 32.0, "PCIe Gen4 x16", "L4"),
+    _gpu("V100-SXM2-32G", 15.7, None, None, None, 900.0, 32.0, 150.0, "NVLink 2", "V100", fp16=125.0),
+    _gpu("cpu", 0.0315, None, None, None, 14.0 / 8, 24.0 / 8, 14.0 / 8, "shared host memory", "cpu"),
+)}
+
+
+def _norm(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """Look up a catalog device; spaces, dashes and case are ignored ("rtx 3090" == "RTX3090")."""
+    for g in GPUS.values():
+        if _norm(g.name) == _norm(str(name)):
+            return g
+    raise ConfigError(f"unknown gpu {name!r}; known: {', '.join(GPUS)}")

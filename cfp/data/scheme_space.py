@@ -33,7 +33,7 @@ MEMORY_HEADROOM = 0.9   # fraction of GPU memory a plan may use (allocator fragm
 
 def get_gpu(name: str):
     """The GPU catalog lookup (the one place that names its module)."""
-    from cfp.profiling.gpus import get_gpu as _get
+    from cfp.hardware.gpus import get_gpu as _get
     return _get(name)
 
 

@@ -6,6 +6,8 @@ The step's gradients are summed across pipelines in a fixed order on the home la
 loss is normalised by the step's real tokens (so packing does not change it), and the optimizer updates the
 home state, which every pipeline copies at the start of the next step. CP attention (ring) is used inside
 a pipeline with cp > 1; pipeline parallelism (pp > 1) is not executed here (cfp.runtime's engine runs pp).
+Micro-batches (and so pipelines) run one after another: on simulated CPU devices the pipelines share the
+host's cores anyway, and overlapping programs with collectives can hang XLA:CPU (see PipelineRunner.grads).
 """
 from __future__ import annotations
 
@@ -99,13 +101,18 @@ class PipelineRunner:
         return self._compiled[shape]
 
     def grads(self, params, micro_batches: Sequence[dict]):
-        """Σ over micro-batches of (weighted loss sum, gradients); arrays stay on the device (async)."""
+        """Σ over micro-batches of (weighted loss sum, gradients).
+
+        Each micro-batch finishes before the next is dispatched: XLA:CPU collectives of two in-flight
+        programs on the same devices can starve each other's rendezvous on a small thread pool (seen as a
+        hang with 3 of 8 participants arrived), so programs with collectives never overlap here."""
         loss, acc = None, None
         for mb in micro_batches:
             mb = {k: jax.device_put(mb[k], self.bshard) for k in BATCH_KEYS}
             l, g = self.compiled(params, mb["inputs"].shape)(params, mb)
             loss = l if loss is None else loss + l
             acc = g if acc is None else jax.tree_util.tree_map(jnp.add, acc, g)
+            jax.block_until_ready((loss, acc))
         return loss, acc
 
 
@@ -165,7 +172,7 @@ class VarlenTrainer:
         slots = int(sum(mb["weights"].size for mbs in per_pipeline for mb in mbs))
         t0 = time.perf_counter()
         outs = []
-        for r, mbs in zip(runners, per_pipeline):   # dispatch is asynchronous: pipelines run concurrently
+        for r, mbs in zip(runners, per_pipeline):   # one after another (see PipelineRunner.grads)
             if mbs:
                 outs.append(r.grads(reshard(self.params, r.pshard) if r is not home else self.params, mbs))
         if not outs:

@@ -15,6 +15,14 @@ def ensure_host_devices(n: int = 8) -> None:
         os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={n}").strip()
 
 
+def patient_collectives(seconds: int = 600) -> None:
+    """Let CPU collectives wait `seconds` for every device thread (XLA aborts the process after 40 s by
+    default, which an oversubscribed machine running 8 simulated devices can exceed); before JAX starts."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + f" --xla_cpu_collective_call_terminate_timeout_seconds={seconds}").strip()
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "enum-benchmark": "cfp.cli.search",
     "train": "cfp.cli.train",
     "launch": "cfp.cli.launch",
+    "data": "cfp.cli.data",
 }
 
 

@@ -36,21 +36,25 @@ def check_seq_len(tokens_or_x: Any, config: Any) -> int:
     return s
 
 
-def token_and_position(module: nn.Module, config: Any, tokens: Any) -> Any:
+def token_and_position(module: nn.Module, config: Any, tokens: Any, positions: Any = None) -> Any:
     """Token plus learned position embedding, created in `module`'s scope (params `token`, `position`);
-    call it from the compact `__call__` of a model's `Embed`."""
+    call it from the compact `__call__` of a model's `Embed`. `positions` int32[B,S] (packed sequences,
+    restarting at 0 per sequence) replaces the default 0..S-1."""
     dt = compute_dtype(config)
     s = check_seq_len(tokens, config)
     tok = nn.Embed(config.vocab_size, config.hidden_size, dtype=dt, param_dtype=PARAM_DTYPE,
                    embedding_init=INIT, name="token")(tokens)
     pos = module.param("position", INIT, (config.seq_len, config.hidden_size), PARAM_DTYPE)
+    if positions is not None:
+        return tok + jnp.take(pos, positions, axis=0).astype(dt)
     return tok + pos[:s].astype(dt)
 
 
-def dot_product_attention(q, k, v, causal: bool):
+def dot_product_attention(q, k, v, causal: bool, segment_ids=None):
     """q [B,S,H,D], k/v [B,T,Hkv,D] with H % Hkv == 0 (grouped-query when Hkv < H).
 
-    Returns [B,S,H,D] in q's dtype.
+    `segment_ids` int32[B,S] (packed sequences, S == T): a query attends only to keys of its own segment,
+    so attention never crosses sequences. Returns [B,S,H,D] in q's dtype.
     """
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -60,6 +64,9 @@ def dot_product_attention(q, k, v, causal: bool):
     if causal:
         mask = jnp.tril(jnp.ones((s, k.shape[1]), dtype=bool))
         scores = jnp.where(mask, scores, MASK_VALUE)
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,S,T]
+        scores = jnp.where(same[:, None, None], scores, MASK_VALUE)
     probs = nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
@@ -68,7 +75,10 @@ def dot_product_attention(q, k, v, causal: bool):
 class Attention(nn.Module):
     """Multi-head (or grouped-query) self-attention with separate q/k/v projections.
 
-    ``rope`` is an optional function applied to q and k ([B,S,H,D] -> same).
+    ``rope`` is an optional function applied to q and k (``rope(x, positions)``, [B,S,H,D] -> same).
+    ``segment_ids``/``positions`` [B,S] describe packed sequences (None: one sequence per row). Under
+    ``cfp.models.attention.context_parallel`` the sequence dim is sharded and keys/values are gathered or
+    ring-passed over the context-parallel mesh axis.
     """
     num_heads: int
     num_kv_heads: int
@@ -79,14 +89,15 @@ class Attention(nn.Module):
     rope: Optional[Callable] = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None, positions=None):
+        from cfp.models.attention import attend  # late: attention.py imports this module
         hidden = x.shape[-1]
         q = dense((self.num_heads, self.head_dim), self.dtype, self.use_bias, name="query")(x)
         k = dense((self.num_kv_heads, self.head_dim), self.dtype, self.use_bias, name="key")(x)
         v = dense((self.num_kv_heads, self.head_dim), self.dtype, self.use_bias, name="value")(x)
         if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
-        out = dot_product_attention(q, k, v, self.causal)
+            q, k = self.rope(q, positions=positions), self.rope(k, positions=positions)
+        out = attend(q, k, v, self.causal, segment_ids, positions)
         return dense(hidden, self.dtype, self.use_bias, axis=(-2, -1), name="out")(out)
 
 
@@ -109,15 +120,25 @@ def zero_aux():
     return jnp.zeros((), jnp.float32)
 
 
-def compose(parent_config, embed_cls, layer_cls, head_cls, tokens):
+def packing_kwargs(segment_ids=None, positions=None) -> dict:
+    """Keyword arguments describing packed sequences; empty when the batch is one sequence per row, so
+    models without packing support (BERT) keep their plain call."""
+    if (segment_ids is None) != (positions is None):
+        raise ConfigError("packed sequences need both segment_ids and positions (or neither)")
+    return {} if segment_ids is None else {"segment_ids": segment_ids, "positions": positions}
+
+
+def compose(parent_config, embed_cls, layer_cls, head_cls, tokens, segment_ids=None, positions=None):
     """Body of every ``Model.__call__``: embed -> layers_0..L-1 -> head.
 
     Must be called inside a compact method so submodules get the fixed names
-    ``embed``, ``layers_{i}``, ``head`` the pipeline runtime relies on.
+    ``embed``, ``layers_{i}``, ``head`` the pipeline runtime relies on. ``segment_ids``/``positions``
+    int32[B,S] run packed sequences (causal models only).
     """
-    x = embed_cls(parent_config, name="embed")(tokens)
+    kw = packing_kwargs(segment_ids, positions)
+    x = embed_cls(parent_config, name="embed")(tokens, **({"positions": positions} if kw else {}))
     aux = zero_aux()
     for i in range(parent_config.num_layers):
-        x, a = layer_cls(parent_config, i, name=f"layers_{i}")(x)
+        x, a = layer_cls(parent_config, i, name=f"layers_{i}")(x, **kw)
         aux = aux + a
     return head_cls(parent_config, name="head")(x), aux

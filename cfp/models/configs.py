@@ -255,6 +255,8 @@ CONFIGS: dict[str, dict[str, Config]] = {
         "small": LlamaConfig(128, 256, 4, 8, 2048, ffn_size=688, num_kv_heads=4),
         "7B": LlamaConfig(4096, 4096, 32, 32, 32000, ffn_size=11008),
         "13B": LlamaConfig(4096, 5120, 40, 40, 32000, ffn_size=13824),
+        # Hydraulis' largest model; LLaMA-33B widths (hidden 6656, 60 layers, 52 heads, FFN 17920).
+        "32B": LlamaConfig(4096, 6656, 60, 52, 32000, ffn_size=17920),
     },
     "moe": {
         "tiny": _moe(64, 64, 2, 4, 512, 4, 64),

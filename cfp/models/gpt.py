@@ -18,8 +18,8 @@ class Embed(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens):
-        return token_and_position(self, self.config, tokens)
+    def __call__(self, tokens, positions=None):
+        return token_and_position(self, self.config, tokens, positions)
 
 
 class Layer(nn.Module):
@@ -32,13 +32,13 @@ class Layer(nn.Module):
         return MLP(self.config.ffn_size, compute_dtype(self.config), name="mlp")(x), zero_aux()
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None, positions=None):
         cfg = self.config
         dt = compute_dtype(cfg)
         x = x.astype(dt)
         h = layer_norm(dt, name="ln_attn")(x)
         x = x + Attention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=True, dtype=dt,
-                          name="attn")(h)
+                          name="attn")(h, segment_ids, positions)
         h = layer_norm(dt, name="ln_mlp")(x)
         y, aux = self.ffn(h)
         return x + y, aux
@@ -61,5 +61,5 @@ class Model(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens):
-        return compose(self.config, Embed, Layer, Head, tokens)
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        return compose(self.config, Embed, Layer, Head, tokens, segment_ids, positions)

@@ -15,15 +15,17 @@ from cfp.models.configs import LlamaConfig
 def apply_rope(x, theta: float = 10000.0, positions: Optional[jnp.ndarray] = None):
     """Rotary embedding on x [B,S,H,D] (rotate-half layout, as in HF Llama).
 
+    ``positions`` is [S] or [B,S] (packed sequences restart at 0); default 0..S-1.
     Angles are computed in float32 (bf16 positions would collide for long sequences).
     """
     s, d = x.shape[1], x.shape[-1]
     if positions is None:
         positions = jnp.arange(s, dtype=jnp.float32)
     inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [D/2]
-    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
-    cos = jnp.cos(ang)[None, :, None, :]
-    sin = jnp.sin(ang)[None, :, None, :]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [S, D/2] or [B, S, D/2]
+    ang = ang[None] if ang.ndim == 2 else ang
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -40,7 +42,7 @@ class Embed(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, positions=None):  # positions unused: RoPE takes them in the layers
         cfg = self.config
         check_seq_len(tokens, cfg)
         return nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype(cfg),
@@ -64,14 +66,15 @@ class Layer(nn.Module):
     layer_idx: int = 0
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None, positions=None):
         cfg = self.config
         dt = compute_dtype(cfg)
         x = x.astype(dt)
         check_seq_len(x, cfg)
         rope = functools.partial(apply_rope, theta=cfg.rope_theta)
         x = x + Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, causal=True, dtype=dt,
-                          use_bias=False, rope=rope, name="attn")(rms_norm(cfg, "attn_norm")(x))
+                          use_bias=False, rope=rope, name="attn")(rms_norm(cfg, "attn_norm")(x),
+                                                                   segment_ids, positions)
         x = x + SwiGLU(cfg.ffn_size, dt, name="mlp")(rms_norm(cfg, "mlp_norm")(x))
         return x, zero_aux()
 
@@ -93,5 +96,5 @@ class Model(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens):
-        return compose(self.config, Embed, Layer, Head, tokens)
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        return compose(self.config, Embed, Layer, Head, tokens, segment_ids, positions)

@@ -99,5 +99,5 @@ class Model(nn.Module):
     config: MoEConfig
 
     @nn.compact
-    def __call__(self, tokens):
-        return compose(self.config, Embed, Layer, Head, tokens)
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        return compose(self.config, Embed, Layer, Head, tokens, segment_ids, positions)

@@ -1,0 +1,236 @@
+"""`cfp data`: variable-length data (Hydraulis): analyze lengths, build the scheme space, propose strategies,
+train with a batching method, and time the planner at scale.
+
+    cfp data analyze --input stdlib --max-seq-len 2048
+    cfp data schemes --model llama2 --config 32B --gpu A100-SXM-80G --out parallel_scheme_space.json
+    cfp data propose --schemes parallel_scheme_space.json --input stdlib --gpus 64 --tokens-per-step 262144
+    cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 5
+    cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 --max-seq-len 32768
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from cfp.cli.common import MODELS, ensure_host_devices, patient_collectives, positive_int
+
+
+def _input_options(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--input", required=required, default=None if required else "stdlib",
+                   help='"stdlib" (the Python standard library sources), a .jsonl file or a folder of text files')
+    p.add_argument("--key", default="text", help="JSONL field holding the text (default: text)")
+    p.add_argument("--unit", choices=("document", "definition"), default=None,
+                   help="sequence unit (default: definition for stdlib, document otherwise)")
+    p.add_argument("--split", action="store_true", help="cut over-long units into pieces instead of truncating")
+
+
+def _load(args, max_seq_len):
+    from cfp.data.sources import Unit, load_sequences
+    unit = Unit.parse(args.unit) if args.unit else None
+    return load_sequences(args.input, args.key, max_seq_len, unit=unit, split=args.split)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("data", help="variable-length data: analyze, schemes, propose, train, bench-planner",
+                              description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION", parser_class=type(p))
+
+    a = sub.add_parser("analyze", help="length histogram, percentiles and padding waste (PNG + JSON)")
+    _input_options(a)
+    a.add_argument("--max-seq-len", type=positive_int, default=None)
+    a.add_argument("--batch-size", type=positive_int, default=8, help="naive batch size for the waste figure")
+    a.add_argument("--out", default="data_analysis", help="output folder (lengths.json, lengths.png)")
+    a.set_defaults(func=run_analyze)
+
+    s = sub.add_parser("schemes", help="per <CP,TP,PP>: fitted time a·s²+b·s+c and longest sequence")
+    s.add_argument("--model", required=True, choices=MODELS)
+    s.add_argument("--config", default="tiny")
+    s.add_argument("--gpu", default=None, help="estimate with the cost model for this GPU (else measure here)")
+    s.add_argument("--max-devices", type=positive_int, default=64, help="largest scheme (cost model)")
+    s.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation assumed by the cost model")
+    s.add_argument("--max-seq-len", type=positive_int, default=2048, help="measure: longest sequence considered")
+    s.add_argument("--memory-mb", type=float, default=48.0, help="measure: memory budget per device (MiB)")
+    s.add_argument("--out", default="parallel_scheme_space.json")
+    s.set_defaults(func=run_schemes)
+
+    q = sub.add_parser("propose", help="heterogeneous strategies for a length distribution (DP)")
+    q.add_argument("--schemes", required=True, help="scheme-space JSON from `cfp data schemes`")
+    _input_options(q)
+    q.add_argument("--gpus", type=positive_int, required=True)
+    q.add_argument("--tokens-per-step", type=positive_int, required=True)
+    q.add_argument("--max-seq-len", type=positive_int, default=None, help="default: the schemes' longest")
+    q.add_argument("--out", default="strategies.json")
+    q.set_defaults(func=run_propose)
+
+    t = sub.add_parser("train", help="train with a batching method on this machine's devices")
+    t.add_argument("--model", required=True, choices=("llama2", "gpt", "moe"))
+    t.add_argument("--config", default="tiny")
+    _input_options(t)
+    t.add_argument("--batching-method", type=int, choices=(0, 1, 3, 4), default=4)
+    t.add_argument("--steps", type=positive_int, default=5)
+    t.add_argument("--tokens-per-step", type=positive_int, default=16384)
+    t.add_argument("--max-seq-len", type=positive_int, default=2048)
+    t.add_argument("--strategies", default=None, help="strategy JSON from `cfp data propose` (methods 3, 4)")
+    t.add_argument("--schemes", default="parallel_scheme_space.json",
+                   help="scheme-space JSON; measured here and written to this path if it is missing or "
+                        "was made for another model/config (default: parallel_scheme_space.json)")
+    t.add_argument("--memory-mb", type=float, default=48.0, help="memory budget per device when measuring")
+    t.add_argument("--ilp-max-sequences", type=int, default=0,
+                   help="steps with at most this many sequences also try the dispatch ILP (HiGHS, 0.5 s limit)")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=run_train)
+
+    b = sub.add_parser("bench-planner", help="time the proposal DP and the per-step assignment at scale")
+    b.add_argument("--gpus", type=positive_int, default=1024)
+    b.add_argument("--model", choices=MODELS, default="llama2")
+    b.add_argument("--config", default="32B")
+    b.add_argument("--gpu", default="A100-SXM-80G")
+    b.add_argument("--tokens-per-step", type=positive_int, default=1_600_000)
+    b.add_argument("--max-seq-len", type=positive_int, default=32768)
+    b.add_argument("--steps", type=positive_int, default=5)
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=run_bench_planner)
+    return p
+
+
+def run_analyze(args) -> int:
+    from cfp.data.lengths import analyze_lengths, save_report
+    seqs = _load(args, args.max_seq_len)
+    rep = analyze_lengths(seqs.lengths, args.input, args.batch_size)
+    jpath, ppath = save_report(rep, args.out)
+    pc = "  ".join(f"p{k} {v:.0f}" for k, v in rep.percentiles.items())
+    print(f"{rep.num_sequences} sequences, {rep.total_tokens} tokens (measured on {args.input})")
+    print(f"length percentiles: {pc}")
+    print(f"padding waste: pad to longest {100 * rep.padding_waste_pad_to_max:.1f}%, batches of "
+          f"{args.batch_size} padded to their longest {100 * rep.padding_waste_batch_max:.1f}%")
+    print(f"wrote {jpath} and {ppath}")
+    return 0
+
+
+def run_schemes(args) -> int:
+    from cfp.data import scheme_space
+    from cfp.models import get_config
+    if args.gpu:
+        cfg = get_config(args.model, args.config)
+        space = scheme_space.estimate_space(args.model, args.config, cfg, args.gpu, args.max_devices, args.mfu)
+    else:
+        ensure_host_devices(8)
+        patient_collectives()
+        from cfp.models import init_params
+        cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
+        space = scheme_space.measure_space(args.model, args.config, cfg, init_params(args.model, cfg, 0),
+                                           args.memory_mb, log=print)
+    space.save(args.out)
+    print(f"{len(space.schemes)} schemes ({space.source}); wrote {args.out}")
+    for s in space.schemes:
+        print(f"  {s.name}: {s.a:.3g}·s² + {s.b:.3g}·s + {s.c:.3g} s per micro-batch, max_len {s.max_len}")
+    return 0
+
+
+def run_propose(args) -> int:
+    from cfp.data.propose import propose
+    from cfp.data.schemes import SchemeSpace
+    space = SchemeSpace.load(args.schemes)
+    seqs = _load(args, args.max_seq_len or space.longest)
+    t0 = time.perf_counter()
+    st = propose(space, seqs.lengths, args.gpus, args.tokens_per_step)
+    dt = time.perf_counter() - t0
+    st.save(args.out)
+    print(f"strategy on {st.devices} of {args.gpus} GPUs: {st.describe()}")
+    print(f"estimated step time: {st.estimated_step_s:.4g} s ({space.source})")
+    print(f"proposal time: {dt:.2f} s (measured); wrote {args.out}")
+    return 0
+
+
+def run_train(args) -> int:
+    ensure_host_devices(8)
+    patient_collectives()
+    import jax
+    import optax
+
+    from cfp.data import train
+    from cfp.data.batching import get_method
+    from cfp.data.propose import Strategy
+    from cfp.models import get_config, init_params
+    from cfp.runtime.varlen import VarlenTrainer
+
+    method = get_method(args.batching_method)
+    cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
+    seqs = _load(args, args.max_seq_len)
+    params = init_params(args.model, cfg, args.seed)
+    if args.strategies and method.heterogeneous:
+        strategy = Strategy.load(args.strategies)
+    else:
+        space = _measured_space(args, cfg, params)
+        propose_fn = train.propose if method.heterogeneous else train.uniform_strategy
+        strategy = propose_fn(space, seqs.lengths, jax.device_count(), args.tokens_per_step)
+    print(f"method {method.number} ({method.name}); strategy: {strategy.describe()}")
+    opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step, args.lr, args.seed,
+                                  args.ilp_max_sequences)
+    trainer = VarlenTrainer(args.model, cfg, params, optax.adamw(args.lr))
+    res = train.run(opts, seqs, trainer, strategy)
+    print(f"non-pad tokens/s: {res.tokens_per_s:.0f}  (measured over {args.steps} steps, "
+          f"{res.seconds:.2f} s; compilation {res.compile_s:.1f} s excluded)")
+    print(f"padding: {100 * res.padding:.1f}%")
+    return 0
+
+
+def _measured_space(args, cfg, params):
+    import os
+
+    from cfp.data.scheme_space import measure_space
+    from cfp.data.schemes import SchemeSpace
+    if os.path.exists(args.schemes):
+        space = SchemeSpace.load(args.schemes)
+        if (space.model, space.config) == (args.model, args.config) and space.source.startswith("measured") \
+                and space.longest <= args.max_seq_len:
+            print(f"scheme space from {args.schemes} ({space.source})")
+            return space
+    print(f"measuring the scheme space on this machine (written to {args.schemes} for reuse) ...")
+    space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print)
+    space.save(args.schemes)
+    return space
+
+
+def run_bench_planner(args) -> int:
+    import numpy as np
+
+    from cfp.data.batching import METHODS, assign_step
+    from cfp.data.propose import propose
+    from cfp.data.scheme_space import estimate_space
+    from cfp.models import get_config
+
+    cfg = get_config(args.model, args.config)
+    space = estimate_space(args.model, args.config, cfg, args.gpu, max_devices=min(64, args.gpus))
+    rng = np.random.default_rng(args.seed)
+    # synthetic long tail: log-normal lengths (median ~1.1K, mean ~3K tokens), cut at max_seq_len
+    lengths = np.clip(rng.lognormal(7.0, 1.4, 200_000).astype(np.int64), 16, args.max_seq_len)
+    t0 = time.perf_counter()
+    st = propose(space, lengths, args.gpus, args.tokens_per_step)
+    t_prop = time.perf_counter() - t0
+    pipes = st.pipelines()
+    times, counts = [], []
+    for step in range(args.steps):
+        ids = rng.permutation(lengths.size)
+        n = int(np.searchsorted(np.cumsum(lengths[ids]), args.tokens_per_step)) + 1
+        step_lens = lengths[ids[:n]]
+        t0 = time.perf_counter()
+        assign_step(METHODS[4], pipes, step_lens)
+        times.append(time.perf_counter() - t0)
+        counts.append(n)
+    print(f"strategy on {st.devices} GPUs: {st.describe()}")
+    print(f"estimated step time: {st.estimated_step_s:.3f} s ({space.source})")
+    print(f"proposal time: {t_prop:.2f} s (measured)")
+    print(f"per-step assignment time: {1e3 * float(np.median(times)):.1f} ms (measured, median of {args.steps} "
+          f"steps of ~{int(np.mean(counts))} sequences; dispatch + fine-grained packing)")
+    big = []
+    for _ in range(args.steps):   # the goal's size: 10^4 sequences in one step, same strategy
+        step_lens = lengths[rng.permutation(lengths.size)[:10_000]]
+        t0 = time.perf_counter()
+        assign_step(METHODS[4], pipes, step_lens)
+        big.append(time.perf_counter() - t0)
+    print(f"per-step assignment time: {1e3 * float(np.median(big)):.1f} ms for 10000 sequences (measured, median "
+          f"of {args.steps}; goal < 100 ms)")
+    return 0

@@ -1,0 +1,109 @@
+"""Stage one of the per-step assignment: dispatch a step's sequences to the pipelines of a strategy.
+
+A pipeline's estimated time is Σ seq_cost + (pp-1)·seq_cost(longest) (Hydraulis' estimate; packing refines
+it). The greedy takes sequences longest first and gives each to the pipeline whose time grows least to the
+smallest value (LPT on unrelated machines), among pipelines whose scheme fits the sequence; identical
+pipelines of a scheme share one heap so a step costs O(n·K·log P). The HiGHS ILP minimising the slowest
+pipeline is the exact reference and is used for small steps where it finishes within its time limit.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import numpy as np
+
+from cfp.data.milp import Milp
+from cfp.data.schemes import Scheme
+from cfp.errors import InfeasibleError
+
+
+def pipeline_estimate(scheme: Scheme, lengths: np.ndarray) -> float:
+    if lengths.size == 0:
+        return 0.0
+    cost = scheme.seq_cost(lengths)
+    return float(cost.sum() + (scheme.pp - 1) * cost.max())
+
+
+def makespan(pipelines: Sequence[Scheme], lengths, assign) -> float:
+    lengths = np.asarray(lengths, np.int64)
+    assign = np.asarray(assign)
+    return max(pipeline_estimate(s, lengths[assign == p]) for p, s in enumerate(pipelines))
+
+
+def _check_fit(pipelines: Sequence[Scheme], lengths: np.ndarray) -> None:
+    longest = max(s.max_len for s in pipelines)
+    if lengths.size and lengths.max() > longest:
+        raise InfeasibleError(f"a sequence of {int(lengths.max())} tokens fits no pipeline (longest "
+                              f"capacity {longest}); propose strategies for this max length")
+
+
+def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
+    """Pipeline index per sequence."""
+    lengths = np.asarray(lengths, np.int64)
+    _check_fit(pipelines, lengths)
+    kinds = sorted(set(pipelines), key=lambda s: s.max_len)
+    members = {k: [p for p, s in enumerate(pipelines) if s == k] for k in kinds}
+    heaps = [[(0.0, p) for p in members[k]] for k in kinds]
+    # plain Python numbers: indexing numpy arrays element by element is several times slower
+    costs = [k.seq_cost(lengths).tolist() for k in kinds]
+    caps = [k.max_len for k in kinds]
+    bubble = [k.pp - 1 for k in kinds]
+    started = [False] * len(pipelines)
+    assign = [0] * lengths.size
+    lens = lengths.tolist()
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        s = lens[i]
+        best, best_k = np.inf, -1
+        for k in range(len(kinds)):
+            if caps[k] < s:
+                continue
+            load, p = heaps[k][0]
+            ck = costs[k][i]
+            t = load + ck if started[p] else load + ck * (1 + bubble[k])
+            if t < best:
+                best, best_k = t, k
+        p = heapq.heapreplace(heaps[best_k], (best, heaps[best_k][0][1]))[1]
+        started[p] = True
+        assign[i] = p
+    return np.asarray(assign, np.int64)
+
+
+def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0
+                 ) -> tuple[np.ndarray | None, bool]:
+    """HiGHS: minimise the slowest pipeline's estimate. (assignment or None if none in time, optimal)."""
+    lengths = np.asarray(lengths, np.int64)
+    _check_fit(pipelines, lengths)
+    n, q = lengths.size, len(pipelines)
+    cost = np.stack([s.seq_cost(lengths) for s in pipelines], 1)      # [n, q]
+    unit = max(float(cost.max()), 1e-30)
+    cost = cost / unit
+    p = Milp.new(n * q, q + 1)
+    y0, z = n * q, n * q + q               # y_p: slowest sequence of p; z: slowest pipeline
+    p.cost[z] = 1.0
+    for i in range(n):
+        ok = [j for j in range(q) if pipelines[j].max_len >= lengths[i]]
+        p.add_row([i * q + j for j in ok], [1.0] * len(ok), 1.0, 1.0)
+        for j in set(range(q)) - set(ok):
+            p.upper[i * q + j] = 0.0
+    for j, s in enumerate(pipelines):
+        cols = [i * q + j for i in range(n)]
+        for i in range(n):
+            p.add_row([cols[i], y0 + j], [cost[i, j], -1.0], -np.inf, 0.0)
+        p.add_row(cols + [y0 + j, z], cost[:, j].tolist() + [float(s.pp - 1), -1.0], -np.inf, 0.0)
+    sol, optimal = p.solve(time_limit)
+    if sol is None:
+        return None, False
+    return np.argmax(sol[:n * q].reshape(n, q), axis=1), optimal
+
+
+def dispatch(pipelines: Sequence[Scheme], lengths, ilp_max_sequences: int = 0,
+             time_limit: float = 0.5) -> np.ndarray:
+    """Greedy, improved by the ILP (seeded by nothing, limited in time) when the step has at most
+    `ilp_max_sequences` sequences; the better of the two is returned."""
+    assign = dispatch_greedy(pipelines, lengths)
+    if 0 < len(lengths) <= ilp_max_sequences:
+        exact, _ = dispatch_ilp(pipelines, lengths, time_limit)
+        if exact is not None and makespan(pipelines, lengths, exact) < makespan(pipelines, lengths, assign):
+            return exact
+    return assign

@@ -1,0 +1,157 @@
+"""Stage two of the per-step assignment: pack one pipeline's sequences into micro-batches.
+
+Fixed-length packing fills micro-batches of at most `max_len` tokens first-fit in data order. Fine-grained
+packing balances micro-batch costs (longest-processing-time greedy under the token limit) and searches the
+micro-batch count m from ⌈tokens/max_len⌉ upward, keeping the m that minimises the pipeline time
+Σ_mb cost + (pp-1)·max_mb cost (the pipeline bubble is paid at the slowest micro-batch). The HiGHS ILP
+minimising the slowest micro-batch for a given m (varlen-attention schemes) is the exact reference.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import numpy as np
+
+from cfp.data.milp import Milp
+from cfp.data.schemes import Scheme
+from cfp.errors import ConfigError, InfeasibleError
+
+MicroBatches = list[list[int]]   # per micro-batch, indices into the pipeline's length list
+
+
+def _check(lengths: np.ndarray, max_len: int) -> None:
+    if lengths.size and lengths.max() > max_len:
+        raise InfeasibleError(f"a sequence of {int(lengths.max())} tokens exceeds the micro-batch limit "
+                              f"of {max_len} tokens")
+
+
+def pack_fixed(lengths: Sequence[int], max_len: int) -> MicroBatches:
+    """First-fit in data order into micro-batches of at most `max_len` tokens."""
+    lengths = np.asarray(lengths, np.int64)
+    _check(lengths, max_len)
+    bins: MicroBatches = []
+    room: list[int] = []
+    for i, s in enumerate(lengths.tolist()):
+        for j, r in enumerate(room):
+            if s <= r:
+                bins[j].append(i)
+                room[j] -= s
+                break
+        else:
+            bins.append([i])
+            room.append(max_len - s)
+    return bins
+
+
+def pipeline_time(scheme: Scheme, lengths: np.ndarray, mbs: MicroBatches) -> float:
+    """Σ micro-batch cost + (pp-1)·slowest micro-batch (one stage's view of a pipelined step)."""
+    if not mbs:
+        return 0.0
+    costs = [scheme.mb_cost(lengths[mb]) for mb in mbs]
+    return float(sum(costs) + (scheme.pp - 1) * max(costs))
+
+
+def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len: int
+         ) -> tuple[MicroBatches, float] | None:
+    """Each sequence (longest first) into the cheapest micro-batch with room; with the pipeline time.
+    None if a sequence does not fit."""
+    heap = [(scheme.c, j) for j in range(m)]    # (cost so far, micro-batch)
+    tokens = [0] * m
+    sq = [0.0] * m
+    bins: MicroBatches = [[] for _ in range(m)]
+    a, b, c, dense = scheme.a, scheme.b, scheme.c, scheme.dense_rows
+    lens = lengths.tolist()
+    for i in order.tolist():
+        s = lens[i]
+        aside = []
+        while heap and tokens[heap[0][1]] + s > max_len:
+            aside.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        _, j = heapq.heappop(heap)
+        for item in aside:
+            heapq.heappush(heap, item)
+        tokens[j] += s
+        sq[j] += s * s
+        bins[j].append(i)
+        t = tokens[j]
+        heapq.heappush(heap, (a * (t * t if dense else sq[j]) + b * t + c, j))
+    costs = [cost for cost, j in heap if bins[j]]
+    return [mb for mb in bins if mb], sum(costs) + (scheme.pp - 1) * max(costs)
+
+
+def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = None,
+                  extra: int = 20) -> MicroBatches:
+    """Fine-grained packing: search m in [⌈tokens/max_len⌉, +extra] (offsets 0,1,2,4,8,16,extra, then
+    halving the gaps around the best count; counts whose lower bound cannot win are skipped) and keep the
+    greedy packing with the least pipeline time."""
+    lengths = np.asarray(lengths, np.int64)
+    max_len = scheme.max_len if max_len is None else max_len
+    _check(lengths, max_len)
+    if lengths.size == 0:
+        return []
+    order = np.argsort(-lengths, kind="stable")
+    total = float(lengths.sum())
+    sq = float((lengths.astype(np.float64) ** 2).sum())
+    m0 = -(-int(total) // max_len)
+    top = min(m0 + extra, lengths.size)
+    tried: dict[int, tuple] = {}
+
+    def attempt(m: int):
+        if m in tried or not m0 <= m <= top:
+            return
+        # lower bound of the pipeline time at m (Σ over micro-batches is convex in their tokens)
+        work = scheme.a * (total * total / m if scheme.dense_rows else sq) + scheme.b * total + m * scheme.c
+        bound = work + (scheme.pp - 1) * work / m
+        if tried and bound >= min(t for t, _ in tried.values()):
+            tried[m] = (np.inf, None)
+            return
+        found = _lpt(lengths, order, scheme, m, max_len)
+        tried[m] = (np.inf, None) if found is None else (found[1], found[0])
+
+    # coarse offsets, then halve the gaps on both sides of the best count found so far
+    for m in sorted({m0 + d for d in (0, 1, 2, 4, 8, 16, extra)}):
+        attempt(m)
+    while True:
+        cur = min(tried, key=lambda m: tried[m][0])
+        lo = max((m for m in tried if m < cur), default=cur)
+        hi = min((m for m in tried if m > cur), default=cur)
+        todo = [m for m in ((lo + cur) // 2, (cur + hi) // 2) if m not in tried and m0 <= m <= top]
+        if not todo:
+            break
+        for m in todo:
+            attempt(m)
+    best_t, best = min(tried.values(), key=lambda v: v[0])
+    if best is None:  # first-fit always succeeds when every sequence fits
+        best = pack_fixed(lengths, max_len)
+    return best
+
+
+def pack_ilp(lengths: Sequence[int], scheme: Scheme, m: int, max_len: int | None = None,
+             time_limit: float = 0.5) -> tuple[MicroBatches | None, bool]:
+    """HiGHS: m micro-batches minimising the slowest one (a·Σs²+b·Σs+c, varlen schemes) under the token
+    limit. Returns (micro-batches or None if none found in time, proved optimal)."""
+    if scheme.dense_rows:
+        raise ConfigError("the packing ILP is linear in Σs²; dense-row schemes are packed greedily")
+    lengths = np.asarray(lengths, np.int64)
+    max_len = scheme.max_len if max_len is None else max_len
+    _check(lengths, max_len)
+    n = lengths.size
+    cost = scheme.seq_cost(lengths)
+    unit = max(float(cost.max()), 1e-30)  # costs in units of the dearest sequence: O(1) for HiGHS
+    p = Milp.new(n * m, 1)
+    z = n * m                             # the slowest micro-batch, in `unit`s
+    p.cost[z] = 1.0
+    for i in range(n):
+        p.add_row([i * m + j for j in range(m)], [1.0] * m, 1.0, 1.0)
+    for j in range(m):
+        cols = [i * m + j for i in range(n)]
+        p.add_row(cols, lengths.astype(float).tolist(), -np.inf, float(max_len))
+        p.add_row(cols + [z], (cost / unit).tolist() + [-1.0], -np.inf, -scheme.c / unit)
+    sol, optimal = p.solve(time_limit)
+    if sol is None:
+        return None, False
+    x = sol[:z].reshape(n, m)
+    mbs = [list(np.flatnonzero(x[:, j] > 0.5)) for j in range(m)]
+    return [mb for mb in mbs if mb], optimal

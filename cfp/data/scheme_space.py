@@ -1,0 +1,131 @@
+"""Building a scheme space: measured on this machine's devices, or estimated for a GPU type.
+
+Measured: for each <CP,TP,1> that the devices and the model's heads allow, one micro-batch of a single
+sequence of length s is compiled and timed (median of `repeats` runs, forward+backward) for several s; time
+and per-device memory (XLA's memory analysis: arguments + outputs + temporaries) get least-squares fits
+a·s²+b·s+c, and max_len is the largest bucket length (a power of two) whose fitted memory is within the
+budget.
+
+Estimated (GPU cost model, bf16, flash-style varlen attention): per stage and micro-batch of s tokens
+    flops  = 6·P_layer·s·L/pp + 6·h·s²·L/pp  (causal attention: half of 12·h·s² per layer)  [+ LM head on the
+             last stage, 6·V·h·s/pp spread]
+    time   = flops / (cp·tp · peak_bf16 · MFU) + TP all-reduces 4·2(tp-1)/tp·s·h·2 B·L/pp / link
+             + CP ring 2·2·(cp-1)/cp·s·kv·2 B·L/pp / link  (not overlapped: pessimistic)
+    memory = 16 B·params/(tp·pp) + 34·h·s·L/(tp·cp) B  (1F1B keeps ~pp micro-batches on stage 0, each
+             L/pp layers; Korthikanti et al. 2022 activations without the s² term thanks to flash attention)
+The MFU factor (default 0.5) and these formulas are estimates; figures from them are labelled estimated.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+
+from cfp.data.schemes import Scheme, SchemeSpace, fit_quadratic
+from cfp.errors import ConfigError
+
+DEFAULT_MFU = 0.5
+MEMORY_HEADROOM = 0.9   # fraction of GPU memory a plan may use (allocator fragmentation, buffers)
+
+
+def get_gpu(name: str):
+    """The GPU catalog lookup (the one place that names its module)."""
+    from cfp.hardware.gpus import get_gpu as _get
+    return _get(name)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layer_params(cfg) -> float:
+    h, kv = cfg.hidden_size, getattr(cfg, "num_kv_heads", cfg.num_heads) * cfg.head_dim
+    mlp = (3 if hasattr(cfg, "rope_theta") else 2) * h * cfg.ffn_size
+    return 2 * h * h + 2 * h * kv + mlp
+
+
+def estimate_space(model: str, config_name: str, cfg, gpu_name: str, max_devices: int = 64,
+                   mfu: float = DEFAULT_MFU, lengths: Sequence[int] = (1024, 4096, 16384, 65536)) -> SchemeSpace:
+    gpu = get_gpu(gpu_name)
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"mfu={mfu!r} must be in (0, 1]")
+    h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * cfg.head_dim
+    link = gpu.link_gbps * 1e9
+    peak = gpu.peak_flops("bfloat16") * mfu
+    p_total = _layer_params(cfg) * L + 2 * V * h
+    pw2 = [1 << i for i in range(int(math.log2(max_devices)) + 1)]
+    out = []
+    for cp, tp, pp in itertools.product(pw2, pw2, pw2):
+        if cp * tp * pp > max_devices or cfg.num_heads % tp or L % pp or tp > 8:
+            continue
+        lpp = L / pp
+        s = np.asarray(lengths, np.float64)
+        flops = 6 * _layer_params(cfg) * s * lpp + 6 * h * s * s * lpp + 6 * V * h * s / pp
+        t = flops / (cp * tp * peak)
+        t += (4 * 2 * (tp - 1) / tp * s * h * 2 * lpp + 4 * (cp - 1) / cp * s * kv * 2 * lpp) / link
+        a, b, c = fit_quadratic(s, t + 20e-6 * lpp)   # ~20 µs of launches per layer and micro-batch
+        states = 16 * p_total / (tp * pp)
+        per_token = 34 * h * L / (tp * cp)
+        room = gpu.mem_gb * 1e9 * MEMORY_HEADROOM - states
+        if room <= per_token * 128:
+            continue
+        max_len = int(room // per_token) // 128 * 128
+        out.append(Scheme(cp, tp, pp, a, b, c, max_len))
+    if not out:
+        raise ConfigError(f"no <CP,TP,PP> scheme of {model} {config_name} fits {gpu.name} memory within "
+                          f"{max_devices} devices")
+    return SchemeSpace(model, config_name, f"estimated: cost model on {gpu.name} (bf16 peak x MFU {mfu})",
+                       tuple(out))
+
+
+def measure_space(model: str, config_name: str, cfg, params, memory_mb: float,
+                  lengths: Sequence[int] = (256, 512, 1024), repeats: int = 3,
+                  num_devices: int | None = None, log=None) -> SchemeSpace:
+    """Fits from timed runs on this machine's devices (pp = 1; tp <= 2 keeps the CPU measurement short)."""
+    import jax
+
+    from cfp.data.batching import materialize
+    from cfp.runtime.varlen import PipelineMesh, PipelineRunner
+
+    n = num_devices or jax.device_count()
+    kv = getattr(cfg, "num_kv_heads", cfg.num_heads)
+    out = []
+    rng = np.random.default_rng(0)
+    for cp in _divisors(n):
+        for tp in _divisors(n // cp):
+            if cfg.num_heads % tp or kv % tp or tp > 2 or cp * tp not in (1, 2, 4, 8):
+                continue
+            runner = PipelineRunner(model, cfg, PipelineMesh(cp, tp, tuple(range(cp * tp))), params)
+            local = jax.device_put(params, runner.pshard)
+            times, mems = [], []
+            for s in lengths:
+                mb = materialize([rng.integers(0, 256, s + 1).astype(np.uint8)], [0], packed=True)
+                exe = runner.compiled(local, mb["inputs"].shape)
+                ma = exe.memory_analysis()
+                mems.append(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
+                runner.grads(local, [mb])  # warm
+                ts = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(runner.grads(local, [mb]))
+                    ts.append(time.perf_counter() - t0)
+                times.append(float(np.median(ts)))
+            a, b, c = fit_quadratic(lengths, times)
+            ma_, mb_, mc_ = fit_quadratic(lengths, mems)
+            budget = memory_mb * 2 ** 20
+            cands = [x for x in (1 << i for i in range(7, 20)) if x <= cfg.seq_len
+                     and ma_ * x * x + mb_ * x + mc_ <= budget]
+            if not cands:
+                continue
+            out.append(Scheme(cp, tp, 1, a, b, c, max(cands), dense_rows=True))
+            if log:
+                log(f"  measured {out[-1].name}: time {a:.3g}·s² + {b:.3g}·s + {c:.3g} s, max_len {out[-1].max_len}"
+                    f" (memory fit at s={lengths[-1]}: {mems[-1] / 2 ** 20:.1f} MiB)")
+    if not out:
+        raise ConfigError(f"no scheme fits {memory_mb} MiB per device; raise --memory-mb")
+    return SchemeSpace(model, config_name, f"measured: {jax.devices()[0].platform} x{n}, memory budget "
+                       f"{memory_mb} MiB/device", tuple(out))

@@ -1,0 +1,101 @@
+"""Dispatch and packing: every sequence exactly once, limits respected, greedy within a measured factor of
+the HiGHS optimum; the proposal DP covers every length within the device count."""
+import numpy as np
+import pytest
+
+from cfp.data.batching import METHODS, assign_step
+from cfp.data.dispatch import dispatch_greedy, dispatch_ilp, makespan
+from cfp.data.packing import _lpt, pack_balanced, pack_fixed, pack_ilp
+from cfp.data.propose import propose
+from cfp.data.schemes import Scheme, SchemeSpace
+from cfp.errors import InfeasibleError
+
+SMALL = Scheme(1, 1, 1, 1e-8, 1e-5, 1e-4, 1024)
+BIG = Scheme(2, 2, 2, 0.3e-8, 0.3e-5, 1e-4, 4096)
+# Measured greedy/ILP on 20 random instances of these sizes: worst 1.015 (dispatch), 1.012 (packing), mean
+# 1.001. The bound 1.10 fails for a poor heuristic: round-robin dispatch exceeds it (asserted below).
+FACTOR = 1.10
+
+
+def _lengths(rng, n, cap):
+    return np.minimum(rng.lognormal(5.5, 1.2, n).astype(np.int64) + 1, cap)
+
+
+def test_greedy_dispatch_within_factor_of_ilp():
+    rng = np.random.default_rng(0)
+    pipes = [SMALL, SMALL, BIG]
+    worst, rr_worst = 1.0, 1.0
+    for _ in range(12):
+        lens = _lengths(rng, 12, 4096)
+        g = dispatch_greedy(pipes, lens)
+        opt, _ = dispatch_ilp(pipes, lens, time_limit=5.0)
+        assert opt is not None
+        assert sorted(np.bincount(g, minlength=3).tolist()) and g.size == lens.size
+        for p, s in enumerate(pipes):
+            assert (lens[g == p] <= s.max_len).all() and (lens[opt == p] <= s.max_len).all()
+        ratio = makespan(pipes, lens, g) / makespan(pipes, lens, opt)
+        assert ratio >= 1 - 1e-9       # the ILP is the optimum
+        worst = max(worst, ratio)
+        rr = np.array([2 if s > 1024 else i % 2 for i, s in enumerate(lens)])   # a bad heuristic
+        rr_worst = max(rr_worst, makespan(pipes, lens, rr) / makespan(pipes, lens, opt))
+    assert worst <= FACTOR < rr_worst
+
+
+def test_greedy_packing_within_factor_of_ilp():
+    rng = np.random.default_rng(1)
+    worst = 1.0
+    for _ in range(12):
+        lens = _lengths(rng, 10, 1024)
+        m = -(-int(lens.sum()) // 1024) + 1
+        found = _lpt(lens, np.argsort(-lens), SMALL, m, 1024)
+        opt, _ = pack_ilp(lens, SMALL, m, time_limit=5.0)
+        if found is None or opt is None:
+            continue
+        slowest = lambda mbs: max(SMALL.mb_cost(lens[mb]) for mb in mbs)
+        worst = max(worst, slowest(found[0]) / slowest(opt))
+        for mbs in (found[0], opt):
+            assert sorted(i for mb in mbs for i in mb) == list(range(lens.size))
+            assert all(lens[mb].sum() <= 1024 for mb in mbs)
+    assert worst <= FACTOR
+
+
+@pytest.mark.parametrize("number", sorted(METHODS))
+def test_every_method_assigns_each_sequence_once_within_limits(number):
+    rng = np.random.default_rng(2)
+    pipes = [SMALL, SMALL, BIG]
+    for _ in range(5):
+        lens = _lengths(rng, 200, 4096)
+        if not METHODS[number].heterogeneous:
+            pipes_u = [BIG, BIG]
+            plan = assign_step(METHODS[number], pipes_u, lens)
+        else:
+            pipes_u = pipes
+            plan = assign_step(METHODS[number], pipes, lens)
+        got = sorted(i for p in plan for mb in p for i in mb)
+        assert got == list(range(lens.size))
+        for p, mbs in enumerate(plan):
+            for mb in mbs:
+                assert lens[mb].max() <= pipes_u[p].max_len
+                if number != 0:
+                    assert lens[mb].sum() <= pipes_u[p].max_len
+
+
+def test_fixed_and_balanced_packing_reject_too_long():
+    with pytest.raises(InfeasibleError, match="exceeds"):
+        pack_fixed([10, 2000], 1024)
+    with pytest.raises(InfeasibleError, match="fits no pipeline"):
+        dispatch_greedy([SMALL], [5000])
+    assert pack_balanced([], SMALL) == []
+
+
+def test_proposal_covers_all_lengths_within_devices():
+    rng = np.random.default_rng(3)
+    lens = _lengths(rng, 5000, 4096)
+    space = SchemeSpace("llama2", "x", "test", (SMALL, BIG, Scheme(4, 1, 1, 0.25e-8, 0.25e-5, 1e-4, 2048)))
+    st = propose(space, lens, 32, 200_000)
+    assert st.devices <= 32 and sum(g.scheme.devices * g.pipelines for g in st.groups) <= 32
+    assert st.groups[0].min_len == 0 and st.groups[-1].max_len == lens.max()
+    for g in st.groups:
+        assert g.scheme.max_len >= g.max_len
+    # more devices never make the proposal slower (the DP may leave devices idle)
+    assert propose(space, lens, 64, 200_000).estimated_step_s <= st.estimated_step_s * (1 + 1e-12)

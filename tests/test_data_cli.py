@@ -1,0 +1,51 @@
+"""`cfp data` at the command line: analyze writes PNG+JSON; bad input is one line and exit code 2."""
+import json
+import subprocess
+import sys
+
+from cfp.cli.main import main
+
+
+def test_analyze_jsonl_writes_png_and_json(tmp_path, capsys):
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps({"text": "x" * n}) for n in (5, 17, 300, 9, 2000)) + "\n")
+    out = tmp_path / "an"
+    assert main(["data", "analyze", "--input", str(src), "--max-seq-len", "1000", "--out", str(out)]) == 0
+    rep = json.loads((out / "lengths.json").read_text())
+    assert rep["num_sequences"] == 5 and rep["max_seq_len"] == 1000      # 2000 truncated to 1000
+    assert rep["total_tokens"] == 4 + 16 + 299 + 8 + 1000
+    assert abs(rep["padding_waste_pad_to_max"] - (1 - rep["total_tokens"] / 5000)) < 1e-12
+    assert (out / "lengths.png").stat().st_size > 1000
+    assert "padding waste" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "no text field"}\n')
+    r = subprocess.run([sys.executable, "-m", "cfp.cli.main", "data", "analyze", "--input", str(bad)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "has no string field 'text'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([sys.executable, "-m", "cfp.cli.main", "data", "schemes", "--model", "llama2",
+                        "--config", "7B", "--gpu", "TPU9", "--out", str(tmp_path / "s.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown gpu 'TPU9'" in r.stderr
+
+
+def test_schemes_cost_model_and_propose(tmp_path, capsys):
+    space = tmp_path / "space.json"
+    assert main(["data", "schemes", "--model", "llama2", "--config", "7B", "--gpu", "A100-SXM-80G",
+                 "--max-devices", "16", "--out", str(space)]) == 0
+    data = json.loads(space.read_text())
+    assert data["source"].startswith("estimated") and all(
+        s["cp"] * s["tp"] * s["pp"] <= 16 for s in data["schemes"])
+    txt = tmp_path / "docs"
+    txt.mkdir()
+    for i, n in enumerate((100, 3000, 20000, 500, 70)):
+        (txt / f"{i}.txt").write_text("y" * n)
+    strat = tmp_path / "st.json"
+    assert main(["data", "propose", "--schemes", str(space), "--input", str(txt), "--gpus", "16",
+                 "--tokens-per-step", "100000", "--out", str(strat)]) == 0
+    st = json.loads(strat.read_text())
+    assert st["devices"] <= 16 and st["groups"][-1]["max_len"] == 19999
+    assert "proposal time:" in capsys.readouterr().out

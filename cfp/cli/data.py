@@ -13,7 +13,8 @@ import argparse
 import json
 import time
 
-from cfp.cli.common import MODELS, ensure_host_devices, patient_collectives, positive_int
+from cfp.cli.common import ensure_host_devices, patient_collectives, positive_int
+from cfp.models.configs import MODEL_NAMES
 
 
 def _input_options(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -44,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.set_defaults(func=run_analyze)
 
     s = sub.add_parser("schemes", help="per <CP,TP,PP>: fitted time a·s²+b·s+c and longest sequence")
-    s.add_argument("--model", required=True, choices=MODELS)
+    s.add_argument("--model", required=True, choices=MODEL_NAMES)
     s.add_argument("--config", default="tiny")
     s.add_argument("--gpu", default=None, help="estimate with the cost model for this GPU (else measure here)")
     s.add_argument("--max-devices", type=positive_int, default=64, help="largest scheme (cost model)")
@@ -84,7 +85,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench-planner", help="time the proposal DP and the per-step assignment at scale")
     b.add_argument("--gpus", type=positive_int, default=1024)
-    b.add_argument("--model", choices=MODELS, default="llama2")
+    b.add_argument("--model", choices=MODEL_NAMES, default="llama2")
     b.add_argument("--config", default="32B")
     b.add_argument("--gpu", default="A100-SXM-80G")
     b.add_argument("--tokens-per-step", type=positive_int, default=1_600_000)

@@ -1,0 +1,99 @@
+"""From device groups to an estimated layout: layers split by stage speed under memory limits, the
+global batch split by pipeline throughput into micro-batches."""
+from __future__ import annotations
+
+import heapq
+from typing import Optional, Sequence
+
+from cfp.hardware.collectives import collective_time
+from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+
+
+def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[StageLayout]:
+    devs = cm.cluster.devices
+    return [StageLayout(tuple(g), devs[g[0]].machine, 0) for g in groups]
+
+
+def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
+    """Seconds one layer adds to a stage's forward + backward of one micro-batch."""
+    m = cm.model
+    intra = cm.cluster.machines[st.machine].intra_bandwidth
+    ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+    return 4 * mb * m.layer_flops(st.tp) / cm.rate(st.machine) + 6 * ar
+
+
+def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:
+    """Most layers stage `i` can hold within its device memory (memory grows with layers)."""
+    st = pipe.stages[i]
+    cap = cm.cluster.machines[st.machine].memory
+    fits = lambda n: cm.stage_memory(StageLayout(st.devices, st.machine, n), i, pipe, n_pipes) <= cap
+    if not fits(1):
+        return 0
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunks: int,
+                 n_pipes: int) -> Optional[tuple[StageLayout, ...]]:
+    """Layers per stage minimising the slowest stage (greedy on per-layer time, exact for min-max)
+    subject to each stage's memory; None when the model does not fit."""
+    L = cm.config.num_layers
+    if len(stages) > L:
+        return None
+    mb = batch // chunks
+    pipe = PipelineLayout(tuple(stages), batch, chunks)
+    caps = [_max_layers(cm, pipe, i, n_pipes, L) for i in range(len(stages))]
+    if min(caps) < 1 or sum(caps) < L:
+        return None
+    tau = [layer_time(cm, st, mb) for st in stages]
+    n = [1] * len(stages)
+    heap = [(2 * tau[i], i) for i in range(len(stages)) if caps[i] > 1]
+    heapq.heapify(heap)
+    for _ in range(L - len(stages)):
+        t, i = heapq.heappop(heap)
+        n[i] += 1
+        if n[i] < caps[i]:
+            heapq.heappush(heap, ((n[i] + 1) * tau[i], i))
+    return tuple(StageLayout(s.devices, s.machine, k) for s, k in zip(stages, n))
+
+
+def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
+    """`total` split in proportion to `weights`, every share >= 1 (needs total >= len(weights))."""
+    k = len(weights)
+    rest = total - k
+    w = sum(weights)
+    raw = [rest * x / w for x in weights]
+    out = [1 + int(r) for r in raw]
+    order = sorted(range(k), key=lambda i: (-(raw[i] - int(raw[i])), i))
+    for i in order[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def build_layout(cm: CostModel, pipes: Sequence[Sequence[StageLayout]], global_batch: int,
+                 micro_batch: int) -> Optional[ClusterLayout]:
+    """Micro-batches split by pipeline throughput (1 / slowest stage), then layers re-split under
+    memory with the real micro-batch counts."""
+    k = len(pipes)
+    if global_batch % micro_batch or global_batch // micro_batch < k:
+        return None
+    total = global_batch // micro_batch
+    guess = max(1, total // k)
+    first = []
+    for stages in pipes:
+        st = split_layers(cm, stages, guess * micro_batch, guess, k)
+        if st is None:
+            return None
+        first.append(st)
+    speed = [1.0 / max(s.layers * layer_time(cm, s, micro_batch) for s in st) for st in first]
+    chunks = _largest_remainder(total, speed)
+    out = []
+    for stages, c in zip(pipes, chunks):
+        st = split_layers(cm, stages, c * micro_batch, c, k)
+        if st is None:
+            return None
+        out.append(PipelineLayout(st, c * micro_batch, c))
+    return ClusterLayout(tuple(out))

@@ -1,0 +1,126 @@
+"""HexiScale's two graph-partitioning phases with METIS (pymetis).
+
+The graph: devices are vertices weighted by their achievable compute; links are edges weighted by
+bandwidth (every pair inside a machine; across machines, devices with the same local index, which
+keeps the graph sparse at 1024 devices while every machine pair stays connected). Phase 1 cuts the
+cluster into pipelines of balanced compute, cutting as little bandwidth as possible, so fast links stay
+inside a pipeline. Phase 2 cuts each pipeline into stages (equal device counts per TP group), which the
+bandwidth weights keep inside machines; a part that still spans machines or has the wrong size is
+re-cut machine by machine. Stages are ordered greedily so neighbours share the most bandwidth.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import pymetis
+
+from cfp.planner.cluster import Cluster
+
+_OPTIONS = dict(seed=0, ufactor=30)  # fixed seed: the same input gives the same partition
+
+
+def _graph(cluster: Cluster, devices: Sequence[int], vweight) -> tuple[list[int], list[int], list[int], list[int]]:
+    """CSR adjacency (xadj, adjncy), vertex weights and edge weights over `devices`."""
+    devs = cluster.devices
+    machine = [devs[d].machine for d in devices]
+    local: dict[int, list[int]] = defaultdict(list)
+    for v, m in enumerate(machine):
+        local[m].append(v)
+    rank = {}
+    for m, vs in local.items():
+        for i, v in enumerate(vs):
+            rank[v] = i
+    by_rank: dict[int, list[int]] = defaultdict(list)
+    for v in range(len(devices)):
+        by_rank[rank[v]].append(v)
+    unit = 1e8  # edge weight in 0.1 GB/s
+    xadj, adjncy, ew = [0], [], []
+    for v in range(len(devices)):
+        for u in local[machine[v]]:
+            if u != v:
+                adjncy.append(u)
+                ew.append(max(1, int(round(cluster.machines[machine[v]].intra_bandwidth / unit))))
+        for u in by_rank[rank[v]]:
+            if machine[u] != machine[v]:
+                adjncy.append(u)
+                ew.append(max(1, int(round(cluster.inter_bandwidth / unit))))
+        xadj.append(len(adjncy))
+    vw = [max(1, int(round(vweight(devs[d])))) for d in devices]
+    return xadj, adjncy, vw, ew
+
+
+def _parts(n: int, devices: Sequence[int], membership: Sequence[int]) -> list[list[int]]:
+    groups: dict[int, list[int]] = defaultdict(list)
+    for d, p in zip(devices, membership):
+        groups[p].append(d)
+    return [sorted(groups[p]) for p in sorted(groups) if groups[p]][:n]
+
+
+def split_pipelines(cluster: Cluster, k: int, rate) -> list[list[int]]:
+    """Phase 1: `k` groups of devices (fewer if METIS leaves a part empty), balanced in `rate`."""
+    devices = list(range(cluster.num_devices))
+    if k <= 1:
+        return [devices]
+    if k >= len(devices):
+        return [[d] for d in devices]
+    scale = 100.0 / min(rate(d) for d in cluster.devices)
+    xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: rate(d) * scale)
+    _, membership = pymetis.part_graph(k, xadj=xadj, adjncy=adjncy, vweights=vw, eweights=ew,
+                                       options=pymetis.Options(**_OPTIONS))
+    return sorted(_parts(k, devices, membership), key=lambda g: g[0])
+
+
+def machine_groups(cluster: Cluster, devices: Sequence[int], tp_of, heads: int) -> list[list[int]]:
+    """Cut each machine's share of `devices` into TP groups of its degree; a remainder becomes smaller
+    groups of power-of-two sizes that divide `heads`."""
+    by_machine: dict[int, list[int]] = defaultdict(list)
+    for d in sorted(devices):
+        by_machine[cluster.devices[d].machine].append(d)
+    out = []
+    for m in sorted(by_machine):
+        ds, t = by_machine[m], tp_of(m)
+        i = 0
+        while i < len(ds):
+            size = t
+            while size > 1 and (size > len(ds) - i or heads % size):
+                size //= 2
+            out.append(ds[i:i + size])
+            i += size
+    return out
+
+
+def split_stages(cluster: Cluster, devices: Sequence[int], tp_of, heads: int) -> list[list[int]]:
+    """Phase 2: the pipeline's devices cut into TP groups (one machine each), METIS first."""
+    fallback = machine_groups(cluster, devices, tp_of, heads)
+    n = len(fallback)
+    if n <= 1 or len(set(len(g) for g in fallback)) != 1:
+        return fallback  # unequal group sizes: METIS' equal-weight parts cannot express them
+    xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: 1)
+    _, membership = pymetis.part_graph(n, xadj=xadj, adjncy=adjncy, vweights=vw, eweights=ew,
+                                       options=pymetis.Options(**_OPTIONS))
+    parts = _parts(n, devices, membership)
+    size = len(fallback[0])
+    devs = cluster.devices
+    ok = len(parts) == n and all(len(p) == size and len({devs[d].machine for d in p}) == 1 for p in parts)
+    return parts if ok else fallback
+
+
+def order_stages(cluster: Cluster, groups: list[list[int]]) -> list[list[int]]:
+    """Greedy chain: start in the machine holding most of the pipeline's groups, then always append the
+    group with the most bandwidth to the chain's end (ties: same device type, then lowest id)."""
+    devs = cluster.devices
+    mach = [devs[g[0]].machine for g in groups]
+    count = defaultdict(int)
+    for m in mach:
+        count[m] += 1
+    left = sorted(range(len(groups)), key=lambda i: (-count[mach[i]], groups[i][0]))
+    chain = [left.pop(0)]
+    while left:
+        end = mach[chain[-1]]
+        gpu = cluster.machines[end].gpu.name
+        best = min(left, key=lambda i: (-cluster.link(end, mach[i]),
+                                        cluster.machines[mach[i]].gpu.name != gpu, mach[i], groups[i][0]))
+        left.remove(best)
+        chain.append(best)
+    return [groups[i] for i in chain]

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "enum-benchmark": "cfp.cli.search",
     "train": "cfp.cli.train",
     "launch": "cfp.cli.launch",
+    "plan": "cfp.cli.plan",
 }
 
 

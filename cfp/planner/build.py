@@ -60,23 +60,52 @@ def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunk
     return tuple(StageLayout(s.devices, s.machine, k) for s, k in zip(stages, n))
 
 
-def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
-    """`total` split in proportion to `weights`, every share >= 1 (needs total >= len(weights))."""
-    k = len(weights)
-    rest = total - k
-    w = sum(weights)
-    raw = [rest * x / w for x in weights]
-    out = [1 + int(r) for r in raw]
-    order = sorted(range(k), key=lambda i: (-(raw[i] - int(raw[i])), i))
-    for i in order[:total - sum(out)]:
-        out[i] += 1
-    return out
+def pipeline_terms(cm: CostModel, stages: Sequence[StageLayout], micro_batch: int) -> tuple[float, float]:
+    """(A, W) with the pipeline's time at c micro-batches A + (c - 1) * W (stage times depend on the
+    micro-batch size only)."""
+    n = len(stages)
+    probe = PipelineLayout(tuple(stages), micro_batch, 1)
+    ests = tuple(cm.stage_estimate(st, i, probe, 1, stages[i + 1] if i + 1 < n else None)
+                 for i, st in enumerate(stages))
+    a = cm.pipeline_time(ests, 1)
+    return a, cm.pipeline_time(ests, 2) - a
+
+
+def max_chunks(cm: CostModel, stages: Sequence[StageLayout], micro_batch: int, n_pipes: int, limit: int) -> int:
+    """Most micro-batches the pipeline holds within memory (stored inputs grow with them)."""
+    fits = lambda c: all(cm.stage_memory(st, i, PipelineLayout(tuple(stages), c * micro_batch, c), n_pipes)
+                         <= cm.cluster.machines[st.machine].memory for i, st in enumerate(stages))
+    if not fits(1):
+        return 0
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], total: int) -> Optional[list[int]]:
+    """Micro-batches per pipeline minimising the slowest pipeline, A_p + (c_p - 1) * W_p, with
+    1 <= c_p <= caps[p]; adding one at a time to the pipeline that stays fastest is optimal for a
+    min-max of increasing functions. None when the caps cannot hold `total`."""
+    k = len(terms)
+    if total < k or sum(caps) < total or min(caps) < 1:
+        return None
+    c = [1] * k
+    heap = [(a + w, p) for p, (a, w) in enumerate(terms) if caps[p] > 1]
+    heapq.heapify(heap)
+    for _ in range(total - k):
+        _, p = heapq.heappop(heap)
+        c[p] += 1
+        if c[p] < caps[p]:
+            heapq.heappush(heap, (terms[p][0] + c[p] * terms[p][1], p))
+    return c
 
 
 def build_layout(cm: CostModel, pipes: Sequence[Sequence[StageLayout]], global_batch: int,
                  micro_batch: int) -> Optional[ClusterLayout]:
-    """Micro-batches split by pipeline throughput (1 / slowest stage), then layers re-split under
-    memory with the real micro-batch counts."""
+    """Layers split by stage speed (memory checked at an even share of micro-batches), micro-batches
+    split by pipeline time under memory, then layers re-split with the real micro-batch counts."""
     k = len(pipes)
     if global_batch % micro_batch or global_batch // micro_batch < k:
         return None
@@ -88,8 +117,10 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[StageLayout]], global_b
         if st is None:
             return None
         first.append(st)
-    speed = [1.0 / max(s.layers * layer_time(cm, s, micro_batch) for s in st) for st in first]
-    chunks = _largest_remainder(total, speed)
+    chunks = allocate_chunks([pipeline_terms(cm, st, micro_batch) for st in first],
+                             [max_chunks(cm, st, micro_batch, k, total) for st in first], total)
+    if chunks is None:
+        return None
     out = []
     for stages, c in zip(pipes, chunks):
         st = split_layers(cm, stages, c * micro_batch, c, k)

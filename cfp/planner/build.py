@@ -3,6 +3,7 @@ global batch split by pipeline throughput into micro-batches."""
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Optional, Sequence
 
 from cfp.hardware.collectives import collective_time
@@ -23,17 +24,16 @@ def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
 
 
 def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:
-    """Most layers stage `i` can hold within its device memory (memory grows with layers)."""
+    """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
+    the number of layers)."""
     st = pipe.stages[i]
     cap = cm.cluster.machines[st.machine].memory
-    fits = lambda n: cm.stage_memory(StageLayout(st.devices, st.machine, n), i, pipe, n_pipes) <= cap
-    if not fits(1):
-        return 0
-    lo, hi = 1, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+    s0, s1, a0, a1 = cm.memory_terms(st, i, pipe, n_pipes)
+    # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
+    n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
+    n2 = (cap / (3 + n_pipes) - s0) / s1
+    n = int(math.floor(min(n1, n2) * (1 + 1e-12)))
+    return max(0, min(limit, n))
 
 
 def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunks: int,
@@ -72,16 +72,23 @@ def pipeline_terms(cm: CostModel, stages: Sequence[StageLayout], micro_batch: in
 
 
 def max_chunks(cm: CostModel, stages: Sequence[StageLayout], micro_batch: int, n_pipes: int, limit: int) -> int:
-    """Most micro-batches the pipeline holds within memory (stored inputs grow with them)."""
-    fits = lambda c: all(cm.stage_memory(st, i, PipelineLayout(tuple(stages), c * micro_batch, c), n_pipes)
-                         <= cm.cluster.machines[st.machine].memory for i, st in enumerate(stages))
-    if not fits(1):
-        return 0
-    lo, hi = 1, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+    """Most micro-batches (<= limit) the pipeline holds within memory: only the stored stage inputs grow
+    with them (without bound under GPipe, up to the number of stages from it on under 1F1B)."""
+    n, best = len(stages), limit
+    probe = PipelineLayout(tuple(stages), micro_batch, 1)   # one stored input per stage
+    for i, st in enumerate(stages):
+        s0, s1, a0, a1 = cm.memory_terms(st, i, probe, n_pipes)
+        per_input = micro_batch * (cm.config.seq_len * 4 if i == 0 else cm.model.boundary_bytes())
+        params = s0 + st.layers * s1
+        cap = cm.cluster.machines[st.machine].memory
+        if (3 + n_pipes) * params > cap:
+            return 0
+        stored = math.floor((cap - 4 * params - (a0 - per_input) - st.layers * a1) / per_input * (1 + 1e-12))
+        if stored < 1:
+            return 0
+        if cm.stored_inputs(i, n, limit) > stored:   # the schedule would store more than fits
+            best = min(best, stored)
+    return best
 
 
 def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], total: int) -> Optional[list[int]]:

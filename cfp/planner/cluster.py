@@ -6,6 +6,7 @@ machine-major (machine 0's devices first), which is the numbering `devices_id` o
 """
 from __future__ import annotations
 
+import functools
 import numbers
 import re
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class Cluster:
         if not self.machines:
             raise ConfigError("a cluster needs at least one machine")
 
-    @property
+    @functools.cached_property
     def devices(self) -> tuple[Device, ...]:
         out, nxt = [], 0
         for mi, m in enumerate(self.machines):

@@ -15,6 +15,7 @@ are applied: they were fitted to its testbed and nothing here can re-fit them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,18 @@ from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.models.configs import GPTConfig, LlamaConfig
 from cfp.planner.cluster import Cluster
 from cfp.runtime.schedules import ScheduleName
+
+def _memo(fn):
+    """Per-instance memo of a ModelCost figure (its arguments are small ints)."""
+    @functools.wraps(fn)
+    def wrapper(self, *args):
+        key = (fn.__name__,) + args
+        table = self._memo
+        if key not in table:
+            table[key] = fn(self, *args)
+        return table[key]
+    return wrapper
+
 
 PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
 # Assumed fraction of the dense datasheet peak a large transformer dot reaches on a GPU. An assumption
@@ -93,6 +106,7 @@ class ModelCost:
     config: Any
 
     def __post_init__(self):
+        object.__setattr__(self, "_memo", {})
         if not isinstance(self.config, (GPTConfig, LlamaConfig)):
             raise ConfigError(f"the planner's cost model covers decoder models gpt and llama2, got "
                               f"{type(self.config).__name__}")
@@ -110,6 +124,7 @@ class ModelCost:
         return 2 if self.config.dtype == "bfloat16" else 4
 
     # -- parameters
+    @_memo
     def layer_params(self, tp: int = 1) -> float:
         """Parameters of one layer held by one device at TP degree `tp`."""
         c, h = self.config, self.config.hidden_size
@@ -120,16 +135,19 @@ class ModelCost:
         # GPT: biases of column-parallel q/k/v/fc_in are split, out/fc_out biases and LayerNorms not
         return (4 * h * h + 3 * h + 2 * h * c.ffn_size + c.ffn_size) / tp + 2 * h + 4 * h
 
+    @_memo
     def embed_params(self) -> float:
         c = self.config
         return c.vocab_size * c.hidden_size + (0 if self.llama else c.seq_len * c.hidden_size)
 
+    @_memo
     def head_params(self, tp: int = 1) -> float:
         c = self.config
         div = tp if c.vocab_size % tp == 0 else 1
         return c.hidden_size * c.vocab_size / div + (1 if self.llama else 2) * c.hidden_size
 
     # -- FLOPs per sequence, forward
+    @_memo
     def layer_dot_flops(self, tp: int = 1) -> float:
         c, s, h = self.config, self.config.seq_len, self.config.hidden_size
         kv = self.kv_heads * c.head_dim
@@ -137,6 +155,7 @@ class ModelCost:
         mlp = (3 if self.llama else 2) * 2 * s * h * c.ffn_size
         return (4 * s * h * h + 4 * s * s * h + mlp) / tp + 4 * s * h * kv / kv_div
 
+    @_memo
     def layer_elementwise_flops(self, tp: int = 1) -> float:
         """Softmax (~5 per score), norms and residuals (~10 per hidden element), activation (~5 per
         MLP element), RoPE (~6 per q/k element): a rough count, small next to the dots."""
@@ -144,20 +163,24 @@ class ModelCost:
         rope = 6 * s * (h + self.kv_heads * c.head_dim) if self.llama else 0
         return (5 * c.num_heads * s * s + 5 * s * c.ffn_size + rope) / tp + 10 * s * h
 
+    @_memo
     def layer_flops(self, tp: int = 1) -> float:
         return self.layer_dot_flops(tp) + self.layer_elementwise_flops(tp)
 
+    @_memo
     def head_flops(self, tp: int = 1) -> float:
         c, s = self.config, self.config.seq_len
         div = tp if c.vocab_size % tp == 0 else 1
         return (2 * s * c.hidden_size * c.vocab_size + 5 * s * c.vocab_size) / div + 10 * s * c.hidden_size
 
+    @_memo
     def model_flops_per_sequence(self) -> float:
         """Dot FLOPs of forward + backward without recomputation (the MFU numerator)."""
         c = self.config
         return 3 * (c.num_layers * self.layer_dot_flops(1) + 2 * c.seq_len * c.hidden_size * c.vocab_size)
 
     # -- activation bytes per sequence
+    @_memo
     def layer_activation_bytes(self, tp: int = 1) -> float:
         """Bytes one layer's recomputed forward keeps for its backward, per sequence: hidden-size
         tensors (input, norms, residual), q/k/v/attention output, float32 scores and probabilities,
@@ -168,11 +191,13 @@ class ModelCost:
         per_token = 5 * h + (2 * h + 2 * kv + mlp_tensors * c.ffn_size) / tp
         return s * per_token * self.act_bytes + 3 * 4 * c.num_heads * s * s / tp
 
+    @_memo
     def head_activation_bytes(self, tp: int = 1) -> float:
         c = self.config
         div = tp if c.vocab_size % tp == 0 else 1
         return 3 * 4 * c.seq_len * c.vocab_size / div  # float32 logits, log-softmax, their gradient
 
+    @_memo
     def boundary_bytes(self) -> float:
         """Bytes per sequence of the activation (or its gradient) sent between stages."""
         return self.config.seq_len * self.config.hidden_size * self.act_bytes
@@ -240,18 +265,29 @@ class CostModel:
         return (st.layers * m.layer_params(st.tp) + (m.embed_params() if first else 0.0)
                 + (m.head_params(st.tp) if last else 0.0))
 
+    def memory_terms(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int
+                     ) -> tuple[float, float, float, float]:
+        """(s0, s1, a0, a1): a stage of n layers peaks at 4*(s0 + n*s1) + max(a0 + n*a1, (P-1)*(s0 + n*s1))
+        bytes per device (P pipelines), see `stage_memory`."""
+        m, n = self.model, len(pipe.stages)
+        first, last = idx == 0, idx == n - 1
+        s0 = PARAM_BYTES * ((m.embed_params() if first else 0.0) + (m.head_params(st.tp) if last else 0.0))
+        s1 = PARAM_BYTES * m.layer_params(st.tp)
+        mb = pipe.micro_batch
+        inputs = self.stored_inputs(idx, n, pipe.chunks) * mb * (
+            m.config.seq_len * 4 if first else m.boundary_bytes())
+        # the embedding's gradient is built densely (float32) before it joins the accumulator
+        a0 = (inputs + (mb * m.head_activation_bytes(st.tp) if last else 0.0)
+              + (PARAM_BYTES * m.embed_params() if first else 0.0))
+        return s0, s1, a0, mb * m.layer_activation_bytes(st.tp)
+
     def stage_memory(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> float:
         """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
         backward's working set (stored inputs + one micro-batch's stage activations) and the
         gradients received from the other pipelines at the update."""
-        m, n = self.model, len(pipe.stages)
-        first, last = idx == 0, idx == n - 1
-        params = self.stage_params(st, first, last) * PARAM_BYTES
-        mb = pipe.micro_batch
-        inputs = self.stored_inputs(idx, n, pipe.chunks) * mb * (
-            m.config.seq_len * 4 if first else m.boundary_bytes())
-        acts = mb * (st.layers * m.layer_activation_bytes(st.tp) + (m.head_activation_bytes(st.tp) if last else 0))
-        return 4 * params + max(inputs + acts, (n_pipes - 1) * params)
+        s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
+        params = s0 + st.layers * s1
+        return 4 * params + max(a0 + st.layers * a1, (n_pipes - 1) * params)
 
     def stage_estimate(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int,
                        nxt: StageLayout | None) -> StageEstimate:

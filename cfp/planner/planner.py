@@ -53,6 +53,7 @@ class _Search:
         self.cm, self.options = cm, options
         self.rate = lambda d: achievable_flops(d.gpu, cm.precision)
         self._phase1: dict[int, list[list[int]]] = {}
+        self._phase2: dict[tuple, list[list[int]]] = {}
         self.count = 0
 
     def pipelines(self, k: int) -> list[list[int]]:
@@ -60,11 +61,18 @@ class _Search:
             self._phase1[k] = split_pipelines(self.cm.cluster, k, self.rate)
         return self._phase1[k]
 
+    def stages(self, devices: list[int], tp_of) -> list[list[int]]:
+        """Phase 2 and the stage order of one pipeline (cached: the same pipeline recurs across TP maps)."""
+        cl = self.cm.cluster
+        key = (tuple(devices), tuple(tp_of(m) for m in sorted({cl.devices[d].machine for d in devices})))
+        if key not in self._phase2:
+            self._phase2[key] = order_stages(cl, split_stages(cl, devices, tp_of, self.cm.config.num_heads))
+        return self._phase2[key]
+
     def evaluate(self, k: int, tp: dict[str, int]) -> tuple[Optional[ClusterLayout], float]:
         cl, heads = self.cm.cluster, self.cm.config.num_heads
         tp_of = lambda m: tp[cl.machines[m].gpu.name]
-        pipes = [stage_layouts(self.cm, order_stages(cl, split_stages(cl, g, tp_of, heads)))
-                 for g in self.pipelines(k)]
+        pipes = [stage_layouts(self.cm, self.stages(g, tp_of)) for g in self.pipelines(k)]
         best, best_t = None, math.inf
         for mb in self.options.micro_batch_sizes:
             layout = build_layout(self.cm, pipes, self.options.global_batch_size, mb)

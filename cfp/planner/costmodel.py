@@ -244,9 +244,12 @@ class CostModel:
         object.__setattr__(self, "model", ModelCost(self.config))
         object.__setattr__(self, "precision", precision_of(self.config.dtype))
         object.__setattr__(self, "_machines", self.cluster.machine_of())
+        object.__setattr__(self, "_peak", [m.gpu.peak(self.precision) for m in self.cluster.machines])
+        object.__setattr__(self, "_rate", [achievable_flops(m.gpu, self.precision) for m in self.cluster.machines])
+        object.__setattr__(self, "_stage_memo", {})
 
     def rate(self, machine: int) -> float:
-        return achievable_flops(self.cluster.machines[machine].gpu, self.precision)
+        return self._rate[machine]
 
     def stored_inputs(self, stage_index: int, num_stages: int, chunks: int) -> int:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
@@ -291,6 +294,17 @@ class CostModel:
 
     def stage_estimate(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int,
                        nxt: StageLayout | None) -> StageEstimate:
+        """Memoised on what the figures depend on (not on which devices of the machine)."""
+        n = len(pipe.stages)
+        key = (st.machine, st.tp, st.layers, idx == 0, idx == n - 1, self.stored_inputs(idx, n, pipe.chunks),
+               pipe.micro_batch, n_pipes, -1 if nxt is None else nxt.machine)
+        memo = self._stage_memo
+        if key not in memo:
+            memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
+        return memo[key]
+
+    def _stage_estimate(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int,
+                        nxt: StageLayout | None) -> StageEstimate:
         m, n = self.model, len(pipe.stages)
         first, last = idx == 0, idx == n - 1
         mb = pipe.micro_batch
@@ -366,8 +380,7 @@ class CostModel:
         dp, upd = self.dp_time(layout), self.update_time(layout)
         step = max(times) + dp + upd
         seqs = layout.global_batch
-        used = [d for p in layout.pipelines for s in p.stages for d in s.devices]
-        peak = sum(self.cluster.machines[self._machines[d]].gpu.peak(self.precision) for d in used)
+        peak = sum(s.tp * self._peak[s.machine] for p in layout.pipelines for s in p.stages)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)
         fits = all(s.memory <= s.capacity for row in stages for s in row)
         return Estimate(step, seqs * self.config.seq_len / step, mfu, tuple(times), dp, upd,

@@ -96,12 +96,17 @@ def split_stages(cluster: Cluster, devices: Sequence[int], tp_of, heads: int) ->
     n = len(fallback)
     if n <= 1 or len(set(len(g) for g in fallback)) != 1:
         return fallback  # unequal group sizes: METIS' equal-weight parts cannot express them
+    devs = cluster.devices
+    machines = {devs[d].machine for d in devices}
+    if all(cluster.machines[m].intra_bandwidth >= cluster.inter_bandwidth for m in machines):
+        # every machine's share is whole TP groups and its links are the fastest: machine-aligned groups
+        # cut only what any equal split must cut, so they are a min-cut partition; METIS has no choice
+        return fallback
     xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: 1)
     _, membership = pymetis.part_graph(n, xadj=xadj, adjncy=adjncy, vweights=vw, eweights=ew,
                                        options=pymetis.Options(**_OPTIONS))
     parts = _parts(n, devices, membership)
     size = len(fallback[0])
-    devs = cluster.devices
     ok = len(parts) == n and all(len(p) == size and len({devs[d].machine for d in p}) == 1 for p in parts)
     return parts if ok else fallback
 
@@ -110,17 +115,17 @@ def order_stages(cluster: Cluster, groups: list[list[int]]) -> list[list[int]]:
     """Greedy chain: start in the machine holding most of the pipeline's groups, then always append the
     group with the most bandwidth to the chain's end (ties: same device type, then lowest id)."""
     devs = cluster.devices
-    mach = [devs[g[0]].machine for g in groups]
-    count = defaultdict(int)
-    for m in mach:
-        count[m] += 1
-    left = sorted(range(len(groups)), key=lambda i: (-count[mach[i]], groups[i][0]))
-    chain = [left.pop(0)]
-    while left:
-        end = mach[chain[-1]]
+    queues: dict[int, list[list[int]]] = defaultdict(list)
+    for g in sorted(groups, key=lambda g: g[0]):
+        queues[devs[g[0]].machine].append(g)
+    # groups of one machine share links and device type, so only each machine's lowest group competes
+    start = min(queues, key=lambda m: (-len(queues[m]), queues[m][0][0]))
+    chain = [queues[start].pop(0)]
+    end = start
+    while any(queues.values()):
         gpu = cluster.machines[end].gpu.name
-        best = min(left, key=lambda i: (-cluster.link(end, mach[i]),
-                                        cluster.machines[mach[i]].gpu.name != gpu, mach[i], groups[i][0]))
-        left.remove(best)
-        chain.append(best)
-    return [groups[i] for i in chain]
+        nxt = min((m for m in queues if queues[m]),
+                  key=lambda m: (-cluster.link(end, m), cluster.machines[m].gpu.name != gpu, m, queues[m][0][0]))
+        chain.append(queues[nxt].pop(0))
+        end = nxt
+    return chain

@@ -35,14 +35,12 @@ def tp_choices(cluster: Cluster, heads: int) -> dict[str, list[int]]:
 
 
 def pipeline_counts(cluster: Cluster, options: PlannerOptions, num_layers: int) -> list[int]:
-    """Pipelines to try: 1, 2, 3, 4, 6, 8, 12, 16, ... up to the devices, the batch and the cap."""
+    """Pipelines to try: 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to a quarter of the devices (METIS leaves
+    parts empty beyond), the batch and the cap."""
     n = cluster.num_devices
-    top = min(n, options.global_batch_size // options.micro_batch_sizes[0], options.max_pipelines or n)
-    ks, k = [], 1
-    while k <= top:
-        ks.append(k)
-        k = k + 1 if k < 4 else int(k * 1.5) if k % 2 else k + k // 2
-    ks = sorted(set(ks))
+    top = min(n if n <= 16 else n // 4, options.global_batch_size // options.micro_batch_sizes[0],
+              options.max_pipelines or n)
+    ks = sorted({b * 2 ** j for b in (1, 3) for j in range(12) if b * 2 ** j <= top})
     # every pipeline needs at most one stage per layer: with the widest TP, n/k/tp_max <= layers
     widest = max(m.count for m in cluster.machines)
     return [k for k in ks if n / k / widest <= num_layers] or [top]

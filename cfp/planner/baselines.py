@@ -76,7 +76,7 @@ def greedy_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[Clus
             j = min(range(k), key=lambda i: (load[i], i))
             pipes[j].append(g)
             load[j] += speed(g)
-        stages = [stage_layouts(cm, sorted(p, key=lambda g: g[0])) for p in pipes]
+        stages = [[stage_layouts(cm, sorted(p, key=lambda g: g[0]))] for p in pipes]
         for mb in options.micro_batch_sizes:
             cands.append(build_layout(cm, stages, options.global_batch_size, mb))
     return _best(cm, cands)

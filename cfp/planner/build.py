@@ -109,9 +109,9 @@ def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], t
     return c
 
 
-def build_layout(cm: CostModel, pipes: Sequence[Sequence[StageLayout]], global_batch: int,
+def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]], global_batch: int,
                  micro_batch: int) -> Optional[ClusterLayout]:
-    """Layers split by stage speed (memory checked at an even share of micro-batches), micro-batches
+    """`pipes`: per pipeline, candidate stage orders. Layers split by stage speed (memory checked at an even share of micro-batches), micro-batches
     split by pipeline time under memory, then layers re-split with the real micro-batch counts."""
     k = len(pipes)
     if global_batch % micro_batch or global_batch // micro_batch < k:
@@ -119,17 +119,23 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[StageLayout]], global_b
     total = global_batch // micro_batch
     guess = max(1, total // k)
     first = []
-    for stages in pipes:
-        st = split_layers(cm, stages, guess * micro_batch, guess, k)
-        if st is None:
+    for orders in pipes:
+        best, best_t = None, math.inf
+        for stages in orders:   # candidate stage orders of this pipeline: the fastest at an even share
+            st = split_layers(cm, stages, guess * micro_batch, guess, k)
+            if st is not None:
+                a, w = pipeline_terms(cm, st, micro_batch)
+                if a + (guess - 1) * w < best_t:
+                    best, best_t = st, a + (guess - 1) * w
+        if best is None:
             return None
-        first.append(st)
+        first.append(best)
     chunks = allocate_chunks([pipeline_terms(cm, st, micro_batch) for st in first],
                              [max_chunks(cm, st, micro_batch, k, total) for st in first], total)
     if chunks is None:
         return None
     out = []
-    for stages, c in zip(pipes, chunks):
+    for stages, c in zip(first, chunks):
         st = split_layers(cm, stages, c * micro_batch, c, k)
         if st is None:
             return None

@@ -10,6 +10,7 @@ re-cut machine by machine. Stages are ordered greedily so neighbours share the m
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from typing import Sequence
 
@@ -66,7 +67,7 @@ def split_pipelines(cluster: Cluster, k: int, rate) -> list[list[int]]:
         return [[d] for d in devices]
     scale = 100.0 / min(rate(d) for d in cluster.devices)
     xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: rate(d) * scale)
-    _, membership = pymetis.part_graph(k, xadj=xadj, adjncy=adjncy, vweights=vw, eweights=ew,
+    _, membership = pymetis.part_graph(k, pymetis.CSRAdjacency(xadj, adjncy), vweights=vw, eweights=ew,
                                        options=pymetis.Options(**_OPTIONS))
     return sorted(_parts(k, devices, membership), key=lambda g: g[0])
 
@@ -103,7 +104,7 @@ def split_stages(cluster: Cluster, devices: Sequence[int], tp_of, heads: int) ->
         # cut only what any equal split must cut, so they are a min-cut partition; METIS has no choice
         return fallback
     xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: 1)
-    _, membership = pymetis.part_graph(n, xadj=xadj, adjncy=adjncy, vweights=vw, eweights=ew,
+    _, membership = pymetis.part_graph(n, pymetis.CSRAdjacency(xadj, adjncy), vweights=vw, eweights=ew,
                                        options=pymetis.Options(**_OPTIONS))
     parts = _parts(n, devices, membership)
     size = len(fallback[0])
@@ -129,3 +130,19 @@ def order_stages(cluster: Cluster, groups: list[list[int]]) -> list[list[int]]:
         chain.append(queues[nxt].pop(0))
         end = nxt
     return chain
+
+
+def stage_orders(cluster: Cluster, groups: list[list[int]], max_blocks: int = 4) -> list[list[list[int]]]:
+    """Candidate stage orders, the greedy chain first: with at most `max_blocks` machines every order of
+    the machines (each machine's stages together, so neighbours keep the same links), else the chain and
+    its reverse. Which machine holds the embedding and which the head changes memory and time, so the
+    cost model picks among them."""
+    chain = order_stages(cluster, groups)
+    devs = cluster.devices
+    blocks: dict[int, list[list[int]]] = {}
+    for g in chain:
+        blocks.setdefault(devs[g[0]].machine, []).append(g)
+    keys = list(blocks)
+    if len(keys) > max_blocks:
+        return [chain, chain[::-1]] if len(chain) > 1 else [chain]
+    return [[g for m in perm for g in blocks[m]] for perm in itertools.permutations(keys)]

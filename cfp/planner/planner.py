@@ -13,7 +13,7 @@ from cfp.planner.build import build_layout, stage_layouts
 from cfp.planner.cluster import Cluster
 from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, achievable_flops
 from cfp.planner.options import PlannerOptions
-from cfp.planner.partition import order_stages, split_pipelines, split_stages
+from cfp.planner.partition import split_pipelines, split_stages, stage_orders
 from cfp.planner.refine import refine
 
 
@@ -59,18 +59,18 @@ class _Search:
             self._phase1[k] = split_pipelines(self.cm.cluster, k, self.rate)
         return self._phase1[k]
 
-    def stages(self, devices: list[int], tp_of) -> list[list[int]]:
-        """Phase 2 and the stage order of one pipeline (cached: the same pipeline recurs across TP maps)."""
+    def stages(self, devices: list[int], tp_of) -> list[list[list[int]]]:
+        """Phase 2 and the candidate stage orders of one pipeline (cached: pipelines recur across TP maps)."""
         cl = self.cm.cluster
         key = (tuple(devices), tuple(tp_of(m) for m in sorted({cl.devices[d].machine for d in devices})))
         if key not in self._phase2:
-            self._phase2[key] = order_stages(cl, split_stages(cl, devices, tp_of, self.cm.config.num_heads))
+            self._phase2[key] = stage_orders(cl, split_stages(cl, devices, tp_of, self.cm.config.num_heads))
         return self._phase2[key]
 
     def evaluate(self, k: int, tp: dict[str, int]) -> tuple[Optional[ClusterLayout], float]:
         cl, heads = self.cm.cluster, self.cm.config.num_heads
         tp_of = lambda m: tp[cl.machines[m].gpu.name]
-        pipes = [stage_layouts(self.cm, self.stages(g, tp_of)) for g in self.pipelines(k)]
+        pipes = [[stage_layouts(self.cm, o) for o in self.stages(g, tp_of)] for g in self.pipelines(k)]
         best, best_t = None, math.inf
         for mb in self.options.micro_batch_sizes:
             layout = build_layout(self.cm, pipes, self.options.global_batch_size, mb)

@@ -38,8 +38,9 @@ def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit
 
 def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunks: int,
                  n_pipes: int) -> Optional[tuple[StageLayout, ...]]:
-    """Layers per stage minimising the slowest stage (greedy on per-layer time, exact for min-max)
-    subject to each stage's memory; None when the model does not fit."""
+    """Layers per stage minimising the slowest stage (the head's time counted on the last; adding layers
+    one at a time where the stage stays fastest is exact for this min-max) subject to each stage's
+    memory; None when the model does not fit."""
     L = cm.config.num_layers
     if len(stages) > L:
         return None
@@ -49,14 +50,16 @@ def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunk
     if min(caps) < 1 or sum(caps) < L:
         return None
     tau = [layer_time(cm, st, mb) for st in stages]
+    last = stages[-1]
+    fixed = [0.0] * (len(stages) - 1) + [4 * mb * cm.model.head_flops(last.tp) / cm.rate(last.machine)]
     n = [1] * len(stages)
-    heap = [(2 * tau[i], i) for i in range(len(stages)) if caps[i] > 1]
+    heap = [(fixed[i] + 2 * tau[i], i) for i in range(len(stages)) if caps[i] > 1]
     heapq.heapify(heap)
     for _ in range(L - len(stages)):
         t, i = heapq.heappop(heap)
         n[i] += 1
         if n[i] < caps[i]:
-            heapq.heappush(heap, ((n[i] + 1) * tau[i], i))
+            heapq.heappush(heap, (fixed[i] + (n[i] + 1) * tau[i], i))
     return tuple(StageLayout(s.devices, s.machine, k) for s, k in zip(stages, n))
 
 
@@ -125,8 +128,9 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]]
             st = split_layers(cm, stages, guess * micro_batch, guess, k)
             if st is not None:
                 a, w = pipeline_terms(cm, st, micro_batch)
-                if a + (guess - 1) * w < best_t:
-                    best, best_t = st, a + (guess - 1) * w
+                t = a + (guess - 1) * w + cm.update_time(ClusterLayout((PipelineLayout(st, guess, guess),)))
+                if t < best_t:
+                    best, best_t = st, t
         if best is None:
             return None
         first.append(best)

@@ -213,6 +213,7 @@ class StageEstimate:
     capacity: float     # bytes per device
     flops_fwd: float    # per device, per micro-batch
     flops_bwd: float
+    update: float = 0.0  # seconds of the AdamW update (memory-bound)
 
 
 @dataclass(frozen=True)
@@ -319,7 +320,9 @@ class CostModel:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
         mem = self.stage_memory(st, idx, pipe, n_pipes)
         cap = self.cluster.machines[st.machine].memory
-        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb)
+        upd = 7 * PARAM_BYTES * self.stage_params(st, first, last) / (
+            self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
+        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd)
 
     def pipeline_time(self, stages: tuple[StageEstimate, ...], chunks: int) -> float:
         """GPipe / non-interleaved 1F1B: fill and drain once through every stage, then chunks-1 times
@@ -360,14 +363,11 @@ class CostModel:
         return worst
 
     def update_time(self, layout: ClusterLayout) -> float:
-        """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param."""
-        worst = 0.0
-        for p in layout.pipelines:
-            for i, st in enumerate(p.stages):
-                params = self.stage_params(st, i == 0, i == len(p.stages) - 1)
-                bw = self.cluster.machines[st.machine].gpu.mem_gbps * 1e9
-                worst = max(worst, 7 * PARAM_BYTES * params / bw)
-        return worst
+        """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
+        stages update at once, the step waits for the slowest."""
+        n = len(layout.pipelines)
+        return max(self.stage_estimate(st, i, p, n, p.stages[i + 1] if i + 1 < len(p.stages) else None).update
+                   for p in layout.pipelines for i, st in enumerate(p.stages))
 
     def estimate(self, layout: ClusterLayout) -> Estimate:
         n = len(layout.pipelines)

@@ -1,5 +1,6 @@
 """Local refinement guided by the cost model: move a layer between stages, a micro-batch between
-pipelines or a stage's devices (a TP group) between pipelines while the estimate improves.
+pipelines, reverse a pipeline's stage order or move a stage's devices (a TP group) to another pipeline,
+while the estimate improves.
 
 First improvement in a fixed move order, so the result is deterministic; `budget` bounds the number
 of estimates."""
@@ -22,11 +23,11 @@ def _layer_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout
     order = sorted(range(len(layout.pipelines)), key=lambda p: -est.pipeline_time[p])
     for p in order:
         pipe, times = layout.pipelines[p], est.stages[p]
-        src = max(range(len(pipe.stages)), key=lambda i: (times[i].fwd + times[i].bwd, -i))
-        if pipe.stages[src].layers <= 1:
-            continue
-        for dst in range(len(pipe.stages)):
-            if dst == src:
+        slowest = max(range(len(pipe.stages)), key=lambda i: (times[i].fwd + times[i].bwd, -i))
+        # the stage whose optimizer update takes longest (parameters over memory bandwidth)
+        heaviest = max(range(len(pipe.stages)), key=lambda i: (times[i].update, -i))
+        for src, dst in [(s, d) for s in dict.fromkeys((slowest, heaviest)) for d in range(len(pipe.stages))]:
+            if dst == src or pipe.stages[src].layers <= 1:
                 continue
             st = list(pipe.stages)
             a, b = st[src], st[dst]
@@ -80,6 +81,13 @@ def _device_moves(cm: CostModel, layout: ClusterLayout, est: Estimate) -> Iterat
             yield _replace(out, dst, PipelineLayout(new_b, b.batch, b.chunks))
 
 
+def _reverse_moves(layout: ClusterLayout) -> Iterator[ClusterLayout]:
+    """A pipeline's stages in reverse order (the embedding and the head change ends)."""
+    for p, pipe in enumerate(layout.pipelines):
+        if len(pipe.stages) > 1:
+            yield _replace(layout, p, PipelineLayout(pipe.stages[::-1], pipe.batch, pipe.chunks))
+
+
 def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000) -> tuple[ClusterLayout, Estimate]:
     """Hill-climb from `layout`; returns the best layout found and its estimate."""
     est = cm.estimate(layout)
@@ -87,7 +95,8 @@ def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000) -> tuple[Cl
     improved = True
     while improved and spent < budget:
         improved = False
-        for moves in (_layer_moves(layout, est), _batch_moves(layout, est), _device_moves(cm, layout, est)):
+        for moves in (_layer_moves(layout, est), _batch_moves(layout, est), _reverse_moves(layout),
+                      _device_moves(cm, layout, est)):
             for cand in moves:
                 spent += 1
                 e = cm.estimate(cand)

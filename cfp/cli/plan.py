@@ -56,7 +56,8 @@ def _table(cm, layout, est) -> str:
     for p, (pipe, ests) in enumerate(zip(layout.pipelines, est.stages)):
         for s, (st, e) in enumerate(zip(pipe.stages, ests)):
             ids = st.devices
-            span = f"{ids[0]}-{ids[-1]}" if list(ids) == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+            contiguous = len(ids) > 1 and list(ids) == list(range(ids[0], ids[-1] + 1))
+            span = f"{ids[0]}-{ids[-1]}" if contiguous else ",".join(map(str, ids))
             rows.append((str(p), str(s), f"{cl.machines[st.machine].gpu.name} [{span}]", str(st.tp),
                          str(st.layers), f"{pipe.chunks} x {pipe.micro_batch}",
                          f"{e.memory / 1e9:.2f}/{e.capacity / 1e9:.0f} GB", f"{(e.fwd + e.bwd) * 1e3:.1f} ms"))

@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "train": "cfp.cli.train",
     "launch": "cfp.cli.launch",
     "data": "cfp.cli.data",
+    "plan": "cfp.cli.plan",
 }
 
 

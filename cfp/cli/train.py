@@ -35,14 +35,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog="Multi-process: cfp launch --nprocs 2 --devices-per-proc 4 -- cfp train ... "
                "(each stage's devices must belong to one process; see cfp.runtime.launch for "
                "multi-host use).")
-    p.add_argument("--model", required=True, choices=("llama2", "gpt", "moe", "bert"))
+    p.add_argument("--layout", default=None, metavar="FILE",
+                   help="a layout file from `cfp plan`: sets the model, config and layout flags")
+    p.add_argument("--model", default=None, choices=("llama2", "gpt", "moe", "bert"),
+                   help="model family (required unless --layout)")
     p.add_argument("--config", default="tiny", help="named model config (default: tiny)")
     p.add_argument("--num-layers", type=_pos_int, default=None, help="override the config's layers")
     p.add_argument("--seq-len", type=_pos_int, default=None, help="override the config's seq_len")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (parameters stay float32 master weights)")
-    p.add_argument("--hetero-configs", "--hetero_configs", required=True,
-                   help='per pipeline, the TP degree of each stage, e.g. "[[2,1,1],[4]]"')
+    p.add_argument("--hetero-configs", "--hetero_configs", default=None,
+                   help='per pipeline, the TP degree of each stage, e.g. "[[2,1,1],[4]]" (required '
+                        'unless --layout)')
     p.add_argument("--layer-partitions", "--layer_partitions", default=None,
                    help='per pipeline, layers per stage (default: split evenly), e.g. "[[2,1,1],[4]]"')
     p.add_argument("--global-batch-size", "--global_batch_size", type=_pos_int, nargs="+", default=[8],
@@ -90,6 +94,8 @@ def _even_partition(hetero: str, num_layers: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cfp.planner.layout_file import train_args_from_layout
+    vars(args).update(train_args_from_layout(args))
     from cfp.runtime.launch import maybe_initialize_distributed
     maybe_initialize_distributed()  # before any device use
     from cfp.cli.common import ensure_host_devices

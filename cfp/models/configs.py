@@ -257,6 +257,10 @@ CONFIGS: dict[str, dict[str, Config]] = {
         "13B": LlamaConfig(4096, 5120, 40, 40, 32000, ffn_size=13824),
         # Hydraulis' largest model; LLaMA-33B widths (hidden 6656, 60 layers, 52 heads, FFN 17920).
         "32B": LlamaConfig(4096, 6656, 60, 52, 32000, ffn_size=17920),
+        # LLaMA 33B ("30B"; Touvron et al. 2023, Table 2; ffn from its released config) and Llama-2 70B
+        # (Touvron et al. 2023b: grouped-query attention with 8 KV heads).
+        "30B": LlamaConfig(2048, 6656, 60, 52, 32000, ffn_size=17920),
+        "70B": LlamaConfig(4096, 8192, 80, 64, 32000, ffn_size=28672, num_kv_heads=8),
     },
     "moe": {
         "tiny": _moe(64, 64, 2, 4, 512, 4, 64),

@@ -1,0 +1,145 @@
+"""`cfp plan`: from a cluster file of mixed devices to a layout `cfp train --layout` runs (HexiScale).
+
+Example::
+
+    cfp plan --cluster examples/clusters/paper-7b-13b-a.yaml --model llama2 --config 7B --compare
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cfp.cli.common import positive_int
+from cfp.errors import ConfigError, InfeasibleError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="plan a heterogeneous 3D-parallel layout for a cluster",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", required=True, metavar="FILE", help="cluster file (YAML)")
+    p.add_argument("--model", required=True, choices=("gpt", "llama2"))
+    p.add_argument("--config", default="tiny", help="named model config (default: tiny)")
+    p.add_argument("--num-layers", type=positive_int, default=None)
+    p.add_argument("--seq-len", type=positive_int, default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute dtype (default: the config's; the paper comparisons use bfloat16)")
+    p.add_argument("--global-batch-size", type=positive_int, default=None,
+                   help="sequences per step (default: 4 per device)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the layout file (JSON) here")
+    p.add_argument("--compare", action="store_true",
+                   help="also estimate a Megatron-style layout, a greedy heuristic and, up to 16 devices, "
+                        "the exhaustive optimum")
+    p.set_defaults(func=run)
+    return p
+
+
+def load_cluster_file(path: str):
+    import yaml
+
+    from cfp.planner.cluster import parse_cluster
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read cluster file {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cluster file {path!r} is not YAML: {str(e).splitlines()[0]}") from None
+    return parse_cluster(data)
+
+
+def _table(cm, layout, est) -> str:
+    cl = cm.cluster
+    head = ("pipeline", "stage", "GPUs", "TP", "layers", "micro-batches", "memory (est.)", "time/mb (est.)")
+    rows = []
+    for p, (pipe, ests) in enumerate(zip(layout.pipelines, est.stages)):
+        for s, (st, e) in enumerate(zip(pipe.stages, ests)):
+            ids = st.devices
+            contiguous = len(ids) > 1 and list(ids) == list(range(ids[0], ids[-1] + 1))
+            span = f"{ids[0]}-{ids[-1]}" if contiguous else ",".join(map(str, ids))
+            rows.append((str(p), str(s), f"{cl.machines[st.machine].gpu.name} [{span}]", str(st.tp),
+                         str(st.layers), f"{pipe.chunks} x {pipe.micro_batch}",
+                         f"{e.memory / 1e9:.2f}/{e.capacity / 1e9:.0f} GB", f"{(e.fwd + e.bwd) * 1e3:.1f} ms"))
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows])
+
+
+def _compare(cm, options, planned) -> list[str]:
+    from cfp.planner.baselines import greedy_layout, megatron_layout
+    from cfp.planner.exhaustive import MAX_DEVICES, exhaustive_layout
+    lines = ["comparison (estimated, same cost model):",
+             f"  {'planner (HexiScale)':<28} step {planned.step_time:9.4f} s  MFU {100 * planned.mfu:6.2f}%"]
+    for name, fn in (("Megatron-style (uniform)", megatron_layout), ("greedy speed-proportional", greedy_layout)):
+        r = fn(cm, options)
+        lines.append(f"  {name:<28} " + ("no layout fits" if r is None else
+                                         f"step {r[1].step_time:9.4f} s  MFU {100 * r[1].mfu:6.2f}%"))
+    if cm.cluster.num_devices <= MAX_DEVICES:
+        try:
+            lay, e, n = exhaustive_layout(cm, options)
+            lines.append(f"  {'exhaustive optimum':<28} step {e.step_time:9.4f} s  MFU {100 * e.mfu:6.2f}%"
+                         f"  ({n} layouts; planner within {100 * (planned.step_time / e.step_time - 1):.2f}%)")
+        except InfeasibleError as err:
+            lines.append(f"  {'exhaustive optimum':<28} skipped: {err}")
+    else:
+        lines.append(f"  {'exhaustive optimum':<28} skipped: more than {MAX_DEVICES} devices")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from cfp.models import get_config
+    from cfp.planner.costmodel import CostModel
+    from cfp.planner.layout_file import LayoutFile, write_layout_file
+    from cfp.planner.options import PlannerOptions
+    from cfp.planner.planner import find_layout
+
+    t0 = time.perf_counter()
+    cluster = load_cluster_file(args.cluster)
+    overrides = {k: v for k, v in (("num_layers", args.num_layers), ("seq_len", args.seq_len),
+                                   ("dtype", args.dtype)) if v is not None}
+    config = get_config(args.model, args.config, **overrides)
+    options = PlannerOptions(global_batch_size=args.global_batch_size or 4 * cluster.num_devices,
+                             schedule=args.schedule)
+    result = _plan_with_progress(cluster, config, options)
+    cm = CostModel(config, cluster, options.schedule)
+    est = result.estimate
+    print(f"cluster: {cluster.summary()} ({cluster.num_devices} devices); model {args.model} {args.config} "
+          f"({config.num_layers} layers, seq {config.seq_len}, {config.dtype}); global batch "
+          f"{options.global_batch_size}; schedule {options.schedule.value}")
+    print(_table(cm, result.layout, est))
+    print(f"estimated step time: {est.step_time:.4f} s (slowest pipeline {max(est.pipeline_time):.4f} s, "
+          f"gradient sync {est.dp_time:.4f} s, update {est.update_time:.4f} s)")
+    if args.compare:
+        print("\n".join(_compare(cm, options, est)))
+    if args.out:
+        lf = LayoutFile(args.model, args.config, overrides, options.schedule, result.layout.lists(),
+                        _estimate_dict(est), cluster.to_dict())
+        write_layout_file(args.out, lf)
+        print(f"layout written to {args.out}")
+    print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog peaks, {cm.precision.value})")
+    print(f"estimated tokens/s: {est.tokens_per_s:.0f}")
+    print(f"planning time: {time.perf_counter() - t0:.2f} s (measured)")
+    sys.stdout.flush()
+    return 0
+
+
+def _plan_with_progress(cluster, config, options):
+    from rich.progress import Progress
+
+    from cfp.planner.planner import find_layout
+    with Progress(transient=True, console=_stderr_console()) as bar:
+        task = bar.add_task("planning", total=None)
+        return find_layout(cluster, config, options,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _stderr_console():
+    from rich.console import Console
+    return Console(stderr=True)
+
+
+def _estimate_dict(est) -> dict:
+    return {"step_time_s": est.step_time, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
+            "pipeline_time_s": list(est.pipeline_time), "gradient_sync_s": est.dp_time,
+            "stage_memory_bytes": [[s.memory for s in row] for row in est.stages], "estimated": True}

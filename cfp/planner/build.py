@@ -1,0 +1,147 @@
+"""From device groups to an estimated layout: layers split by stage speed under memory limits, the
+global batch split by pipeline throughput into micro-batches."""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Optional, Sequence
+
+from cfp.hardware.collectives import collective_time
+from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+
+
+def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[StageLayout]:
+    devs = cm.cluster.devices
+    return [StageLayout(tuple(g), devs[g[0]].machine, 0) for g in groups]
+
+
+def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
+    """Seconds one layer adds to a stage's forward + backward of one micro-batch."""
+    m = cm.model
+    intra = cm.cluster.machines[st.machine].intra_bandwidth
+    ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+    return 4 * mb * m.layer_flops(st.tp) / cm.rate(st.machine) + 6 * ar
+
+
+def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:
+    """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
+    the number of layers)."""
+    st = pipe.stages[i]
+    cap = cm.cluster.machines[st.machine].memory
+    s0, s1, a0, a1 = cm.memory_terms(st, i, pipe, n_pipes)
+    # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
+    n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
+    n2 = (cap / (3 + n_pipes) - s0) / s1
+    n = int(math.floor(min(n1, n2) * (1 + 1e-12)))
+    return max(0, min(limit, n))
+
+
+def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunks: int,
+                 n_pipes: int) -> Optional[tuple[StageLayout, ...]]:
+    """Layers per stage minimising the slowest stage (the head's time counted on the last; adding layers
+    one at a time where the stage stays fastest is exact for this min-max) subject to each stage's
+    memory; None when the model does not fit."""
+    L = cm.config.num_layers
+    if len(stages) > L:
+        return None
+    mb = batch // chunks
+    pipe = PipelineLayout(tuple(stages), batch, chunks)
+    caps = [_max_layers(cm, pipe, i, n_pipes, L) for i in range(len(stages))]
+    if min(caps) < 1 or sum(caps) < L:
+        return None
+    tau = [layer_time(cm, st, mb) for st in stages]
+    last = stages[-1]
+    fixed = [0.0] * (len(stages) - 1) + [4 * mb * cm.model.head_flops(last.tp) / cm.rate(last.machine)]
+    n = [1] * len(stages)
+    heap = [(fixed[i] + 2 * tau[i], i) for i in range(len(stages)) if caps[i] > 1]
+    heapq.heapify(heap)
+    for _ in range(L - len(stages)):
+        t, i = heapq.heappop(heap)
+        n[i] += 1
+        if n[i] < caps[i]:
+            heapq.heappush(heap, (fixed[i] + (n[i] + 1) * tau[i], i))
+    return tuple(StageLayout(s.devices, s.machine, k) for s, k in zip(stages, n))
+
+
+def pipeline_terms(cm: CostModel, stages: Sequence[StageLayout], micro_batch: int) -> tuple[float, float]:
+    """(A, W) with the pipeline's time at c micro-batches A + (c - 1) * W (stage times depend on the
+    micro-batch size only)."""
+    n = len(stages)
+    probe = PipelineLayout(tuple(stages), micro_batch, 1)
+    ests = tuple(cm.stage_estimate(st, i, probe, 1, stages[i + 1] if i + 1 < n else None)
+                 for i, st in enumerate(stages))
+    a = cm.pipeline_time(ests, 1)
+    return a, cm.pipeline_time(ests, 2) - a
+
+
+def max_chunks(cm: CostModel, stages: Sequence[StageLayout], micro_batch: int, n_pipes: int, limit: int) -> int:
+    """Most micro-batches (<= limit) the pipeline holds within memory: only the stored stage inputs grow
+    with them (without bound under GPipe, up to the number of stages from it on under 1F1B)."""
+    n, best = len(stages), limit
+    probe = PipelineLayout(tuple(stages), micro_batch, 1)   # one stored input per stage
+    for i, st in enumerate(stages):
+        s0, s1, a0, a1 = cm.memory_terms(st, i, probe, n_pipes)
+        per_input = micro_batch * (cm.config.seq_len * 4 if i == 0 else cm.model.boundary_bytes())
+        params = s0 + st.layers * s1
+        cap = cm.cluster.machines[st.machine].memory
+        if (3 + n_pipes) * params > cap:
+            return 0
+        stored = math.floor((cap - 4 * params - (a0 - per_input) - st.layers * a1) / per_input * (1 + 1e-12))
+        if stored < 1:
+            return 0
+        if cm.stored_inputs(i, n, limit) > stored:   # the schedule would store more than fits
+            best = min(best, stored)
+    return best
+
+
+def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], total: int) -> Optional[list[int]]:
+    """Micro-batches per pipeline minimising the slowest pipeline, A_p + (c_p - 1) * W_p, with
+    1 <= c_p <= caps[p]; adding one at a time to the pipeline that stays fastest is optimal for a
+    min-max of increasing functions. None when the caps cannot hold `total`."""
+    k = len(terms)
+    if total < k or sum(caps) < total or min(caps) < 1:
+        return None
+    c = [1] * k
+    heap = [(a + w, p) for p, (a, w) in enumerate(terms) if caps[p] > 1]
+    heapq.heapify(heap)
+    for _ in range(total - k):
+        _, p = heapq.heappop(heap)
+        c[p] += 1
+        if c[p] < caps[p]:
+            heapq.heappush(heap, (terms[p][0] + c[p] * terms[p][1], p))
+    return c
+
+
+def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]], global_batch: int,
+                 micro_batch: int) -> Optional[ClusterLayout]:
+    """`pipes`: per pipeline, candidate stage orders. Layers split by stage speed (memory checked at an even share of micro-batches), micro-batches
+    split by pipeline time under memory, then layers re-split with the real micro-batch counts."""
+    k = len(pipes)
+    if global_batch % micro_batch or global_batch // micro_batch < k:
+        return None
+    total = global_batch // micro_batch
+    guess = max(1, total // k)
+    first = []
+    for orders in pipes:
+        best, best_t = None, math.inf
+        for stages in orders:   # candidate stage orders of this pipeline: the fastest at an even share
+            st = split_layers(cm, stages, guess * micro_batch, guess, k)
+            if st is not None:
+                a, w = pipeline_terms(cm, st, micro_batch)
+                t = a + (guess - 1) * w + cm.update_time(ClusterLayout((PipelineLayout(st, guess, guess),)))
+                if t < best_t:
+                    best, best_t = st, t
+        if best is None:
+            return None
+        first.append(best)
+    chunks = allocate_chunks([pipeline_terms(cm, st, micro_batch) for st in first],
+                             [max_chunks(cm, st, micro_batch, k, total) for st in first], total)
+    if chunks is None:
+        return None
+    out = []
+    for stages, c in zip(first, chunks):
+        st = split_layers(cm, stages, c * micro_batch, c, k)
+        if st is None:
+            return None
+        out.append(PipelineLayout(st, c * micro_batch, c))
+    return ClusterLayout(tuple(out))

@@ -1,0 +1,87 @@
+"""The cost model against the runtime's compiled stage programs on this machine.
+
+For every stage of a layout it lowers and compiles the runtime's forward, backward and update programs
+(`cfp.runtime.stage.StageProgram`, abstract arguments, nothing runs) and sets the cost model's figures
+beside XLA's: per-device FLOPs of one micro-batch's forward and backward (`cost_analysis()["flops"]`)
+and the bytes of the backward and update programs (`memory_analysis()`: arguments + outputs + temporaries
+- aliased). The model's backward figure is the params and gradient accumulator, the stage input and its
+gradient, and one micro-batch's stage activations; its update figure is params, Adam moments and one
+gradient per pipeline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cfp.planner.costmodel import PARAM_BYTES, ClusterLayout, CostModel
+
+
+@dataclass(frozen=True)
+class StageCheck:
+    stage: tuple[int, int]
+    flops_fwd: tuple[float, float]     # (estimated, compiled)
+    flops_bwd: tuple[float, float]
+    bytes_bwd: tuple[float, float]
+    bytes_update: tuple[float, float]
+
+    def errors(self) -> dict[str, float]:
+        """Relative error of the estimate per figure: (estimated - compiled) / compiled."""
+        return {name: (e - c) / c for name, (e, c) in (
+            ("flops_fwd", self.flops_fwd), ("flops_bwd", self.flops_bwd),
+            ("bytes_bwd", self.bytes_bwd), ("bytes_update", self.bytes_update))}
+
+
+def _program_bytes(compiled) -> float:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def _model_figures(cm: CostModel, layout: ClusterLayout, p: int, i: int) -> tuple[float, float, float, float]:
+    pipe = layout.pipelines[p]
+    st, n = pipe.stages[i], len(layout.pipelines)
+    first, last = i == 0, i == len(pipe.stages) - 1
+    ff, fb = cm.stage_flops(st, first, last, pipe.micro_batch)
+    s0, s1, a0, a1 = cm.memory_terms(st, i, pipe, n)
+    params = s0 + st.layers * s1
+    mb, m = pipe.micro_batch, cm.model
+    x_in = mb * (cm.config.seq_len * 4 if first else m.boundary_bytes())
+    g_out = 0 if last else mb * m.boundary_bytes()
+    acts = mb * (st.layers * m.layer_activation_bytes(st.tp) + (m.head_activation_bytes(st.tp) if last else 0))
+    acts += PARAM_BYTES * m.embed_params() if first else 0.0
+    bwd = 2 * params + x_in + g_out + (0 if first else x_in) + acts
+    update = params * (3 + n)
+    return ff, fb, bwd, update
+
+
+def check_compiled_stages(model_name: str, config: Any, cm: CostModel, layout: ClusterLayout) -> list[StageCheck]:
+    """Compile every stage of `layout` (devices of this process) and compare; see the module doc."""
+    import jax
+    import jax.numpy as jnp
+
+    from cfp.runtime.engine import HeteroTrainer, _with_sharding
+    from cfp.runtime.layout import HeteroLayout
+
+    hl = HeteroLayout.from_lists(**layout.lists())
+    trainer = HeteroTrainer(model_name, config, hl)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    out = []
+    for (p, i), prog in sorted(trainer.programs.items()):
+        pipe, st = hl.pipelines[p], prog.stage
+        params = _with_sharding(prog.params_like, prog.shardings)
+        opt = _with_sharding(jax.eval_shape(trainer.tx.init, prog.params_like), prog.opt_shardings)
+        tok = jax.ShapeDtypeStruct((pipe.micro_batch_size, config.seq_len), jnp.int32, sharding=prog.repl)
+        x = tok if st.is_first else _with_sharding(trainer._act_shape(pipe.stages[i - 1].key), prog.repl)
+        if st.is_last:
+            w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=prog.repl)
+            fwd = prog.fwd.lower(params, x, tok, w, scalar).compile()
+            bwd = prog.bwd.lower(params, x, tok, w, scalar, scalar, params).compile()
+        else:
+            y = _with_sharding(trainer._act_shape((p, i)), prog.repl)
+            fwd = prog.fwd.lower(params, x).compile()
+            bwd = prog.bwd.lower(params, x, y, scalar, params).compile()
+        upd = prog.update.lower(params, opt, [params] * len(hl.pipelines)).compile()
+        ff, fb, mb, mu = _model_figures(cm, layout, p, i)
+        out.append(StageCheck((p, i), (ff, fwd.cost_analysis()["flops"]), (fb, bwd.cost_analysis()["flops"]),
+                              (mb, _program_bytes(bwd)), (mu, _program_bytes(upd))))
+    return out

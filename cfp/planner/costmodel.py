@@ -1,0 +1,393 @@
+"""The planner's cost model of one training step of a decoder model on a heterogeneous layout.
+
+Per layer and per sequence it counts the dots' FLOPs exactly as the model zoo writes them (q/k/v/out
+projections, the two attention einsums, the MLP) plus a small elementwise term, and parameters per
+device under the runtime's Megatron shardings (`cfp.runtime.sharding`: a dimension TP does not divide
+stays replicated). The runtime keeps only each micro-batch's stage input between forward and backward
+and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
+(recompute + 2x for the gradients) and its activation peak is one micro-batch's whole stage.
+
+Step time = slowest pipeline (closed form of GPipe / non-interleaved 1F1B: the sum of the stage
+times plus (m-1) times the slowest stage, sends included) + gradient sync across pipelines (ring
+all-reduce per layer over the slowest link) + the memory-bound AdamW update. Collectives come from
+`cfp.hardware.collectives.collective_time`. Unlike FlashFlex's model no empirical factors (1.8, 1.1)
+are applied: they were fitted to its testbed and nothing here can re-fit them.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from cfp.errors import ConfigError
+from cfp.hardware.collectives import collective_time
+from cfp.hardware.gpus import GpuSpec, Precision
+from cfp.models.configs import GPTConfig, LlamaConfig
+from cfp.planner.cluster import Cluster
+from cfp.runtime.schedules import ScheduleName
+
+def _memo(fn):
+    """Per-instance memo of a ModelCost figure (its arguments are small ints)."""
+    @functools.wraps(fn)
+    def wrapper(self, *args):
+        key = (fn.__name__,) + args
+        table = self._memo
+        if key not in table:
+            table[key] = fn(self, *args)
+        return table[key]
+    return wrapper
+
+
+PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
+# Assumed fraction of the dense datasheet peak a large transformer dot reaches on a GPU. An assumption
+# of this planner, not a measurement; the `cpu` entry's peak is already a measured matmul rate.
+GPU_MATMUL_EFFICIENCY = 0.7
+
+
+def achievable_flops(gpu: GpuSpec, precision: Precision) -> float:
+    """FLOP/s a transformer's dots reach on `gpu` in `precision`: the ONE place the planner takes device
+    rates from (swap in the shared precision/shape-aware rates here)."""
+    return gpu.peak(precision) * (1.0 if gpu.name == "cpu" else GPU_MATMUL_EFFICIENCY)
+
+
+def precision_of(dtype: str) -> Precision:
+    """bfloat16 compute runs on BF16 tensor cores; float32 is counted at the FP32 rate (conservative:
+    XLA:GPU may use TF32 under JAX's default matmul precision)."""
+    return Precision.BF16 if dtype == "bfloat16" else Precision.FP32
+
+
+# ----------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class StageLayout:
+    """One stage: its devices (one machine), TP degree = len(devices), number of layers."""
+    devices: tuple[int, ...]
+    machine: int
+    layers: int
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    stages: tuple[StageLayout, ...]
+    batch: int      # sequences per step
+    chunks: int     # micro-batches
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch // self.chunks
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """Data-parallel pipelines over a cluster (FlashFlex semantics)."""
+    pipelines: tuple[PipelineLayout, ...]
+
+    @property
+    def global_batch(self) -> int:
+        return sum(p.batch for p in self.pipelines)
+
+    def lists(self) -> dict[str, list]:
+        """The runtime's fields (`cfp.runtime.layout.HeteroLayout.from_lists`)."""
+        return {"hetero_configs": [[s.tp for s in p.stages] for p in self.pipelines],
+                "layer_partitions": [[s.layers for s in p.stages] for p in self.pipelines],
+                "global_batch_size": [p.batch for p in self.pipelines],
+                "chunks": [p.chunks for p in self.pipelines],
+                "devices_id": [[list(s.devices) for s in p.stages] for p in self.pipelines]}
+
+
+# ----------------------------------------------------------------------------- model figures
+@dataclass(frozen=True)
+class ModelCost:
+    """Per-sequence figures of one decoder config (FLOPs forward, elements, parameter counts)."""
+    config: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "_memo", {})
+        if not isinstance(self.config, (GPTConfig, LlamaConfig)):
+            raise ConfigError(f"the planner's cost model covers decoder models gpt and llama2, got "
+                              f"{type(self.config).__name__}")
+
+    @property
+    def llama(self) -> bool:
+        return isinstance(self.config, LlamaConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.num_kv_heads if self.llama else self.config.num_heads
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.config.dtype == "bfloat16" else 4
+
+    # -- parameters
+    @_memo
+    def layer_params(self, tp: int = 1) -> float:
+        """Parameters of one layer held by one device at TP degree `tp`."""
+        c, h = self.config, self.config.hidden_size
+        kv = self.kv_heads * c.head_dim
+        kv_div = tp if self.kv_heads % tp == 0 else 1
+        if self.llama:
+            return (2 * h * h / tp + 2 * h * kv / kv_div + 3 * h * c.ffn_size / tp + 2 * h)
+        # GPT: biases of column-parallel q/k/v/fc_in are split, out/fc_out biases and LayerNorms not
+        return (4 * h * h + 3 * h + 2 * h * c.ffn_size + c.ffn_size) / tp + 2 * h + 4 * h
+
+    @_memo
+    def embed_params(self) -> float:
+        c = self.config
+        return c.vocab_size * c.hidden_size + (0 if self.llama else c.seq_len * c.hidden_size)
+
+    @_memo
+    def head_params(self, tp: int = 1) -> float:
+        c = self.config
+        div = tp if c.vocab_size % tp == 0 else 1
+        return c.hidden_size * c.vocab_size / div + (1 if self.llama else 2) * c.hidden_size
+
+    # -- FLOPs per sequence, forward
+    @_memo
+    def layer_dot_flops(self, tp: int = 1) -> float:
+        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
+        kv = self.kv_heads * c.head_dim
+        kv_div = tp if self.kv_heads % tp == 0 else 1
+        mlp = (3 if self.llama else 2) * 2 * s * h * c.ffn_size
+        return (4 * s * h * h + 4 * s * s * h + mlp) / tp + 4 * s * h * kv / kv_div
+
+    @_memo
+    def layer_elementwise_flops(self, tp: int = 1) -> float:
+        """Softmax (~5 per score), norms and residuals (~10 per hidden element), activation (~5 per
+        MLP element), RoPE (~6 per q/k element): a rough count, small next to the dots."""
+        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
+        rope = 6 * s * (h + self.kv_heads * c.head_dim) if self.llama else 0
+        return (5 * c.num_heads * s * s + 5 * s * c.ffn_size + rope) / tp + 10 * s * h
+
+    @_memo
+    def layer_flops(self, tp: int = 1) -> float:
+        return self.layer_dot_flops(tp) + self.layer_elementwise_flops(tp)
+
+    @_memo
+    def head_flops(self, tp: int = 1) -> float:
+        c, s = self.config, self.config.seq_len
+        div = tp if c.vocab_size % tp == 0 else 1
+        return (2 * s * c.hidden_size * c.vocab_size + 5 * s * c.vocab_size) / div + 10 * s * c.hidden_size
+
+    @_memo
+    def model_flops_per_sequence(self) -> float:
+        """Dot FLOPs of forward + backward without recomputation (the MFU numerator)."""
+        c = self.config
+        return 3 * (c.num_layers * self.layer_dot_flops(1) + 2 * c.seq_len * c.hidden_size * c.vocab_size)
+
+    # -- activation bytes per sequence
+    @_memo
+    def layer_activation_bytes(self, tp: int = 1) -> float:
+        """Bytes one layer's recomputed forward keeps for its backward, per sequence: hidden-size
+        tensors (input, norms, residual), q/k/v/attention output, float32 scores and probabilities,
+        MLP intermediates."""
+        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
+        kv = self.kv_heads * c.head_dim * (1 if self.kv_heads % tp == 0 else tp)
+        mlp_tensors = 4 if self.llama else 2
+        per_token = 5 * h + (2 * h + 2 * kv + mlp_tensors * c.ffn_size) / tp
+        return s * per_token * self.act_bytes + 3 * 4 * c.num_heads * s * s / tp
+
+    @_memo
+    def head_activation_bytes(self, tp: int = 1) -> float:
+        c = self.config
+        div = tp if c.vocab_size % tp == 0 else 1
+        return 3 * 4 * c.seq_len * c.vocab_size / div  # float32 logits, log-softmax, their gradient
+
+    @_memo
+    def boundary_bytes(self) -> float:
+        """Bytes per sequence of the activation (or its gradient) sent between stages."""
+        return self.config.seq_len * self.config.hidden_size * self.act_bytes
+
+
+# ----------------------------------------------------------------------------- estimate
+@dataclass(frozen=True)
+class StageEstimate:
+    fwd: float          # seconds per micro-batch, compute + TP collectives
+    bwd: float
+    send: float         # seconds to send one micro-batch's activation to the next stage
+    memory: float       # peak bytes per device
+    capacity: float     # bytes per device
+    flops_fwd: float    # per device, per micro-batch
+    flops_bwd: float
+    update: float = 0.0  # seconds of the AdamW update (memory-bound)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_time: float
+    tokens_per_s: float
+    mfu: float
+    pipeline_time: tuple[float, ...]
+    dp_time: float
+    update_time: float
+    stages: tuple[tuple[StageEstimate, ...], ...]
+    fits: bool
+    peak_flops: float = field(repr=False, default=0.0)
+
+    @property
+    def objective(self) -> float:
+        """What the planner minimises: step time per sequence, infinite when memory does not fit."""
+        return self.step_time if self.fits else math.inf
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Estimates a `ClusterLayout` of `config` on `cluster` with `schedule`."""
+    config: Any
+    cluster: Cluster
+    schedule: ScheduleName = ScheduleName.GPIPE
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", ModelCost(self.config))
+        object.__setattr__(self, "precision", precision_of(self.config.dtype))
+        object.__setattr__(self, "_machines", self.cluster.machine_of())
+        object.__setattr__(self, "_peak", [m.gpu.peak(self.precision) for m in self.cluster.machines])
+        object.__setattr__(self, "_rate", [achievable_flops(m.gpu, self.precision) for m in self.cluster.machines])
+        object.__setattr__(self, "_stage_memo", {})
+
+    def rate(self, machine: int) -> float:
+        return self._rate[machine]
+
+    def stored_inputs(self, stage_index: int, num_stages: int, chunks: int) -> int:
+        """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
+        if self.schedule == ScheduleName.ONE_F_ONE_B:
+            return min(chunks, num_stages - stage_index)
+        return chunks
+
+    def stage_flops(self, st: StageLayout, first: bool, last: bool, mb: int) -> tuple[float, float]:
+        """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
+        m = self.model
+        f = mb * (st.layers * m.layer_flops(st.tp) + (m.head_flops(st.tp) if last else 0.0))
+        return f, 3 * f
+
+    def stage_params(self, st: StageLayout, first: bool, last: bool) -> float:
+        m = self.model
+        return (st.layers * m.layer_params(st.tp) + (m.embed_params() if first else 0.0)
+                + (m.head_params(st.tp) if last else 0.0))
+
+    def memory_terms(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int
+                     ) -> tuple[float, float, float, float]:
+        """(s0, s1, a0, a1): a stage of n layers peaks at 4*(s0 + n*s1) + max(a0 + n*a1, (P-1)*(s0 + n*s1))
+        bytes per device (P pipelines), see `stage_memory`."""
+        m, n = self.model, len(pipe.stages)
+        first, last = idx == 0, idx == n - 1
+        s0 = PARAM_BYTES * ((m.embed_params() if first else 0.0) + (m.head_params(st.tp) if last else 0.0))
+        s1 = PARAM_BYTES * m.layer_params(st.tp)
+        mb = pipe.micro_batch
+        inputs = self.stored_inputs(idx, n, pipe.chunks) * mb * (
+            m.config.seq_len * 4 if first else m.boundary_bytes())
+        # the embedding's gradient is built densely (float32) before it joins the accumulator
+        a0 = (inputs + (mb * m.head_activation_bytes(st.tp) if last else 0.0)
+              + (PARAM_BYTES * m.embed_params() if first else 0.0))
+        return s0, s1, a0, mb * m.layer_activation_bytes(st.tp)
+
+    def stage_memory(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> float:
+        """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
+        backward's working set (stored inputs + one micro-batch's stage activations) and the
+        gradients received from the other pipelines at the update."""
+        s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
+        params = s0 + st.layers * s1
+        return 4 * params + max(a0 + st.layers * a1, (n_pipes - 1) * params)
+
+    def stage_estimate(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int,
+                       nxt: StageLayout | None) -> StageEstimate:
+        """Memoised on what the figures depend on (not on which devices of the machine)."""
+        n = len(pipe.stages)
+        key = (st.machine, st.tp, st.layers, idx == 0, idx == n - 1, self.stored_inputs(idx, n, pipe.chunks),
+               pipe.micro_batch, n_pipes, -1 if nxt is None else nxt.machine)
+        memo = self._stage_memo
+        if key not in memo:
+            memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
+        return memo[key]
+
+    def _stage_estimate(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int,
+                        nxt: StageLayout | None) -> StageEstimate:
+        m, n = self.model, len(pipe.stages)
+        first, last = idx == 0, idx == n - 1
+        mb = pipe.micro_batch
+        ff, fb = self.stage_flops(st, first, last, mb)
+        rate = self.rate(st.machine)
+        intra = self.cluster.machines[st.machine].intra_bandwidth
+        ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+        fwd = ff / rate + 2 * st.layers * ar           # one all-reduce after attention, one after MLP
+        bwd = fb / rate + 4 * st.layers * ar           # recomputed forward + backward
+        send = 0.0
+        if nxt is not None:
+            send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
+        mem = self.stage_memory(st, idx, pipe, n_pipes)
+        cap = self.cluster.machines[st.machine].memory
+        upd = 7 * PARAM_BYTES * self.stage_params(st, first, last) / (
+            self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
+        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd)
+
+    def pipeline_time(self, stages: tuple[StageEstimate, ...], chunks: int) -> float:
+        """GPipe / non-interleaved 1F1B: fill and drain once through every stage, then chunks-1 times
+        the slowest stage (with its own sends, which are not overlapped with compute)."""
+        fill = sum(s.fwd + s.bwd + 2 * s.send for s in stages)
+        prev_send = [0.0] + [s.send for s in stages[:-1]]
+        worst = max(s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send))
+        return fill + (chunks - 1) * worst
+
+    def dp_time(self, layout: ClusterLayout) -> float:
+        """Gradient sync: per layer a ring all-reduce over the pipelines of the largest per-device shard
+        among them, over the slowest link; a stage syncs its layers one after another, stages run at
+        once, so the step waits for the slowest stage."""
+        n = len(layout.pipelines)
+        if n == 1:
+            return 0.0
+        m = self.model
+        machines = {s.machine for p in layout.pipelines for s in p.stages}
+        bw = (self.cluster.inter_bandwidth if len(machines) > 1
+              else self.cluster.machines[machines.pop()].intra_bandwidth)
+        min_tp = [math.inf] * m.config.num_layers
+        for p in layout.pipelines:
+            layer = 0
+            for st in p.stages:
+                for l in range(layer, layer + st.layers):
+                    min_tp[l] = min(min_tp[l], st.tp)
+                layer += st.layers
+        per_layer = [collective_time("all-reduce", m.layer_params(int(t)) * PARAM_BYTES, n, bw) for t in min_tp]
+        worst = 0.0
+        for p in layout.pipelines:
+            layer = 0
+            for i, st in enumerate(p.stages):
+                extra = (m.embed_params() if i == 0 else 0) + (m.head_params(1) if i == len(p.stages) - 1 else 0)
+                t = sum(per_layer[layer:layer + st.layers]) + collective_time(
+                    "all-reduce", extra * PARAM_BYTES, n, bw)
+                worst = max(worst, t)
+                layer += st.layers
+        return worst
+
+    def update_time(self, layout: ClusterLayout) -> float:
+        """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
+        stages update at once, the step waits for the slowest."""
+        n = len(layout.pipelines)
+        return max(self.stage_estimate(st, i, p, n, p.stages[i + 1] if i + 1 < len(p.stages) else None).update
+                   for p in layout.pipelines for i, st in enumerate(p.stages))
+
+    def estimate(self, layout: ClusterLayout) -> Estimate:
+        n = len(layout.pipelines)
+        stages, times = [], []
+        for p in layout.pipelines:
+            ests = tuple(self.stage_estimate(st, i, p, n, p.stages[i + 1] if i + 1 < len(p.stages) else None)
+                         for i, st in enumerate(p.stages))
+            stages.append(ests)
+            times.append(self.pipeline_time(ests, p.chunks))
+        dp, upd = self.dp_time(layout), self.update_time(layout)
+        step = max(times) + dp + upd
+        seqs = layout.global_batch
+        peak = sum(s.tp * self._peak[s.machine] for p in layout.pipelines for s in p.stages)
+        mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)
+        fits = all(s.memory <= s.capacity for row in stages for s in row)
+        return Estimate(step, seqs * self.config.seq_len / step, mfu, tuple(times), dp, upd,
+                        tuple(stages), fits, peak)
+
+    def mfu_with_peaks(self, est: Estimate, layout: ClusterLayout, tflops: dict[str, float]) -> float:
+        """MFU of `est` against another peak table (TFLOP/s by catalog name), e.g. a paper's."""
+        used = [d for p in layout.pipelines for s in p.stages for d in s.devices]
+        peak = sum(1e12 * tflops[self.cluster.machines[self._machines[d]].gpu.name] for d in used)
+        return self.model.model_flops_per_sequence() * layout.global_batch / (est.step_time * peak)

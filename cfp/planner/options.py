@@ -1,0 +1,38 @@
+"""Options of the heterogeneous-cluster planner (one dataclass, validated on construction)."""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+from cfp.errors import ConfigError
+from cfp.runtime.schedules import ScheduleName
+
+
+def _positive(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+        raise ConfigError(f"PlannerOptions.{name}={v!r} must be a positive integer")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """`global_batch_size` sequences per step; `micro_batch_sizes` tried per micro-batch;
+    `max_pipelines` caps the data-parallel degree searched (None: as many as the batch allows);
+    `refine_evaluations` bounds the local refinement (a count, not a time, so plans are deterministic)."""
+    global_batch_size: int
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    max_pipelines: int | None = None
+    refine: bool = True
+    refine_evaluations: int = 3000
+
+    def __post_init__(self):
+        _positive("global_batch_size", self.global_batch_size)
+        object.__setattr__(self, "schedule", ScheduleName.parse(self.schedule))
+        if not self.micro_batch_sizes:
+            raise ConfigError("PlannerOptions.micro_batch_sizes=() must list at least one size")
+        object.__setattr__(self, "micro_batch_sizes",
+                           tuple(sorted({_positive("micro_batch_sizes", m) for m in self.micro_batch_sizes})))
+        if self.max_pipelines is not None:
+            _positive("max_pipelines", self.max_pipelines)
+        _positive("refine_evaluations", self.refine_evaluations)

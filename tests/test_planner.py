@@ -1,0 +1,246 @@
+"""Heterogeneous-cluster planner: cluster files, the cost model (against parameter trees and the
+runtime's compiled stages), plan properties on random clusters, the exhaustive optimum, layout files."""
+import itertools
+import json
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from cfp.errors import ConfigError
+from cfp.models import get_config, init_params
+from cfp.planner.build import _max_layers, allocate_chunks, max_chunks, split_layers
+from cfp.planner.cluster import parse_cluster
+from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+from cfp.planner.exhaustive import exhaustive_layout
+from cfp.planner.layout_file import (LayoutFile, load_layout_file, train_args_from_layout,
+                                     write_layout_file)
+from cfp.planner.options import PlannerOptions
+from cfp.planner.planner import find_layout
+from cfp.runtime.layout import HeteroLayout
+from cfp.runtime.schedules import ScheduleName
+from cfp.runtime.sharding import param_specs
+
+LOCAL = {"inter_machine_bandwidth": "1.75GB/s",
+         "machines": [{"gpu": "cpu", "count": 8, "intra_bandwidth": "1.75GB/s"}]}
+
+
+# ----------------------------------------------------------------------------- cluster files
+def test_cluster_units_repeat_and_memory_override():
+    cl = parse_cluster({"inter_machine_bandwidth": "10Gb/s", "machines": [
+        {"gpu": "rtx 4090", "count": 4, "intra_bandwidth": "25GB/s", "repeat": 2},
+        {"gpu": "A100-SXM-80G", "count": 8, "intra_bandwidth": "300 GB/s", "memory": "40GiB"}]})
+    assert cl.num_devices == 16 and len(cl.machines) == 3
+    assert cl.inter_bandwidth == pytest.approx(1.25e9)
+    assert cl.machines[2].memory == 40 * 2 ** 30 and cl.machines[0].memory == 24e9
+    assert [d.machine for d in cl.devices] == [0] * 4 + [1] * 4 + [2] * 8
+
+
+@pytest.mark.parametrize("patch, needle", [
+    ({"gpu": "RTX9090"}, "'RTX9090'"),
+    ({"intra_bandwidth": "25GB"}, "'25GB'"),
+    ({"count": 0}, "count=0"),
+    ({"count": "8"}, "'8'"),
+    ({"memory": "lots"}, "'lots'"),
+    ({"repeat": -1}, "repeat=-1"),
+    ({"colour": "red"}, "'colour'"),
+])
+def test_cluster_errors_name_the_value(patch, needle):
+    machine = dict({"gpu": "RTX3090", "count": 8, "intra_bandwidth": "25GB/s"}, **patch)
+    with pytest.raises(ConfigError) as e:
+        parse_cluster({"inter_machine_bandwidth": "1GB/s", "machines": [machine]})
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- cost model
+def _device_params(tree, tp):
+    """Per-device parameter count of a tree under the runtime's TP shardings."""
+    specs = jax.tree_util.tree_leaves(param_specs(tree, tp), is_leaf=lambda x: hasattr(x, "index"))
+    leaves = jax.tree_util.tree_leaves(tree)
+    return sum(l.size / (tp if any(a is not None for a in s) else 1) for l, s in zip(leaves, specs))
+
+
+@pytest.mark.parametrize("model", ["llama2", "gpt"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_parameter_counts_match_the_model_trees_under_tp(model, tp):
+    cfg = get_config(model, "tiny")
+    like = jax.eval_shape(lambda: init_params(model, cfg, 0))["params"]
+    m = CostModel(cfg, parse_cluster(LOCAL)).model
+    assert m.layer_params(tp) == _device_params(like["layers_0"], tp)
+    assert m.head_params(tp) == _device_params(like["head"], tp)
+    assert m.embed_params() == _device_params(like["embed"], tp)
+
+
+def test_compiled_stages_agree_with_the_cost_model():
+    """FLOPs: dots are counted exactly, elementwise ops roughly (measured within 3.5%; a FLOP count is a
+    property of the HLO, not of the CPU); update bytes are exact tensors (measured < 0.01%); backward
+    bytes depend on XLA's buffer reuse (measured -12%..+0.2%), hence the wider bound."""
+    from cfp.planner.check import check_compiled_stages
+    cfg = get_config("llama2", "small", num_layers=3)
+    S = lambda d, n: StageLayout(tuple(d), 0, n)
+    layout = ClusterLayout((PipelineLayout((S([0, 1], 2), S([2], 1)), 4, 2),
+                            PipelineLayout((S([4, 5, 6, 7], 3),), 4, 1)))
+    checks = check_compiled_stages("llama2", cfg, CostModel(cfg, parse_cluster(LOCAL)), layout)
+    assert len(checks) == 3
+    for c in checks:
+        err = c.errors()
+        assert all(np.isfinite(v) for v in err.values())
+        assert abs(err["flops_fwd"]) < 0.05 and abs(err["flops_bwd"]) < 0.05, (c.stage, err)
+        assert abs(err["bytes_update"]) < 0.01, (c.stage, err)
+        assert abs(err["bytes_bwd"]) < 0.2, (c.stage, err)
+
+
+# ----------------------------------------------------------------------------- random clusters
+GPUS = ["RTX3080Ti", "RTX3090", "RTX4090", "A100-PCIe-40G", "A100-SXM-80G", "L4"]
+
+
+def random_cluster(rng, max_devices):
+    machines, total = [], 0
+    while not machines or (total < max_devices and rng.random() < 0.6):
+        count = rng.choice([c for c in (1, 2, 4, 8) if total + c <= max_devices] or [1])
+        machines.append({"gpu": rng.choice(GPUS), "count": count,
+                         "intra_bandwidth": f"{rng.choice([16, 25, 300])}GB/s"})
+        total += count
+    return parse_cluster({"inter_machine_bandwidth": f"{rng.choice([1.25, 12.5])}GB/s", "machines": machines})
+
+
+def check_plan(cluster, cfg, options, result):
+    lay = result.layout
+    hl = HeteroLayout.from_lists(**lay.lists()).validate_for(cfg, cluster.num_devices)
+    devs = sorted(d for p in lay.pipelines for s in p.stages for d in s.devices)
+    assert devs == list(range(cluster.num_devices))           # every device, once
+    for p in lay.pipelines:
+        assert sum(s.layers for s in p.stages) == cfg.num_layers and all(s.layers >= 1 for s in p.stages)
+        assert p.batch % p.chunks == 0
+        for s in p.stages:
+            assert cfg.num_heads % s.tp == 0
+            assert {cluster.devices[d].machine for d in s.devices} == {s.machine}
+    assert lay.global_batch == options.global_batch_size == hl.total_batch_size
+    est = result.estimate
+    assert est.fits and all(s.memory <= s.capacity for row in est.stages for s in row)
+    assert np.isfinite(est.step_time) and est.step_time > 0 and 0 < est.mfu < 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_clusters_give_valid_plans(seed):
+    rng = random.Random(seed)
+    cluster = random_cluster(rng, 40)
+    # as many layers as half the cluster's memory holds in AdamW state (16 bytes per parameter)
+    room = sum(m.memory * m.count for m in cluster.machines) / 2 / (16 * 202e6)
+    layers = max(2, min(rng.choice([8, 16, 32]), int(room)))
+    cfg = get_config("llama2", "7B", dtype="bfloat16", num_layers=layers, seq_len=rng.choice([512, 2048]))
+    options = PlannerOptions(global_batch_size=rng.choice([16, 32, 64]))
+    result = find_layout(cluster, cfg, options)
+    check_plan(cluster, cfg, options, result)
+    again = find_layout(cluster, cfg, options)
+    assert again.layout == result.layout                       # deterministic
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_planner_is_within_two_percent_of_the_exhaustive_optimum(seed):
+    rng = random.Random(100 + seed)
+    cluster = random_cluster(rng, 6)
+    # a 2048-wide Llama (0.8 GB of AdamW state per layer) fits any of these devices
+    cfg = get_config("llama2", "7B", dtype="bfloat16", num_layers=rng.choice([4, 6]), seq_len=1024,
+                     hidden_size=2048, num_heads=16, ffn_size=5504)
+    options = PlannerOptions(global_batch_size=8, micro_batch_sizes=(1, 2))
+    result = find_layout(cluster, cfg, options)
+    check_plan(cluster, cfg, options, result)
+    cm = CostModel(cfg, cluster, options.schedule)
+    best, est, count = exhaustive_layout(cm, options)
+    assert count > 1
+    assert est.step_time <= result.estimate.step_time * (1 + 1e-9)   # the optimum is a lower bound
+    assert result.estimate.step_time <= 1.02 * est.step_time, (result.layout, best)
+
+
+# ----------------------------------------------------------------------------- building blocks
+def test_closed_form_limits_match_brute_force():
+    cluster = parse_cluster({"inter_machine_bandwidth": "1.25GB/s", "machines": [
+        {"gpu": "RTX3080Ti", "count": 2, "intra_bandwidth": "25GB/s"},
+        {"gpu": "RTX3090", "count": 2, "intra_bandwidth": "25GB/s"}]})
+    cfg = get_config("llama2", "7B", dtype="bfloat16", num_layers=12, seq_len=2048, hidden_size=2048,
+                     num_heads=16, ffn_size=5504)
+    for schedule in ScheduleName:
+        cm = CostModel(cfg, cluster, schedule)
+        stages = [StageLayout((0, 1), 0, 5), StageLayout((2,), 1, 4), StageLayout((3,), 1, 3)]
+        for mb, n_pipes in itertools.product((1, 2), (1, 2)):
+            fits = lambda c: all(cm.stage_memory(s, i, PipelineLayout(tuple(stages), c * mb, c), n_pipes)
+                                 <= cluster.machines[s.machine].memory for i, s in enumerate(stages))
+            brute = max([c for c in range(1, 65) if fits(c)] or [0])
+            assert max_chunks(cm, stages, mb, n_pipes, 64) == brute
+        for i, s in enumerate(stages):
+            pipe = PipelineLayout(tuple(stages), 8, 4)
+            fits = lambda n: cm.stage_memory(StageLayout(s.devices, s.machine, n), i, pipe, 2) <= \
+                cluster.machines[s.machine].memory
+            assert _max_layers(cm, pipe, i, 2, 40) == max([n for n in range(1, 41) if fits(n)] or [0])
+        split = split_layers(cm, [StageLayout(s.devices, s.machine, 0) for s in stages], 4, 4, 1)
+        assert split is not None and sum(s.layers for s in split) == 12
+        pipe = PipelineLayout(split, 4, 4)
+        assert all(cm.stage_memory(s, i, pipe, 1) <= cluster.machines[s.machine].memory
+                   for i, s in enumerate(split))
+
+
+def test_allocate_chunks_is_the_min_max_optimum():
+    rng = random.Random(0)
+    for _ in range(30):
+        k = rng.randint(1, 3)
+        terms = [(rng.uniform(1, 5), rng.uniform(0.1, 2)) for _ in range(k)]
+        caps = [rng.randint(1, 6) for _ in range(k)]
+        total = rng.randint(k, 10)
+        got = allocate_chunks(terms, caps, total)
+        feasible = [c for c in itertools.product(*(range(1, cap + 1) for cap in caps)) if sum(c) == total]
+        if not feasible:
+            assert got is None
+            continue
+        worst = lambda c: max(a + (x - 1) * w for (a, w), x in zip(terms, c))
+        assert worst(got) == pytest.approx(min(worst(c) for c in feasible))
+
+
+# ----------------------------------------------------------------------------- layout files and CLI
+def test_layout_file_round_trip_and_train_arguments(tmp_path):
+    cluster = parse_cluster(LOCAL)
+    cfg = get_config("llama2", "tiny", num_layers=4)
+    result = find_layout(cluster, cfg, PlannerOptions(global_batch_size=16))
+    path = str(tmp_path / "l.json")
+    write_layout_file(path, LayoutFile("llama2", "tiny", {"num_layers": 4}, ScheduleName.GPIPE,
+                                       result.layout.lists(), {"step_time_s": 1.0}, cluster.to_dict()))
+    lf = load_layout_file(path)
+    assert lf.hetero_layout().num_devices == 8
+    import argparse
+    ns = argparse.Namespace(layout=path, model=None, hetero_configs=None, layer_partitions=None,
+                            devices_id=None, num_layers=None, seq_len=None, dtype=None)
+    vals = train_args_from_layout(ns)
+    assert vals["model"] == "llama2" and vals["num_layers"] == 4 and vals["schedule"] == "gpipe"
+    assert json.loads(vals["hetero_configs"]) == result.layout.lists()["hetero_configs"]
+    ns.model = "gpt"
+    with pytest.raises(ConfigError, match="conflicts"):
+        train_args_from_layout(ns)
+    data = json.load(open(path))
+    data["layer_partitions"] = [[1] * len(r) for r in data["layer_partitions"]]
+    json.dump(data, open(path, "w"))
+    with pytest.raises(ConfigError):
+        load_layout_file(path)
+
+
+def test_cli_plan_prints_table_and_summary_last(tmp_path, capsys):
+    from cfp.cli.main import main
+    out = str(tmp_path / "l.json")
+    code = main(["plan", "--cluster", "examples/clusters/local.yaml", "--model", "llama2",
+                 "--num-layers", "4", "--out", out])
+    text = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    assert text[-3].startswith("estimated MFU: ") and text[-2].startswith("estimated tokens/s: ")
+    assert text[-1].startswith("planning time: ")
+    assert any(line.startswith("pipeline") for line in text)
+    assert load_layout_file(out).model == "llama2"
+
+
+def test_cli_plan_bad_cluster_is_one_line_exit_2(tmp_path, capsys):
+    from cfp.cli.main import main
+    bad = tmp_path / "c.yaml"
+    bad.write_text("inter_machine_bandwidth: 1GB/s\nmachines:\n  - gpu: RTX9090\n    count: 8\n"
+                   "    intra_bandwidth: 25GB/s\n")
+    code = main(["plan", "--cluster", str(bad), "--model", "llama2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "RTX9090" in err and len(err.splitlines()) == 1

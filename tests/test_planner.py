@@ -69,7 +69,7 @@ def test_parameter_counts_match_the_model_trees_under_tp(model, tp):
     m = CostModel(cfg, parse_cluster(LOCAL)).model
     assert m.layer_params(tp) == _device_params(like["layers_0"], tp)
     assert m.head_params(tp) == _device_params(like["head"], tp)
-    assert m.embed_params() == _device_params(like["embed"], tp)
+    assert m.embed_params(tp) == _device_params(like["embed"], tp)
 
 
 def test_compiled_stages_agree_with_the_cost_model():

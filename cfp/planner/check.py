@@ -48,7 +48,7 @@ def _model_figures(cm: CostModel, layout: ClusterLayout, p: int, i: int) -> tupl
     x_in = mb * (cm.config.seq_len * 4 if first else m.boundary_bytes())
     g_out = 0 if last else mb * m.boundary_bytes()
     acts = mb * (st.layers * m.layer_activation_bytes(st.tp) + (m.head_activation_bytes(st.tp) if last else 0))
-    acts += PARAM_BYTES * m.embed_params() if first else 0.0
+    acts += PARAM_BYTES * m.embed_params(st.tp) if first else 0.0
     bwd = 2 * params + x_in + g_out + (0 if first else x_in) + acts
     update = params * (3 + n)
     return ff, fb, bwd, update

@@ -136,9 +136,12 @@ class ModelCost:
         return (4 * h * h + 3 * h + 2 * h * c.ffn_size + c.ffn_size) / tp + 2 * h + 4 * h
 
     @_memo
-    def embed_params(self) -> float:
+    def embed_params(self, tp: int = 1) -> float:
+        """Per-device embedding parameters: the token table is vocab-parallel where `tp` divides the vocabulary
+        (cfp.sharding.rules), GPT's position table replicated."""
         c = self.config
-        return c.vocab_size * c.hidden_size + (0 if self.llama else c.seq_len * c.hidden_size)
+        div = tp if c.vocab_size % tp == 0 else 1
+        return c.vocab_size * c.hidden_size / div + (0 if self.llama else c.seq_len * c.hidden_size)
 
     @_memo
     def head_params(self, tp: int = 1) -> float:
@@ -266,7 +269,7 @@ class CostModel:
 
     def stage_params(self, st: StageLayout, first: bool, last: bool) -> float:
         m = self.model
-        return (st.layers * m.layer_params(st.tp) + (m.embed_params() if first else 0.0)
+        return (st.layers * m.layer_params(st.tp) + (m.embed_params(st.tp) if first else 0.0)
                 + (m.head_params(st.tp) if last else 0.0))
 
     def memory_terms(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int
@@ -275,14 +278,14 @@ class CostModel:
         bytes per device (P pipelines), see `stage_memory`."""
         m, n = self.model, len(pipe.stages)
         first, last = idx == 0, idx == n - 1
-        s0 = PARAM_BYTES * ((m.embed_params() if first else 0.0) + (m.head_params(st.tp) if last else 0.0))
+        s0 = PARAM_BYTES * ((m.embed_params(st.tp) if first else 0.0) + (m.head_params(st.tp) if last else 0.0))
         s1 = PARAM_BYTES * m.layer_params(st.tp)
         mb = pipe.micro_batch
         inputs = self.stored_inputs(idx, n, pipe.chunks) * mb * (
             m.config.seq_len * 4 if first else m.boundary_bytes())
         # the embedding's gradient is built densely (float32) before it joins the accumulator
         a0 = (inputs + (mb * m.head_activation_bytes(st.tp) if last else 0.0)
-              + (PARAM_BYTES * m.embed_params() if first else 0.0))
+              + (PARAM_BYTES * m.embed_params(st.tp) if first else 0.0))
         return s0, s1, a0, mb * m.layer_activation_bytes(st.tp)
 
     def stage_memory(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> float:

@@ -85,6 +85,20 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
         back.check(layout, "gpt")
 
 
+def test_resumed_run_keeps_its_stage_plans(searched, tmp_path):
+    from cfp.runtime.engine import optimizer
+    from cfp.runtime.stage_plans import StagePlanOptions, plans_for_run
+    layout, plans, cache = searched
+    plans.save(str(tmp_path / "ck" / "stage_plans"))
+    logs = []
+    got = plans_for_run(_options(cache), "llama2", _cfg(), layout, optimizer(1e-3, 0.01),
+                        checkpoint_dir=str(tmp_path / "ck"), resume=True, log=logs.append)
+    assert got == plans and any("reused" in line for line in logs)
+    saved = StagePlanOptions.parse(str(tmp_path / "ck" / "stage_plans"))
+    got = plans_for_run(saved, "llama2", _cfg(), layout, optimizer(1e-3, 0.01), log=logs.append)
+    assert got == plans and "loaded" in logs[-1]
+
+
 def test_cli_bad_stage_plans_is_one_line_exit_2(capsys, tmp_path):
     from cfp.cli.main import main
     code = main(["train", "--model", "llama2", "--hetero-configs", "[[2,2]]", "--stage-plans",

@@ -390,8 +390,8 @@ def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: 
     if options.mode is StagePlanMode.SAVED:
         plans = StagePlans.load(options.directory).check(layout, model_name)
         log(f"stage plans loaded from {options.directory} (no search)")
-    elif resume and saved_dir and os.path.isfile(os.path.join(saved_dir, PLANS_FILE)):
-        plans = StagePlans.load(saved_dir).check(layout, model_name)
+    elif resume and saved_dir and _fits(saved_dir, layout, model_name, log):
+        plans = StagePlans.load(saved_dir)
         log(f"stage plans of the checkpointed run reused from {saved_dir} (no search)")
     else:
         t0 = time.perf_counter()
@@ -400,6 +400,18 @@ def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: 
     if saved_dir and jax.process_index() == 0:
         log(f"stage plans saved to {plans.save(saved_dir)}")
     return plans
+
+
+def _fits(directory: str, layout: HeteroLayout, model_name: str, log) -> bool:
+    """Whether `directory` holds stage plans for this layout (a run may resume onto another layout)."""
+    if not os.path.isfile(os.path.join(directory, PLANS_FILE)):
+        return False
+    try:
+        StagePlans.load(directory).check(layout, model_name)
+        return True
+    except ConfigError as e:
+        log(f"not reusing the checkpointed stage plans: {e}")
+        return False
 
 
 def report_lines(plans: StagePlans, layout: HeteroLayout, busy: dict) -> list[str]:

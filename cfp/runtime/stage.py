@@ -11,8 +11,9 @@ A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in t
   the accumulator (donated) and returns the input gradient for the previous stage.
 * ``update`` -- AdamW (optax) on this stage's parameters.
 
-Activations and their gradients enter and leave replicated over the stage's ``tp`` axis, so moving
-them to a stage with another TP degree is a plain ``device_put`` onto that stage's sharding.
+Under the Megatron rules activations and their gradients enter and leave replicated over the stage's
+``tp`` axis; under a searched stage plan (``StageShardings``) they enter and leave in the plan's layouts.
+Either way moving them to another stage is a plain ``device_put`` onto that stage's sharding.
 """
 from __future__ import annotations
 

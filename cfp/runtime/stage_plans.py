@@ -394,6 +394,10 @@ def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: 
         plans = StagePlans.load(saved_dir)
         log(f"stage plans of the checkpointed run reused from {saved_dir} (no search)")
     else:
+        if jax.process_count() > 1:
+            # the search compiles and times every stage on devices one process cannot all address
+            raise ConfigError("--stage-plans search runs in a single process; search there and pass the "
+                              "saved stage-plans directory (--stage-plans DIR) to the multi-process run")
         t0 = time.perf_counter()
         plans = search_stage_plans(model_name, config, layout, tx, options, log=log)
         log(f"stage plans searched in {time.perf_counter() - t0:.1f} s")

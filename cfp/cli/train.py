@@ -72,6 +72,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="replay the steps on one device; exit 1 if the error is above tolerance")
     p.add_argument("--verify-tol", type=float, default=None,
                    help="verify tolerance (default 1e-4 for float32, 5e-2 for bfloat16)")
+    p.add_argument("--stage-plans", default="megatron", metavar="megatron|search|DIR",
+                   help="per-stage sharding: Megatron rules (default), a CFP search per stage (saved in "
+                        "CHECKPOINT_DIR/stage_plans), or a directory of saved stage plans")
+    p.add_argument("--stage-memory", default=None, help="per-device memory budget of the stage search, "
+                   "e.g. 2GB (default: unbounded)")
+    p.add_argument("--stage-profiler", choices=("measure", "estimate"), default="measure",
+                   help="stage search: time segments here, or estimate them for --gpu")
+    p.add_argument("--gpu", default=None, help="GPU of the estimate profiler, e.g. A100-SXM-80G")
     p.add_argument("--stop-after", type=_pos_int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
     return p
@@ -91,6 +99,12 @@ def _even_partition(hetero: str, num_layers: int) -> list[list[int]]:
                               "--layer-partitions")
         out.append([num_layers // n + (1 if i < num_layers % n else 0) for i in range(n)])
     return out
+
+
+def _stage_plans(args: argparse.Namespace):
+    from cfp.runtime.stage_plans import StagePlanOptions
+    return StagePlanOptions.parse(args.stage_plans, memory_per_device=args.stage_memory,
+                                  profiler=args.stage_profiler, gpu=args.gpu)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         data_paths=tuple(args.data_path), checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
-        stop_after=args.stop_after)
+        stop_after=args.stop_after, stage_plans=_stage_plans(args))
     import jax
     from cfp.errors import CfpError
     try:

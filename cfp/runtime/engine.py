@@ -108,7 +108,8 @@ class HeteroTrainer:
 
     def __init__(self, model_name: str, config: Any, layout: HeteroLayout,
                  schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, learning_rate: float = 1e-3,
-                 weight_decay: float = 0.01, devices: Optional[list] = None):
+                 weight_decay: float = 0.01, devices: Optional[list] = None,
+                 stage_shardings: Optional[dict] = None):
         self.model_name, self.config, self.layout = model_name, config, layout
         self.devices = list(devices) if devices is not None else jax.devices()
         layout.validate_for(config, len(self.devices))
@@ -130,10 +131,14 @@ class HeteroTrainer:
                     f"one process (choose devices_id accordingly)")
             # Compiled programs are reused by later trainers of the same model, stage and
             # optimizer (a resumed run, another schedule, a test): compiling dominates start-up.
-            ckey = (model_name, config, st, tuple(devs), float(learning_rate), float(weight_decay))
+            # ``stage_shardings``: stage key -> StageShardings of a searched stage plan (else Megatron)
+            planned = (stage_shardings or {}).get(st.key)
+            ckey = (model_name, config, st, tuple(devs), float(learning_rate), float(weight_decay),
+                    planned)
             if ckey not in _PROGRAMS:
                 _PROGRAMS[ckey] = StageProgram(st, self.modules, devs,
-                                               _subtree(self.full_like, st.module_names()), self.tx)
+                                               _subtree(self.full_like, st.module_names()), self.tx,
+                                               planned)
             self.programs[st.key] = _PROGRAMS[ckey]
         self.set_schedule(schedule)
         self.aux_coef = float(getattr(config, "aux_loss_coef", 0.0))
@@ -216,14 +221,14 @@ class HeteroTrainer:
             opt = _with_sharding(jax.eval_shape(self.tx.init, prog.params_like), prog.opt_shardings)
             tok = jax.ShapeDtypeStruct((pipe.micro_batch_size, self.config.seq_len), jnp.int32,
                                        sharding=prog.repl)
-            x = tok if st.is_first else _with_sharding(
-                self._act_shape(pipe.stages[st.index - 1].key), prog.repl)
+            x = tok.update(sharding=prog.act_in) if st.is_first else _with_sharding(
+                self._act_shape(pipe.stages[st.index - 1].key), prog.act_in)
             if st.is_last:
                 w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=prog.repl)
                 jobs += [(prog.fwd, (params, x, tok, w, scalar)),
                          (prog.bwd, (params, x, tok, w, scalar, scalar, params))]
             else:
-                y = _with_sharding(self._act_shape(key), prog.repl)
+                y = _with_sharding(self._act_shape(key), prog.act_out)
                 jobs += [(prog.fwd, (params, x)), (prog.bwd, (params, x, y, scalar, params))]
             jobs += [(prog.zeros, ()), (prog.update, (params, opt, [params] * len(self.layout.pipelines)))]
         with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
@@ -308,11 +313,11 @@ class HeteroTrainer:
             t0 = time.perf_counter()
             if a.phase is Phase.FWD:
                 if st.is_first:
-                    x = jax.device_put(b["inputs"][lo:lo + mbs], prog.repl) if prog.is_local else None
+                    x = jax.device_put(b["inputs"][lo:lo + mbs], prog.act_in) if prog.is_local else None
                 else:
                     prev = pipe.stages[st.index - 1]
                     x = self._move(acts.pop((a.pipeline, st.index - 1, m), None), prev, st,
-                                   prog.repl, self._act_shape(prev.key))
+                                   prog.act_in, self._act_shape(prev.key))
                 if not prog.is_local:
                     continue
                 saved[(key, m)] = x
@@ -333,7 +338,7 @@ class HeteroTrainer:
                 if not st.is_last:
                     nxt = pipe.stages[st.index + 1]
                     g = self._move(grads_back.pop((a.pipeline, st.index + 1, m), None), nxt, st,
-                                   prog.repl, self._act_shape(key))
+                                   prog.act_out, self._act_shape(key))
                 if not prog.is_local:
                     continue
                 x = saved.pop((key, m))

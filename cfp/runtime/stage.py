@@ -11,43 +11,63 @@ A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in t
   the accumulator (donated) and returns the input gradient for the previous stage.
 * ``update`` -- AdamW (optax) on this stage's parameters.
 
-Activations and their gradients enter and leave replicated over the stage's ``tp`` axis, so moving
-them to a stage with another TP degree is a plain ``device_put`` onto that stage's sharding.
+Under the Megatron rules activations and their gradients enter and leave replicated over the stage's
+``tp`` axis; under a searched stage plan (``StageShardings``) they enter and leave in the plan's layouts.
+Either way moving them to another stage is a plain ``device_put`` onto that stage's sharding.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cfp.errors import ConfigError
 from cfp.runtime.layout import Stage
 from cfp.runtime.sharding import param_shardings, stage_mesh
 
 
+@dataclass(frozen=True)
+class StageShardings:
+    """A stage's layout from a searched stage plan: each parameter's PartitionSpec by its key path
+    (``jax.tree_util.keystr``), the layout of the stage's input activation (tokens on the first stage)
+    and of the activation it sends on (its gradient arrives in the same layout)."""
+    params: tuple[tuple[str, P], ...]
+    act_in: P = P()
+    act_out: P = P()
+
+
 class StageProgram:
-    """Jitted fwd / bwd / zeros / update of one stage; params and grads use Megatron shardings."""
+    """Jitted fwd / bwd / zeros / update of one stage; params and grads use Megatron shardings, or a
+    searched stage plan's (``shardings``), and activations enter/leave in its layouts."""
 
     def __init__(self, stage: Stage, modules: tuple, devices: list, params_like: Any,
-                 tx: optax.GradientTransformation):
+                 tx: optax.GradientTransformation, shardings: Optional[StageShardings] = None):
         self.stage = stage
         self.embed, self.layer_mods, self.head = modules
         self.mesh = stage_mesh(devices)
         self.repl = NamedSharding(self.mesh, P())
         self.params_like = params_like  # {"params": {name: ShapeDtypeStruct tree}}
-        self.shardings = param_shardings(params_like, self.mesh)
+        if shardings is None:
+            self.shardings = param_shardings(params_like, self.mesh)
+            self.act_in = self.act_out = self.repl
+        else:
+            self.shardings = _planned(params_like, self.mesh, dict(shardings.params))
+            self.act_in = NamedSharding(self.mesh, shardings.act_in)
+            self.act_out = NamedSharding(self.mesh, shardings.act_out)
         self.tx = tx
         self.is_local = all(d.process_index == jax.process_index() for d in devices)
         # The first stage's input is integer tokens: it returns no input gradient.
         out_acc = ((self.shardings, self.repl) if stage.is_first
-                   else (self.shardings, self.repl, self.repl))
+                   else (self.shardings, self.act_in, self.repl))
         if stage.is_last:
             self.fwd = jax.jit(self._last_forward, out_shardings=(self.repl, self.repl))
             self.bwd = jax.jit(self._last_backward, out_shardings=out_acc, donate_argnums=(6,))
         else:
-            self.fwd = jax.jit(self._forward, out_shardings=(self.repl, self.repl))
+            self.fwd = jax.jit(self._forward, out_shardings=(self.act_out, self.repl))
             self.bwd = jax.jit(self._backward, out_shardings=out_acc, donate_argnums=(4,))
         self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.shardings)
@@ -60,10 +80,13 @@ class StageProgram:
     def _body(self, params, x):
         p = params["params"]
         aux = jnp.zeros((), jnp.float32)
+        # module-named scopes, as inside the full model: the CFP analysis cuts segments at them
         if self.stage.is_first:
-            x = self.embed.apply({"params": p["embed"]}, x)
+            with jax.named_scope("embed"):
+                x = self.embed.apply({"params": p["embed"]}, x)
         for i in self.stage.layers:
-            x, a = self.layer_mods[i].apply({"params": p[f"layers_{i}"]}, x)
+            with jax.named_scope(f"layers_{i}"):
+                x, a = self.layer_mods[i].apply({"params": p[f"layers_{i}"]}, x)
             aux = aux + a
         return x, aux
 
@@ -72,7 +95,8 @@ class StageProgram:
 
     def _last_forward(self, params, x, targets, weights, total_weight):
         h, aux = self._body(params, x)
-        logits = self.head.apply({"params": params["params"]["head"]}, h)
+        with jax.named_scope("head"):
+            logits = self.head.apply({"params": params["params"]["head"]}, h)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
         # Same guard as cfp.models.loss_fn, applied to the whole global batch's weight.
         return jnp.sum(ce * weights.astype(jnp.float32)) / jnp.maximum(total_weight, 1e-9), aux
@@ -125,6 +149,15 @@ class StageProgram:
     # ------------------------------------------------------------------ placement helpers
     def place_params(self, params: Any) -> Any:
         return jax.device_put(params, self.shardings)
+
+
+def _planned(params_like: Any, mesh, specs: dict) -> Any:
+    def pick(path, _):
+        key = jax.tree_util.keystr(path)
+        if key not in specs:
+            raise ConfigError(f"stage plan has no sharding for parameter {key}")
+        return NamedSharding(mesh, specs[key])
+    return jax.tree_util.tree_map_with_path(pick, params_like)
 
 
 def _add(a, b):

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -19,6 +19,9 @@ import numpy as np
 from cfp.errors import ConfigError
 from cfp.runtime.layout import HeteroLayout, layout_lists
 from cfp.runtime.schedules import ScheduleName
+
+if TYPE_CHECKING:
+    from cfp.runtime.stage_plans import StagePlanOptions
 
 
 class DataSource(str, enum.Enum):
@@ -47,6 +50,7 @@ class TrainOptions:
     verify: bool = False
     verify_tol: Optional[float] = None
     stop_after: Optional[int] = None  # stop (as if killed) after this many steps; for tests
+    stage_plans: Optional["StagePlanOptions"] = None  # None: Megatron stage shardings
 
 
 @dataclass
@@ -103,10 +107,15 @@ def build_config(opts: TrainOptions):
 
 def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> TrainResult:
     """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc."""
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.engine import HeteroTrainer, optimizer
+    from cfp.runtime.stage_plans import plans_for_run, report_lines
     config = build_config(opts)
+    plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout,
+                          optimizer(opts.learning_rate, opts.weight_decay), opts.checkpoint_dir,
+                          opts.resume, log)
     trainer = HeteroTrainer(opts.model, config, opts.layout, opts.schedule,
-                            learning_rate=opts.learning_rate, weight_decay=opts.weight_decay)
+                            learning_rate=opts.learning_rate, weight_decay=opts.weight_decay,
+                            stage_shardings=plans.shardings() if plans else None)
     data = _Data(opts, config)
     start, losses = _initial_state(opts, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None
@@ -143,6 +152,8 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
             print(f"{line} (process {jax.process_index()})", flush=True)
         else:
             log(line)
+    for line in report_lines(plans, opts.layout, result.busy) if plans else ():
+        log(line)
     if last_events is not None:
         result.bubbles = _timeline(opts, last_events, log, len(trainer.order))
     if opts.verify:

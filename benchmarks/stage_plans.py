@@ -1,0 +1,111 @@
+"""Megatron stage shardings vs searched stage plans, side by side, on layouts where they differ.
+
+    python benchmarks/stage_plans.py [--steps 6] [--profiler measure|estimate] [--gpu A100-SXM-80G]
+                                     [--layouts vocab moe]
+
+Layouts (8 simulated CPU devices):
+  vocab — llama2, 2 layers, vocab 8192: pipeline [TP2 stage: embed + layer 0, TP4 stage: layer 1 + the wide head],
+          global batch 8 in 2 micro-batches;
+  moe   — MoE (4 experts), 2 layers: one pipeline of a TP4 stage holding everything, batch 4 in 1 micro-batch.
+For each layout the stage plans are searched (planning time printed, then searched again to show the profile
+cache: the second search profiles nothing), then the Megatron trainer and the searched trainer run
+alternating steps (the first of each is a warm-up) so both see the same machine state. Printed per layout:
+tokens/s of each (measured, mean over the timed steps), their ratio, and per stage the measured busy seconds
+per step and the persistent state (parameters + optimizer state) per device, measured from the placed arrays.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from cfp.cli.common import ensure_host_devices  # noqa: E402
+
+LAYOUTS = {
+    "vocab": ("llama2", dict(num_layers=2, vocab_size=8192, seq_len=32),
+              ([[2, 4]], [[1, 1]], [8], [2])),
+    "moe": ("moe", dict(num_layers=2, seq_len=32), ([[4]], [[2]], [4], [1])),
+}
+
+
+def _state_bytes(tree) -> int:
+    """Bytes one device holds of `tree` (the first device's shard of every leaf)."""
+    import jax
+    return sum(l.addressable_shards[0].data.nbytes for l in jax.tree_util.tree_leaves(tree))
+
+
+def _run(name: str, args) -> None:
+    import jax
+    import numpy as np
+    from cfp.models import get_config
+    from cfp.runtime.engine import HeteroTrainer, optimizer
+    from cfp.runtime.layout import HeteroLayout
+    from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans
+    from cfp.models import make_batch
+    model, overrides, lists = LAYOUTS[name]
+    cfg = get_config(model, "tiny", **overrides)
+    layout = HeteroLayout.from_lists(*lists)
+    tx = optimizer(1e-3, 0.01)
+    opts = StagePlanOptions("search", profiler=args.profiler, gpu=args.gpu, cache_dir=args.cache_dir)
+    print(f"\n== {name}: {model} {overrides}, layout {lists[0]} layers {lists[1]} batch {lists[2]} "
+          f"chunks {lists[3]}")
+    t0 = time.perf_counter()
+    plans = search_stage_plans(model, cfg, layout, tx, opts, log=print)
+    t_plan = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = search_stage_plans(model, cfg, layout, tx, opts, log=lambda *_: None)
+    t_again = time.perf_counter() - t0
+    print(f"planning time (measured): {t_plan:.1f} s; again with the profile cache {t_again:.1f} s "
+          f"({sum(p.profile_compiles for p in again.plans)} profile compiles)")
+    trainers = {"megatron": HeteroTrainer(model, cfg, layout, learning_rate=1e-3),
+                "searched": HeteroTrainer(model, cfg, layout, learning_rate=1e-3,
+                                          stage_shardings=plans.shardings())}
+    for t in trainers.values():
+        t.init(0)
+        t.compile()
+    batches = [jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, layout.total_batch_size, s))
+               for s in range(args.steps)]
+    stats = {k: [] for k in trainers}
+    for s, b in enumerate(batches):
+        for k, t in trainers.items():
+            st = t.step(b)
+            if not np.isfinite(st.loss):
+                raise SystemExit(f"{name} {k}: loss {st.loss} at step {s + 1}")
+            if s > 0:
+                stats[k].append(st)
+    tps = {}
+    for k, ss in stats.items():
+        tps[k] = sum(x.tokens for x in ss) / sum(x.seconds for x in ss)
+        busy = {}
+        for x in ss:
+            for key, v in x.busy().items():
+                busy[key] = busy.get(key, 0.0) + v / len(ss)
+        mem = {key: _state_bytes((trainers[k].params[key], trainers[k].opt_state[key]))
+               for key in trainers[k].params}
+        print(f"{k:9s} tokens/s {tps[k]:,.0f} (measured, {len(ss)} steps); per stage: " + "; ".join(
+            f"p{key[0]}s{key[1]} busy {busy.get(key, 0.0):.4f} s/step, state {mem[key] / 2**20:.2f} MiB/device"
+            for key in sorted(mem)))
+    for p in plans.plans:
+        print(f"  plan p{p.pipeline}s{p.stage} TP {p.tp}: {p.summary()}")
+    print(f"ratio searched / megatron tokens/s: {tps['searched'] / tps['megatron']:.2f}x (measured)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--profiler", choices=("measure", "estimate"), default="measure")
+    ap.add_argument("--gpu", default=None)
+    ap.add_argument("--cache-dir", default=None, help="profile cache (default: cfp's)")
+    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
+    args = ap.parse_args(argv)
+    ensure_host_devices(8)
+    for name in args.layouts:
+        _run(name, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

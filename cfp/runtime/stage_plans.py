@@ -21,7 +21,6 @@ import json
 import math
 import os
 import time
-import types
 from typing import Any, Callable, Optional
 
 import jax
@@ -31,26 +30,18 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.analysis.analysis import analyze_with_program
+from cfp.profiling.options import ProfileOptions, default_cache_dir
+from cfp.profiling.profiler import profile
 from cfp.runtime.layout import HeteroLayout, Stage, layout_lists
+from cfp.search.options import SearchOptions, parse_bytes
+from cfp.search.plan import spec_entries, spec_from_entries
+from cfp.search.search import search
+from cfp.sharding.specs import resolve
 from cfp.runtime.stage import StageProgram, StageShardings
 
 PLANS_FILE = "stage_plans.json"
 PLANS_VERSION = 1
-
-
-def _passes() -> types.SimpleNamespace:
-    """The CFP passes used here (analysis, profiling, search, plan resolution): their one import site."""
-    from cfp.analysis.analysis import analyze_with_program
-    from cfp.analysis.apply import resolve
-    from cfp.profiling.options import ProfileOptions, default_cache_dir
-    from cfp.profiling.profiler import profile
-    from cfp.profiling.subprogram import spec_entries, spec_from_entries
-    from cfp.search.options import SearchOptions, parse_bytes
-    from cfp.search.search import search
-    return types.SimpleNamespace(analyze_with_program=analyze_with_program, resolve=resolve,
-                                 ProfileOptions=ProfileOptions, default_cache_dir=default_cache_dir,
-                                 profile=profile, spec_entries=spec_entries, spec_from_entries=spec_from_entries,
-                                 SearchOptions=SearchOptions, parse_bytes=parse_bytes, search=search)
 
 
 class StagePlanMode(enum.Enum):
@@ -102,22 +93,21 @@ class StagePlanOptions:
         return cls(StagePlanMode.SAVED, directory=text, **kw)
 
     def profile_options(self):
-        ps = _passes()
-        return ps.ProfileOptions(kind=self.profiler, gpu=self.gpu, iters=self.iters, top_k=self.top_k,
-                                 cache_dir=self.cache_dir or ps.default_cache_dir(),
-                                 max_combinations=self.max_combinations, progress=False)
+        return ProfileOptions(kind=self.profiler, gpu=self.gpu, iters=self.iters,
+                              cache_dir=self.cache_dir or default_cache_dir(),
+                              max_combinations=self.max_combinations, progress=False)
 
     def search_options(self):
-        return _passes().SearchOptions(memory_per_device=self.memory_per_device, top_k=self.top_k,
-                                       verify=self.verify, iters=self.iters, shard_state=self.shard_state)
+        return SearchOptions(memory_per_device=self.memory_per_device, top_k=self.top_k,
+                             verify=self.verify, iters=self.iters, shard_state=self.shard_state)
 
 
 def _entries(spec: P) -> tuple:
-    return tuple(tuple(e) if isinstance(e, list) else e for e in _passes().spec_entries(spec))
+    return tuple(tuple(e) if isinstance(e, list) else e for e in spec_entries(spec))
 
 
 def _spec(entries) -> P:
-    return _passes().spec_from_entries([list(e) if isinstance(e, (list, tuple)) else e for e in entries])
+    return spec_from_entries([list(e) if isinstance(e, (list, tuple)) else e for e in entries])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,12 +283,11 @@ def boundary_seconds(prog: StageProgram, act_in: P, act_out: P, x_like, y_like, 
 
 def _pick(analysis, result, prog, x_like, y_like, budget, n_params: int, n_opt: int):
     """(verified plan, resolved plan, boundary seconds) with the least step time plus boundary transfer."""
-    ps = _passes()
     best = None
     for v in result.verified:
         if not math.isfinite(v.time) or (budget is not None and v.memory > budget):
             continue
-        applied = ps.resolve(analysis, v.choice, v.shard_state)
+        applied = resolve(analysis, v.choice, v.shard_state)
         act_in = applied.input_specs[n_params + n_opt]
         act_out = applied.input_specs[n_params + n_opt + 1] if y_like is not None else P()
         b = boundary_seconds(prog, act_in, act_out, x_like, y_like, result.link_gbps)
@@ -312,14 +301,13 @@ def _pick(analysis, result, prog, x_like, y_like, budget, n_params: int, n_opt: 
 def search_stage(prog: StageProgram, tx, micro_batch: int, seq_len: int, x_like, y_like, aux_coef: float,
                  options: StagePlanOptions, log: Callable[[str], None] = print) -> StagePlan:
     """Analyse, profile and search one stage on its own sub-mesh; see the module doc."""
-    ps = _passes()
     t0 = time.perf_counter()
     args = example_args(prog, tx, micro_batch, seq_len, x_like, y_like)
-    analysis, program = ps.analyze_with_program(stage_step(prog, tx, aux_coef), *args, mesh=prog.mesh)
+    analysis, program = analyze_with_program(stage_step(prog, tx, aux_coef), *args, mesh=prog.mesh)
     quiet = lambda *_: None
-    table = ps.profile(program, analysis, options.profile_options(), log=quiet)
+    table = profile(program, analysis, options.profile_options(), log=quiet)
     sopts = options.search_options()
-    result = ps.search(program, analysis, table, args, sopts, log=quiet, mesh=prog.mesh)
+    result = search(program, analysis, table, args, sopts, log=quiet, mesh=prog.mesh)
     n_params = len(jax.tree_util.tree_leaves(args[0]))
     n_opt = len(jax.tree_util.tree_leaves(args[1]))
     v, applied, boundary = _pick(analysis, result, prog, x_like, y_like if not prog.stage.is_last else None,
@@ -332,7 +320,7 @@ def search_stage(prog: StageProgram, tx, micro_batch: int, seq_len: int, x_like,
         tuple((k, _entries(s)) for k, s in zip(paths, applied.input_specs[:n_params])),
         _entries(applied.input_specs[n_params + n_opt]),
         _entries(applied.input_specs[n_params + n_opt + 1]) if not st.is_last else (),
-        float(v.time), float(boundary), int(v.memory), table.profiler, int(table.compiles),
+        float(v.time), float(boundary), int(v.memory), str(table.profiler), int(table.compiles),
         time.perf_counter() - t0)
     log(f"stage p{st.pipeline}s{st.index} (TP {st.tp}, {len(analysis.blocks)} blocks, "
         f"{analysis.num_unique_segments} unique segments): profiled {table.compiles} combinations "

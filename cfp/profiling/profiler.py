@@ -189,7 +189,8 @@ class Profiler:
             t = measured
         else:
             dtype = costmodel.dominant_dtype(self.analysis, seg.blocks)
-            t = costmodel.compute_time(flops, nbytes, self.gpu, dtype) + costmodel.comm_time(colls, self.gpu)
+            rate = costmodel.dots_rate(self.analysis, zip(seg.blocks, combo), self.gpu)
+            t = costmodel.compute_time(flops, nbytes, self.gpu, dtype, rate) + costmodel.comm_time(colls, self.gpu)
         return ProfileEntry(tuple(combo), t, memory, comm_bytes, flops, nbytes, colls, measured)
 
 

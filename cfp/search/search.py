@@ -231,7 +231,8 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: Se
         colls = [(c.kind, c.bytes, costmodel.group_size(c.axes, analysis.mesh.shape))
                  for c in step.collectives(*example_args)]
         dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
-        t = (costmodel.compute_time(flops_dev, float(cost.get("bytes accessed", 0.0)), gpu, dtype)
+        rate = costmodel.dots_rate(analysis, enumerate(choice), gpu)
+        t = (costmodel.compute_time(flops_dev, float(cost.get("bytes accessed", 0.0)), gpu, dtype, rate)
              + costmodel.comm_time(colls, gpu))
     return VerifiedPlan(tuple(choice), tuple(shard), dp_time, t, memory, flops_dev * analysis.mesh.size)
 

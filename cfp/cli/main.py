@@ -19,6 +19,8 @@ SUBCOMMANDS = {
     "enum-benchmark": "cfp.cli.search",
     "train": "cfp.cli.train",
     "launch": "cfp.cli.launch",
+    "explain": "cfp.cli.explain",
+    "diff": "cfp.cli.explain",
 }
 
 

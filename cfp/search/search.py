@@ -46,16 +46,18 @@ class SearchResult:
     # (choice, shard_state) -> compiled ShardedStep
     steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def report(self) -> str:
+    def report(self, how: str = "measured", memory_how: str = "compiled on this host") -> str:
+        """The result's lines; `how` labels the times (measured, or which cost model estimated them)."""
         b = self.best
         return "\n".join([
             f"searched ParallelBlock Strategies solution: {list(self.choice)}",
             *([f"sharded state (ZeRO-3) of blocks: {list(self.shard_state)}"] if self.shard_state else []),
-            f"searched training cost: {[float(f'{v.time:.4g}') for v in self.verified]}",
-            f"memory_cost: {b.memory} ({_fmt_bytes(b.memory)} per device"
+            f"searched training cost (s per step, {how}): {[float(f'{v.time:.4g}') for v in self.verified]}",
+            f"memory_cost ({memory_how}): {b.memory} ({_fmt_bytes(b.memory)} per device"
             + (f", budget {_fmt_bytes(self.budget)})" if self.budget else ")"),
-            f"TFLOP_COUNT: {b.flops / 1e12:.6g}",
-            f"tflops: {[float(f'{v.flops / 1e12 / v.time:.4g}') if v.time > 0 else 0.0 for v in self.verified]}",
+            f"TFLOP_COUNT (compiled step, all devices, incl. LM head and attention): {b.flops / 1e12:.6g}",
+            f"tflops ({how} time): "
+            f"{[float(f'{v.flops / 1e12 / v.time:.4g}') if v.time > 0 else 0.0 for v in self.verified]}",
         ])
 
 
@@ -155,6 +157,7 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         verified.append(_verify(step, example_args, choice, shard, pl.time, options, gpu, analysis))
         v = verified[-1]
         log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP {pl.time:.4g} s, whole step "
+            f"({'estimated: ' + gpu.name + ' cost model' if gpu else 'measured'}) "
             f"{'not timed (over the budget)' if v.time == float('inf') else f'{v.time:.4g} s'}, "
             f"{_fmt_bytes(v.memory)} per device")
     fitting = [v for v in verified if budget is None or options.verify == 0 or v.memory <= budget]

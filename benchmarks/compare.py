@@ -180,7 +180,8 @@ def render(rows, budget) -> str:
     cfp = next((r for r in rows if r.name.startswith("cfp")), None)
     ref = cfp.time if cfp is not None else None
     head = f"{'plan':<14} {'step time':>11} {'vs cfp':>7} {'memory/dev':>18} {'comm/step':>11} {'planning':>9}  note"
-    lines = [head, "-" * len(head)]
+    lines = ["all figures measured on this host: step time = median wall time; memory and comm from the compiled "
+             "step (memory_analysis, parsed collectives)", head, "-" * len(head)]
     for r in rows:
         over = budget is not None and r.memory is not None and r.memory > budget
         t = f"{r.time * 1e3:8.2f} ms" if r.time is not None else "-"

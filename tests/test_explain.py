@@ -84,3 +84,20 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_plan_file_carries_estimates_and_old_files_still_load(tmp_path, gpt_view):
+    from cfp.search.plan import Plan, load_plan
+    est = tuple(f.to_dict() for f in gpt_view.figures)
+    prof = ({"segment_kind": 0, "combo": [0], "time_s": 1e-3, "memory_bytes": 10, "measured": False,
+             "chosen": True},)
+    plan = Plan((8,), ("x",), gpt_view.choice, gpt_view.strategies, ("f",) * 9, {}, (), {"estimates_gpu": "H100-SXM"},
+                (), 2, est, prof)
+    path = plan.save(str(tmp_path / "p.json"))
+    assert load_plan(path) == plan
+    view = load_view(path)
+    assert view.figures == gpt_view.figures and view.profile == prof and view.gpu == "H100-SXM"
+    d = json.loads(Path(path).read_text())
+    del d["estimates"], d["profile"]
+    Path(path).write_text(json.dumps(d))
+    assert load_plan(path).estimates == () and load_view(path).figures == ()

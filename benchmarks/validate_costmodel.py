@@ -258,7 +258,7 @@ def local_rows(iters: int = 10) -> None:
                      for c in parse_collectives(compiled.as_text(), spec.shape)]
             est = (costmodel.compute_time(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
                                           cpu, "float32") + costmodel.comm_time(colls, cpu))
-            meas = time_compiled(compiled, jax.tree_util.tree_leaves(placed), iters, 2)
+            meas = time_compiled(compiled, placed, iters, 2)
             rows.append((f"{model}/{config} {b.value}", est, meas))
             print(f"{rows[-1][0]:<32} estimated {est * 1e3:9.2f} ms  measured {meas * 1e3:9.2f} ms  "
                   f"ratio {est / meas:5.2f}", flush=True)

@@ -124,6 +124,9 @@ def diff_text(a: PlanView, b: PlanView) -> str:
         raise ConfigError(f"plans have {len(a.choice)} and {len(b.choice)} blocks: not the same model")
     differ = [i for i in range(len(a.choice)) if a.strategies[i] != b.strategies[i] or a.choice[i] != b.choice[i]]
     lines = [f"A = {a.path}\nB = {b.path}\n{len(differ)} of {len(a.choice)} blocks differ"]
+    if str(a.meta.get("mesh")) != str(b.meta.get("mesh")):
+        lines.append(f"  note: the plans are for different meshes (A {a.meta.get('mesh')}, B {b.meta.get('mesh')}): "
+                     f"the same notation can mean other device groups")
     both = bool(a.figures and b.figures)
     if both:
         lines.append(ESTIMATE_NOTE.format(gpu=a.gpu if a.gpu == b.gpu else f"A: {a.gpu}, B: {b.gpu}"))

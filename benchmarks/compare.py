@@ -25,6 +25,25 @@ from cfp.cli.common import build_step, ensure_host_devices, positive_int  # noqa
 from cfp.models.configs import MODEL_NAMES  # noqa: E402
 
 
+def parse_overrides(text: str) -> dict:
+    """"vocab_size=16384,capacity_factor=1.5" -> {"vocab_size": 16384, "capacity_factor": 1.5}."""
+    from cfp.errors import ConfigError
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not FIELD=VALUE")
+        for cast in (int, float):
+            try:
+                out[key.strip()] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key.strip()] = value.strip()
+    return out
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= s:
@@ -162,7 +181,8 @@ def render(rows, budget) -> str:
     cfp = next((r for r in rows if r.name.startswith("cfp")), None)
     ref = cfp.time if cfp is not None else None
     head = f"{'plan':<14} {'step time':>11} {'vs cfp':>7} {'memory/dev':>18} {'comm/step':>11} {'planning':>9}  note"
-    lines = [head, "-" * len(head)]
+    lines = ["all figures measured on this host: step time = median wall time; memory and comm from the compiled "
+             "step (memory_analysis, parsed collectives)", head, "-" * len(head)]
     for r in rows:
         over = budget is not None and r.memory is not None and r.memory > budget
         t = f"{r.time * 1e3:8.2f} ms" if r.time is not None else "-"
@@ -209,6 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=None,
                    help="comma-separated subset of rows to run (data-parallel,fsdp,megatron-tp,dp-tp,alpa-ilp,cfp)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--override", default="", help="config field overrides, e.g. vocab_size=16384,seq_len=512")
     args = p.parse_args(argv)
     ensure_host_devices()
     import jax
@@ -218,6 +239,7 @@ def main(argv=None) -> int:
     log = (lambda *_: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
+        args.overrides = parse_overrides(args.override)
         step, example_args, spec = build_step(args)
     except CfpError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -226,7 +248,7 @@ def main(argv=None) -> int:
     rows = build_rows(args, step, example_args, spec, budget, log, wanted)
     log(f"timing {args.iters} rounds ...")
     time_rows(rows, args.iters, budget)
-    print(f"model {args.model}/{args.config} layers={args.num_layers} batch={args.batch_size} mesh={spec} "
+    print(f"model {args.model}/{args.config} {args.override or ''} layers={args.num_layers} batch={args.batch_size} mesh={spec} "
           f"({jax.devices()[0].platform} x{jax.device_count()}) budget="
           f"{_fmt_bytes(budget) if budget else 'none'} iters={args.iters}")
     print(render(rows, budget))

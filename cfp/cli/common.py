@@ -70,7 +70,9 @@ def build_step(args: argparse.Namespace, abstract: bool = False):
     if args.batch_size % mesh.size:
         raise ConfigError(f"batch size {args.batch_size} cannot be split over mesh {args.mesh} ({mesh.size} "
                           f"devices); use a multiple of {mesh.size}")
-    overrides = {"num_layers": args.num_layers} if args.num_layers else {}
+    overrides = dict(getattr(args, "overrides", None) or {})     # typed field overrides (compare.py --override)
+    if args.num_layers:
+        overrides["num_layers"] = args.num_layers
     config = get_config(args.model, args.config, **overrides)
     ts = train_step(args.model, config)
     # eager Flax init runs op by op (slow); one compiled call is fast, and analysis needs no values at all

@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "launch": "cfp.cli.launch",
     "data": "cfp.cli.data",
     "plan": "cfp.cli.plan",
+    "explain": "cfp.cli.explain",
+    "diff": "cfp.cli.explain",
 }
 
 

@@ -68,6 +68,8 @@ def _prepare(args):
 def _print_table(table, analysis) -> None:
     print(f"profiler: {table.profiler}  device: {table.device_kind}  jax {table.jax_version}  "
           f"compiles: {table.compiles}  profile time: {table.profile_time:.2f} s")
+    how = "measured" if table.profiler == "measure" else f"estimated by the {table.profiler.split(':', 1)[-1]} cost model"
+    print(f"time: {how}; memory: compiled on this host (arguments + outputs + temporaries)")
     for kind, seg in table.segments.items():
         print(f"segment kind {kind} ({seg.fingerprint}), space {list(seg.space)}: {seg.rule}")
         for e in seg.candidates(len(seg.entries)):
@@ -108,15 +110,50 @@ def run_search(args) -> int:
     print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s ({table.compiles} compiles)")
     _dump_table(table, args.dump_dir)
     result = search(program, analysis, table, example_args, sopts)
-    print(result.report())
+    print(result.report(*_labels(args, result)))
+    print(_layer_flops_line(args, example_args, result))
     print(f"search time: {result.search_time:.2f} s; total planning time: {time.perf_counter() - t0:.2f} s")
     if args.plan_out:
+        from cfp.hardware.gpus import get_gpu
+        from cfp.report.figures import plan_figures, profile_points
         applied = resolve(analysis, result.choice, result.shard_state)
         b = result.best
+        gpu = get_gpu(args.gpu or "A100-SXM-80G")
+        figures = tuple(f.to_dict() for f in plan_figures(analysis, result.choice, gpu))
         make_plan(analysis, applied, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory, "flops": b.flops,
-                                      "profiler": str(table.profiler)}).save(args.plan_out)
+                                      "profiler": str(table.profiler), "estimates_gpu": gpu.name,
+                                      "model": args.model, "config": args.config, "mesh": args.mesh},
+                  figures, profile_points(table, result.choice, analysis)).save(args.plan_out)
         print(f"wrote {args.plan_out}")
     return 0
+
+
+def _labels(args, result) -> tuple[str, str]:
+    """How the printed time and memory were obtained (every figure says measured or estimated)."""
+    if args.profiler != "estimate":
+        return "measured on this host", "measured: compiled on this host"
+    from cfp.hardware.gpus import get_gpu
+    gpu = get_gpu(args.gpu)
+    fits = "fits" if result.best.memory <= gpu.mem_gb * 1e9 else "does NOT fit"
+    return (f"estimated: {gpu.name} cost model",
+            f"estimated for {gpu.name}: arguments and outputs from their dtypes (same bytes on the GPU), "
+            f"temporaries from XLA:CPU's buffer assignment of the same program; {fits} in {gpu.mem_gb:g} GB")
+
+
+def _layer_flops_line(args, example_args, result) -> str:
+    """CFP's FLOP count: 6·N·tokens over the transformer layers only (no LM head, no attention scores)."""
+    import jax
+
+    from cfp.models import get_config
+    params = example_args[0]
+    n_layer = sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                  if "layers" in jax.tree_util.keystr(path))
+    tokens = args.batch_size * get_config(args.model, args.config).seq_len
+    flops = 6 * n_layer * tokens
+    t = result.best.time
+    how = "estimated" if args.profiler == "estimate" else "measured"
+    return (f"layer FLOPs (CFP's TFLOP_COUNT, 6 x {n_layer / 1e6:.4g}M layer params x {tokens} tokens): "
+            f"{flops / 1e12:.6g} TFLOP; {flops / 1e12 / t if t > 0 else 0.0:.4g} TFLOP/s on the {how} time")
 
 
 def run_enum(args) -> int:

@@ -177,7 +177,9 @@ class Profiler:
             measured = time_compiled(compiled, sp.example_inputs(), self.options.iters, self.options.warmup, quiet)
             t = measured
         else:
-            t = costmodel.estimated_time(fig, shape, self.gpu, costmodel.dominant_dtype(self.analysis, seg.blocks))
+            dtype = costmodel.dominant_dtype(self.analysis, seg.blocks)
+            rate = costmodel.dots_rate(self.analysis, zip(seg.blocks, choice), self.gpu)
+            t = costmodel.estimated_time(fig, shape, self.gpu, dtype, rate)
         return ProfileEntry(tuple(choice), t, fig.memory - sp.borrowed_bytes, sum(c[1] for c in colls), fig.flops,
                             fig.bytes_accessed, colls, measured)
 

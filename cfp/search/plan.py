@@ -43,6 +43,10 @@ class Plan:
     metrics: dict[str, Any]
     shard_state: tuple[int, ...] = ()       # blocks whose parameters/optimizer state are stored sharded
     version: int = PLAN_VERSION
+    # optional, for `cfp explain/diff --plot` (files without them still load): per-block cost-model figures
+    # (`cfp.report.figures.BlockFigures.to_dict`) and every profiled combination's time and memory
+    estimates: tuple[dict, ...] = ()
+    profile: tuple[dict, ...] = ()
 
     @property
     def mesh(self) -> MeshSpec:
@@ -70,16 +74,19 @@ class Plan:
             raise ConfigError(f"plan version {d.get('version')!r} is not one of the supported 1..{PLAN_VERSION}")
         return cls(tuple(d["mesh_shape"]), tuple(d["axis_names"]), tuple(d["choice"]), tuple(d["strategies"]),
                    tuple(d["block_fingerprints"]), dict(d["input_specs"]), tuple(d["output_specs"]),
-                   dict(d["metrics"]), tuple(d.get("shard_state", ())), PLAN_VERSION)
+                   dict(d["metrics"]), tuple(d.get("shard_state", ())), PLAN_VERSION,
+                   tuple(d.get("estimates", ())), tuple(d.get("profile", ())))
 
 
-def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None = None) -> Plan:
+def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None = None,
+              estimates: tuple[dict, ...] = (), profile: tuple[dict, ...] = ()) -> Plan:
     g = analysis.graph
     return Plan(analysis.mesh.shape, analysis.mesh.axis_names, applied.choice,
                 tuple(analysis.notation(b, c) for b, c in enumerate(applied.choice)),
                 tuple(b.fingerprint for b in analysis.blocks),
                 {path: spec_entries(s) for path, s in zip(g.input_paths, applied.input_specs)},
-                tuple(spec_entries(s) for s in applied.output_specs), dict(metrics or {}), applied.shard_state)
+                tuple(spec_entries(s) for s in applied.output_specs), dict(metrics or {}), applied.shard_state,
+                PLAN_VERSION, tuple(estimates), tuple(profile))
 
 
 def load_plan(path: str) -> Plan:

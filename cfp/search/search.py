@@ -46,16 +46,18 @@ class SearchResult:
     # (choice, shard_state) -> compiled ShardedStep
     steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def report(self) -> str:
+    def report(self, how: str = "measured", memory_how: str = "compiled on this host") -> str:
+        """The result's lines; `how` labels the times (measured, or which cost model estimated them)."""
         b = self.best
         return "\n".join([
             f"searched ParallelBlock Strategies solution: {list(self.choice)}",
             *([f"sharded state (ZeRO-3) of blocks: {list(self.shard_state)}"] if self.shard_state else []),
-            f"searched training cost: {[float(f'{v.time:.4g}') for v in self.verified]}",
-            f"memory_cost: {b.memory} ({fmt_bytes(b.memory)} per device"
+            f"searched training cost (s per step, {how}): {[float(f'{v.time:.4g}') for v in self.verified]}",
+            f"memory_cost ({memory_how}): {b.memory} ({fmt_bytes(b.memory)} per device"
             + (f", budget {fmt_bytes(self.budget)})" if self.budget else ")"),
-            f"TFLOP_COUNT: {b.flops / 1e12:.6g}",
-            f"tflops: {[float(f'{v.flops / 1e12 / v.time:.4g}') if v.time > 0 else 0.0 for v in self.verified]}",
+            f"TFLOP_COUNT (compiled step, all devices, incl. LM head and attention): {b.flops / 1e12:.6g}",
+            f"tflops ({how} time): "
+            f"{[float(f'{v.flops / 1e12 / v.time:.4g}') if v.time > 0 else 0.0 for v in self.verified]}",
         ])
 
 
@@ -186,6 +188,7 @@ def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_
     steps[(choice, shard)] = step
     v = _verify(step, example_args, choice, shard, sol.time, options, gpu, analysis)
     log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP {sol.time:.4g} s, whole step "
+        f"({'estimated: ' + gpu.name + ' cost model' if gpu else 'measured'}) "
         f"{'not timed (over the budget)' if v.time == float('inf') else f'{v.time:.4g} s'}, "
         f"{fmt_bytes(v.memory)} per device")
     return v
@@ -263,5 +266,6 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: Se
         flat = jax.tree_util.tree_leaves(step.shard_args(*example_args))
         t = time_compiled(compiled, flat, options.iters, options.warmup)
     else:
-        t = costmodel.estimated_time(fig, shape, gpu, costmodel.dominant_dtype(analysis, range(len(analysis.blocks))))
+        dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
+        t = costmodel.estimated_time(fig, shape, gpu, dtype, costmodel.dots_rate(analysis, enumerate(choice), gpu))
     return VerifiedChoice(tuple(choice), tuple(shard), dp_time, t, fig.memory, fig.flops * analysis.mesh.size)

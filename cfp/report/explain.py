@@ -1,0 +1,146 @@
+"""Read a plan: load a plan file (a saved `Plan` or a golden plan record), print it per block, diff two plans.
+
+A saved `Plan` from `cfp search` carries its per-block estimates (`Plan.estimates`) and profile points. An older
+plan file has neither: it is printed with its strategies only. A golden plan record (tests/golden/plans/) names its
+model, mesh and settings, so its analysis is rebuilt (shapes only, no values) and its figures computed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from cfp.errors import ConfigError
+from cfp.report.figures import BlockFigures, plan_figures
+
+ESTIMATE_NOTE = ("all figures are cost-model estimates ({gpu}), per device and step: compute = dots at the "
+                 "GPU's achievable rate for their dtype, precision and shape; comm = the block's predicted "
+                 "collectives; memory = bytes of the tensors the block's layout places")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanView:
+    """What explain/diff/plot need of a plan file."""
+
+    path: str
+    choice: tuple[int, ...]
+    strategies: tuple[str, ...]
+    figures: tuple[BlockFigures, ...]      # empty: the file carries no estimates
+    profile: tuple[dict, ...]
+    gpu: str | None
+    meta: dict[str, Any]
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read plan file {path!r}: {e.strerror}") from None
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"plan file {path!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict) or "choice" not in d or "strategies" not in d:
+        raise ConfigError(f"plan file {path!r} is not a cfp plan (no 'choice' and 'strategies')")
+    return d
+
+
+def _golden_figures(d: dict, gpu_name: str | None) -> tuple[tuple[BlockFigures, ...], str]:
+    import jax
+
+    from cfp.analysis.analysis import analyze_with_program
+    from cfp.hardware.gpus import get_gpu
+    from cfp.mesh import MeshSpec
+    from cfp.models import get_config, train_step
+    s = d["settings"]
+    gpu = get_gpu(gpu_name or s.get("gpu") or "A100-SXM-80G")
+    overrides = {"num_layers": s["num_layers"]} if s.get("num_layers") else {}
+    ts = train_step(d["model"], get_config(d["model"], s.get("config", "tiny"), **overrides))
+    params, opt = jax.eval_shape(ts.init, jax.random.PRNGKey(0))
+    batch = ts.make_batch(int(s["batch_size"]), jax.random.PRNGKey(1))
+    mesh = MeshSpec.parse(str(d["mesh"]), num_devices=jax.device_count())
+    analysis, _ = analyze_with_program(ts.step, params, opt, batch, mesh=mesh)
+    choice = tuple(int(c) for c in d["choice"])
+    if len(choice) != len(analysis.blocks):
+        raise ConfigError(f"golden plan has {len(choice)} blocks, the rebuilt model {len(analysis.blocks)}")
+    return plan_figures(analysis, choice, gpu), gpu.name
+
+
+def load_view(path: str, gpu: str | None = None) -> PlanView:
+    """Load a plan file for reading (raises ConfigError naming the file on any problem)."""
+    d = _read_json(path)
+    try:
+        choice = tuple(int(c) for c in d["choice"])
+        strategies = tuple(str(s) for s in d["strategies"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"plan file {path!r} has a malformed choice or strategies: {e}") from None
+    if len(choice) != len(strategies):
+        raise ConfigError(f"plan file {path!r}: {len(choice)} choices but {len(strategies)} strategies")
+    if "block_fingerprints" in d:           # a saved Plan
+        from cfp.search.plan import load_plan
+        plan = load_plan(path)
+        figures = tuple(BlockFigures.from_dict(e) for e in plan.estimates)
+        used = gpu or plan.metrics.get("estimates_gpu")
+        return PlanView(path, choice, strategies, figures, tuple(plan.profile), used, dict(plan.metrics))
+    if "model" in d and "settings" in d:    # a golden plan record
+        figures, used = _golden_figures(d, gpu)
+        return PlanView(path, choice, strategies, figures, (), used,
+                        {"model": d["model"], "mesh": d["mesh"], **d["settings"]})
+    raise ConfigError(f"plan file {path!r} is neither a saved plan nor a golden plan record")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:9.4f}"
+
+
+def explain_text(view: PlanView) -> str:
+    lines = [f"plan {view.path}: {len(view.choice)} blocks"
+             + "".join(f", {k} {v}" for k, v in view.meta.items() if k in ("model", "mesh", "config", "profiler"))]
+    if not view.figures:
+        lines.append("this plan file carries no per-block estimates (saved by an older cfp); strategies only:")
+        lines += [f"  {b:>4}  {s}" for b, s in enumerate(view.strategies)]
+        return "\n".join(lines)
+    lines.append(ESTIMATE_NOTE.format(gpu=view.gpu))
+    lines.append(f"  {'blk':>4} {'scope':<28} {'strategy':<34} {'compute ms':>10} {'comm ms':>9} "
+                 f"{'memory MB':>10}  runner-up (time difference)")
+    for f in view.figures:
+        ru = (f"{f.runner_up} ({'+' if f.runner_up_delta_s >= 0 else ''}{f.runner_up_delta_s * 1e3:.4f} ms)"
+              if f.runner_up is not None else "none (single strategy)")
+        lines.append(f"  {f.block:>4} {f.scope[-28:]:<28} {f.strategy[:34]:<34} {_ms(f.compute_s):>10} "
+                     f"{_ms(f.comm_s)} {f.memory_bytes / 1e6:10.3f}  {ru}")
+    if any(f.runner_up_delta_s is not None and f.runner_up_delta_s < 0 for f in view.figures):
+        lines.append("  a negative difference: this block alone would be cheaper under the runner-up; the search "
+                     "chose by profiled segment times including the resharding between blocks")
+    tot = sum(f.time_s for f in view.figures)
+    lines.append(f"  total (estimated, blocks summed, no resharding): {tot * 1e3:.4f} ms, "
+                 f"{sum(f.memory_bytes for f in view.figures) / 1e6:.3f} MB")
+    return "\n".join(lines)
+
+
+def diff_text(a: PlanView, b: PlanView) -> str:
+    """The blocks two plans give different strategies, with the estimated cost of each side."""
+    if len(a.choice) != len(b.choice):
+        raise ConfigError(f"plans have {len(a.choice)} and {len(b.choice)} blocks: not the same model")
+    differ = [i for i in range(len(a.choice)) if a.strategies[i] != b.strategies[i] or a.choice[i] != b.choice[i]]
+    lines = [f"A = {a.path}\nB = {b.path}\n{len(differ)} of {len(a.choice)} blocks differ"]
+    if str(a.meta.get("mesh")) != str(b.meta.get("mesh")):
+        lines.append(f"  note: the plans are for different meshes (A {a.meta.get('mesh')}, B {b.meta.get('mesh')}): "
+                     f"the same notation can mean other device groups")
+    both = bool(a.figures and b.figures)
+    if both:
+        lines.append(ESTIMATE_NOTE.format(gpu=a.gpu if a.gpu == b.gpu else f"A: {a.gpu}, B: {b.gpu}"))
+    for i in differ:
+        scope = a.figures[i].scope if a.figures else (b.figures[i].scope if b.figures else f"block_{i}")
+        line = f"  {i:>4} {scope:<28} A {a.strategies[i]}  |  B {b.strategies[i]}"
+        if both:
+            fa, fb = a.figures[i], b.figures[i]
+            line += (f"  time {fa.time_s * 1e3:.4f} -> {fb.time_s * 1e3:.4f} ms "
+                     f"({(fb.time_s - fa.time_s) * 1e3:+.4f}), memory {(fb.memory_bytes - fa.memory_bytes) / 1e6:+.3f} MB")
+        lines.append(line)
+    if both:
+        ta, tb = sum(f.time_s for f in a.figures), sum(f.time_s for f in b.figures)
+        lines.append(f"  estimated block time A {ta * 1e3:.4f} ms, B {tb * 1e3:.4f} ms, B - A {(tb - ta) * 1e3:+.4f} ms")
+    else:
+        lines.append("  (no cost delta: a plan file lacks per-block estimates)")
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""Per-block cost-model figures of a plan: what each block costs under its strategy and what the runner-up would.
+
+Every figure is an estimate of the `cfp.profiling.costmodel` analytic model on a catalog GPU (dots by dtype,
+precision and per-device GEMM shape; the block's predicted collectives over the GPU's link), per device and
+per step; memory is the per-device bytes of the tensors the block's layout places (weights, optimizer state and
+activations alike), not a compiled figure.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from cfp.analysis.analysis import Analysis
+from cfp.analysis.layout import block_layout, shards
+from cfp.errors import ConfigError
+from cfp.hardware import rates
+from cfp.hardware.gpus import GpuSpec
+from cfp.profiling import costmodel
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFigures:
+    """One block of a plan: where it is, its strategy and its estimated cost; the runner-up and the difference."""
+
+    block: int
+    scope: str
+    segment: int
+    strategy: str
+    compute_s: float
+    comm_s: float
+    memory_bytes: int
+    runner_up: str | None = None
+    runner_up_delta_s: float | None = None     # runner-up minus this block; < 0: the analytic model alone prefers
+    #                                           the runner-up (the search also weighs resharding, profiled times)
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockFigures":
+        try:
+            return cls(int(d["block"]), str(d["scope"]), int(d.get("segment", -1)), str(d["strategy"]),
+                       float(d["compute_s"]), float(d["comm_s"]), int(d["memory_bytes"]), d.get("runner_up"),
+                       None if d.get("runner_up_delta_s") is None else float(d["runner_up_delta_s"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"block estimate {d!r} is malformed: {e}") from None
+
+
+def block_scope(analysis: Analysis, block: int) -> str:
+    """The block's module scope without the root, e.g. `layers_3/mlp/fc_out`."""
+    op = analysis.graph.operators[analysis.blocks[block].forward.op]
+    parts = list(op.scope)
+    if len(parts) > 1:
+        parts = parts[1:]
+    return "/".join(parts) or f"block_{block}"
+
+
+def strategy_cost(analysis: Analysis, block: int, strategy: int, gpu: GpuSpec) -> tuple[float, float, int]:
+    """(compute seconds, communication seconds, per-device bytes) of one block under one strategy."""
+    g, shape = analysis.graph, analysis.mesh.shape
+    mp = costmodel.matmul_precision()
+    compute = sum(rates.dot_time(f, gpu, dt, mp, mnk)
+                  for f, dt, mnk in costmodel.dot_costs(analysis, [(block, strategy)]))
+    lay = block_layout(g, analysis.blocks[block], strategy, shape)
+    comm = sum(costmodel.collective_seconds("all-reduce" if c.kind == "all-reduce" else "all-gather", c.bytes,
+                                            costmodel.group_size(c.axes, shape), gpu) for c in lay.collectives)
+    memory = sum(g.tensor(t).nbytes // shards(spec, shape) for t, spec in lay.specs)
+    return compute, comm, int(memory)
+
+
+def plan_figures(analysis: Analysis, choice: Sequence[int], gpu: GpuSpec) -> tuple[BlockFigures, ...]:
+    """Figures of every block of `choice`, with each block's best other strategy by the same model."""
+    if len(choice) != len(analysis.blocks):
+        raise ConfigError(f"choice has {len(choice)} entries, the analysis {len(analysis.blocks)} blocks")
+    seg_of = {b: s.index for s in analysis.segments for b in s.blocks}
+    out = []
+    for b, chosen in enumerate(choice):
+        costs = {s: strategy_cost(analysis, b, s, gpu) for s in range(len(analysis.blocks[b].strategies))}
+        own = costs[chosen]
+        others = sorted((c[0] + c[1], s) for s, c in costs.items() if s != chosen)
+        ru = others[0][1] if others else None
+        out.append(BlockFigures(b, block_scope(analysis, b), seg_of.get(b, -1), analysis.notation(b, chosen),
+                                own[0], own[1], own[2],
+                                analysis.notation(b, ru) if ru is not None else None,
+                                others[0][0] - (own[0] + own[1]) if others else None))
+    return tuple(out)
+
+
+def profile_points(table, choice: Sequence[int], analysis: Analysis) -> tuple[dict, ...]:
+    """Every profiled combination of every segment kind: time, memory, whether the plan chose it."""
+    firsts = {}
+    for s in analysis.segments:
+        firsts.setdefault(s.kind, s)
+    out = []
+    for kind, prof in table.segments.items():
+        seg = firsts.get(kind)
+        picked = tuple(choice[b] for b in seg.blocks) if seg is not None else None
+        for e in prof.entries:
+            out.append({"segment_kind": kind, "combo": list(e.combo), "time_s": e.time, "memory_bytes": e.memory,
+                        "measured": e.measured is not None, "chosen": tuple(e.combo) == picked})
+    return tuple(out)

@@ -7,6 +7,7 @@ import time
 
 from cfp.cli.common import add_model_options, build_step, ensure_host_devices, positive_int
 from cfp.errors import ConfigError
+from cfp.profiling.options import ProfilerKind
 
 
 def _profile_options(p: argparse.ArgumentParser) -> None:
@@ -68,7 +69,8 @@ def _prepare(args):
 def _print_table(table, analysis) -> None:
     print(f"profiler: {table.profiler}  device: {table.device_kind}  jax {table.jax_version}  "
           f"compiles: {table.compiles}  profile time: {table.profile_time:.2f} s")
-    how = "measured" if table.profiler == "measure" else f"estimated by the {table.profiler.split(':', 1)[-1]} cost model"
+    how = ("measured" if table.profiler.kind is ProfilerKind.MEASURE
+           else f"estimated by the {table.profiler.gpu} cost model")
     print(f"time: {how}; memory: compiled on this host (arguments + outputs + temporaries)")
     for kind, seg in table.segments.items():
         print(f"segment kind {kind} ({seg.fingerprint}), space {list(seg.space)}: {seg.rule}")

@@ -19,7 +19,7 @@ def _grad_problem(model, mesh):
     params, _ = ts.init(jax.random.PRNGKey(0))
     batch = make_batch(model, cfg, 8, jax.random.PRNGKey(1))
     step = jax.value_and_grad(loss_fn(model, cfg))
-    analysis, program = analyze_with_program(step, params, batch, mesh=mesh)
+    analysis, program = analyze_with_program(step, mesh, params, batch)
     return step, (params, batch), analysis, program
 
 
@@ -63,7 +63,7 @@ def _train_problem(mesh):
     ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
     params, opt = ts.init(jax.random.PRNGKey(0))
     batch = ts.make_batch(8, jax.random.PRNGKey(1))
-    analysis, program = analyze_with_program(ts.step, params, opt, batch, mesh=mesh)
+    analysis, program = analyze_with_program(ts.step, mesh, params, opt, batch)
     return ts, params, opt, batch, analysis, program
 
 

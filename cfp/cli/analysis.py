@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
 
     step, example_args, mesh = build_step(args, abstract=True)
     t0 = time.perf_counter()
-    analysis = analyze(step, *example_args, mesh=mesh)
+    analysis = analyze(step, mesh, *example_args)
     elapsed = time.perf_counter() - t0
     print(report.parallel_blocks_text(analysis, None if args.max_ops < 0 else args.max_ops))
     print(report.segments_text(analysis))

@@ -61,7 +61,7 @@ def _prepare(args):
     popts = _popts(args)   # validate options before the (slow) capture
     from cfp.analysis.analysis import analyze_with_program
     step, example_args, mesh = build_step(args)
-    analysis, program = analyze_with_program(step, *example_args, mesh=mesh)
+    analysis, program = analyze_with_program(step, mesh, *example_args)
     return popts, step, example_args, analysis, program
 
 
@@ -128,7 +128,7 @@ def run_enum(args) -> int:
     from cfp.profiling.profiler import Profiler
     gpu = get_gpu(args.gpu)
     step, example_args, mesh = build_step(args)
-    analysis, program = analyze_with_program(step, *example_args, mesh=mesh)
+    analysis, program = analyze_with_program(step, mesh, *example_args)
     seg = next((s for s in analysis.segments if s.kind == args.segment), None)
     if seg is None:
         raise ConfigError(f"segment kind {args.segment} does not exist; kinds are 0..{analysis.num_unique_segments - 1}")

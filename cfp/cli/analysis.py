@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from cfp.cli.common import add_model_options, build_step, ensure_host_devices
+from cfp.cli.common import add_model_options, build_step, check_output_dir, ensure_host_devices
 
 
 def add_parser(sub) -> None:
@@ -15,6 +15,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_dir(args.dump_dir, "--dump-dir")
     ensure_host_devices()
     from cfp.analysis.analysis import analyze
     from cfp.analysis import report

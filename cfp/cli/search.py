@@ -5,7 +5,8 @@ import argparse
 import itertools
 import time
 
-from cfp.cli.common import add_model_options, build_step, ensure_host_devices, positive_int
+from cfp.cli.common import (add_model_options, build_step, check_output_dir, check_output_file, ensure_host_devices,
+                            positive_int)
 from cfp.errors import ConfigError
 
 
@@ -56,7 +57,16 @@ def _popts(args):
                           progress=not args.no_progress)
 
 
+def _check_outputs(args) -> None:
+    """Output paths are checked before any work, so a typo costs no capture or profiling."""
+    check_output_dir(args.dump_dir, "--dump-dir")
+    if not getattr(args, "no_cache", True):
+        check_output_dir(args.cache_dir, "--cache-dir")
+    check_output_file(getattr(args, "plan_out", None), "--plan-out")
+
+
 def _prepare(args):
+    _check_outputs(args)
     ensure_host_devices()
     popts = _popts(args)   # validate options before the (slow) capture
     from cfp.analysis.analysis import analyze_with_program
@@ -120,6 +130,7 @@ def run_search(args) -> int:
 
 
 def run_enum(args) -> int:
+    check_output_dir(args.dump_dir, "--dump-dir")
     ensure_host_devices()
     from cfp.analysis.analysis import analyze_with_program
     from cfp.profiling import costmodel

@@ -39,6 +39,8 @@ def test_plan_matches_single_device(args, tmp_path, profiler, gpu):
     res = step.search
     assert res.choice == step.shardings.choice and res.best.memory > 0 and res.best.time > 0
     assert "searched ParallelBlock Strategies solution" in res.report()
+    # the margin to the runner-up says whether it is measured and, if so, whether it is within the noise
+    assert ("measured noise ±" if profiler == "measure" else "ms estimated") in res.report()
     plan = load_plan(str(out))
     assert plan.choice == step.shardings.choice
     assert set(plan.input_specs) == {"[0]['b1']", "[0]['w1']", "[0]['w2']", "[1]", "[2]"}

@@ -35,7 +35,7 @@ def main() -> None:
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            a = analyze(ts.step, params, opt, batch, mesh=args.mesh)
+            a = analyze(ts.step, args.mesh, params, opt, batch)
             times.append(time.perf_counter() - t0)
         print(f"{args.model} config={name} layers={args.num_layers} mesh={args.mesh} batch={args.batch_size}: "
               f"operators={len(a.graph.operators)} blocks={len(a.blocks)} unique_segments={a.num_unique_segments} "

@@ -112,7 +112,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
     row = Row("alpa-ilp")
     try:
         t0 = time.perf_counter()
-        analysis, program = analyze_with_program(step, *example_args, mesh=spec)
+        analysis, program = analyze_with_program(step, spec, *example_args)
         cm = CostModel()
         if args.gpu:
             from cfp.hardware.gpus import get_gpu

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         params = jax.jit(train_step(model, cfg).init)(jax.random.PRNGKey(0))[0]
         batch = make_batch(model, cfg, 8, jax.random.PRNGKey(1))
         step = jax.value_and_grad(loss_fn(model, cfg))
-        analysis, program = analyze_with_program(step, params, batch, mesh=args.mesh)
+        analysis, program = analyze_with_program(step, args.mesh, params, batch)
         want = jax.tree_util.tree_leaves(jax.jit(step)(params, batch))
         rng = random.Random(args.seed)
         for k in range(args.plans):

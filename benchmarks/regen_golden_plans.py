@@ -21,26 +21,36 @@ from cfp.models import get_config, train_step  # noqa: E402
 from cfp.api import autoshard  # noqa: E402
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "tests" / "golden" / "plans"
-CASES = [("gpt", "8"), ("gpt", "2x4"), ("llama2", "8"), ("moe", "8")]
+# (model, mesh, variant); a variant overrides config fields. "wide_vocab" (a 32768-token vocabulary) makes the
+# head's gradient all-reduce dominate, so its optimum is NOT uniform data parallel (strategy 0 everywhere)
+CASES = [("gpt", "8", ""), ("gpt", "2x4", ""), ("llama2", "8", ""), ("moe", "8", ""), ("gpt", "8", "wide_vocab")]
+VARIANTS = {"": {}, "wide_vocab": {"vocab_size": 32768}}
 SETTINGS = dict(config="tiny", num_layers=1, batch_size=8, gpu="A100-SXM-80G", max_combinations=4)
 
 
-def golden_plan(model: str, mesh: str) -> dict:
-    """The plan cfp chooses for `model` on `mesh` under the golden settings, as a JSON-able dict."""
+def golden_step(model: str, mesh: str, variant: str = ""):
+    """(searched ShardedStep, example args) of `model` on `mesh` under the golden settings."""
     s = SETTINGS
-    ts = train_step(model, get_config(model, s["config"], num_layers=s["num_layers"]))
+    ts = train_step(model, get_config(model, s["config"], num_layers=s["num_layers"], **VARIANTS[variant]))
     params, opt = jax.eval_shape(ts.init, jax.random.PRNGKey(0))
     params, opt = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), (params, opt))
     batch = ts.make_batch(s["batch_size"], jax.random.PRNGKey(1))
     step = autoshard(ts.step, mesh, params, opt, batch, profiler="estimate", gpu=s["gpu"],
                      max_combinations=s["max_combinations"], verify=0)
+    return step, (params, opt, batch)
+
+
+def golden_plan(model: str, mesh: str, variant: str = "", step=None) -> dict:
+    """The plan cfp chooses for `model` on `mesh` under the golden settings, as a JSON-able dict."""
+    step = step if step is not None else golden_step(model, mesh, variant)[0]
     a = step.analysis
-    return {"model": model, "mesh": mesh, "settings": s, "choice": list(step.shardings.choice),
+    return {"model": model, "mesh": mesh, "settings": dict(SETTINGS, **VARIANTS[variant]),
+            "choice": list(step.shardings.choice),
             "strategies": [a.notation(b, c) for b, c in enumerate(step.shardings.choice)]}
 
 
-def path_for(model: str, mesh: str) -> Path:
-    return GOLDEN_DIR / f"{model}_{mesh}.json"
+def path_for(model: str, mesh: str, variant: str = "") -> Path:
+    return GOLDEN_DIR / f"{model}_{mesh}{'_' + variant if variant else ''}.json"
 
 
 def main() -> int:
@@ -49,9 +59,9 @@ def main() -> int:
     args = p.parse_args()
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
     status = 0
-    for model, mesh in CASES:
-        plan = golden_plan(model, mesh)
-        path = path_for(model, mesh)
+    for model, mesh, variant in CASES:
+        plan = golden_plan(model, mesh, variant)
+        path = path_for(model, mesh, variant)
         if args.check:
             same = path.exists() and json.loads(path.read_text())["choice"] == plan["choice"]
             print(f"{path.name}: {'same' if same else 'DIFFERENT'}")

@@ -1,27 +1,38 @@
 """cfp: automatic intra-operator parallelism (CFP) and heterogeneous 3D parallelism for JAX training.
 
+The public API, re-exported here from the passes that own each name (one argument order everywhere:
+`(step_fn, mesh, *example_args)`):
+
     import cfp
-    analysis = cfp.analyze(step_fn, params, opt_state, batch, mesh="2x4")
+    analysis = cfp.analyze(step_fn, "2x4", params, opt_state, batch)
+    sharded = cfp.autoshard(step_fn, "2x4", params, opt_state, batch, profiler="estimate", gpu="A100-SXM-80G")
+    sharded.plan.save("plan.json")
+    again = cfp.apply_plan(step_fn, "2x4", params, opt_state, batch, plan="plan.json")
 """
-from cfp.errors import CaptureError, CfpError, ConfigError, InfeasibleError
+from cfp.analysis.analysis import Analysis, analyze
+from cfp.api import autoshard
+from cfp.errors import CaptureError, CfpError, ConfigError, InfeasibleError, PlanError
 from cfp.mesh import MeshSpec
+from cfp.planner.cluster import Cluster, parse_cluster
+from cfp.planner.options import PlannerOptions
+from cfp.planner.planner import PlannerResult, find_layout
+from cfp.profiling.table import ProfileTable
+from cfp.runtime.training import TrainOptions, TrainResult, run_training
+from cfp.search.plan import Plan, apply_plan, load_plan
+from cfp.search.search import SearchResult
+from cfp.sharding.check import check_collectives
+from cfp.sharding.specs import StepShardings
+from cfp.sharding.step import ShardedStep
 
 __version__ = "0.1.0"
 
-
-def analyze(step_fn, *example_args, mesh):
-    """Analysis pass: trace `step_fn(*example_args)` and return its frozen, JSON-serialisable `Analysis`."""
-    from cfp.analysis.analysis import analyze as _analyze
-    return _analyze(step_fn, *example_args, mesh=mesh)
-
-
-def __getattr__(name):
-    # autoshard/load_plan run every pass (cfp.api); imported lazily so `import cfp` stays light
-    if name in ("autoshard", "load_plan"):
-        import importlib
-        return getattr(importlib.import_module("cfp.api"), name)
-    raise AttributeError(f"module 'cfp' has no attribute {name!r}")
-
-
-__all__ = ["analyze", "autoshard", "load_plan", "MeshSpec", "CfpError", "ConfigError", "CaptureError",
-           "InfeasibleError"]
+__all__ = [
+    # intra-operator parallelism (CFP): analyse, search, apply, save and reload plans
+    "analyze", "autoshard", "apply_plan", "load_plan", "Plan", "MeshSpec", "ShardedStep", "StepShardings",
+    "Analysis", "SearchResult", "ProfileTable", "check_collectives",
+    # heterogeneous clusters: planner and training runtime
+    "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout",
+    "TrainOptions", "TrainResult", "run_training",
+    # errors
+    "CfpError", "ConfigError", "PlanError", "CaptureError", "InfeasibleError",
+]

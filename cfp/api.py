@@ -8,11 +8,11 @@ from cfp.mesh import MeshSpec
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile
-from cfp.search.plan import Plan, apply_saved_plan, load_plan, make_plan
+from cfp.search.plan import Plan, apply_plan, load_plan, make_plan
 from cfp.search.search import search
 from cfp.search.options import SearchOptions
 
-__all__ = ["autoshard", "load_plan", "apply_saved_plan", "Plan"]
+__all__ = ["autoshard", "load_plan", "apply_plan", "Plan"]
 
 
 def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profiler: str = "measure",
@@ -24,16 +24,16 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     `mesh`: a jax Mesh, a `MeshSpec` or "2x4"; `memory_limit`: per-device bytes or a string like "2GB";
     `profiler`: "measure" (time on the local devices) or "estimate" (cost model of `gpu`); `shard_state`: under
     a budget, also consider storing parameters and optimizer state sharded (ZeRO-3). Returns the
-    `ShardedStep` (call it like `step_fn`); `.shardings` are the applied
-    `StepShardings`, `.saved_plan` the plan file content,
-    `.search_result` the search's figures. Raises InfeasibleError when nothing fits `memory_limit`.
+    `ShardedStep` (call it like `step_fn`): `.plan` is the `Plan` to save and reapply (`cfp.apply_plan`),
+    `.shardings` the applied `StepShardings`, `.search` the `SearchResult` (figures, `report()`), `.profile`
+    the `ProfileTable`. Raises InfeasibleError when nothing fits `memory_limit`.
     """
     log = print if verbose else (lambda *_: None)
     popts = ProfileOptions(kind=profiler, gpu=gpu, iters=iters, cache_dir=cache_dir,
                            max_combinations=max_combinations, progress=verbose)
     sopts = SearchOptions(memory_per_device=memory_limit, top_k=top_k, verify=verify, iters=iters,
                           shard_state=shard_state)
-    analysis, program = analyze_with_program(step_fn, *example_args, mesh=MeshSpec.of(mesh))
+    analysis, program = analyze_with_program(step_fn, MeshSpec.of(mesh), *example_args)
     table = profile(program, analysis, popts, log=log)
     result = search(program, analysis, table, example_args, sopts, log=log,
                     mesh=mesh if hasattr(mesh, "devices") else None)
@@ -42,10 +42,8 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
         step = apply_choice(program, analysis, result.choice, mesh if hasattr(mesh, "devices") else None,
                           shard_state=result.shard_state)
     b = result.best
-    step.saved_plan = make_plan(analysis, step.shardings, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
-                                                      "flops": b.flops, "profiler": str(table.profiler)})
-    step.search_result = result
-    step.profile_table = table
+    plan = make_plan(analysis, step.shardings, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
+                                                "flops": b.flops, "profiler": str(table.profiler)})
     if plan_out:
-        step.saved_plan.save(plan_out)
-    return step
+        plan.save(plan_out)
+    return step.with_results(plan=plan, search=result, profile=table)

@@ -15,3 +15,7 @@ class CaptureError(CfpError):
 
 class InfeasibleError(CfpError):
     """No plan satisfies the constraints (for example the memory budget)."""
+
+
+class PlanError(ConfigError):
+    """A plan or profile-cache file that is not what cfp wrote, or a plan that does not fit the step."""

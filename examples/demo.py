@@ -55,10 +55,10 @@ def main() -> None:
     print("\n== cfp.autoshard (analysis, profiling, search)")
     t0 = time.perf_counter()
     step = cfp.autoshard(ts.step, mesh, params, opt, batch, memory_limit=budget, iters=3, max_combinations=8)
-    res = step.search_result
+    res = step.search
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     print(res.report())
-    names = step.saved_plan.strategies
+    names = step.plan.strategies
     for b in range(min(8, len(names))):
         print(f"    block {b}: {names[b]}")
     print(f"    ... {len(names)} blocks")

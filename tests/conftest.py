@@ -8,3 +8,81 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# ---- shared problems of the API/plan/search tests (tiny, so every test using them stays within seconds) ----
+import pytest  # noqa: E402
+
+
+def _mlp_loss(p, x, y):
+    import jax.numpy as jnp
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def mlp_grad_step(p, x, y):
+    """(loss, grads) of a 2-layer MLP: the smallest step with several ParallelBlocks."""
+    import jax
+    return jax.value_and_grad(_mlp_loss)(p, x, y)
+
+
+@pytest.fixture(scope="session")
+def mlp_problem():
+    """(step_fn, example_args) of `mlp_grad_step`: params {w1 [32,64], b1 [64], w2 [64,32]}, x and y [16,32]."""
+    import jax
+    import jax.numpy as jnp
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    p = {"w1": jax.random.normal(k[0], (32, 64)) * 0.1, "b1": jnp.zeros((64,)),
+         "w2": jax.random.normal(k[1], (64, 32)) * 0.1}
+    return mlp_grad_step, (p, jax.random.normal(k[2], (16, 32)), jax.random.normal(k[3], (16, 32)))
+
+
+@pytest.fixture(scope="session")
+def gpt_train_problem():
+    """A 1-layer tiny GPT's optax AdamW train step: (train_step bundle, params, opt_state, batch of 8)."""
+    import jax
+    from cfp.models import get_config, train_step
+    ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
+    params, opt = jax.jit(ts.init)(jax.random.PRNGKey(0))
+    return ts, params, opt, ts.make_batch(8, jax.random.PRNGKey(1))
+
+
+def assert_same_tree(got, want):
+    """Tree structures first: a leaf-by-leaf `zip` would silently stop at the shorter tree."""
+    import jax
+    gs, ws = jax.tree_util.tree_structure(got), jax.tree_util.tree_structure(want)
+    assert gs == ws, f"tree structures differ: {gs} vs {ws}"
+
+
+def assert_adam_step_matches(params0, got, want, lr: float = 1e-3):
+    """One optax AdamW step `(new_params, opt_state, loss)` against the single-device `want`, like with like.
+
+    Gradients before the optimizer: Adam's first moment after one step is (1 - b1) * grad, compared with a
+    tolerance relative to each leaf's scale. Parameter updates: Adam's first update is about -lr * sign(grad),
+    so where a gradient is within float32 noise (measured here as the largest first-moment difference between
+    the two runs) the sign may flip and the updates may differ by up to 2 lr; everywhere else (required to be
+    most elements, so the check is never vacuous) they must agree to 1% of lr. A skipped update fails.
+    """
+    import jax
+    import numpy as np
+    assert_same_tree(got, want)
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
+    leaves = jax.tree_util.tree_leaves
+    # one scale for the whole gradient: a leaf whose gradient is mathematically zero (an attention key bias)
+    # holds only float noise, and its own maximum says nothing about the precision to expect
+    scale = max(float(np.abs(np.asarray(m)).max()) for m in leaves(want[1][0].mu))
+    decisive = total = 0
+    for p0, new, ref, m, m_ref in zip(leaves(params0), leaves(got[0]), leaves(want[0]),
+                                      leaves(got[1][0].mu), leaves(want[1][0].mu)):
+        p0, new, ref, m, m_ref = (np.asarray(x, np.float64) for x in (p0, new, ref, m, m_ref))
+        np.testing.assert_allclose(m, m_ref, rtol=1e-3, atol=1e-5 * scale)
+        noise = float(np.abs(m - m_ref).max())
+        sure = np.abs(m_ref) > 10 * noise + 1e-6 * scale
+        diff = np.abs((new - p0) - (ref - p0))
+        eps32 = np.finfo(np.float32).eps
+        assert (diff[sure] <= 1e-2 * lr + 4 * eps32 * np.abs(p0[sure])).all(), \
+            f"update differs by {diff[sure].max():.3g} where the gradient is well above noise {noise:.3g}"
+        assert (diff <= 2.02 * lr + 4 * eps32 * np.abs(p0)).all(), f"update differs by {diff.max():.3g} > 2 lr"
+        decisive, total = decisive + int(sure.sum()), total + sure.size
+    assert decisive >= 0.5 * total, f"only {decisive} of {total} gradients are above float noise: check is vacuous"
+# ---- end of the API/plan/search block ----

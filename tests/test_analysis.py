@@ -15,7 +15,7 @@ from cfp.models import get_config, train_step
 def _analysis(model: str, layers: int, mesh: str = "8", batch: int = 8) -> Analysis:
     ts = train_step(model, get_config(model, "tiny", num_layers=layers))
     params, opt = jax.eval_shape(ts.init, jax.random.PRNGKey(0))  # analysis needs shapes, not values
-    return analyze(ts.step, params, opt, ts.make_batch(batch, jax.random.PRNGKey(1)), mesh=mesh)
+    return analyze(ts.step, mesh, params, opt, ts.make_batch(batch, jax.random.PRNGKey(1)))
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama2", "moe", "bert"])

@@ -11,6 +11,7 @@ from cfp.sharding.step import apply_choice
 from cfp.sharding.check import check_collectives
 from cfp.errors import ConfigError
 from cfp.models import get_config, loss_fn, make_batch, train_step
+from conftest import assert_adam_step_matches, assert_same_tree
 
 
 def _grad_problem(model, mesh):
@@ -19,7 +20,7 @@ def _grad_problem(model, mesh):
     params, _ = ts.init(jax.random.PRNGKey(0))
     batch = make_batch(model, cfg, 8, jax.random.PRNGKey(1))
     step = jax.value_and_grad(loss_fn(model, cfg))
-    analysis, program = analyze_with_program(step, params, batch, mesh=mesh)
+    analysis, program = analyze_with_program(step, mesh, params, batch)
     return step, (params, batch), analysis, program
 
 
@@ -35,6 +36,7 @@ def _choices(analysis, kinds, seed):
 
 
 def _assert_close(got, want):
+    assert_same_tree(got, want)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 * max(1.0, float(np.abs(b).max())))
@@ -63,7 +65,7 @@ def _train_problem(mesh):
     ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
     params, opt = ts.init(jax.random.PRNGKey(0))
     batch = ts.make_batch(8, jax.random.PRNGKey(1))
-    analysis, program = analyze_with_program(ts.step, params, opt, batch, mesh=mesh)
+    analysis, program = analyze_with_program(ts.step, mesh, params, opt, batch)
     return ts, params, opt, batch, analysis, program
 
 
@@ -74,11 +76,7 @@ def test_full_train_step_matches_single_device():
     sharded = apply_choice(program, analysis, dp)
     want = jax.jit(ts.step)(params, opt, batch)
     got = sharded(params, opt, batch)
-    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
-    # Adam divides by sqrt(v): parameters with (mathematically) zero gradient, such as attention key
-    # biases, turn float noise into O(lr) updates, so parameters are compared with an absolute tolerance.
-    for a, b in zip(jax.tree_util.tree_leaves(got[0]), jax.tree_util.tree_leaves(want[0])):
-        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)
+    assert_adam_step_matches(params, got, want)
     # the parameters come back sharded as the plan says (ready for the next step without resharding)
     leaves = jax.tree_util.tree_leaves(got[0])
     assert all(len(x.sharding.device_set) == 8 for x in leaves)
@@ -112,12 +110,30 @@ def test_sharded_state_matches_single_device_and_shrinks_memory():
     assert compiled_memory(zero.compile(params, opt, batch)) < 0.85 * compiled_memory(plain.compile(params, opt, batch))
     want = jax.jit(ts.step)(params, opt, batch)
     got = zero(params, opt, batch)
-    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(got[0]), jax.tree_util.tree_leaves(want[0])):
-        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)
+    assert_adam_step_matches(params, got, want)
     for a, b in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-3)
     fc_in = jax.tree_util.tree_leaves(got[0])[kernel]
     assert fc_in.sharding.spec == zero.shardings.input_specs[kernel]     # comes back stored sharded
     with pytest.raises(ConfigError, match="out of range"):
         apply_choice(program, analysis, dp, shard_state=[999])
+
+
+def test_adam_step_check_fails_when_the_update_is_skipped(gpt_train_problem):
+    """The parameter check above is not vacuous: a step that returns the old parameters fails it, and so does
+    one whose update has the wrong sign in a single element well above noise."""
+    ts, params, opt, batch = gpt_train_problem
+    want = jax.jit(ts.step)(params, opt, batch)
+    assert_adam_step_matches(params, want, want)
+    with pytest.raises(AssertionError, match="update differs"):
+        assert_adam_step_matches(params, (params, want[1], want[2]), want)
+    leaves, tree = jax.tree_util.tree_flatten(want[0])
+    i = max(range(len(leaves)), key=lambda j: leaves[j].size)
+    flipped = np.asarray(leaves[i]).copy()
+    p0 = np.asarray(jax.tree_util.tree_leaves(params)[i])
+    m = np.abs(np.asarray(jax.tree_util.tree_leaves(want[1][0].mu)[i]))
+    k = np.unravel_index(np.argmax(m), m.shape)
+    flipped[k] = 2 * p0[k] - flipped[k]
+    bad = jax.tree_util.tree_unflatten(tree, leaves[:i] + [flipped] + leaves[i + 1:])
+    with pytest.raises(AssertionError, match="update differs"):
+        assert_adam_step_matches(params, (bad, want[1], want[2]), want)

@@ -37,7 +37,7 @@ def test_candidate_specs():
 
 @pytest.mark.parametrize("mesh", ["2", "4"])
 def test_ilp_equals_brute_force_mlp(mesh):
-    a, _ = analyze_with_program(_mlp_step, *_mlp_args(), mesh=mesh)
+    a, _ = analyze_with_program(_mlp_step, mesh, *_mlp_args())
     problem = build_problem(a.graph, a.mesh.shape)
     node_choice, cost, optimal, _ = solve(problem)
     best, best_cost = brute_force(problem)
@@ -47,7 +47,7 @@ def test_ilp_equals_brute_force_mlp(mesh):
 
 def test_ilp_equals_brute_force_slow_network_and_memory_budget():
     p = {"w1": jnp.ones((8, 8)), "w2": jnp.ones((8, 8)), "w3": jnp.ones((8, 4))}
-    a, _ = analyze_with_program(_mlp3_step, p, jnp.ones((4, 8)), mesh="2")
+    a, _ = analyze_with_program(_mlp3_step, "2", p, jnp.ones((4, 8)))
     # a slow network so the communication terms dominate and differ between plans
     problem = build_problem(a.graph, a.mesh.shape, CostModel(bandwidth=1e6, latency=1e-6))
     assert 1e3 < __import__("math").prod(n.k for n in problem.nodes) < 5e6
@@ -60,7 +60,7 @@ def test_ilp_equals_brute_force_slow_network_and_memory_budget():
 
 
 def test_infeasible_budget_names_smallest():
-    a, _ = analyze_with_program(_mlp_step, *_mlp_args(), mesh="4")
+    a, _ = analyze_with_program(_mlp_step, "4", *_mlp_args())
     problem = build_problem(a.graph, a.mesh.shape)
     with pytest.raises(InfeasibleError, match="smallest budget"):
         ilp_choice(a, memory_budget=problem.min_memory() - 1)
@@ -70,7 +70,7 @@ def test_infeasible_budget_names_smallest():
 
 def test_ilp_choice_applies_and_matches_unsharded():
     args = _mlp_args()
-    a, program = analyze_with_program(_mlp_step, *args, mesh="4")
+    a, program = analyze_with_program(_mlp_step, "4", *args)
     res = ilp_choice(a)
     assert len(res.choice) == len(a.blocks) and res.optimal
     assert res.cost_of_choice >= res.cost - 1e-15
@@ -83,7 +83,7 @@ def test_ilp_choice_applies_and_matches_unsharded():
 def test_ilp_step_keeps_ilp_input_layouts():
     from cfp.baselines.ilp import ilp_step
     args = _mlp_args()
-    a, program = analyze_with_program(_mlp_step, *args, mesh="4")
+    a, program = analyze_with_program(_mlp_step, "4", *args)
     res = ilp_choice(a)
     step = ilp_step(program, a, res)
     assert len(res.input_specs) == len(a.graph.inputs)

@@ -29,7 +29,7 @@ def mlp():
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     p = {"w1": jax.random.normal(k[0], (32, 64)) * 0.1, "w2": jax.random.normal(k[1], (64, 32)) * 0.1}
     args = (p, jax.random.normal(k[2], (16, 32)), jax.random.normal(k[3], (16, 32)))
-    analysis, program = analyze_with_program(grad_step, *args, mesh="2x4")
+    analysis, program = analyze_with_program(grad_step, "2x4", *args)
     return analysis, program, args
 
 

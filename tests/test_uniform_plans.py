@@ -14,7 +14,7 @@ from cfp.baselines.uniform import dp_tp_choice
 def _analysis(mesh):
     ts = train_step("gpt", get_config("gpt", "tiny", num_layers=1))
     params, opt = jax.eval_shape(ts.init, jax.random.PRNGKey(0))
-    return analyze(ts.step, params, opt, ts.make_batch(8, jax.random.PRNGKey(1)), mesh=mesh)
+    return analyze(ts.step, mesh, params, opt, ts.make_batch(8, jax.random.PRNGKey(1)))
 
 
 def test_data_parallel_choice_shards_the_batch_everywhere():
@@ -43,7 +43,7 @@ def test_data_parallel_choice_compiles_to_the_data_parallel_baseline(model, mesh
     ts = train_step(model, get_config(model, "tiny", num_layers=1))
     params, opt = jax.jit(ts.init)(jax.random.PRNGKey(0))
     args = (params, opt, ts.make_batch(8, jax.random.PRNGKey(1)))
-    a, program = analyze_with_program(ts.step, *args, mesh=mesh)
+    a, program = analyze_with_program(ts.step, mesh, *args)
     sharded = apply_choice(program, a, data_parallel_choice(a.graph, a.blocks))
     found = sorted((c.kind, c.bytes) for c in sharded.collectives(*args))
     fn, shardings = baseline_step(Baseline.DATA_PARALLEL, ts.step, args, sharded.mesh)

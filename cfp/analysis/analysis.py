@@ -117,15 +117,15 @@ def analyze_program(program: Program, options: AnalysisOptions, started: float |
     return Analysis(options.mesh, graph, blocks, remainder, segments, time.perf_counter() - t0)
 
 
-def analyze(step_fn: Callable, *example_args, mesh: MeshSpec | str | Any) -> Analysis:
+def analyze(step_fn: Callable, mesh: MeshSpec | str | Any, *example_args) -> Analysis:
     """Trace `step_fn(*example_args)` and group its operators into ParallelBlocks and segments.
 
     `mesh` is a `MeshSpec`, a string such as "2x4", or a `jax.sharding.Mesh`.
     """
-    return analyze_with_program(step_fn, *example_args, mesh=mesh)[0]
+    return analyze_with_program(step_fn, mesh, *example_args)[0]
 
 
-def analyze_with_program(step_fn: Callable, *example_args, mesh) -> tuple[Analysis, Program]:
+def analyze_with_program(step_fn: Callable, mesh, *example_args) -> tuple[Analysis, Program]:
     """Like `analyze`, also returning the captured `Program` (needed to apply a plan)."""
     t0 = time.perf_counter()
     spec = MeshSpec.of(mesh)

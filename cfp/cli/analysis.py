@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from cfp.cli.common import add_model_options, build_step, ensure_host_devices
+from cfp.cli.common import add_model_options, build_step, check_output_dir, ensure_host_devices
 
 
 def add_parser(sub) -> None:
@@ -15,13 +15,14 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_dir(args.dump_dir, "--dump-dir")
     ensure_host_devices()
     from cfp.analysis.analysis import analyze
     from cfp.analysis import report
 
     step, example_args, mesh = build_step(args, abstract=True)
     t0 = time.perf_counter()
-    analysis = analyze(step, *example_args, mesh=mesh)
+    analysis = analyze(step, mesh, *example_args)
     elapsed = time.perf_counter() - t0
     print(report.parallel_blocks_text(analysis, None if args.max_ops < 0 else args.max_ops))
     print(report.segments_text(analysis))

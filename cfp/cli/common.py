@@ -46,6 +46,33 @@ def non_negative_int(text: str) -> int:
     return v
 
 
+def check_output_dir(path: str | None, flag: str) -> None:
+    """Fail fast (before any capture or profiling) when directory `path` could not be created or written."""
+    if not path:
+        return
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{flag} {path!r} is an existing file, not a directory")
+    parent = full
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {path!r} cannot be created: {parent!r} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path!r} cannot be written: no write permission in {parent!r}")
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """Fail fast when file `path` could not be written (its directory is checked as `check_output_dir`)."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r} is a directory; give a file path such as {os.path.join(path, 'plan.json')!r}")
+    check_output_dir(os.path.dirname(os.path.abspath(os.path.expanduser(path))), flag + " directory")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag} {path!r} exists and is not writable")
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, choices=MODEL_NAMES, help="model family")
     p.add_argument("--config", default="tiny", help="named config of the model (default: tiny)")

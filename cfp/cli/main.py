@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 from cfp.errors import CfpError
@@ -58,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except CfpError as e:
         print(f"cfp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:        # file system: a path that cannot be read or written
+        where = f" {e.filename!r}" if getattr(e, "filename", None) else ""
+        print(f"cfp {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as e:
+        print(f"cfp {args.command}: error: invalid JSON: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"cfp {args.command}: interrupted", file=sys.stderr)

@@ -5,7 +5,8 @@ import argparse
 import itertools
 import time
 
-from cfp.cli.common import add_model_options, build_step, ensure_host_devices, positive_int
+from cfp.cli.common import (add_model_options, build_step, check_output_dir, check_output_file, ensure_host_devices,
+                            positive_int)
 from cfp.errors import ConfigError
 from cfp.profiling.options import ProfilerKind
 
@@ -57,12 +58,21 @@ def _popts(args):
                           progress=not args.no_progress)
 
 
+def _check_outputs(args) -> None:
+    """Output paths are checked before any work, so a typo costs no capture or profiling."""
+    check_output_dir(args.dump_dir, "--dump-dir")
+    if not getattr(args, "no_cache", True):
+        check_output_dir(args.cache_dir, "--cache-dir")
+    check_output_file(getattr(args, "plan_out", None), "--plan-out")
+
+
 def _prepare(args):
+    _check_outputs(args)
     ensure_host_devices()
     popts = _popts(args)   # validate options before the (slow) capture
     from cfp.analysis.analysis import analyze_with_program
     step, example_args, mesh = build_step(args)
-    analysis, program = analyze_with_program(step, *example_args, mesh=mesh)
+    analysis, program = analyze_with_program(step, mesh, *example_args)
     return popts, step, example_args, analysis, program
 
 
@@ -159,6 +169,7 @@ def _layer_flops_line(args, example_args, result) -> str:
 
 
 def run_enum(args) -> int:
+    check_output_dir(args.dump_dir, "--dump-dir")
     ensure_host_devices()
     from cfp.analysis.analysis import analyze_with_program
     from cfp.profiling import costmodel
@@ -167,7 +178,7 @@ def run_enum(args) -> int:
     from cfp.profiling.profiler import Profiler
     gpu = get_gpu(args.gpu)
     step, example_args, mesh = build_step(args)
-    analysis, program = analyze_with_program(step, *example_args, mesh=mesh)
+    analysis, program = analyze_with_program(step, mesh, *example_args)
     seg = next((s for s in analysis.segments if s.kind == args.segment), None)
     if seg is None:
         raise ConfigError(f"segment kind {args.segment} does not exist; kinds are 0..{analysis.num_unique_segments - 1}")

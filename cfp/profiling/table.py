@@ -8,11 +8,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from typing import Any
 
 from cfp.errors import ConfigError
 from cfp.profiling.options import ProfilerSpec
+
+_log = logging.getLogger("cfp")
 
 TABLE_VERSION = 3  # 2: segment memory excludes activations borrowed from other segments; 3: entry "combo" -> "choice"
 
@@ -55,6 +58,7 @@ class SegmentProfile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SegmentProfile":
+        validate_segment_dict(d)
         entries = tuple(ProfileEntry(tuple(e["choice"]), e["time"], e["memory"], e["comm_bytes"], e["flops"],
                                      e["bytes_accessed"], tuple(tuple(c) for c in e["collectives"]),
                                      e.get("measured")) for e in d["entries"])
@@ -82,12 +86,51 @@ class ProfileTable:
 
     @classmethod
     def from_json(cls, text: str) -> "ProfileTable":
+        """Parse a dumped table; bad content raises `ConfigError` naming the field (callers add the file)."""
         d = json.loads(text)
-        if d.get("version") != TABLE_VERSION:
+        if not isinstance(d, dict) or d.get("version") != TABLE_VERSION:
             raise ConfigError(f"profile table version {d.get('version')!r} is not the supported {TABLE_VERSION}")
         return cls(tuple(d["mesh_shape"]), d["device_kind"], d["jax_version"], ProfilerSpec.parse(d["profiler"]),
                    {int(k): SegmentProfile.from_dict(v) for k, v in d["segments"].items()},
                    d.get("compiles", 0), d.get("profile_time", 0.0))
+
+
+def _bad(field: str, what: str, value) -> None:
+    raise ConfigError(f"field {field!r} must be {what}, got {value!r:.80}")
+
+
+def _number(v, low: float = 0.0) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and low <= v < float("inf")
+
+
+def validate_segment_dict(d) -> None:
+    """Types and ranges of one segment's profile (finite, non-negative times and bytes); `ConfigError` naming
+    the field otherwise."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a segment profile must be a JSON object, got {type(d).__name__}")
+    for key in ("kind", "fingerprint", "space", "rule", "entries"):
+        if key not in d:
+            raise ConfigError(f"missing field {key!r}")
+    space = d["space"]
+    if not isinstance(space, list) or not all(isinstance(n, int) and n >= 1 for n in space):
+        _bad("space", "a list of positive strategy counts", space)
+    if not isinstance(d["entries"], list) or not d["entries"]:
+        _bad("entries", "a non-empty list of profiled combinations", d["entries"])
+    for i, e in enumerate(d["entries"]):
+        if not isinstance(e, dict):
+            _bad(f"entries[{i}]", "an object", e)
+        for key in ("choice", "time", "memory", "comm_bytes", "flops", "bytes_accessed", "collectives"):
+            if key not in e:
+                raise ConfigError(f"missing field 'entries[{i}].{key}'")
+        c = e["choice"]
+        if (not isinstance(c, list) or len(c) != len(space)
+                or not all(isinstance(x, int) and 0 <= x < n for x, n in zip(c, space))):
+            _bad(f"entries[{i}].choice", f"one strategy index per block within {space}", c)
+        for key in ("time", "memory", "comm_bytes", "flops", "bytes_accessed"):
+            if not _number(e[key]):
+                _bad(f"entries[{i}].{key}", "a finite non-negative number", e[key])
+        if e.get("measured") is not None and not _number(e["measured"]):
+            _bad(f"entries[{i}].measured", "null or a finite non-negative number", e["measured"])
 
 
 def cache_key(fingerprint: str, mesh_shape, device_kind: str, jax_version: str, settings: str) -> str:
@@ -96,17 +139,23 @@ def cache_key(fingerprint: str, mesh_shape, device_kind: str, jax_version: str, 
 
 
 def cache_load(cache_dir: str | None, key: str) -> SegmentProfile | None:
+    """The cached profile of `key`, or None when absent. A file that is not a valid profile (unreadable, not
+    JSON, another version, bad types or negative figures) is never used: it is logged as ignored and the
+    segment is profiled again (then overwritten), since a cache can always be rebuilt."""
     if not cache_dir:
         return None
     path = os.path.join(cache_dir, key + ".json")
+    if not os.path.exists(path):
+        return None
     try:
         with open(path) as f:
             d = json.load(f)
-    except (OSError, ValueError):
-        return None   # absent or unreadable (e.g. an interrupted write): profile again
-    if d.get("version") != TABLE_VERSION:
+        if not isinstance(d, dict) or d.get("version") != TABLE_VERSION:
+            raise ConfigError(f"not a version-{TABLE_VERSION} cache entry")
+        return SegmentProfile.from_dict(d.get("segment"))
+    except (OSError, ValueError) as e:     # ConfigError is a ValueError
+        _log.warning("ignoring corrupt profile cache file %s (%s); profiling the segment again", path, e)
         return None
-    return SegmentProfile.from_dict(d["segment"])
 
 
 def cache_store(cache_dir: str | None, key: str, seg: SegmentProfile) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from jax.sharding import PartitionSpec
 
 from cfp.analysis.analysis import Analysis, analyze_with_program
-from cfp.errors import ConfigError
+from cfp.errors import ConfigError, PlanError
 from cfp.mesh import MeshSpec
 from cfp.sharding.specs import StepShardings
 from cfp.sharding.step import ShardedStep, apply_choice
@@ -68,10 +68,13 @@ class Plan:
         return path
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        d = json.loads(text)
-        if d.get("version") not in (1, PLAN_VERSION):
-            raise ConfigError(f"plan version {d.get('version')!r} is not one of the supported 1..{PLAN_VERSION}")
+    def from_json(cls, text: str, where: str = "plan") -> "Plan":
+        """Parse and validate (see `validate_plan_dict`); bad content raises `PlanError` naming `where`."""
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise PlanError(f"{where} is not JSON: {e}") from None
+        validate_plan_dict(d, where)
         return cls(tuple(d["mesh_shape"]), tuple(d["axis_names"]), tuple(d["choice"]), tuple(d["strategies"]),
                    tuple(d["block_fingerprints"]), dict(d["input_specs"]), tuple(d["output_specs"]),
                    dict(d["metrics"]), tuple(d.get("shard_state", ())), PLAN_VERSION,
@@ -90,29 +93,109 @@ def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None =
 
 
 def load_plan(path: str) -> Plan:
+    """Read and validate a plan file; any defect raises `PlanError` naming the file and the field."""
     try:
         with open(path) as f:
             text = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read plan file {path!r}: {e.strerror}") from None
-    try:
-        return Plan.from_json(text)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"plan file {path!r} is not a cfp plan: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(f"cannot read plan file {path!r}: {getattr(e, 'strerror', None) or e}") from None
+    return Plan.from_json(text, where=f"plan file {path!r}")
 
 
-def apply_saved_plan(plan: Plan | str, step_fn: Callable, *example_args, mesh=None) -> ShardedStep:
-    """Shard `step_fn` with a saved plan (a `Plan` or a path); the step must have the plan's block structure."""
-    if isinstance(plan, str):
-        plan = load_plan(plan)
-    analysis, program = analyze_with_program(step_fn, *example_args, mesh=mesh if mesh is not None else plan.mesh)
+def apply_plan(step_fn: Callable, mesh, *example_args, plan) -> ShardedStep:
+    """Shard `step_fn` with `plan`: a `Plan`, a plan file's path, or a choice (one strategy index per block).
+
+    A saved plan must match the step: same mesh shape, same blocks (fingerprints) and, once applied, the same
+    PartitionSpec for every input; `mesh` may be None to use the plan's. Mismatches raise `PlanError`.
+    """
+    if isinstance(plan, (str, os.PathLike)):
+        plan = load_plan(os.fspath(plan))
+    if not isinstance(plan, Plan):
+        if mesh is None:
+            raise ConfigError("apply_plan with a choice needs a mesh")
+        analysis, program = analyze_with_program(step_fn, mesh, *example_args)
+        step = apply_choice(program, analysis, plan, mesh if hasattr(mesh, "devices") else None)
+        return step.with_results(plan=make_plan(analysis, step.shardings))
+    analysis, program = analyze_with_program(step_fn, mesh if mesh is not None else plan.mesh, *example_args)
     if tuple(analysis.mesh.shape) != tuple(plan.mesh_shape):
-        raise ConfigError(f"plan is for mesh {plan.mesh_shape}, the step was given mesh {analysis.mesh.shape}")
-    fps = tuple(b.fingerprint for b in analysis.blocks)
-    if fps != plan.block_fingerprints:
-        raise ConfigError(f"plan has {len(plan.block_fingerprints)} blocks that do not match this step's "
-                          f"{len(fps)} blocks; search again for this step")
+        raise PlanError(f"plan is for mesh {plan.mesh_shape}, the step was given mesh {analysis.mesh.shape}")
+    _check_blocks(plan, tuple(b.fingerprint for b in analysis.blocks))
     step = apply_choice(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None,
-                      shard_state=plan.shard_state)
-    step.saved_plan = plan
-    return step
+                        shard_state=plan.shard_state)
+    _check_input_specs(plan, make_plan(analysis, step.shardings).input_specs)
+    return step.with_results(plan=plan)
+
+
+def _check_blocks(plan: Plan, fps: tuple[str, ...]) -> None:
+    if len(fps) != len(plan.block_fingerprints):
+        raise PlanError(f"plan has {len(plan.block_fingerprints)} blocks, this step has {len(fps)}; "
+                        f"search again for this step")
+    for i, (want, got) in enumerate(zip(plan.block_fingerprints, fps)):
+        if want != got:
+            raise PlanError(f"block {i} differs: the plan's fingerprint is {want}, this step's is {got} "
+                            f"(first of {sum(a != b for a, b in zip(plan.block_fingerprints, fps))} differing "
+                            f"blocks); search again for this step")
+
+
+def _check_input_specs(plan: Plan, derived: dict[str, list]) -> None:
+    """The plan's stored input specs must be those its choice gives this step (a hand-edited or foreign plan
+    would otherwise place inputs differently from what the file says)."""
+    for path in list(plan.input_specs) + [p for p in derived if p not in plan.input_specs]:
+        want = spec_entries(spec_from_entries(plan.input_specs[path])) if path in plan.input_specs else None
+        got = derived.get(path)
+        if want != got:
+            raise PlanError(f"input {path}: the plan stores spec {want}, its choice gives this step {got} "
+                            f"({'missing' if want is None else 'absent from the step' if got is None else 'differs'})")
+
+
+def _fail(where: str, field: str, what: str, value) -> None:
+    raise PlanError(f"{where}: field {field!r} must be {what}, got {value!r:.80}")
+
+
+def _is_int(v, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _check_spec(where: str, field: str, entries, axes: set) -> None:
+    if not isinstance(entries, list):
+        _fail(where, field, "a list of per-dim entries (null, an axis name or a list of names)", entries)
+    for e in entries:
+        names = e if isinstance(e, list) else [] if e is None else [e]
+        if not all(isinstance(n, str) and n in axes for n in names):
+            _fail(where, field, f"entries naming mesh axes {sorted(axes)}", entries)
+
+
+def validate_plan_dict(d, where: str = "plan") -> None:
+    """Types, ranges and mesh consistency of a plan's JSON content; raises `PlanError` naming the field."""
+    if not isinstance(d, dict):
+        raise PlanError(f"{where} must be a JSON object of a cfp plan, got {type(d).__name__}")
+    if d.get("version") not in (1, PLAN_VERSION):
+        _fail(where, "version", f"one of the supported 1..{PLAN_VERSION}", d.get("version"))
+    for key in ("mesh_shape", "axis_names", "choice", "strategies", "block_fingerprints", "input_specs",
+                "output_specs", "metrics"):
+        if key not in d:
+            raise PlanError(f"{where}: missing field {key!r}")
+    shape, names, choice = d["mesh_shape"], d["axis_names"], d["choice"]
+    if not isinstance(shape, list) or not shape or not all(_is_int(n, 1) for n in shape):
+        _fail(where, "mesh_shape", "a non-empty list of positive integers", shape)
+    if (not isinstance(names, list) or len(names) != len(shape) or len(set(names)) != len(names)
+            or not all(isinstance(n, str) for n in names)):
+        _fail(where, "axis_names", f"{len(shape)} distinct axis names (one per mesh_shape entry)", names)
+    if not isinstance(choice, list) or not all(_is_int(c, 0) for c in choice):
+        _fail(where, "choice", "a list of non-negative strategy indices", choice)
+    for key in ("strategies", "block_fingerprints"):
+        if not isinstance(d[key], list) or len(d[key]) != len(choice) or not all(isinstance(x, str) for x in d[key]):
+            _fail(where, key, f"a list of {len(choice)} strings (one per block of 'choice')", d[key])
+    if not isinstance(d["input_specs"], dict):
+        _fail(where, "input_specs", "an object mapping input paths to specs", d["input_specs"])
+    for path, spec in d["input_specs"].items():
+        _check_spec(where, f"input_specs[{path}]", spec, set(names))
+    if not isinstance(d["output_specs"], list):
+        _fail(where, "output_specs", "a list of specs", d["output_specs"])
+    for i, spec in enumerate(d["output_specs"]):
+        _check_spec(where, f"output_specs[{i}]", spec, set(names))
+    if not isinstance(d["metrics"], dict):
+        _fail(where, "metrics", "an object", d["metrics"])
+    shard = d.get("shard_state", [])
+    if not isinstance(shard, list) or not all(_is_int(b, 0) and b < len(choice) for b in shard):
+        _fail(where, "shard_state", f"a list of block indices in 0..{len(choice) - 1}", shard)

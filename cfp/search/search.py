@@ -21,7 +21,7 @@ from cfp.search.dp import DPSolution, dp_search
 from cfp.search.options import SearchOptions, fmt_bytes
 from cfp.search.state import StateEstimator
 from cfp.sharding.step import ShardedStep, apply_choice
-from cfp.xla.compiled import compiled_figures, compiled_memory, time_compiled
+from cfp.xla.compiled import compiled_figures, compiled_memory, time_compiled, time_compiled_spread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,8 @@ class VerifiedChoice:
     time: float               # whole-step seconds: measured, or the GPU cost model under `estimate`
     memory: int               # per-device bytes of the compiled whole step (arguments + outputs + temporaries)
     flops: float              # FLOPs of one step over all devices
+    noise: float | None = None    # relative spread of the measured time (None: estimated, exact)
+    comm_bytes: int = 0       # per-device bytes of the compiled step's collectives (a tie-break)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +60,25 @@ class SearchResult:
             f"TFLOP_COUNT (compiled step, all devices, incl. LM head and attention): {b.flops / 1e12:.6g}",
             f"tflops ({how} time): "
             f"{[float(f'{v.flops / 1e12 / v.time:.4g}') if v.time > 0 else 0.0 for v in self.verified]}",
+            self.margin_text(),
         ])
+
+    def margin_text(self) -> str:
+        """How far the chosen plan is from the runner-up, and whether that is within the measured noise."""
+        b = self.best
+        kind = "estimated" if b.noise is None else "measured"
+        others = [v for v in self.verified if (v.choice, v.shard_state) != (b.choice, b.shard_state)
+                  and v.time != float("inf") and (self.budget is None or v.memory <= self.budget)]
+        if not others or b.time == float("inf"):
+            return f"chosen plan: {b.time * 1e3:.4g} ms {kind}; no runner-up within the budget"
+        r = min(others, key=lambda v: v.time)
+        diff = (r.time - b.time) / b.time * 100
+        if b.noise is None:
+            return (f"chosen plan: {b.time * 1e3:.4g} ms estimated; runner-up {r.time * 1e3:.4g} ms "
+                    f"({diff:+.1f}%, estimates are exact: ties only when equal)")
+        tol = _tie_tolerance(b, r) * 100
+        return (f"chosen plan: {b.time * 1e3:.4g} ms measured; runner-up {r.time * 1e3:.4g} ms ({diff:+.1f}%, "
+                f"{'within' if abs(diff) <= tol else 'outside'} measured noise ±{tol:.1f}%)")
 
 
 def measure_link_gbps(mesh: jax.sharding.Mesh, nbytes: int = 1 << 22, iters: int = 5) -> float:
@@ -194,14 +214,23 @@ def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_
     return v
 
 
+def _tie_tolerance(a: VerifiedChoice, b: VerifiedChoice) -> float:
+    return max(a.noise or 0.0, b.noise or 0.0)
+
+
 def _best_fitting(verified, options: SearchOptions) -> VerifiedChoice:
+    """The fastest fitting plan; plans within the measured noise of the fastest are tied and the tie goes to
+    the least memory, then the least communication, then the smallest choice, so that reruns on one machine
+    pick the same plan although their timings differ."""
     budget = options.memory_per_device
     fitting = [v for v in verified if budget is None or options.verify == 0 or v.memory <= budget]
     if not fitting:
         smallest = min(v.memory for v in verified)
         raise InfeasibleError(f"memory budget {fmt_bytes(budget)} per device is infeasible: the smallest "
                               f"verified plan needs {fmt_bytes(smallest)} ({smallest} bytes) per device")
-    return min(fitting, key=lambda v: v.time)
+    fastest = min(fitting, key=lambda v: v.time)
+    tied = [v for v in fitting if v.time <= fastest.time * (1 + _tie_tolerance(fastest, v))]
+    return min(tied, key=lambda v: (v.memory, v.comm_bytes, v.shard_state, v.choice))
 
 
 def _solution_key(picks, segs, cands) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -259,13 +288,15 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: Se
     compiled = step.compile(*example_args)
     budget = options.memory_per_device
     shape = analysis.mesh.shape
-    fig = compiled_figures(compiled, shape, collectives=gpu is not None)
+    fig = compiled_figures(compiled, shape, collectives=True)
+    noise = None
     if budget is not None and fig.memory > budget:
         t = float("inf")      # does not fit: not worth timing
     elif gpu is None:
         flat = jax.tree_util.tree_leaves(step.shard_args(*example_args))
-        t = time_compiled(compiled, flat, options.iters, options.warmup)
+        t, noise = time_compiled_spread(compiled, flat, options.iters, options.warmup)
     else:
         dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
         t = costmodel.estimated_time(fig, shape, gpu, dtype, costmodel.dots_rate(analysis, enumerate(choice), gpu))
-    return VerifiedChoice(tuple(choice), tuple(shard), dp_time, t, fig.memory, fig.flops * analysis.mesh.size)
+    return VerifiedChoice(tuple(choice), tuple(shard), dp_time, t, fig.memory, fig.flops * analysis.mesh.size,
+                          noise, sum(c.bytes for c in fig.collectives))

@@ -1,7 +1,8 @@
 """The captured step compiled under a strategy choice with `jax.jit` (only JAX's public sharding API)."""
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+from typing import Any, Sequence
 
 import jax
 from jax.sharding import NamedSharding
@@ -15,10 +16,17 @@ from cfp.xla.hlo import Collective, parse_collectives
 
 
 class ShardedStep:
-    """The captured step compiled under `StepShardings` on a mesh; call it like the original step."""
+    """The captured step compiled under `StepShardings` on a mesh; call it like the original step.
 
-    def __init__(self, program: Program, analysis: Analysis, shardings: StepShardings, mesh: jax.sharding.Mesh):
+    Results of the passes that made it: `plan` (the `cfp.Plan` to read, `save` and reapply; None for a bare
+    `apply_choice`), `search` (the `SearchResult` of `autoshard`, else None) and `profile` (its `ProfileTable`,
+    else None); `with_results` returns a copy carrying them and sharing the compiled program.
+    """
+
+    def __init__(self, program: Program, analysis: Analysis, shardings: StepShardings, mesh: jax.sharding.Mesh,
+                 plan: Any = None, search: Any = None, profile: Any = None):
         self.program, self.analysis, self.shardings, self.mesh = program, analysis, shardings, mesh
+        self.plan, self.search, self.profile = plan, search, profile
         hooks = ConstraintHooks(analysis, shardings.layouts, mesh, dots_only=frozenset(shardings.shard_state))
         on_output, on_input, scope_of = hooks.on_output, hooks.on_input, hooks.scope_of
 
@@ -28,6 +36,12 @@ class ShardedStep:
         self.out_shardings = tuple(NamedSharding(mesh, s) for s in shardings.output_specs)
         self._jitted = jax.jit(flat_fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)
         self._compiled = None
+
+    def with_results(self, plan: Any = None, search: Any = None, profile: Any = None) -> "ShardedStep":
+        """A copy of this step (same compiled program) whose `plan`, `search` and `profile` are the given ones."""
+        out = copy.copy(self)
+        out.plan, out.search, out.profile = plan, search, profile
+        return out
 
     def lower(self, *args):
         flat = jax.tree_util.tree_leaves(args)

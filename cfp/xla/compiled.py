@@ -37,6 +37,13 @@ def compiled_cost(compiled) -> dict:
 
 def time_compiled(compiled, args, iters: int, warmup: int, before_timing: Callable | None = None) -> float:
     """Median wall seconds of `compiled(*args)` over `iters` runs after `warmup` runs (and `before_timing()`)."""
+    return time_compiled_spread(compiled, args, iters, warmup, before_timing)[0]
+
+
+def time_compiled_spread(compiled, args, iters: int, warmup: int,
+                         before_timing: Callable | None = None) -> tuple[float, float]:
+    """(median wall seconds, relative noise) of `compiled(*args)`; the noise is half the range of the timed
+    runs over the median, the ± within which two medians are not told apart."""
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     if before_timing is not None:
@@ -46,7 +53,8 @@ def time_compiled(compiled, args, iters: int, warmup: int, before_timing: Callab
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    med = statistics.median(times)
+    return med, ((max(times) - min(times)) / 2 / med if med > 0 else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""Reproducible choice: plans within the measured noise of the fastest are tied, and ties go to memory, then
+communication, then the choice itself, whatever order the candidates were verified in."""
+import itertools
+
+import pytest
+
+from cfp.errors import InfeasibleError
+from cfp.search.options import SearchOptions
+from cfp.search.search import SearchResult, VerifiedChoice, _best_fitting
+
+
+def _v(choice, time, memory, noise=0.05, comm=0):
+    return VerifiedChoice(tuple(choice), (), time, time, memory, 1e9, noise, comm)
+
+
+def _result(verified, best, budget=None):
+    return SearchResult(best.choice, best.shard_state, best, tuple(verified), 1.0, budget, 0.0)
+
+
+def test_within_noise_the_leaner_plan_wins_in_any_order():
+    fast, lean, far = _v([1, 1], 1.00e-3, 900), _v([0, 0], 1.03e-3, 500), _v([2, 2], 1.50e-3, 100)
+    for order in itertools.permutations([fast, lean, far]):
+        assert _best_fitting(list(order), SearchOptions()) == lean
+    text = _result([fast, lean, far], lean).margin_text()
+    assert "chosen plan: 1.03 ms measured; runner-up 1 ms (-2.9%, within measured noise ±5.0%)" == text
+
+
+def test_outside_noise_the_fastest_wins_and_margin_says_so():
+    fast, lean = _v([1, 1], 1.00e-3, 900, noise=0.01), _v([0, 0], 1.10e-3, 500, noise=0.01)
+    best = _best_fitting([lean, fast], SearchOptions())
+    assert best == fast
+    assert "(+10.0%, outside measured noise ±1.0%)" in _result([lean, fast], best).margin_text()
+
+
+def test_exact_ties_break_by_communication_then_choice():
+    a, b, c = _v([0, 1], 1e-3, 500, 0.0, comm=10), _v([1, 0], 1e-3, 500, 0.0, comm=5), _v([0, 0], 1e-3, 500, 0.0, 5)
+    for order in itertools.permutations([a, b, c]):
+        assert _best_fitting(list(order), SearchOptions()) == c
+
+
+def test_estimates_tie_only_when_equal_and_budget_still_binds():
+    fast, lean = _v([1], 1.000e-3, 900, noise=None), _v([0], 1.001e-3, 500, noise=None)
+    assert _best_fitting([lean, fast], SearchOptions()) == fast
+    assert "estimated" in _result([lean, fast], fast).margin_text()
+    assert _best_fitting([lean, fast], SearchOptions(memory_per_device=600)) == lean
+    with pytest.raises(InfeasibleError):
+        _best_fitting([lean, fast], SearchOptions(memory_per_device=100))

@@ -199,3 +199,7 @@ def validate_plan_dict(d, where: str = "plan") -> None:
     shard = d.get("shard_state", [])
     if not isinstance(shard, list) or not all(_is_int(b, 0) and b < len(choice) for b in shard):
         _fail(where, "shard_state", f"a list of block indices in 0..{len(choice) - 1}", shard)
+    for key in ("estimates", "profile"):     # optional figures for `cfp explain` (cfp.report)
+        value = d.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+            _fail(where, key, "a list of objects", value)

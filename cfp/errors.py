@@ -15,3 +15,7 @@ class CaptureError(CfpError):
 
 class InfeasibleError(CfpError):
     """No plan satisfies the constraints (for example the memory budget)."""
+
+
+class NumericalError(CfpError):
+    """NaN or Inf in a loss, gradient or parameter (never a pass)."""

@@ -9,7 +9,8 @@ A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in t
 * ``bwd``  -- recomputes the stage forward and applies ``jax.vjp`` (stage-level rematerialisation:
   only each micro-batch's stage input is kept between fwd and bwd), adds the parameter gradient into
   the accumulator (donated) and returns the input gradient for the previous stage.
-* ``update`` -- AdamW (optax) on this stage's parameters.
+* ``update`` -- AdamW (optax) on this stage's parameters; it also returns, per parameter, whether
+  its summed gradient and its new value are finite, so NaN/Inf is caught in the step it appears.
 
 Activations and their gradients enter and leave replicated over the stage's ``tp`` axis, so moving
 them to a stage with another TP degree is a plain ``device_put`` onto that stage's sharding.
@@ -47,14 +48,14 @@ class StageProgram:
             self.fwd = jax.jit(self._last_forward, out_shardings=(self.repl, self.repl))
             self.bwd = jax.jit(self._last_backward, out_shardings=out_acc, donate_argnums=(6,))
         else:
-            self.fwd = jax.jit(self._forward, out_shardings=(self.repl, self.repl))
+            self.fwd = jax.jit(self.forward, out_shardings=(self.repl, self.repl))
             self.bwd = jax.jit(self._backward, out_shardings=out_acc, donate_argnums=(4,))
         self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.shardings)
         self.opt_shardings = self._opt_shardings()
         self.opt_init = jax.jit(tx.init, out_shardings=self.opt_shardings)
         self.update = jax.jit(self._update, donate_argnums=(0, 1),
-                              out_shardings=(self.shardings, self.opt_shardings))
+                              out_shardings=(self.shardings, self.opt_shardings, self.repl))
 
     # ------------------------------------------------------------------ pure stage functions
     def _body(self, params, x):
@@ -67,7 +68,8 @@ class StageProgram:
             aux = aux + a
         return x, aux
 
-    def _forward(self, params, x):
+    def forward(self, params, x):
+        """The un-jitted stage function of a first/middle stage: ``x -> (y, aux)``."""
         return self._body(params, x)
 
     def _last_forward(self, params, x, targets, weights, total_weight):
@@ -105,7 +107,10 @@ class StageProgram:
         # The pipelines' gradients are summed here, in list order, fused with AdamW (one program).
         grads = sum_trees(list(grad_parts))
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        params = optax.apply_updates(params, updates)
+        finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)])
+        # [2, leaves]: gradient / new parameter finite, in tree_leaves order of the stage's params
+        return params, opt_state, jnp.stack([finite(grads), finite(params)])
 
     def _opt_shardings(self) -> Any:
         """Optimizer-state leaves mirroring a parameter (Adam's mu/nu) share its sharding; the rest
@@ -122,9 +127,34 @@ class StageProgram:
             return self.repl
         return jax.tree_util.tree_map_with_path(pick, like)
 
-    # ------------------------------------------------------------------ placement helpers
+    # ------------------------------------------------------------------ placement, compiling
     def place_params(self, params: Any) -> Any:
         return jax.device_put(params, self.shardings)
+
+    def compile_jobs(self, micro_batch_size: int, seq_len: int, x_like: Any, y_like: Any,
+                     num_pipelines: int) -> list:
+        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time.
+
+        ``x_like`` / ``y_like``: the stage's input / output activation (None for the first stage's
+        tokens / the last stage's loss)."""
+        scalar = jax.ShapeDtypeStruct((), jnp.float32)
+        params = _with_sharding(self.params_like, self.shardings)
+        opt = _with_sharding(jax.eval_shape(self.tx.init, self.params_like), self.opt_shardings)
+        tok = jax.ShapeDtypeStruct((micro_batch_size, seq_len), jnp.int32, sharding=self.repl)
+        x = tok if self.stage.is_first else _with_sharding(x_like, self.repl)
+        if self.stage.is_last:
+            w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=self.repl)
+            jobs = [(self.fwd, (params, x, tok, w, scalar)),
+                    (self.bwd, (params, x, tok, w, scalar, scalar, params))]
+        else:
+            y = _with_sharding(y_like, self.repl)
+            jobs = [(self.fwd, (params, x)), (self.bwd, (params, x, y, scalar, params))]
+        return jobs + [(self.zeros, ()), (self.update, (params, opt, [params] * num_pipelines))]
+
+
+def _with_sharding(like: Any, shardings: Any) -> Any:
+    return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s),
+                                  like, shardings)
 
 
 def _add(a, b):

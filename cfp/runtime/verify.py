@@ -67,3 +67,64 @@ def identical_across_pipelines(trainer) -> bool:
                 return False
             seen.setdefault(k, a)
     return True
+
+
+def microbatched_replay(model_name: str, config: Any, layout: Any, params: Any, opt_state: Any,
+                        batches: Iterable[dict], *, learning_rate: float, weight_decay: float,
+                        device: Optional[Any] = None):
+    """The engine's arithmetic on one device: (losses, final params as numpy, per-step gradients).
+
+    Each pipeline accumulates its micro-batches' gradients in micro-batch order, starting from zeros;
+    the pipelines' sums are then added in pipeline order, and AdamW is applied -- the same float32
+    sums in the same order as ``HeteroTrainer.step``.  Only the programs differ (one whole-model
+    ``value_and_grad`` here, per-stage ``vjp`` with TP all-reduces there), so the comparison with the
+    engine isolates pipeline and TP errors from the reordering noise of micro-batching.
+    """
+    import jax.numpy as jnp
+    import optax
+
+    from cfp.models import build_model
+    from cfp.runtime.engine import optimizer
+    device = device if device is not None else jax.local_devices()[0]
+    model = build_model(model_name, config)
+    coef = float(getattr(config, "aux_loss_coef", 0.0))
+
+    def part(p, x, t, w, total_w, aux_scale):
+        logits, aux = model.apply(p, x)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), t)
+        ce_part = jnp.sum(ce * w.astype(jnp.float32)) / jnp.maximum(total_w, 1e-9)
+        aux = aux.astype(jnp.float32)
+        return ce_part + aux * aux_scale, (ce_part, aux)
+
+    grad = jax.jit(jax.grad(part, has_aux=True))
+    add = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
+    tx = optimizer(learning_rate, weight_decay)
+    update = jax.jit(lambda p, o, g: _apply(tx, p, o, g))
+    p, o = jax.device_put((params, opt_state), device)
+    losses, grads_per_step = [], []
+    offsets, rows = layout.batch_offsets(), layout.total_batch_size
+    for b in batches:
+        b = jax.tree_util.tree_map(np.asarray, b)
+        total_w = np.float32(b["weights"].astype(np.float32).sum())
+        total, loss = None, 0.0
+        for pipe, off in zip(layout.pipelines, offsets):
+            mbs = pipe.micro_batch_size
+            aux_scale = np.float32(coef * mbs / rows)
+            acc = jax.tree_util.tree_map(jnp.zeros_like, p)
+            for m in range(pipe.chunks):
+                sl = slice(off + m * mbs, off + (m + 1) * mbs)
+                g, (ce, aux) = grad(p, *jax.device_put((b["inputs"][sl], b["targets"][sl],
+                                                 b["weights"][sl]), device), total_w, aux_scale)
+                acc = add(acc, g)
+                loss += float(ce) + float(aux) * float(aux_scale)
+            total = acc if total is None else add(total, acc)
+        grads_per_step.append(jax.tree_util.tree_map(np.asarray, jax.device_get(total)))
+        p, o = update(p, o, total)
+        losses.append(loss)
+    return losses, jax.tree_util.tree_map(np.asarray, jax.device_get(p)), grads_per_step
+
+
+def _apply(tx, params, opt_state, grads):
+    import optax
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state

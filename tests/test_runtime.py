@@ -102,6 +102,22 @@ def test_schedules_are_data_and_respect_dependencies():
 STEPS = 3
 _REF = {}
 
+# Tolerances from measured float32 reordering noise (tiny llama2 configs below, jax 0.10 XLA:CPU on
+# x86-64 with AVX-512, and with XLA_FLAGS=--xla_cpu_max_isa=AVX2 / SSE4_2: the same figures):
+# * gradients: summing the same loss in another order (micro-batched vs whole batch on one device)
+#   moves a leaf's gradient by up to 5.7e-7 (normwise); the engine (per-stage vjp, TP all-reduces)
+#   vs the micro-batched one-device reference differs by up to 3.6e-7.  GRAD_TOL is ~7x that noise;
+#   a dropped, repeated or mis-weighted micro-batch or pipeline is an error of order 1e-1.
+# * after 3 AdamW steps the whole-tree error vs the micro-batched reference is <= 9.4e-7 (two
+#   one-device references that only differ in summation order: 1.0e-6).  Adam turns the noise of a
+#   near-zero gradient element into a step of order lr, so per-leaf or elementwise bounds depend on
+#   the machine; the whole-tree norm does not.  The updates move the parameters by 2.2e-2, 2000x
+#   PARAM_TOL (checked in each test, and a skipped update fails: test_skipped_update_is_caught).
+# * losses: engine vs micro-batched reference <= 5.8e-8, micro-batched vs whole batch 2.3e-7.
+GRAD_TOL = 4e-6
+PARAM_TOL = 1e-5
+LOSS_RTOL = 2e-6
+
 
 def tiny(num_layers, model="llama2", **kw):
     from cfp.models import get_config
@@ -132,15 +148,39 @@ def reference(model, cfg, rows):
     return _REF[key]
 
 
-def check_against_reference(trainer, model, cfg):
-    from cfp.runtime.verify import identical_across_pipelines, leaf_error
-    rows = trainer.layout.total_batch_size
-    ref_losses, ref_params = reference(model, cfg, rows)
-    losses = [trainer.step(b).loss for b in batches(model, cfg, rows)]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    params = trainer.state()[0]
-    # per-leaf normwise relative error (see cfp.runtime.verify for why not elementwise)
-    assert leaf_error(params, ref_params) < 1e-5
+def microbatched_reference(model, cfg, layout):
+    """(initial params, losses, final params, per-step gradients) of one device accumulating the
+    layout's micro-batches in the engine's order (cached)."""
+    key = (model, cfg, layout)
+    if key not in _REF:
+        import jax
+        from cfp.models import train_step
+        from cfp.runtime.verify import microbatched_replay
+        p, o = train_step(model, cfg).init(0)
+        _REF[key] = (jax.tree_util.tree_map(np.asarray, p),) + microbatched_replay(
+            model, cfg, layout, p, o, batches(model, cfg, layout.total_batch_size),
+            learning_rate=1e-3, weight_decay=0.01)
+    return _REF[key]
+
+
+def check_gradients(trainer, model, cfg):
+    """The engine's gradient before the optimizer, leaf by leaf, vs the micro-batched reference."""
+    from cfp.runtime.verify import leaf_errors
+    _, _, _, ref_grads = microbatched_reference(model, cfg, trainer.layout)
+    grads, _ = trainer.gradients(batches(model, cfg, trainer.layout.total_batch_size)[0])
+    errs = leaf_errors(grads, ref_grads[0])
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < GRAD_TOL, (worst, errs[worst])
+
+
+def check_steps(trainer, model, cfg):
+    """STEPS AdamW steps: losses and whole-tree parameters vs the micro-batched reference."""
+    from cfp.runtime.verify import identical_across_pipelines, loss_error, tree_error
+    p0, ref_losses, ref_params, _ = microbatched_reference(model, cfg, trainer.layout)
+    losses = [trainer.step(b).loss for b in batches(model, cfg, trainer.layout.total_batch_size)]
+    assert loss_error(losses, ref_losses) < LOSS_RTOL
+    assert tree_error(trainer.state()[0], ref_params) < PARAM_TOL
+    assert tree_error(p0, ref_params) > 1000 * PARAM_TOL  # the check can see a missing update
     assert identical_across_pipelines(trainer)
 
 
@@ -160,10 +200,33 @@ def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
     cfg = tiny(layout.num_layers)
     trainer = HeteroTrainer("llama2", cfg, layout, "gpipe")
     trainer.compile()
+    check_gradients(trainer.init(0), "llama2", cfg)
     for schedule in ("gpipe", "1f1b"):  # stage programs are schedule-independent: compile once
         trainer.set_schedule(schedule)
         trainer.init(0)
-        check_against_reference(trainer, "llama2", cfg)
+        check_steps(trainer, "llama2", cfg)
+
+
+def test_skipped_update_is_caught(monkeypatch):
+    """The parameter checks above fail when one stage's optimizer update is skipped: pipeline 0's
+    (its values are what ``state()`` returns) and pipeline 1's (the cross-pipeline check)."""
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.verify import identical_across_pipelines, tree_error
+    layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
+    cfg = tiny(3)
+    for skipped in ((0, 1), (1, 0)):
+        trainer = HeteroTrainer("llama2", cfg, layout).init(0)
+        prog = trainer.programs[skipped]
+        n = len(__import__("jax").tree_util.tree_leaves(prog.params_like))
+        with monkeypatch.context() as m:
+            m.setattr(prog, "update", lambda p, o, g: (p, o, np.ones((2, n), bool)))
+            with pytest.raises(AssertionError):
+                check_steps(trainer, "llama2", cfg)
+        _, _, ref_params, _ = microbatched_reference("llama2", cfg, layout)
+        if skipped[0] == 0:
+            assert tree_error(trainer.state()[0], ref_params) > 10 * PARAM_TOL
+        else:
+            assert not identical_across_pipelines(trainer)
 
 
 def test_gradient_is_token_weighted():

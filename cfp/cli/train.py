@@ -125,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     from cfp.errors import CfpError
     try:
         result = run_training(opts)
+    except OSError as e:  # e.g. a full disk while saving; the paths themselves are checked up front
+        raise CfpError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e)) from None
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise

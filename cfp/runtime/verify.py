@@ -4,14 +4,15 @@ The reference is ``cfp.models.train_step(...).step`` (one ``value_and_grad`` of 
 concatenated global batch + AdamW) jitted on one device, started from the same state.
 
 Relative error: for losses ``|a - b| / |b|``; for parameters the normwise ``||a - b||_2 / ||b||_2``
-over all parameters (``tree_error``), or per leaf (``leaf_error``).  Elementwise comparison of
+over all parameters (``tree_error``), or per leaf (``leaf_errors``).  Elementwise comparison of
 parameters after AdamW steps is not meaningful in f32: Adam divides each gradient by its running RMS,
 so an element whose gradient is a near-cancelling sum (rounding noise a sizeable fraction of its
 value) moves by a visibly different amount when the reduction order changes (micro-batching, TP
 all-reduces, summing pipelines) although the gradient as a whole matches to ~1e-7.  Per leaf this
 even holds for whole leaves whose exact gradient is zero, e.g. attention key biases (softmax ignores a
 per-row constant): both runs move them by +-lr per step driven by rounding noise alone, so the verify
-figure is the global normwise error.
+figure is the global normwise error.  For a comparison free of micro-batching's reordering noise,
+``microbatched_replay`` accumulates the same micro-batches in the same order as the engine.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Iterable, Optional
 import jax
 import numpy as np
 
+from cfp.errors import ConfigError, NumericalError
 from cfp.models import train_step
 
 
@@ -38,23 +40,49 @@ def replay(model_name: str, config: Any, params: Any, opt_state: Any, batches: I
 
 
 def loss_error(losses: list[float], ref: list[float]) -> float:
+    """Largest relative loss error ``|a - b| / |b|``; NaN/Inf in either list raises NumericalError."""
+    if len(losses) != len(ref):
+        raise ConfigError(f"{len(losses)} losses to compare with {len(ref)} reference losses")
+    for name, vals in (("loss", losses), ("reference loss", ref)):
+        for i, v in enumerate(vals):
+            if not np.isfinite(v):
+                raise NumericalError(f"{name} {i + 1} of {len(vals)} compared is {v}")
     return max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref)), default=0.0)
+
+
+def _leaf_pairs(tree: Any, ref: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(path, a, b) per leaf, after checking both trees have the same structure and shapes and
+    hold only finite values (NumericalError naming the leaf otherwise)."""
+    if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(ref):
+        raise ConfigError(f"trees to compare differ in structure: {jax.tree_util.tree_structure(tree)} "
+                          f"vs {jax.tree_util.tree_structure(ref)}")
+    out = []
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
+                            jax.tree_util.tree_leaves(ref)):
+        name = jax.tree_util.keystr(path)
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape != b.shape:
+            raise ConfigError(f"leaf {name} has shape {a.shape}, the reference {b.shape}")
+        for what, v in (("value", a), ("reference value", b)):
+            if not np.isfinite(v).all():
+                raise NumericalError(f"leaf {name}: {what} contains NaN or Inf")
+        out.append((name, a, b))
+    return out
 
 
 def tree_error(tree: Any, ref: Any) -> float:
     """Normwise relative error ``||a - b|| / ||b||`` over all leaves together."""
-    diff = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-               for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(ref)))
-    norm = sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in jax.tree_util.tree_leaves(ref))
+    pairs = _leaf_pairs(tree, ref)
+    diff = sum(float(np.sum((a - b) ** 2)) for _, a, b in pairs)
+    norm = sum(float(np.sum(b ** 2)) for _, _, b in pairs)
     return float(np.sqrt(diff) / max(np.sqrt(norm), 1e-30))
 
 
-def leaf_error(tree: Any, ref: Any) -> float:
-    """Largest per-leaf normwise relative error ``||a - b|| / ||b||``."""
-    errs = jax.tree_util.tree_map(
-        lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-                           / max(float(np.linalg.norm(np.asarray(b, np.float64))), 1e-30)), tree, ref)
-    return max(jax.tree_util.tree_leaves(errs), default=0.0)
+def leaf_errors(tree: Any, ref: Any, floor: float = 0.0) -> dict[str, float]:
+    """Per leaf, ``||a - b|| / max(||b||, floor)`` (``floor`` keeps a leaf whose exact value is ~0,
+    hence pure rounding noise, from dividing noise by noise)."""
+    return {name: float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), floor, 1e-30))
+            for name, a, b in _leaf_pairs(tree, ref)}
 
 
 def identical_across_pipelines(trainer) -> bool:

@@ -23,7 +23,7 @@ import functools
 import hashlib
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -206,11 +206,9 @@ def _read(path: str) -> dict:
     ocp = _ocp()
     ckptr = _checkpointer()
     try:
-        if not os.path.isdir(os.path.join(path, "checksums")):
-            raise ConfigError(f"checkpoint {path!r} has no checksums (written by an older cfp?), so "
-                              "its data cannot be verified")
         # read every leaf as numpy, whatever it was saved as and wherever its devices were
-        as_np = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), ckptr.metadata(path).item_metadata["state"].tree)
+        tree = ckptr.metadata(path).item_metadata["state"].tree
+        as_np = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         return ckptr.restore(path, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(restore_args=as_np), metadata=ocp.args.JsonRestore(),
             checksums=ocp.args.JsonRestore()))
@@ -221,10 +219,11 @@ def _read(path: str) -> dict:
 def _read_verified(d: str, step: int) -> tuple[Any, dict]:
     """(raw state, metadata) of checkpoint ``step`` after checking every leaf against its checksum."""
     path = os.path.join(d, str(step))
+    if not os.path.isdir(os.path.join(path, "checksums")):
+        raise ConfigError(f"checkpoint step {step} in {d!r} has no checksums (written by an older "
+                          "cfp?), so its data cannot be verified")
     try:
         out = _read(path)
-    except ConfigError:
-        raise
     except Exception as e:  # orbax/tensorstore/JSON/OS errors of a damaged checkpoint vary by cause
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(f"checkpoint step {step} in {d!r} cannot be read (corrupt or truncated?): "
@@ -238,12 +237,14 @@ def _read_verified(d: str, step: int) -> tuple[Any, dict]:
     return raw, dict(out["metadata"] or {})
 
 
-def restore_checkpoint(directory: str | os.PathLike, step: int | None = None,
-                       target: Any = None) -> tuple[Any, dict]:
+def restore_checkpoint(directory: str | os.PathLike, step: int | None = None, target: Any = None,
+                       check_metadata: Callable[[dict], None] | None = None) -> tuple[Any, dict]:
     """(state, metadata) of checkpoint `step` (default: latest) as numpy arrays.
 
     target: a pytree (arrays or ShapeDtypeStructs) giving the structure to restore into; shapes are
     checked and dtypes cast to the target's. Without it, the saved nested dicts/lists come back.
+    check_metadata: called with the metadata before the state is fitted to `target` (e.g. to refuse a
+    checkpoint written with other settings before its shapes are compared).
     """
     d = os.path.abspath(os.fspath(directory))
     steps = all_steps(d)
@@ -254,6 +255,8 @@ def restore_checkpoint(directory: str | os.PathLike, step: int | None = None,
     elif step not in steps:
         raise ConfigError(f"checkpoint step {step} not found in {d!r} (available: {steps})")
     raw, metadata = _read_verified(d, step)
+    if check_metadata is not None:
+        check_metadata(metadata)
     if target is None:
         return raw, metadata
 

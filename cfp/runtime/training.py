@@ -222,7 +222,7 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
     return result, last_events
 
 
-def _settings(opts: TrainOptions) -> dict:
+def checkpoint_settings(opts: TrainOptions) -> dict:
     """The model, data and optimizer settings a checkpoint was written with (JSON)."""
     return {"model": opts.model, "config": opts.config_name, "overrides": dict(opts.overrides),
             "data": opts.data.value, "batch_rows": opts.layout.total_batch_size, "data_paths": [os.path.abspath(p) for p in opts.data_paths],
@@ -238,16 +238,8 @@ def _initial_state(opts, trainer, log) -> tuple[int, dict[int, float]]:
     step = latest_step(opts.checkpoint_dir)
     target = {"params": trainer.full_like,
               "opt_state": jax.eval_shape(trainer.tx.init, trainer.full_like)}
-    state, meta = restore_checkpoint(opts.checkpoint_dir, step, target)
-    saved, now = meta.get("settings"), _settings(opts)
-    if saved is None:
-        raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} does not record the "
-                          "settings it was written with (written by an older cfp?)")
-    for k in now:
-        if saved.get(k) != now[k]:
-            raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} was written with "
-                              f"{k}={saved.get(k)!r}, this run has {k}={now[k]!r}; resume with the "
-                              "same settings or use another checkpoint_dir")
+    state, meta = restore_checkpoint(opts.checkpoint_dir, step, target,
+                                     check_metadata=lambda m: _check_settings(opts, step, m))
     trainer.load_state(state["params"], state["opt_state"], step)
     old = meta.get("layout")
     moved = "" if old == layout_lists(opts.layout) else (
@@ -256,12 +248,25 @@ def _initial_state(opts, trainer, log) -> tuple[int, dict[int, float]]:
     return step, {int(k): float(v) for k, v in meta.get("losses", {}).items()}
 
 
+def _check_settings(opts: TrainOptions, step: int, meta: dict) -> None:
+    """Refuse a checkpoint written with other model, data or optimizer settings."""
+    saved, now = meta.get("settings"), checkpoint_settings(opts)
+    if not isinstance(saved, dict):
+        raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} does not record the "
+                          "settings it was written with (written by an older cfp?)")
+    for k in now:
+        if saved.get(k) != now[k]:
+            raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} was written with "
+                              f"{k}={saved.get(k)!r}, this run has {k}={now[k]!r}; resume with the "
+                              "same settings or use another checkpoint_dir")
+
+
 def _save(opts, trainer, losses) -> None:
     from cfp.runtime.checkpoint import save_checkpoint
     params, opt_state, step = trainer.state()  # gathered onto every process
     if jax.process_index() != 0:
         return
-    meta = {"step": step, "settings": _settings(opts), "layout": layout_lists(opts.layout),
+    meta = {"step": step, "settings": checkpoint_settings(opts), "layout": layout_lists(opts.layout),
             "losses": {str(k): v for k, v in losses.items()}}
     save_checkpoint(opts.checkpoint_dir, step, {"params": params, "opt_state": opt_state}, meta,
                     overwrite=True)

@@ -36,7 +36,7 @@ def test_roundtrip_with_target_and_metadata(tmp_path):
     np.testing.assert_array_equal(raw["params"]["w"], np.asarray(st["params"]["w"]))
 
 
-def test_sharded_state_restores_onto_another_layout(tmp_path):
+def test_sharded_state_restores_onto_another_mesh(tmp_path):
     devs = np.array(jax.devices())
     w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(Mesh(devs.reshape(8), ("x",)), P("x")))
     save_checkpoint(tmp_path, 1, {"w": w})

@@ -6,7 +6,7 @@ renames it to ``<step>`` after ``commit_success.txt`` is written, so a crash mid
 :func:`latest_step` ignores (and the next save deletes). Old checkpoints are retired by an atomic rename
 before deletion, so a crash while pruning never leaves a half-deleted ``<step>`` either.
 
-State is saved as host numpy arrays, so a checkpoint does not remember its device layout and can be restored
+State is saved as host numpy arrays, so a checkpoint does not remember its shardings and can be restored
 onto any mesh (restore gives numpy; ``jax.device_put`` it onto the new shardings).
 
 Integrity: every checkpoint carries a SHA-256 checksum of each leaf (dtype, shape and bytes) as a third item,

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

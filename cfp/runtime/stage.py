@@ -13,7 +13,7 @@ A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in t
   its summed gradient and its new value are finite, so NaN/Inf is caught in the step it appears.
 
 Activations and their gradients enter and leave replicated over the stage's ``tp`` axis, so moving
-them to a stage with another TP degree is a plain ``device_put`` onto that stage's sharding.
+them to a stage with another TP degree (``comm.move``) needs no resharding logic of its own.
 """
 from __future__ import annotations
 

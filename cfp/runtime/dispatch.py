@@ -19,7 +19,7 @@ from cfp.errors import ConfigError
 from cfp.runtime import comm
 from cfp.runtime.layout import HeteroLayout, Stage
 from cfp.runtime.schedules import Phase
-from cfp.runtime.state import process_allgather
+from cfp.runtime.state import process_allgather, subtree
 from cfp.runtime.stage import StageProgram
 from cfp.runtime.timing import StepClock
 
@@ -165,7 +165,6 @@ def sync_gradients(layout: HeteroLayout, programs: dict, acc: dict) -> dict:
 
     The same elementwise sums in the same order happen everywhere a module is held, so all
     pipelines keep bit-identical parameters."""
-    from cfp.runtime.state import subtree
     out = {}
     for dst in layout.stages:
         dprog = programs[dst.key]

@@ -19,3 +19,5 @@ class InfeasibleError(CfpError):
 
 class PlanError(ConfigError):
     """A plan or profile-cache file that is not what cfp wrote, or a plan that does not fit the step."""
+class NumericalError(CfpError):
+    """NaN or Inf in a loss, gradient or parameter (never a pass)."""

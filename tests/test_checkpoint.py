@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -35,7 +36,7 @@ def test_roundtrip_with_target_and_metadata(tmp_path):
     np.testing.assert_array_equal(raw["params"]["w"], np.asarray(st["params"]["w"]))
 
 
-def test_sharded_state_restores_onto_another_layout(tmp_path):
+def test_sharded_state_restores_onto_another_mesh(tmp_path):
     devs = np.array(jax.devices())
     w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(Mesh(devs.reshape(8), ("x",)), P("x")))
     save_checkpoint(tmp_path, 1, {"w": w})
@@ -123,3 +124,56 @@ def test_kill_during_save_never_corrupts_latest(tmp_path, mode):
     np.testing.assert_array_equal(state["w"], np.full(1000 if step == 1 else 8_000_000, float(step)))
     save_checkpoint(d, 3, {"w": np.zeros(2)})
     assert latest_step(d) == 3 and not any("tmp" in n for n in os.listdir(d))
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def _saved(tmp_path):
+    w = np.random.RandomState(0).randn(5000).astype(np.float32)  # one chunk of ~20 KB
+    save_checkpoint(tmp_path, 1, {"w": w, "b": np.ones(3)}, {"note": "x"})
+    return tmp_path / "1"
+
+
+def _largest_file(root):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+def _one_line_error(tmp_path, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        restore_checkpoint(tmp_path)
+    assert "\n" not in str(e.value) and "step 1" in str(e.value)
+
+
+def test_flipped_data_chunk_is_refused(tmp_path):
+    chunk = _largest_file(_saved(tmp_path) / "state")
+    data = bytearray(open(chunk, "rb").read())
+    data[4096:8192] = bytes(b ^ 0xFF for b in data[4096:8192])  # a flipped 4 KB block
+    open(chunk, "wb").write(bytes(data))
+    _one_line_error(tmp_path, "cannot be read|does not match")
+
+
+def test_checksum_mismatch_names_the_leaf(tmp_path):
+    path = _saved(tmp_path) / "checksums" / "metadata"
+    sums = json.loads(path.read_text())
+    sums["w"] = "0" * 64  # as if the data had changed after writing
+    path.write_text(json.dumps(sums))
+    _one_line_error(tmp_path, "is corrupt: leaf 'w' does not match the checksum")
+
+
+@pytest.mark.parametrize("part", ["chunk", "_METADATA", "metadata"])
+def test_truncated_files_are_refused(tmp_path, part):
+    ck = _saved(tmp_path)
+    path = {"chunk": lambda: _largest_file(ck / "state"), "_METADATA": lambda: ck / "state" / "_METADATA",
+            "metadata": lambda: ck / "metadata" / "metadata"}[part]()
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    _one_line_error(tmp_path, "cannot be read")
+
+
+def test_checkpoint_without_checksums_is_refused(tmp_path):
+    import shutil
+    shutil.rmtree(_saved(tmp_path) / "checksums")
+    _one_line_error(tmp_path, "has no checksums")

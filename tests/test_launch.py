@@ -2,7 +2,6 @@ import io
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -15,7 +14,7 @@ WORKER = textwrap.dedent("""
     pid, n = maybe_initialize_distributed()   # before any device use
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from cfp.runtime.transfer import transfer
+    from cfp.runtime.comm import move
     from cfp.runtime.checkpoint import save_checkpoint, restore_checkpoint
     assert (n, jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 2, 8, 4)
 
@@ -31,23 +30,29 @@ WORKER = textwrap.dedent("""
     la = jax.device_put(np.arange(8.0), NamedSharding(lmesh, P("y")))
     assert float(jax.jit(lambda a: (a * (pid + 1)).sum())(la)) == 28.0 * (pid + 1)
 
-    # point-to-point: a (2,2)-mesh-sharded array from process 0's devices to process 1's, and back
+    # point-to-point (the engine's stage-to-stage move): a tree sharded over process 0's devices
+    # arrives on process 1's devices with another sharding, and back
     devs = np.array(jax.devices())
-    m0, m1 = Mesh(devs[:4].reshape(2, 2), ("a", "b")), Mesh(devs[4:].reshape(2, 2), ("a", "b"))
-    s0, s1 = NamedSharding(m0, P("a", None)), NamedSharding(m1, P("a", None))
-    want = np.arange(24, dtype=np.float32).reshape(4, 6)
-    x = jax.device_put(want, s0) if pid == 0 else jax.ShapeDtypeStruct((4, 6), np.float32, sharding=s0)
-    y = transfer(x, s1)
+    m0, m1 = Mesh(devs[:4].reshape(2, 2), ("a", "b")), Mesh(devs[4:].reshape(4), ("x",))
+    s0, s1 = NamedSharding(m0, P("a", None)), NamedSharding(m1, P("x", None))
+    want = {"w": np.arange(24, dtype=np.float32).reshape(4, 6), "b": np.arange(3, dtype=np.int32)}
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), want)
+    sh1 = {"w": s1, "b": NamedSharding(m1, P())}
+    x = jax.device_put(want, {"w": s0, "b": NamedSharding(m0, P())}) if pid == 0 else None
+    y = move(x, list(m0.devices.flat), list(m1.devices.flat), sh1, like)
     if pid == 1:
-        assert y.sharding == s1 and y.is_fully_addressable
-        np.testing.assert_array_equal(np.asarray(y), want)
-        back = jax.jit(lambda v: v * 2)(y)
+        assert y["w"].sharding == s1 and y["w"].is_fully_addressable
+        np.testing.assert_array_equal(np.asarray(y["w"]), want["w"])
+        np.testing.assert_array_equal(np.asarray(y["b"]), want["b"])
+        back = jax.tree.map(lambda v: v * 2, y)
     else:
         assert y is None
-        back = jax.ShapeDtypeStruct((4, 6), np.float32, sharding=s1)
-    z = transfer(back, s0)
+        back = None
+    z = move(back, list(m1.devices.flat), list(m0.devices.flat),
+             {"w": s0, "b": NamedSharding(m0, P())}, like)
     if pid == 0:
-        np.testing.assert_array_equal(np.asarray(z), want * 2)
+        np.testing.assert_array_equal(np.asarray(z["w"]), want["w"] * 2)
+        assert z["w"].sharding == s0
 
     # process-local checkpoints in a multi-process run (no cross-process barriers)
     d = f"{sys.argv[1]}/proc{pid}"
@@ -77,41 +82,39 @@ FAILER = textwrap.dedent("""
 def test_two_processes_collectives_transfer_checkpoint(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "cfp.cli.main", "launch", "--nprocs", "2", "--devices-per-proc", "4",
                         "--timeout", "120", "--", sys.executable, str(script), str(tmp_path)],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[rank 0] OK rank 0 sum=28.0" in r.stdout and "[rank 1] OK rank 1 sum=28.0" in r.stdout
-    assert time.time() - t0 < 60
 
 
 def _launch(tmp_path, script_text, *args, **kw):
     script = tmp_path / "s.py"
     script.write_text(script_text)
     out, err = io.StringIO(), io.StringIO()
-    t0 = time.time()
     code = launch([sys.executable, str(script), *args], 2, 2, out=out, err=err, **kw)
-    return code, out.getvalue(), err.getvalue(), time.time() - t0
+    return code, out.getvalue(), err.getvalue()
 
 
 def test_failing_rank_stops_the_others(tmp_path):
-    code, out, err, dt = _launch(tmp_path, FAILER, "exit", timeout=60)
+    # rank 0 is blocked in a collective waiting for rank 1: the launcher must stop it (the message
+    # says so) rather than wait for it; a hang would end in the timeout's code 124 instead
+    code, out, err = _launch(tmp_path, FAILER, "exit", timeout=120)
     assert code == 3
     assert "[rank 1] rank 1 giving up" in out
-    assert err.strip().splitlines()[-1].startswith("cfp launch: rank 1 exited with code 3")
-    assert dt < 20  # rank 0 was blocked in a collective and was killed, no hang
+    assert err.strip().splitlines()[-1] == "cfp launch: rank 1 exited with code 3; stopped 1 other rank(s)"
 
 
 def test_hanging_rank_hits_timeout(tmp_path):
-    code, out, err, dt = _launch(tmp_path, FAILER, "hang", timeout=4)
+    code, out, err = _launch(tmp_path, FAILER, "hang", timeout=4)
     assert code == 124
-    assert "timeout after 4 s" in err and "[0, 1]" in err
-    assert dt < 15
+    assert err.strip().splitlines()[-1] == ("cfp launch: timeout after 4 s; ranks [0, 1] were still "
+                                            "running and were stopped")
 
 
 def test_per_rank_logs_and_env(tmp_path):
-    code, out, err, _ = _launch(
+    code, out, err = _launch(
         tmp_path, "import os; print(os.environ['CFP_PROCESS_ID'], os.environ['CFP_NUM_PROCESSES'], "
                   "os.environ['CFP_DEVICES_PER_PROC'], os.environ['CFP_COORDINATOR'].startswith('127.0.0.1:'))",
         log_dir=str(tmp_path / "logs"))
@@ -120,13 +123,13 @@ def test_per_rank_logs_and_env(tmp_path):
 
 
 def test_killed_rank_is_named(tmp_path):
-    code, out, err, _ = _launch(tmp_path, "import os, signal, time\n"
+    code, out, err = _launch(tmp_path, "import os, signal, time\n"
                                 "if os.environ['CFP_PROCESS_ID'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
                                 "time.sleep(60)", timeout=30)
     assert code == 128 + 9 and "rank 0 was killed by SIGKILL; stopped 1 other rank(s)" in err
 
 
-def test_bad_arguments():
+def test_bad_arguments(capsys):
     with pytest.raises(ConfigError, match="no command"):
         launch([], 2)
     with pytest.raises(ConfigError, match="nprocs=0"):
@@ -135,9 +138,18 @@ def test_bad_arguments():
         launch(["true"], 2, first_rank=1, num_processes=2)
     with pytest.raises(ConfigError, match="cannot start command"):
         launch(["/nonexistent/cmd"], 1)
-    r = subprocess.run([sys.executable, "-m", "cfp.cli.main", "launch", "--nprocs", "2"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "no command to launch" in r.stderr
+    with pytest.raises(ConfigError, match="timeout=nan"):
+        launch(["true"], 1, timeout=float("nan"))
+    with pytest.raises(ConfigError, match="either --coordinator"):
+        launch(["true"], 1, port=1234, coordinator="h:1")
+    from cfp.cli.main import main
+    for argv, message in ((["--nprocs", "2"], "no command to launch"),
+                          (["--nprocs", "0", "--", "true"], "nprocs=0"),
+                          (["--nprocs", "1", "--timeout", "nan", "--", "true"], "timeout=nan")):
+        code = main(["launch", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("cfp launch: error: ") and message in err
+        assert err.count("\n") == 1
 
 
 def test_single_process_defaults(monkeypatch):
@@ -147,22 +159,20 @@ def test_single_process_defaults(monkeypatch):
         "--a --xla_force_host_platform_device_count=4"
 
 
-def test_transfer_within_one_process():
+def test_move_within_one_process():
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from cfp.runtime.transfer import transfer
+    from cfp.runtime.comm import move
 
     devs = np.array(jax.devices())
     src = NamedSharding(Mesh(devs[:4].reshape(2, 2), ("a", "b")), P("a", "b"))
-    dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))  # same process: any layout works
+    dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))  # same process: any sharding works
     x = jax.device_put(np.arange(32.0).reshape(4, 8), src)
-    y = transfer(x, dst)
+    y = move(x, list(devs[:4]), list(devs[4:]), dst, jax.ShapeDtypeStruct((4, 8), np.float32))
     assert y.sharding == dst
     np.testing.assert_array_equal(np.asarray(y), np.arange(32.0).reshape(4, 8))
-    with pytest.raises(ConfigError, match="NamedSharding"):
-        transfer(x, jax.sharding.SingleDeviceSharding(devs[0]))
 
 
 def test_initialize_refuses_late_or_bad_env(monkeypatch):

@@ -102,6 +102,22 @@ def test_schedules_are_data_and_respect_dependencies():
 STEPS = 3
 _REF = {}
 
+# Tolerances from measured float32 reordering noise (tiny llama2 configs below, jax 0.10 XLA:CPU on
+# x86-64 with AVX-512, and with XLA_FLAGS=--xla_cpu_max_isa=AVX2 / SSE4_2: the same figures):
+# * gradients: summing the same loss in another order (micro-batched vs whole batch on one device)
+#   moves a leaf's gradient by up to 5.7e-7 (normwise); the engine (per-stage vjp, TP all-reduces)
+#   vs the micro-batched one-device reference differs by up to 3.6e-7.  GRAD_TOL is ~7x that noise;
+#   a dropped, repeated or mis-weighted micro-batch or pipeline is an error of order 1e-1.
+# * after 3 AdamW steps the whole-tree error vs the micro-batched reference is <= 9.4e-7 (two
+#   one-device references that only differ in summation order: 1.0e-6).  Adam turns the noise of a
+#   near-zero gradient element into a step of order lr, so per-leaf or elementwise bounds depend on
+#   the machine; the whole-tree norm does not.  The updates move the parameters by 2.2e-2, 2000x
+#   PARAM_TOL (checked in each test, and a skipped update fails: test_skipped_update_is_caught).
+# * losses: engine vs micro-batched reference <= 5.8e-8, micro-batched vs whole batch 2.3e-7.
+GRAD_TOL = 4e-6
+PARAM_TOL = 1e-5
+LOSS_RTOL = 2e-6
+
 
 def tiny(num_layers, model="llama2", **kw):
     from cfp.models import get_config
@@ -132,15 +148,39 @@ def reference(model, cfg, rows):
     return _REF[key]
 
 
-def check_against_reference(trainer, model, cfg):
-    from cfp.runtime.verify import identical_across_pipelines, leaf_error
-    rows = trainer.layout.total_batch_size
-    ref_losses, ref_params = reference(model, cfg, rows)
-    losses = [trainer.step(b).loss for b in batches(model, cfg, rows)]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    params = trainer.state()[0]
-    # per-leaf normwise relative error (see cfp.runtime.verify for why not elementwise)
-    assert leaf_error(params, ref_params) < 1e-5
+def microbatched_reference(model, cfg, layout):
+    """(initial params, losses, final params, per-step gradients) of one device accumulating the
+    layout's micro-batches in the engine's order (cached)."""
+    key = (model, cfg, layout)
+    if key not in _REF:
+        import jax
+        from cfp.models import train_step
+        from cfp.runtime.verify import microbatched_replay
+        p, o = train_step(model, cfg).init(0)
+        _REF[key] = (jax.tree_util.tree_map(np.asarray, p),) + microbatched_replay(
+            model, cfg, layout, p, o, batches(model, cfg, layout.total_batch_size),
+            learning_rate=1e-3, weight_decay=0.01)
+    return _REF[key]
+
+
+def check_gradients(trainer, model, cfg):
+    """The engine's gradient before the optimizer, leaf by leaf, vs the micro-batched reference."""
+    from cfp.runtime.verify import leaf_errors
+    _, _, _, ref_grads = microbatched_reference(model, cfg, trainer.layout)
+    grads, _ = trainer.gradients(batches(model, cfg, trainer.layout.total_batch_size)[0])
+    errs = leaf_errors(grads, ref_grads[0])
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < GRAD_TOL, (worst, errs[worst])
+
+
+def check_steps(trainer, model, cfg):
+    """STEPS AdamW steps: losses and whole-tree parameters vs the micro-batched reference."""
+    from cfp.runtime.verify import identical_across_pipelines, loss_error, tree_error
+    p0, ref_losses, ref_params, _ = microbatched_reference(model, cfg, trainer.layout)
+    losses = [trainer.step(b).loss for b in batches(model, cfg, trainer.layout.total_batch_size)]
+    assert loss_error(losses, ref_losses) < LOSS_RTOL
+    assert tree_error(trainer.state()[0], ref_params) < PARAM_TOL
+    assert tree_error(p0, ref_params) > 1000 * PARAM_TOL  # the check can see a missing update
     assert identical_across_pipelines(trainer)
 
 
@@ -160,10 +200,33 @@ def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
     cfg = tiny(layout.num_layers)
     trainer = HeteroTrainer("llama2", cfg, layout, "gpipe")
     trainer.compile()
+    check_gradients(trainer.init(0), "llama2", cfg)
     for schedule in ("gpipe", "1f1b"):  # stage programs are schedule-independent: compile once
         trainer.set_schedule(schedule)
         trainer.init(0)
-        check_against_reference(trainer, "llama2", cfg)
+        check_steps(trainer, "llama2", cfg)
+
+
+def test_skipped_update_is_caught(monkeypatch):
+    """The parameter checks above fail when one stage's optimizer update is skipped: pipeline 0's
+    (its values are what ``state()`` returns) and pipeline 1's (the cross-pipeline check)."""
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.verify import identical_across_pipelines, tree_error
+    layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
+    cfg = tiny(3)
+    for skipped in ((0, 1), (1, 0)):
+        trainer = HeteroTrainer("llama2", cfg, layout).init(0)
+        prog = trainer.programs[skipped]
+        n = len(__import__("jax").tree_util.tree_leaves(prog.params_like))
+        with monkeypatch.context() as m:
+            m.setattr(prog, "update", lambda p, o, g: (p, o, np.ones((2, n), bool)))
+            with pytest.raises(AssertionError):
+                check_steps(trainer, "llama2", cfg)
+        _, _, ref_params, _ = microbatched_reference("llama2", cfg, layout)
+        if skipped[0] == 0:
+            assert tree_error(trainer.state()[0], ref_params) > 10 * PARAM_TOL
+        else:
+            assert not identical_across_pipelines(trainer)
 
 
 def test_gradient_is_token_weighted():
@@ -226,19 +289,88 @@ def test_resume_reproduces_losses_also_on_another_layout(tmp_path):
     assert sorted(full.losses) == [1, 2, 3, 4]
     # "killed" after step 2 (checkpoints of steps 1 and 2 on disk), then resumed
     run_training(_opts(tmp_path / "b", lay, stop_after=2), log=quiet)
-    resumed = run_training(_opts(tmp_path / "b", lay, resume=True), log=quiet)
+    said = []
+    resumed = run_training(_opts(tmp_path / "b", lay, resume=True), log=lambda *a, **k: said.extend(a))
     assert [resumed.losses[k] for k in range(1, 5)] == [full.losses[k] for k in range(1, 5)]
-    # resume the step-2 checkpoint onto a different layout (two pipelines, batches 3 + 1)
+    assert any("resumed from" in line and "step 2" in line and "resharded" not in line for line in said)
+    # resume the step-2 checkpoint onto a different layout (two pipelines, batches 3 + 1): it says so
     other = HeteroLayout.from_lists([[1], [2]], [[2], [2]], [3, 1], [3, 1])
     run_training(_opts(tmp_path / "c", lay, stop_after=2), log=quiet)
-    moved = run_training(_opts(tmp_path / "c", other, resume=True, verify=True), log=quiet)
+    said.clear()
+    moved = run_training(_opts(tmp_path / "c", other, resume=True, verify=True),
+                         log=lambda *a, **k: said.extend(a))
+    assert any("resharded from layout" in line and "[[1], [2]]" in line for line in said)
     np.testing.assert_allclose([moved.losses[k] for k in range(1, 5)],
                                [full.losses[k] for k in range(1, 5)], rtol=1e-5)
     assert moved.verify_ok and moved.verify_error < 1e-5
-    # timeline: JSON + PNG, measured bubble next to the theoretical (p-1)/(m+p-1)
-    data = json.loads((tmp_path / "tl" / "timeline.json").read_text())
-    assert {(e["stage"], e["microbatch"], e["phase"]) for e in data["events"]} == {
-        (s, m, ph) for s in (0, 1) for m in (0, 1) for ph in ("fwd", "bwd")}
-    assert (tmp_path / "tl" / "timeline.png").stat().st_size > 0
-    assert full.bubbles[0]["theoretical_bubble"] == pytest.approx(1 / 3)
-    assert 0.0 <= full.bubbles[0]["bubble"] < 1.0
+    _check_timeline(tmp_path / "tl", full.bubbles[0])
+
+
+def _check_timeline(tl_dir, summary):
+    """timeline.json + .png; events respect the schedule's dependencies; the reported bubble is the
+    one the events give (busy time and makespan recomputed here)."""
+    data = json.loads((tl_dir / "timeline.json").read_text())
+    ev = {(e["stage"], e["microbatch"], e["phase"]): (e["start"], e["end"]) for e in data["events"]}
+    assert set(ev) == {(s, m, ph) for s in (0, 1) for m in (0, 1) for ph in ("fwd", "bwd")}
+    for m in (0, 1):
+        assert ev[(1, m, "fwd")][0] >= ev[(0, m, "fwd")][1]   # stage 1 needs stage 0's activation
+        assert ev[(0, m, "bwd")][0] >= ev[(1, m, "bwd")][1]   # stage 0 needs stage 1's gradient
+        for s in (0, 1):
+            assert ev[(s, m, "bwd")][0] >= ev[(s, m, "fwd")][1]
+    for s in (0, 1):  # one stage runs one action at a time
+        spans = sorted(v for k, v in ev.items() if k[0] == s)
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
+    busy = sum(end - start for start, end in ev.values())
+    makespan = max(e for _, e in ev.values()) - min(s for s, _ in ev.values())
+    assert summary["bubble"] == pytest.approx(1 - busy / (2 * makespan), abs=1e-6)
+    assert summary["theoretical_bubble"] == pytest.approx(1 / 3)
+    assert (tl_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+# ----------------------------------------------------------------------------- NaN / Inf
+
+
+def test_nan_is_an_error_naming_step_and_leaf():
+    import jax
+    from cfp.errors import NumericalError
+    from cfp.runtime.engine import HeteroTrainer
+    cfg = tiny(2)  # the tp2-into-tp1 programs: no new compile
+    trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2]))
+    params, opt, _ = trainer.init(0).state()
+    batch = batches("llama2", cfg, 4)[0]
+    leaf = jax.tree_util.tree_flatten_with_path(params["params"]["layers_1"])[0][0][0]
+    name = "['params']['layers_1']" + jax.tree_util.keystr(leaf)
+
+    def poisoned(tree, where):
+        def f(path, v):
+            v = np.array(v)
+            if jax.tree_util.keystr(path).endswith(name):
+                v.flat[0] = np.nan
+            return v
+        return jax.tree_util.tree_map_with_path(f, tree) if where else tree
+    # NaN in Adam's first moment: loss and gradient finite, the updated parameter is not
+    bad_opt = (opt[0]._replace(mu=poisoned(opt[0].mu, True)),) + tuple(opt[1:])
+    trainer.load_state(params, bad_opt, 0)
+    with pytest.raises(NumericalError, match=r"^step 1: parameter after the update of "
+                       + __import__("re").escape(name) + r" \(stage \(0, 1\)\) is NaN or Inf$"):
+        trainer.step(batch)
+    # NaN in a parameter: the loss of step 5 is NaN
+    trainer.load_state(poisoned(params, True), opt, 4)
+    with pytest.raises(NumericalError, match=r"^step 5: loss is nan$"):
+        trainer.step(batch)
+
+
+def test_verify_comparisons_refuse_nan_and_mismatched_trees():
+    from cfp.errors import ConfigError, NumericalError
+    from cfp.runtime.verify import loss_error, tree_error
+    a = {"w": np.ones(3), "b": np.zeros(2)}
+    assert tree_error(a, a) == 0.0 and loss_error([1.0], [1.0]) == 0.0
+    with pytest.raises(NumericalError, match=r"loss 2 of 2 compared is nan"):
+        loss_error([1.0, float("nan")], [1.0, 1.0])
+    with pytest.raises(NumericalError, match=r"reference loss 1 of 1 compared is inf"):
+        loss_error([1.0], [float("inf")])
+    with pytest.raises(NumericalError, match=r"leaf \['w'\]: value contains NaN"):
+        tree_error({"w": np.array([1.0, np.nan, 1.0]), "b": np.zeros(2)}, a)
+    with pytest.raises(ConfigError, match="differ in structure"):
+        tree_error({"w": np.ones(3)}, a)
+    with pytest.raises(ConfigError, match=r"leaf \['w'\] has shape \(2,\)"):
+        tree_error({"w": np.ones(2), "b": np.zeros(2)}, a)

@@ -78,11 +78,12 @@ def test_dead_process_ends_the_job_with_an_error():
             if line.startswith("step 2 "):
                 break
         procs[1].send_signal(signal.SIGKILL)
-        t0 = time.monotonic()
-        rest = procs[0].communicate(timeout=120)[0]
+        rest = procs[0].communicate(timeout=180)[0]  # a hang raises TimeoutExpired: a failure
         assert procs[0].returncode != 0
-        assert time.monotonic() - t0 < 120
-        assert "error" in rest.lower()
+        # it ended because of rank 1: either our error for a failed cross-process transfer, or JAX's
+        # distributed service aborting after rank 1's heartbeats stopped (whichever notices first)
+        assert ("a cross-process transfer failed (did another process die?)" in rest
+                or "Task 1 heartbeat timeout" in rest), rest[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -23,14 +23,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--first-rank", type=int, default=0, help="process id of this host's first process")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     p.add_argument("--log-dir", default=None, help="also write each rank's output to LOG_DIR/rank<i>.log")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after '--'")
+    # dest is not "command": cfp.cli.main reads args.command as the subcommand's name for its errors
+    p.add_argument("argv", metavar="COMMAND", nargs=argparse.REMAINDER, help="the command, after '--'")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from cfp.runtime.launch import launch
 
-    command = list(args.command)
+    command = list(args.argv)
     if command and command[0] == "--":
         command = command[1:]
     if not command:

@@ -57,19 +57,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help='per pipeline, per stage, device ids (default: packed), e.g. "[[[0,1],[2]]]"')
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
     p.add_argument("--steps", type=_pos_int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (finite, > 0)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=_nonneg_int, default=0)
     p.add_argument("--data", choices=("stdlib", "synthetic", "files"), default=None,
                    help="stdlib: the Python standard library's sources, byte-level (default; "
                         "synthetic for bert); files: --data-path; synthetic: random tokens")
     p.add_argument("--data-path", nargs="+", default=(), help="files or directories for --data files")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="save every K steps")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where --checkpoint-every saves and --resume reads (checksummed checkpoints)")
+    p.add_argument("--checkpoint-every", type=_nonneg_int, default=0,
+                   help="save every K steps (needs --checkpoint-dir)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir; refused if there is "
+                        "none, if it is corrupt or if it was written with other model, data or "
+                        "optimizer settings (another layout is resharded)")
     p.add_argument("--timeline-dir", default=None, help="write timeline.json and timeline.png here")
     p.add_argument("--verify", action="store_true",
-                   help="replay the steps on one device; exit 1 if the error is above tolerance")
+                   help="replay the steps on one device; exit 1 if the error is above tolerance, "
+                        "2 on NaN/Inf")
     p.add_argument("--verify-tol", type=float, default=None,
                    help="verify tolerance (default 1e-4 for float32, 5e-2 for bfloat16)")
     p.add_argument("--stage-plans", default="megatron", metavar="megatron|search|DIR",
@@ -145,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     from cfp.errors import CfpError
     try:
         result = run_training(opts)
+    except OSError as e:  # e.g. a full disk while saving; the paths themselves are checked up front
+        raise CfpError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e)) from None
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise

@@ -6,8 +6,12 @@ renames it to ``<step>`` after ``commit_success.txt`` is written, so a crash mid
 :func:`latest_step` ignores (and the next save deletes). Old checkpoints are retired by an atomic rename
 before deletion, so a crash while pruning never leaves a half-deleted ``<step>`` either.
 
-State is saved as host numpy arrays, so a checkpoint does not remember its device layout and can be restored
+State is saved as host numpy arrays, so a checkpoint does not remember its shardings and can be restored
 onto any mesh (restore gives numpy; ``jax.device_put`` it onto the new shardings).
+
+Integrity: every checkpoint carries a SHA-256 checksum of each leaf (dtype, shape and bytes) as a third item,
+``checksums``; restore recomputes them and refuses a checkpoint whose data do not match, or that cannot be
+read at all (a truncated chunk or metadata file), with a one-line ``ConfigError`` naming the step and leaf.
 
 Multi-process: each call is process-local (no cross-process barriers). Give each process its own directory
 (e.g. ``f"{dir}/proc{jax.process_index()}"``) for the state its devices hold, or gather with
@@ -16,9 +20,10 @@ Multi-process: each call is process-local (no cross-process barriers). Give each
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -87,7 +92,8 @@ def _checkpointer():
             async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False)),
         state=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
                                           type_handler_registry=_local_numpy_registry()),
-        metadata=ocp.JsonCheckpointHandler(multiprocessing_options=mp))
+        metadata=ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+        checksums=ocp.JsonCheckpointHandler(multiprocessing_options=mp))
     return ocp.Checkpointer(handler, multiprocessing_options=mp)
 
 
@@ -104,6 +110,17 @@ def _to_host(state: Any) -> Any:
         return np.asarray(jax.device_get(x))
 
     return jax.tree_util.tree_map_with_path(leaf, state)
+
+
+def checksums(host: Any) -> dict[str, str]:
+    """``{leaf path: sha256 of its dtype, shape and bytes}`` of a tree of numpy arrays."""
+    out = {}
+    for path, v in jax.tree_util.tree_flatten_with_path(host)[0]:
+        a = np.ascontiguousarray(v)
+        h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+        out[_path_str(path)] = h.hexdigest()
+    return out
 
 
 def all_steps(directory: str | os.PathLike) -> list[int]:
@@ -156,7 +173,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: Any, metadat
     ckptr = _checkpointer()
     try:
         ckptr.save(final, args=ocp.args.Composite(state=ocp.args.PyTreeSave(host),
-                                                  metadata=ocp.args.JsonSave(metadata)))
+                                                  metadata=ocp.args.JsonSave(metadata),
+                                                  checksums=ocp.args.JsonSave(checksums(host))))
     finally:
         ckptr.close()
     if keep is not None:
@@ -184,12 +202,49 @@ def _lookup(raw: Any, path) -> Any:
     return node
 
 
-def restore_checkpoint(directory: str | os.PathLike, step: int | None = None,
-                       target: Any = None) -> tuple[Any, dict]:
+def _read(path: str) -> dict:
+    ocp = _ocp()
+    ckptr = _checkpointer()
+    try:
+        # read every leaf as numpy, whatever it was saved as and wherever its devices were
+        tree = ckptr.metadata(path).item_metadata["state"].tree
+        as_np = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        return ckptr.restore(path, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(restore_args=as_np), metadata=ocp.args.JsonRestore(),
+            checksums=ocp.args.JsonRestore()))
+    finally:
+        ckptr.close()
+
+
+def _read_verified(d: str, step: int) -> tuple[Any, dict]:
+    """(raw state, metadata) of checkpoint ``step`` after checking every leaf against its checksum."""
+    path = os.path.join(d, str(step))
+    if not os.path.isdir(os.path.join(path, "checksums")):
+        raise ConfigError(f"checkpoint step {step} in {d!r} has no checksums (written by an older "
+                          "cfp?), so its data cannot be verified")
+    try:
+        out = _read(path)
+    except Exception as e:  # orbax/tensorstore/JSON/OS errors of a damaged checkpoint vary by cause
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"checkpoint step {step} in {d!r} cannot be read (corrupt or truncated?): "
+                          f"{type(e).__name__}: {first}") from None
+    raw = jax.tree.map(np.asarray, out["state"])
+    want, got = dict(out["checksums"] or {}), checksums(raw)
+    for leaf in sorted(set(want) | set(got)):
+        if want.get(leaf) != got.get(leaf):
+            raise ConfigError(f"checkpoint step {step} in {d!r} is corrupt: leaf {leaf!r} does not "
+                              "match the checksum written with it")
+    return raw, dict(out["metadata"] or {})
+
+
+def restore_checkpoint(directory: str | os.PathLike, step: int | None = None, target: Any = None,
+                       check_metadata: Callable[[dict], None] | None = None) -> tuple[Any, dict]:
     """(state, metadata) of checkpoint `step` (default: latest) as numpy arrays.
 
     target: a pytree (arrays or ShapeDtypeStructs) giving the structure to restore into; shapes are
     checked and dtypes cast to the target's. Without it, the saved nested dicts/lists come back.
+    check_metadata: called with the metadata before the state is fitted to `target` (e.g. to refuse a
+    checkpoint written with other settings before its shapes are compared).
     """
     d = os.path.abspath(os.fspath(directory))
     steps = all_steps(d)
@@ -199,20 +254,11 @@ def restore_checkpoint(directory: str | os.PathLike, step: int | None = None,
         step = steps[-1]
     elif step not in steps:
         raise ConfigError(f"checkpoint step {step} not found in {d!r} (available: {steps})")
-    ocp = _ocp()
-    ckptr = _checkpointer()
-    path = os.path.join(d, str(step))
-    try:
-        # read every leaf as numpy, whatever it was saved as and wherever its devices were
-        tree = ckptr.metadata(path).item_metadata["state"].tree
-        as_np = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        out = ckptr.restore(path, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(restore_args=as_np), metadata=ocp.args.JsonRestore()))
-    finally:
-        ckptr.close()
-    raw, metadata = out["state"], dict(out["metadata"] or {})
+    raw, metadata = _read_verified(d, step)
+    if check_metadata is not None:
+        check_metadata(metadata)
     if target is None:
-        return jax.tree.map(np.asarray, raw), metadata
+        return raw, metadata
 
     def leaf(path, t):
         try:

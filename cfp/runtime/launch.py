@@ -24,6 +24,7 @@ another host is noticed through JAX's heartbeat (``heartbeat_timeout_s``) rather
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -177,6 +178,29 @@ def launch(command: Sequence[str], nprocs: int, devices_per_proc: int = 1, *, po
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    total = _check_args(command, nprocs, devices_per_proc, port, timeout, coordinator, num_processes,
+                        first_rank)
+    if coordinator is None:
+        coordinator = f"127.0.0.1:{port or free_port()}"
+    if log_dir:
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"log_dir={log_dir!r} cannot be created: {e.strerror}") from None
+    ranks = _Ranks(out, log_dir)
+    try:
+        for i in range(nprocs):
+            ranks.start(command, first_rank + i, _rank_env(coordinator, total, first_rank + i,
+                                                           devices_per_proc))
+        failure = ranks.wait(timeout)
+    finally:
+        stopped = ranks.stop(grace_s)
+    return _report(failure, stopped, timeout, err)
+
+
+def _check_args(command, nprocs, devices_per_proc, port, timeout, coordinator, num_processes,
+                first_rank) -> int:
+    """Validate launch's arguments; returns the total number of processes."""
     if not command:
         raise ConfigError("no command to launch (give it after '--', e.g. cfp launch --nprocs 2 -- python x.py)")
     for name, v in (("nprocs", nprocs), ("devices_per_proc", devices_per_proc)):
@@ -185,76 +209,87 @@ def launch(command: Sequence[str], nprocs: int, devices_per_proc: int = 1, *, po
     total = num_processes if num_processes is not None else nprocs
     if first_rank < 0 or first_rank + nprocs > total:
         raise ConfigError(f"ranks {first_rank}..{first_rank + nprocs - 1} do not fit num_processes={total}")
-    if timeout is not None and timeout <= 0:
-        raise ConfigError(f"timeout={timeout!r} is invalid (must be > 0 seconds)")
-    if coordinator is None:
-        coordinator = f"127.0.0.1:{port or free_port()}"
-    elif port is not None:
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"timeout={timeout!r} is invalid (must be a finite number of seconds > 0)")
+    if coordinator is not None and port is not None:
         raise ConfigError("give either --coordinator HOST:PORT or --port, not both")
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
+    return total
 
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    threads, logs = [], []
-    start = time.monotonic()
-    try:
-        for i in range(nprocs):
-            rank = first_rank + i
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(total),
-                        ENV_PROCESS_ID: str(rank), ENV_DEVICES_PER_PROC: str(devices_per_proc),
-                        "XLA_FLAGS": xla_flags_with_device_count(env.get("XLA_FLAGS", ""), devices_per_proc)})
-            try:
-                p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-            except OSError as e:
-                raise ConfigError(f"cannot start command {command[0]!r}: {e.strerror}") from None
-            procs.append(p)
-            log = open(os.path.join(log_dir, f"rank{rank}.log"), "wb") if log_dir else None
-            logs.append(log)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ".encode(), out, lock, log),
-                                 daemon=True)
-            t.start()
-            threads.append(t)
 
-        failure = None
-        while failure is None:
-            codes = [p.poll() for p in procs]
-            bad = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+def _rank_env(coordinator: str, total: int, rank: int, devices_per_proc: int) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(total),
+                ENV_PROCESS_ID: str(rank), ENV_DEVICES_PER_PROC: str(devices_per_proc),
+                "XLA_FLAGS": xla_flags_with_device_count(env.get("XLA_FLAGS", ""), devices_per_proc)})
+    return env
+
+
+class _Ranks:
+    """The started ranks, their output pumps and log files."""
+
+    def __init__(self, out: TextIO, log_dir: str | None):
+        self.out, self.log_dir = out, log_dir
+        self.lock = threading.Lock()
+        self.procs: list[tuple[int, subprocess.Popen]] = []
+        self.threads: list[threading.Thread] = []
+        self.logs: list = []
+
+    def start(self, command: Sequence[str], rank: int, env: dict) -> None:
+        try:
+            p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            raise ConfigError(f"cannot start command {command[0]!r}: {e.strerror}") from None
+        self.procs.append((rank, p))
+        log = open(os.path.join(self.log_dir, f"rank{rank}.log"), "wb") if self.log_dir else None
+        self.logs.append(log)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ".encode(), self.out,
+                                                 self.lock, log), daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def wait(self, timeout: float | None):
+        """None when every rank exited 0, else (rank, code) of the first failure, or "timeout"."""
+        start = time.monotonic()
+        while True:
+            codes = [(rank, p.poll()) for rank, p in self.procs]
+            bad = [(rank, c) for rank, c in codes if c not in (None, 0)]
             if bad:
-                failure = bad[0]
-            elif all(c == 0 for c in codes):
-                break
-            elif timeout is not None and time.monotonic() - start > timeout:
-                failure = "timeout"
-            else:
-                time.sleep(0.05)
-    finally:
-        running = [p for p in procs if p.poll() is None]
-        for p in running:
+                return bad[0]
+            if all(c == 0 for _, c in codes):
+                return None
+            if timeout is not None and time.monotonic() - start > timeout:
+                return "timeout"
+            time.sleep(0.05)
+
+    def stop(self, grace_s: float) -> list[int]:
+        """SIGTERM, then after ``grace_s`` SIGKILL, every rank still running; returns their ranks."""
+        running = [(rank, p) for rank, p in self.procs if p.poll() is None]
+        for _, p in running:
             _kill_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for p in running:
+        for _, p in running:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _kill_group(p, signal.SIGKILL)
                 p.wait()
-        for t in threads:
+        for t in self.threads:
             t.join(timeout=2.0)  # a grandchild that escaped the kill could hold the pipe open
-        for log in logs:
+        for log in self.logs:
             if log is not None:
                 log.close()
+        return [rank for rank, _ in running]
 
+
+def _report(failure, stopped: list[int], timeout: float | None, err: TextIO) -> int:
     if failure is None:
         return 0
-    stopped = f"; stopped {len(running)} other rank(s)" if running else ""
     if failure == "timeout":
-        still = [first_rank + procs.index(p) for p in running]
-        print(f"cfp launch: timeout after {timeout:g} s; ranks {still} were still running and were stopped",
+        print(f"cfp launch: timeout after {timeout:g} s; ranks {stopped} were still running and were stopped",
               file=err, flush=True)
         return 124
     rank, code = failure
-    print(f"cfp launch: rank {rank} {_describe(code)}{stopped}", file=err, flush=True)
+    also = f"; stopped {len(stopped)} other rank(s)" if stopped else ""
+    print(f"cfp launch: rank {rank} {_describe(code)}{also}", file=err, flush=True)
     return code if code > 0 else 128 - code  # shell convention for death by signal

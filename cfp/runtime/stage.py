@@ -9,11 +9,12 @@ A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in t
 * ``bwd``  -- recomputes the stage forward and applies ``jax.vjp`` (stage-level rematerialisation:
   only each micro-batch's stage input is kept between fwd and bwd), adds the parameter gradient into
   the accumulator (donated) and returns the input gradient for the previous stage.
-* ``update`` -- AdamW (optax) on this stage's parameters.
+* ``update`` -- AdamW (optax) on this stage's parameters; it also returns, per parameter, whether
+  its summed gradient and its new value are finite, so NaN/Inf is caught in the step it appears.
 
 Under the Megatron rules activations and their gradients enter and leave replicated over the stage's
 ``tp`` axis; under a searched stage plan (``StageShardings``) they enter and leave in the plan's layouts.
-Either way moving them to another stage is a plain ``device_put`` onto that stage's sharding.
+Either way moving them to another stage (``comm.move``) needs no resharding logic of its own.
 """
 from __future__ import annotations
 
@@ -64,17 +65,17 @@ class StageProgram:
         out_acc = ((self.shardings, self.repl) if stage.is_first
                    else (self.shardings, self.act_in, self.repl))
         if stage.is_last:
-            self.fwd = jax.jit(self._last_forward, out_shardings=(self.repl, self.repl))
+            self.fwd = jax.jit(self.last_forward, out_shardings=(self.repl, self.repl))
             self.bwd = jax.jit(self._last_backward, out_shardings=out_acc, donate_argnums=(6,))
         else:
-            self.fwd = jax.jit(self._forward, out_shardings=(self.act_out, self.repl))
+            self.fwd = jax.jit(self.forward, out_shardings=(self.act_out, self.repl))
             self.bwd = jax.jit(self._backward, out_shardings=out_acc, donate_argnums=(4,))
         self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.shardings)
         self.opt_shardings = self._opt_shardings()
         self.opt_init = jax.jit(tx.init, out_shardings=self.opt_shardings)
         self.update = jax.jit(self._update, donate_argnums=(0, 1),
-                              out_shardings=(self.shardings, self.opt_shardings))
+                              out_shardings=(self.shardings, self.opt_shardings, self.repl))
 
     # ------------------------------------------------------------------ pure stage functions
     def _body(self, params, x):
@@ -90,10 +91,11 @@ class StageProgram:
             aux = aux + a
         return x, aux
 
-    def _forward(self, params, x):
+    def forward(self, params, x):
+        """The un-jitted stage function of a first/middle stage: ``x -> (y, aux)``."""
         return self._body(params, x)
 
-    def _last_forward(self, params, x, targets, weights, total_weight):
+    def last_forward(self, params, x, targets, weights, total_weight):
         h, aux = self._body(params, x)
         with jax.named_scope("head"):
             logits = self.head.apply({"params": params["params"]["head"]}, h)
@@ -101,7 +103,7 @@ class StageProgram:
         # Same guard as cfp.models.loss_fn, applied to the whole global batch's weight.
         return jnp.sum(ce * weights.astype(jnp.float32)) / jnp.maximum(total_weight, 1e-9), aux
 
-    def _vjp(self, fn, params, x):
+    def vjp(self, fn, params, x):
         """vjp w.r.t. params (and x unless x is the first stage's integer tokens)."""
         if self.stage.is_first:
             out, pull = jax.vjp(lambda p: fn(p, x), params)
@@ -109,13 +111,13 @@ class StageProgram:
         return jax.vjp(fn, params, x)
 
     def _backward(self, params, x, g_y, aux_ct, acc):
-        _, pull = self._vjp(self._body, params, x)
+        _, pull = self.vjp(self._body, params, x)
         g_p, g_x = pull((g_y, aux_ct.astype(jnp.float32)))
         return self._bwd_out(_add(acc, g_p), g_x)
 
     def _last_backward(self, params, x, targets, weights, total_weight, aux_ct, acc):
-        fn = lambda p, x_: self._last_forward(p, x_, targets, weights, total_weight)
-        _, pull = self._vjp(fn, params, x)
+        fn = lambda p, x_: self.last_forward(p, x_, targets, weights, total_weight)
+        _, pull = self.vjp(fn, params, x)
         g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct.astype(jnp.float32)))
         return self._bwd_out(_add(acc, g_p), g_x)
 
@@ -129,7 +131,10 @@ class StageProgram:
         # The pipelines' gradients are summed here, in list order, fused with AdamW (one program).
         grads = sum_trees(list(grad_parts))
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        params = optax.apply_updates(params, updates)
+        finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)])
+        # [2, leaves]: gradient / new parameter finite, in tree_leaves order of the stage's params
+        return params, opt_state, jnp.stack([finite(grads), finite(params)])
 
     def _opt_shardings(self) -> Any:
         """Optimizer-state leaves mirroring a parameter (Adam's mu/nu) share its sharding; the rest
@@ -146,9 +151,34 @@ class StageProgram:
             return self.repl
         return jax.tree_util.tree_map_with_path(pick, like)
 
-    # ------------------------------------------------------------------ placement helpers
+    # ------------------------------------------------------------------ placement, compiling
     def place_params(self, params: Any) -> Any:
         return jax.device_put(params, self.shardings)
+
+    def compile_jobs(self, micro_batch_size: int, seq_len: int, x_like: Any, y_like: Any,
+                     num_pipelines: int) -> list:
+        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time.
+
+        ``x_like`` / ``y_like``: the stage's input / output activation (None for the first stage's
+        tokens / the last stage's loss)."""
+        scalar = jax.ShapeDtypeStruct((), jnp.float32)
+        params = _with_sharding(self.params_like, self.shardings)
+        opt = _with_sharding(jax.eval_shape(self.tx.init, self.params_like), self.opt_shardings)
+        tok = jax.ShapeDtypeStruct((micro_batch_size, seq_len), jnp.int32, sharding=self.repl)
+        x = tok.update(sharding=self.act_in) if self.stage.is_first else _with_sharding(x_like, self.act_in)
+        if self.stage.is_last:
+            w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=self.repl)
+            jobs = [(self.fwd, (params, x, tok, w, scalar)),
+                    (self.bwd, (params, x, tok, w, scalar, scalar, params))]
+        else:
+            y = _with_sharding(y_like, self.act_out)
+            jobs = [(self.fwd, (params, x)), (self.bwd, (params, x, y, scalar, params))]
+        return jobs + [(self.zeros, ()), (self.update, (params, opt, [params] * num_pipelines))]
+
+
+def _with_sharding(like: Any, shardings: Any) -> Any:
+    return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s),
+                                  like, shardings)
 
 
 def _planned(params_like: Any, mesh, specs: dict) -> Any:

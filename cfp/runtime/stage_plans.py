@@ -240,13 +240,13 @@ def stage_step(prog: StageProgram, tx: optax.GradientTransformation, aux_coef: f
 
     if st.is_last:
         def step(params, opt_state, x, targets, weights):
-            fn = lambda p, x_: prog._last_forward(p, x_, targets, weights, jnp.float32(1.0))
-            (ce, _), pull = prog._vjp(fn, params, x)
+            fn = lambda p, x_: prog.last_forward(p, x_, targets, weights, jnp.float32(1.0))
+            (ce, _), pull = prog.vjp(fn, params, x)
             g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct))
             return finish(params, opt_state, g_p, g_x, (ce,))
     else:
         def step(params, opt_state, x, g_y):
-            _, pull = prog._vjp(prog._body, params, x)
+            _, pull = prog.vjp(prog.forward, params, x)
             g_p, g_x = pull((g_y, aux_ct))
             return finish(params, opt_state, g_p, g_x)
     return step
@@ -353,7 +353,7 @@ def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, tx: o
             names = st.module_names()
             params_like = {"params": {n: full_like["params"][n] for n in names}}
             prog = StageProgram(st, modules, [devices[d] for d in st.devices], params_like, tx)
-            y_like = jax.eval_shape(prog._forward, params_like, x_like)[0]
+            y_like = jax.eval_shape(prog.forward, params_like, x_like)[0]
             key = (tuple(names), st.tp, mbs, st.is_first, st.is_last)
             if st.tp == 1:
                 plan = _replicated(st, mbs, params_like)

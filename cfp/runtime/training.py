@@ -7,9 +7,8 @@ state (full parameter tree + optax state), so a run can resume onto a different 
 from __future__ import annotations
 
 import enum
-import json
+import math
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -22,6 +21,27 @@ from cfp.runtime.schedules import ScheduleName
 
 if TYPE_CHECKING:
     from cfp.runtime.stage_plans import StagePlanOptions
+
+
+def _check_no_ignored_options(o: "TrainOptions") -> None:
+    """An option that would have no effect is an error, not silently ignored."""
+    ignored = [
+        (o.checkpoint_every and not o.checkpoint_dir,
+         f"checkpoint_every={o.checkpoint_every} (--checkpoint-every) saves nothing without "
+         "checkpoint_dir (--checkpoint-dir)"),
+        (o.resume and not o.checkpoint_dir, "resume (--resume) needs checkpoint_dir (--checkpoint-dir)"),
+        (o.checkpoint_dir and not (o.checkpoint_every or o.resume),
+         f"checkpoint_dir={o.checkpoint_dir!r} (--checkpoint-dir) is unused without checkpoint_every "
+         "(--checkpoint-every K) or resume (--resume)"),
+        (o.verify_tol is not None and not o.verify,
+         f"verify_tol={o.verify_tol} (--verify-tol) is unused without verify (--verify)"),
+        (o.data_paths and o.data is not DataSource.FILES,
+         f"data_paths (--data-path) are only read with data=files (--data files), not "
+         f"{o.data.value}"),
+    ]
+    for bad, message in ignored:
+        if bad:
+            raise ConfigError(message)
 
 
 class DataSource(str, enum.Enum):
@@ -51,6 +71,23 @@ class TrainOptions:
     verify_tol: Optional[float] = None
     stop_after: Optional[int] = None  # stop (as if killed) after this many steps; for tests
     stage_plans: Optional["StagePlanOptions"] = None  # None: Megatron stage shardings
+
+    def __post_init__(self):
+        for name in ("learning_rate", "weight_decay"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) or (
+                    name == "learning_rate" and v == 0):
+                raise ConfigError(f"{name}={v!r} is invalid (must be a finite number "
+                                  f"{'> 0' if name == 'learning_rate' else '>= 0'})")
+        if self.verify_tol is not None and not (math.isfinite(self.verify_tol) and self.verify_tol > 0):
+            raise ConfigError(f"verify_tol={self.verify_tol!r} is invalid (must be a finite number > 0)")
+        for name in ("steps", "stop_after"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name}={v!r} is invalid (must be a positive integer)")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every} is invalid (must be >= 0)")
+        _check_no_ignored_options(self)
 
 
 @dataclass
@@ -105,10 +142,38 @@ def build_config(opts: TrainOptions):
     return get_config(opts.model, opts.config_name, **opts.overrides)
 
 
+def check_output_dir(path: str, name: str) -> None:
+    """Raise ConfigError unless ``path`` is, or can be created as, a writable directory (checked
+    before any work starts, so a bad output path does not fail after the training)."""
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ConfigError(f"{name}={path!r} is not a directory")
+    parent = p
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{name}={path!r} cannot be created: {parent!r} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}={path!r} is not writable ({parent!r})")
+
+
+def _check_paths(opts: TrainOptions) -> None:
+    if opts.timeline_dir:
+        check_output_dir(opts.timeline_dir, "timeline_dir")
+    if opts.checkpoint_every:
+        check_output_dir(opts.checkpoint_dir, "checkpoint_dir")
+    if opts.resume:
+        from cfp.runtime.checkpoint import latest_step
+        if latest_step(opts.checkpoint_dir) is None:
+            raise ConfigError(f"resume: no complete checkpoint in checkpoint_dir="
+                              f"{opts.checkpoint_dir!r}")
+
+
 def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> TrainResult:
     """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc."""
     from cfp.runtime.engine import HeteroTrainer, optimizer
     from cfp.runtime.stage_plans import plans_for_run, report_lines
+    _check_paths(opts)
     config = build_config(opts)
     plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout,
                           optimizer(opts.learning_rate, opts.weight_decay), opts.checkpoint_dir,
@@ -126,32 +191,7 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
     log(opts.layout.describe())
     if start < opts.steps:
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
-    timed, busy_sum, last_events = [], {}, None
-    for step in range(start, opts.steps):
-        stats = trainer.step(data.batch(step))
-        losses[step + 1] = stats.loss
-        tps = stats.tokens / stats.seconds
-        log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {tps:,.0f} ({stats.seconds:.3f} s)")
-        if step > start:  # the first step still traces (and warms caches); keep it out of rates
-            timed.append(stats)
-            for k, v in stats.busy().items():
-                busy_sum[k] = busy_sum.get(k, 0.0) + v
-        last_events = stats.events
-        if opts.checkpoint_dir and opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
-            _save(opts, trainer, losses, config)
-        if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
-            break
-    result = TrainResult(losses, 0.0, {}, {})
-    if timed:
-        result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
-        result.busy = {k: v / len(timed) for k, v in busy_sum.items()}
-        log(f"tokens/s {result.tokens_per_s:,.0f} (mean over steps {start + 2}..{step + 1})")
-        line = "busy per stage (s/step): " + ", ".join(
-            f"p{k[0]}s{k[1]} {v:.4f}" for k, v in sorted(result.busy.items()))
-        if jax.process_count() > 1:  # each process measured its own stages
-            print(f"{line} (process {jax.process_index()})", flush=True)
-        else:
-            log(line)
+    result, last_events = _train_steps(opts, trainer, data, start, losses, config, log)
     for line in report_lines(plans, opts.layout, result.busy) if plans else ():
         log(line)
     if last_events is not None:
@@ -161,32 +201,82 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
     return result
 
 
+def _train_steps(opts, trainer, data, start, losses, config, log):
+    """Steps ``start+1 .. opts.steps`` (checkpointing as asked); returns (result, last events)."""
+    timed, busy_sum, last_events, step = [], {}, None, start
+    for step in range(start, opts.steps):
+        stats = trainer.step(data.batch(step))
+        losses[step + 1] = stats.loss
+        log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {stats.tokens / stats.seconds:,.0f} "
+            f"measured ({stats.seconds:.3f} s)")
+        if step > start:  # the first step still traces (and warms caches); keep it out of rates
+            timed.append(stats)
+            for k, v in stats.busy().items():
+                busy_sum[k] = busy_sum.get(k, 0.0) + v
+        last_events = stats.events
+        if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
+            _save(opts, trainer, losses)
+        if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
+            break
+    result = TrainResult(losses, 0.0, {}, {})
+    if timed:
+        result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
+        result.busy = {k: v / len(timed) for k, v in busy_sum.items()}
+        log(f"tokens/s {result.tokens_per_s:,.0f} measured (mean over steps {start + 2}..{step + 1})")
+        line = "busy per stage (s/step, measured): " + ", ".join(
+            f"p{k[0]}s{k[1]} {v:.4f}" for k, v in sorted(result.busy.items()))
+        if jax.process_count() > 1:  # each process measured its own stages
+            print(f"{line} (process {jax.process_index()})", flush=True)
+        else:
+            log(line)
+    return result, last_events
+
+
+def checkpoint_settings(opts: TrainOptions) -> dict:
+    """The model, data and optimizer settings a checkpoint was written with (JSON)."""
+    return {"model": opts.model, "config": opts.config_name, "overrides": dict(opts.overrides),
+            "data": opts.data.value, "batch_rows": opts.layout.total_batch_size, "data_paths": [os.path.abspath(p) for p in opts.data_paths],
+            "seed": opts.seed, "learning_rate": opts.learning_rate,
+            "weight_decay": opts.weight_decay}
+
+
 def _initial_state(opts, trainer, log) -> tuple[int, dict[int, float]]:
-    if opts.resume:
-        if not opts.checkpoint_dir:
-            raise ConfigError("--resume needs --checkpoint-dir")
-        from cfp.runtime.checkpoint import latest_step, restore_checkpoint
-        step = latest_step(opts.checkpoint_dir)
-        if step is not None:
-            target = {"params": trainer.full_like,
-                      "opt_state": jax.eval_shape(trainer.tx.init, trainer.full_like)}
-            state, meta = restore_checkpoint(opts.checkpoint_dir, step, target)
-            trainer.load_state(state["params"], state["opt_state"], step)
-            log(f"resumed from {opts.checkpoint_dir} step {step} (saved with layout "
-                f"{meta.get('layout', {}).get('hetero_configs')})")
-            return step, {int(k): float(v) for k, v in meta.get("losses", {}).items()}
-        log(f"no checkpoint in {opts.checkpoint_dir}; starting from step 0")
-    trainer.init(opts.seed)
-    return 0, {}
+    if not opts.resume:
+        trainer.init(opts.seed)
+        return 0, {}
+    from cfp.runtime.checkpoint import latest_step, restore_checkpoint
+    step = latest_step(opts.checkpoint_dir)
+    target = {"params": trainer.full_like,
+              "opt_state": jax.eval_shape(trainer.tx.init, trainer.full_like)}
+    state, meta = restore_checkpoint(opts.checkpoint_dir, step, target,
+                                     check_metadata=lambda m: _check_settings(opts, step, m))
+    trainer.load_state(state["params"], state["opt_state"], step)
+    old = meta.get("layout")
+    moved = "" if old == layout_lists(opts.layout) else (
+        f"; resharded from layout {old} onto {layout_lists(opts.layout)}")
+    log(f"resumed from {opts.checkpoint_dir} step {step}{moved}")
+    return step, {int(k): float(v) for k, v in meta.get("losses", {}).items()}
 
 
-def _save(opts, trainer, losses, config) -> None:
+def _check_settings(opts: TrainOptions, step: int, meta: dict) -> None:
+    """Refuse a checkpoint written with other model, data or optimizer settings."""
+    saved, now = meta.get("settings"), checkpoint_settings(opts)
+    if not isinstance(saved, dict):
+        raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} does not record the "
+                          "settings it was written with (written by an older cfp?)")
+    for k in now:
+        if saved.get(k) != now[k]:
+            raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} was written with "
+                              f"{k}={saved.get(k)!r}, this run has {k}={now[k]!r}; resume with the "
+                              "same settings or use another checkpoint_dir")
+
+
+def _save(opts, trainer, losses) -> None:
     from cfp.runtime.checkpoint import save_checkpoint
     params, opt_state, step = trainer.state()  # gathered onto every process
     if jax.process_index() != 0:
         return
-    meta = {"step": step, "model": opts.model, "config": opts.config_name,
-            "overrides": opts.overrides, "layout": layout_lists(opts.layout),
+    meta = {"step": step, "settings": checkpoint_settings(opts), "layout": layout_lists(opts.layout),
             "losses": {str(k): v for k, v in losses.items()}}
     save_checkpoint(opts.checkpoint_dir, step, {"params": params, "opt_state": opt_state}, meta,
                     overwrite=True)
@@ -233,6 +323,7 @@ def _verify(opts, trainer, config, data, init_state, start, losses, result, log)
                                     (data.batch(s) for s in steps),
                                     learning_rate=opts.learning_rate, weight_decay=opts.weight_decay)
     mine = [losses[s + 1] for s in steps]
+    # both raise NumericalError on NaN/Inf (Python's max would drop a NaN error)
     err = max(loss_error(mine, ref_losses), tree_error(trainer.state()[0], ref_params))
     tol = opts.verify_tol if opts.verify_tol is not None else (
         1e-4 if config.dtype == "float32" else 5e-2)

@@ -4,14 +4,15 @@ The reference is ``cfp.models.train_step(...).step`` (one ``value_and_grad`` of 
 concatenated global batch + AdamW) jitted on one device, started from the same state.
 
 Relative error: for losses ``|a - b| / |b|``; for parameters the normwise ``||a - b||_2 / ||b||_2``
-over all parameters (``tree_error``), or per leaf (``leaf_error``).  Elementwise comparison of
+over all parameters (``tree_error``), or per leaf (``leaf_errors``).  Elementwise comparison of
 parameters after AdamW steps is not meaningful in f32: Adam divides each gradient by its running RMS,
 so an element whose gradient is a near-cancelling sum (rounding noise a sizeable fraction of its
 value) moves by a visibly different amount when the reduction order changes (micro-batching, TP
 all-reduces, summing pipelines) although the gradient as a whole matches to ~1e-7.  Per leaf this
 even holds for whole leaves whose exact gradient is zero, e.g. attention key biases (softmax ignores a
 per-row constant): both runs move them by +-lr per step driven by rounding noise alone, so the verify
-figure is the global normwise error.
+figure is the global normwise error.  For a comparison free of micro-batching's reordering noise,
+``microbatched_replay`` accumulates the same micro-batches in the same order as the engine.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Iterable, Optional
 import jax
 import numpy as np
 
+from cfp.errors import ConfigError, NumericalError
 from cfp.models import train_step
 
 
@@ -38,23 +40,49 @@ def replay(model_name: str, config: Any, params: Any, opt_state: Any, batches: I
 
 
 def loss_error(losses: list[float], ref: list[float]) -> float:
+    """Largest relative loss error ``|a - b| / |b|``; NaN/Inf in either list raises NumericalError."""
+    if len(losses) != len(ref):
+        raise ConfigError(f"{len(losses)} losses to compare with {len(ref)} reference losses")
+    for name, vals in (("loss", losses), ("reference loss", ref)):
+        for i, v in enumerate(vals):
+            if not np.isfinite(v):
+                raise NumericalError(f"{name} {i + 1} of {len(vals)} compared is {v}")
     return max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref)), default=0.0)
+
+
+def _leaf_pairs(tree: Any, ref: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(path, a, b) per leaf, after checking both trees have the same structure and shapes and
+    hold only finite values (NumericalError naming the leaf otherwise)."""
+    if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(ref):
+        raise ConfigError(f"trees to compare differ in structure: {jax.tree_util.tree_structure(tree)} "
+                          f"vs {jax.tree_util.tree_structure(ref)}")
+    out = []
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
+                            jax.tree_util.tree_leaves(ref)):
+        name = jax.tree_util.keystr(path)
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape != b.shape:
+            raise ConfigError(f"leaf {name} has shape {a.shape}, the reference {b.shape}")
+        for what, v in (("value", a), ("reference value", b)):
+            if not np.isfinite(v).all():
+                raise NumericalError(f"leaf {name}: {what} contains NaN or Inf")
+        out.append((name, a, b))
+    return out
 
 
 def tree_error(tree: Any, ref: Any) -> float:
     """Normwise relative error ``||a - b|| / ||b||`` over all leaves together."""
-    diff = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-               for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(ref)))
-    norm = sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in jax.tree_util.tree_leaves(ref))
+    pairs = _leaf_pairs(tree, ref)
+    diff = sum(float(np.sum((a - b) ** 2)) for _, a, b in pairs)
+    norm = sum(float(np.sum(b ** 2)) for _, _, b in pairs)
     return float(np.sqrt(diff) / max(np.sqrt(norm), 1e-30))
 
 
-def leaf_error(tree: Any, ref: Any) -> float:
-    """Largest per-leaf normwise relative error ``||a - b|| / ||b||``."""
-    errs = jax.tree_util.tree_map(
-        lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-                           / max(float(np.linalg.norm(np.asarray(b, np.float64))), 1e-30)), tree, ref)
-    return max(jax.tree_util.tree_leaves(errs), default=0.0)
+def leaf_errors(tree: Any, ref: Any, floor: float = 0.0) -> dict[str, float]:
+    """Per leaf, ``||a - b|| / max(||b||, floor)`` (``floor`` keeps a leaf whose exact value is ~0,
+    hence pure rounding noise, from dividing noise by noise)."""
+    return {name: float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), floor, 1e-30))
+            for name, a, b in _leaf_pairs(tree, ref)}
 
 
 def identical_across_pipelines(trainer) -> bool:
@@ -67,3 +95,64 @@ def identical_across_pipelines(trainer) -> bool:
                 return False
             seen.setdefault(k, a)
     return True
+
+
+def microbatched_replay(model_name: str, config: Any, layout: Any, params: Any, opt_state: Any,
+                        batches: Iterable[dict], *, learning_rate: float, weight_decay: float,
+                        device: Optional[Any] = None):
+    """The engine's arithmetic on one device: (losses, final params as numpy, per-step gradients).
+
+    Each pipeline accumulates its micro-batches' gradients in micro-batch order, starting from zeros;
+    the pipelines' sums are then added in pipeline order, and AdamW is applied -- the same float32
+    sums in the same order as ``HeteroTrainer.step``.  Only the programs differ (one whole-model
+    ``value_and_grad`` here, per-stage ``vjp`` with TP all-reduces there), so the comparison with the
+    engine isolates pipeline and TP errors from the reordering noise of micro-batching.
+    """
+    import jax.numpy as jnp
+    import optax
+
+    from cfp.models import build_model
+    from cfp.runtime.engine import optimizer
+    device = device if device is not None else jax.local_devices()[0]
+    model = build_model(model_name, config)
+    coef = float(getattr(config, "aux_loss_coef", 0.0))
+
+    def part(p, x, t, w, total_w, aux_scale):
+        logits, aux = model.apply(p, x)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), t)
+        ce_part = jnp.sum(ce * w.astype(jnp.float32)) / jnp.maximum(total_w, 1e-9)
+        aux = aux.astype(jnp.float32)
+        return ce_part + aux * aux_scale, (ce_part, aux)
+
+    grad = jax.jit(jax.grad(part, has_aux=True))
+    add = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
+    tx = optimizer(learning_rate, weight_decay)
+    update = jax.jit(lambda p, o, g: _apply(tx, p, o, g))
+    p, o = jax.device_put((params, opt_state), device)
+    losses, grads_per_step = [], []
+    offsets, rows = layout.batch_offsets(), layout.total_batch_size
+    for b in batches:
+        b = jax.tree_util.tree_map(np.asarray, b)
+        total_w = np.float32(b["weights"].astype(np.float32).sum())
+        total, loss = None, 0.0
+        for pipe, off in zip(layout.pipelines, offsets):
+            mbs = pipe.micro_batch_size
+            aux_scale = np.float32(coef * mbs / rows)
+            acc = jax.tree_util.tree_map(jnp.zeros_like, p)
+            for m in range(pipe.chunks):
+                sl = slice(off + m * mbs, off + (m + 1) * mbs)
+                g, (ce, aux) = grad(p, *jax.device_put((b["inputs"][sl], b["targets"][sl],
+                                                 b["weights"][sl]), device), total_w, aux_scale)
+                acc = add(acc, g)
+                loss += float(ce) + float(aux) * float(aux_scale)
+            total = acc if total is None else add(total, acc)
+        grads_per_step.append(jax.tree_util.tree_map(np.asarray, jax.device_get(total)))
+        p, o = update(p, o, total)
+        losses.append(loss)
+    return losses, jax.tree_util.tree_map(np.asarray, jax.device_get(p)), grads_per_step
+
+
+def _apply(tx, params, opt_state, grads):
+    import optax
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state

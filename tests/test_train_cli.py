@@ -1,0 +1,88 @@
+"""`cfp train` refuses bad input with one line on stderr and exit code 2, before any training work:
+ignored options, bad output paths, a missing, corrupt or differently-configured checkpoint."""
+import os
+
+import numpy as np
+import pytest
+
+MODEL = ["train", "--model", "llama2", "--num-layers", "2", "--seq-len", "16", "--hetero-configs",
+         "[[2,1]]", "--global-batch-size", "4", "--chunks", "2", "--steps", "2"]
+
+
+def _run(capsys, *extra):
+    from cfp.cli.main import main
+    code = main(MODEL + list(extra))
+    out, err = capsys.readouterr()
+    assert "step 1" not in out  # refused before any training step
+    return code, err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lr", "nan"], "learning_rate=nan is invalid"),
+    (["--lr", "0"], "learning_rate=0.0 is invalid"),
+    (["--weight-decay", "inf"], "weight_decay=inf is invalid"),
+    (["--verify", "--verify-tol", "nan"], "verify_tol=nan is invalid"),
+    (["--checkpoint-every", "1"], "saves nothing without checkpoint_dir (--checkpoint-dir)"),
+    (["--checkpoint-dir", "CKPT"], "is unused without checkpoint_every"),
+    (["--resume"], "resume (--resume) needs checkpoint_dir"),
+    (["--verify-tol", "0.1"], "verify_tol=0.1 (--verify-tol) is unused without verify"),
+    (["--data", "synthetic", "--data-path", "x.txt"], "only read with data=files"),
+    (["--resume", "--checkpoint-dir", "CKPT/missing"], "resume: no complete checkpoint"),
+    (["--timeline-dir", "FILE/sub"], "timeline_dir='FILE/sub' cannot be created: 'FILE' is a file"),
+    (["--timeline-dir", "FILE"], "timeline_dir='FILE' is not a directory"),
+    (["--checkpoint-dir", "FILE/x", "--checkpoint-every", "1"], "cannot be created: 'FILE' is a file"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, capsys, extra, message):
+    (tmp_path / "FILE").write_text("not a directory")
+    fix = lambda a: a.replace("CKPT", str(tmp_path / "ck")).replace("FILE", str(tmp_path / "FILE"))
+    code, err = _run(capsys, *[fix(a) for a in extra])
+    assert code == 2 and err.startswith("cfp train: error: ") and err.count("\n") == 1, err
+    assert fix(message) in err, err
+
+
+def _checkpoint(tmp_path, settings_from, state=None):
+    """A checkpoint whose metadata records the settings of ``settings_from`` (CLI options)."""
+    from cfp.cli.main import build_parser
+    from cfp.runtime.checkpoint import save_checkpoint
+    from cfp.runtime.layout import HeteroLayout, layout_lists
+    from cfp.runtime.training import DataSource, TrainOptions, checkpoint_settings
+    a = build_parser().parse_args(settings_from)
+    overrides = {"num_layers": a.num_layers, "seq_len": a.seq_len}
+    layout = HeteroLayout.from_lists(a.hetero_configs, [[1, 1]], a.global_batch_size, a.chunks)
+    opts = TrainOptions(model=a.model, layout=layout, overrides=overrides, data=DataSource.STDLIB,
+                        learning_rate=a.lr, weight_decay=a.weight_decay, seed=a.seed)
+    meta = {"settings": checkpoint_settings(opts), "layout": layout_lists(layout), "losses": {"1": 4.0}}
+    d = tmp_path / "ck"
+    save_checkpoint(d, 1, state or {"w": np.arange(5000, dtype=np.float32)}, meta)
+    return d
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--seq-len", "32"], "was written with overrides={'num_layers': 2, 'seq_len': 16}, this run "
+                          "has overrides={'num_layers': 2, 'seq_len': 32}"),
+    (["--seed", "3"], "was written with seed=0, this run has seed=3"),
+    (["--global-batch-size", "8"], "was written with batch_rows=4, this run has batch_rows=8"),
+    (["--lr", "0.01"], "was written with learning_rate=0.001"),
+])
+def test_resume_refuses_other_settings(tmp_path, capsys, change, message):
+    d = _checkpoint(tmp_path, MODEL)
+    code, err = _run(capsys, "--resume", "--checkpoint-dir", str(d), *change)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_resume_refuses_state_of_another_model(tmp_path, capsys):
+    d = _checkpoint(tmp_path, MODEL)  # same settings, but the state is not this model's
+    code, err = _run(capsys, "--resume", "--checkpoint-dir", str(d))
+    assert code == 2 and err.count("\n") == 1 and "has no leaf" in err, err
+
+
+def test_resume_refuses_a_corrupt_checkpoint(tmp_path, capsys):
+    d = _checkpoint(tmp_path, MODEL)
+    chunk = max((os.path.join(r, f) for r, _, fs in os.walk(d / "1" / "state") for f in fs),
+                key=os.path.getsize)
+    data = bytearray(open(chunk, "rb").read())
+    data[4096:8192] = bytes(b ^ 0xFF for b in data[4096:8192])
+    open(chunk, "wb").write(bytes(data))
+    code, err = _run(capsys, "--resume", "--checkpoint-dir", str(d))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "cannot be read" in err or "does not match the checksum" in err, err

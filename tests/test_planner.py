@@ -74,8 +74,10 @@ def test_parameter_counts_match_the_model_trees_under_tp(model, tp):
 
 def test_compiled_stages_agree_with_the_cost_model():
     """FLOPs: dots are counted exactly, elementwise ops roughly (measured within 3.5%; a FLOP count is a
-    property of the HLO, not of the CPU); update bytes are exact tensors (measured < 0.01%); backward
-    bytes depend on XLA's buffer reuse (measured -12%..+0.2%), hence the wider bound."""
+    property of the HLO, not of the CPU); update bytes are the tensors the model counts plus the temporaries
+    XLA keeps for the runtime's finiteness flags over gradients and new parameters, which the model leaves
+    out (measured -4.8% on every stage; < 0.01% before those flags existed); backward bytes depend on XLA's
+    buffer reuse (measured -17%..+0.2%), hence the wider bound."""
     from cfp.planner.check import check_compiled_stages
     cfg = get_config("llama2", "small", num_layers=3)
     S = lambda d, n: StageLayout(tuple(d), 0, n)
@@ -87,7 +89,7 @@ def test_compiled_stages_agree_with_the_cost_model():
         err = c.errors()
         assert all(np.isfinite(v) for v in err.values())
         assert abs(err["flops_fwd"]) < 0.05 and abs(err["flops_bwd"]) < 0.05, (c.stage, err)
-        assert abs(err["bytes_update"]) < 0.01, (c.stage, err)
+        assert -0.06 < err["bytes_update"] < 0.01, (c.stage, err)
         assert abs(err["bytes_bwd"]) < 0.2, (c.stage, err)
 
 

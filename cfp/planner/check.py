@@ -56,31 +56,15 @@ def _model_figures(cm: CostModel, layout: ClusterLayout, p: int, i: int) -> tupl
 
 def check_compiled_stages(model_name: str, config: Any, cm: CostModel, layout: ClusterLayout) -> list[StageCheck]:
     """Compile every stage of `layout` (devices of this process) and compare; see the module doc."""
-    import jax
-    import jax.numpy as jnp
-
-    from cfp.runtime.engine import HeteroTrainer, _with_sharding
+    from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.layout import HeteroLayout
 
     hl = HeteroLayout.from_lists(**layout.lists())
     trainer = HeteroTrainer(model_name, config, hl)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
     out = []
-    for (p, i), prog in sorted(trainer.programs.items()):
-        pipe, st = hl.pipelines[p], prog.stage
-        params = _with_sharding(prog.params_like, prog.shardings)
-        opt = _with_sharding(jax.eval_shape(trainer.tx.init, prog.params_like), prog.opt_shardings)
-        tok = jax.ShapeDtypeStruct((pipe.micro_batch_size, config.seq_len), jnp.int32, sharding=prog.repl)
-        x = tok if st.is_first else _with_sharding(trainer._act_shape(pipe.stages[i - 1].key), prog.repl)
-        if st.is_last:
-            w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=prog.repl)
-            fwd = prog.fwd.lower(params, x, tok, w, scalar).compile()
-            bwd = prog.bwd.lower(params, x, tok, w, scalar, scalar, params).compile()
-        else:
-            y = _with_sharding(trainer._act_shape((p, i)), prog.repl)
-            fwd = prog.fwd.lower(params, x).compile()
-            bwd = prog.bwd.lower(params, x, y, scalar, params).compile()
-        upd = prog.update.lower(params, opt, [params] * len(hl.pipelines)).compile()
+    for p, i in sorted(trainer.programs):
+        (fwd, fwd_args), (bwd, bwd_args), _, (upd, upd_args) = trainer.compile_jobs((p, i))
+        fwd, bwd, upd = (f.lower(*a).compile() for f, a in ((fwd, fwd_args), (bwd, bwd_args), (upd, upd_args)))
         ff, fb, mb, mu = _model_figures(cm, layout, p, i)
         out.append(StageCheck((p, i), (ff, fwd.cost_analysis()["flops"]), (fb, bwd.cost_analysis()["flops"]),
                               (mb, _program_bytes(bwd)), (mu, _program_bytes(upd))))

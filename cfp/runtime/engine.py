@@ -147,17 +147,19 @@ class HeteroTrainer:
         opt = collect(opt_like, first_wins(path_table(self.opt_state[k]) for k in keys))
         return params, opt, self.step_count
 
+    def compile_jobs(self, key: tuple[int, int]) -> list:
+        """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update."""
+        prog, pipe = self.programs[key], self.layout.pipelines[key[0]]
+        x_like = None if prog.stage.is_first else self._act_shape(pipe.stages[key[1] - 1].key)
+        y_like = None if prog.stage.is_last else self._act_shape(key)
+        return prog.compile_jobs(pipe.micro_batch_size, self.config.seq_len, x_like, y_like,
+                                 len(self.layout.pipelines))
+
     def compile(self, workers: Optional[int] = None) -> float:
         """Compile every local stage program ahead of time, several at once (XLA compiles outside
         the GIL); the first step then only traces.  Returns the seconds it took."""
         t0 = time.perf_counter()
-        jobs = []
-        for key, prog in self._local.items():
-            pipe = self.layout.pipelines[key[0]]
-            x_like = None if prog.stage.is_first else self._act_shape(pipe.stages[key[1] - 1].key)
-            y_like = None if prog.stage.is_last else self._act_shape(key)
-            jobs += prog.compile_jobs(pipe.micro_batch_size, self.config.seq_len, x_like, y_like,
-                                      len(self.layout.pipelines))
+        jobs = [job for key in self._local for job in self.compile_jobs(key)]
         with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(lambda j: j[0].lower(*j[1]).compile(), jobs))
         return time.perf_counter() - t0

@@ -303,7 +303,7 @@ def search_stage(prog: StageProgram, tx, micro_batch: int, seq_len: int, x_like,
     """Analyse, profile and search one stage on its own sub-mesh; see the module doc."""
     t0 = time.perf_counter()
     args = example_args(prog, tx, micro_batch, seq_len, x_like, y_like)
-    analysis, program = analyze_with_program(stage_step(prog, tx, aux_coef), *args, mesh=prog.mesh)
+    analysis, program = analyze_with_program(stage_step(prog, tx, aux_coef), prog.mesh, *args)
     quiet = lambda *_: None
     table = profile(program, analysis, options.profile_options(), log=quiet)
     sopts = options.search_options()

@@ -46,6 +46,9 @@ def _read_json(path: str) -> dict:
     return d
 
 
+_SEARCH_SETTINGS = ("config", "batch_size", "gpu", "max_combinations", "memory_per_device")
+
+
 def _golden_figures(d: dict, gpu_name: str | None) -> tuple[tuple[BlockFigures, ...], str]:
     import jax
 
@@ -55,12 +58,13 @@ def _golden_figures(d: dict, gpu_name: str | None) -> tuple[tuple[BlockFigures, 
     from cfp.models import get_config, train_step
     s = d["settings"]
     gpu = get_gpu(gpu_name or s.get("gpu") or "A100-SXM-80G")
-    overrides = {"num_layers": s["num_layers"]} if s.get("num_layers") else {}
+    # every other setting of a golden case is a config field (num_layers, vocab_size, ...)
+    overrides = {k: v for k, v in s.items() if k not in _SEARCH_SETTINGS}
     ts = train_step(d["model"], get_config(d["model"], s.get("config", "tiny"), **overrides))
     params, opt = jax.eval_shape(ts.init, jax.random.PRNGKey(0))
     batch = ts.make_batch(int(s["batch_size"]), jax.random.PRNGKey(1))
     mesh = MeshSpec.parse(str(d["mesh"]), num_devices=jax.device_count())
-    analysis, _ = analyze_with_program(ts.step, params, opt, batch, mesh=mesh)
+    analysis, _ = analyze_with_program(ts.step, mesh, params, opt, batch)
     choice = tuple(int(c) for c in d["choice"])
     if len(choice) != len(analysis.blocks):
         raise ConfigError(f"golden plan has {len(choice)} blocks, the rebuilt model {len(analysis.blocks)}")

@@ -301,7 +301,7 @@ def test_get_config_overrides():
 @pytest.mark.parametrize("args, match", [
     (("gptx",), r"'gptx'.*gpt, llama2, moe, bert"),
     (("gpt", "huge"), r"'huge'.*tiny, small, 125M"),
-    (("llama2", "70B"), r"'70B'.*7B, 13B"),
+    (("llama2", "65B"), r"'65B'.*7B, 13B"),
 ])
 def test_get_config_unknown_names_list_valid_choices(args, match):
     with pytest.raises(ConfigError, match=match):

@@ -139,10 +139,13 @@ def test_random_clusters_give_valid_plans(seed):
     assert again.layout == result.layout                       # deterministic
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_planner_is_within_two_percent_of_the_exhaustive_optimum(seed):
-    rng = random.Random(100 + seed)
-    cluster = random_cluster(rng, 6)
+def optimality_gap(seed, max_devices=6, limit=200_000):
+    """(planner's estimated step time / the exhaustive optimum's) - 1 on the random small cluster of
+    `seed`, or None when the exhaustive search passes `limit` layouts. Also checks the plan's
+    properties and that the optimum is a lower bound."""
+    from cfp.errors import InfeasibleError
+    rng = random.Random(seed)
+    cluster = random_cluster(rng, max_devices)
     # a 2048-wide Llama (0.8 GB of AdamW state per layer) fits any of these devices
     cfg = get_config("llama2", "7B", dtype="bfloat16", num_layers=rng.choice([4, 6]), seq_len=1024,
                      hidden_size=2048, num_heads=16, ffn_size=5504)
@@ -150,10 +153,25 @@ def test_planner_is_within_two_percent_of_the_exhaustive_optimum(seed):
     result = find_layout(cluster, cfg, options)
     check_plan(cluster, cfg, options, result)
     cm = CostModel(cfg, cluster, options.schedule)
-    best, est, count = exhaustive_layout(cm, options)
-    assert count > 1
+    try:
+        best, est, count = exhaustive_layout(cm, options, limit)
+    except InfeasibleError as e:
+        if "passed" in str(e):
+            return None
+        raise
+    assert count > 1 and np.isfinite(est.step_time) and est.step_time > 0
     assert est.step_time <= result.estimate.step_time * (1 + 1e-9)   # the optimum is a lower bound
-    assert result.estimate.step_time <= 1.02 * est.step_time, (result.layout, best)
+    return result.estimate.step_time / est.step_time - 1
+
+
+# seeds 100..107 and 223 (4x RTX4090 + 4x L4: the optimum needs another stage order with other layer
+# counts, which the refinement's single moves did not reach together; 6.7% off before the fix)
+@pytest.mark.parametrize("seed", [*range(100, 108), 223])
+def test_planner_is_within_two_percent_of_the_exhaustive_optimum(seed):
+    gap = optimality_gap(seed, max_devices=8 if seed == 223 else 6)
+    if gap is None:
+        pytest.skip("exhaustive search passed its layout cap")
+    assert gap <= 0.02, gap
 
 
 # ----------------------------------------------------------------------------- building blocks

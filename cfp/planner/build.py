@@ -112,35 +112,42 @@ def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], t
     return c
 
 
+def _best_order(cm: CostModel, orders: Sequence[Sequence[StageLayout]], chunks: int, micro_batch: int,
+                n_pipes: int) -> Optional[tuple[StageLayout, ...]]:
+    """The candidate stage order, with its layers split for `chunks` micro-batches, whose pipeline (and
+    optimizer update) is fastest; None when no order fits."""
+    best, best_t = None, math.inf
+    for stages in orders:
+        st = split_layers(cm, stages, chunks * micro_batch, chunks, n_pipes)
+        if st is not None:
+            a, w = pipeline_terms(cm, st, micro_batch)
+            t = a + (chunks - 1) * w + cm.update_time(ClusterLayout((PipelineLayout(st, chunks, chunks),)))
+            if t < best_t:
+                best, best_t = st, t
+    return best
+
+
 def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]], global_batch: int,
                  micro_batch: int) -> Optional[ClusterLayout]:
-    """`pipes`: per pipeline, candidate stage orders. Layers split by stage speed (memory checked at an even share of micro-batches), micro-batches
-    split by pipeline time under memory, then layers re-split with the real micro-batch counts."""
+    """`pipes`: per pipeline, candidate stage orders. Each pipeline's order and layer split chosen at an
+    even share of micro-batches (memory checked there), micro-batches split by pipeline time under
+    memory, then each order re-chosen with its layers re-split for the real micro-batch count (the best
+    order depends on it: the first stage stores more inputs, the last holds the head)."""
     k = len(pipes)
     if global_batch % micro_batch or global_batch // micro_batch < k:
         return None
     total = global_batch // micro_batch
     guess = max(1, total // k)
-    first = []
-    for orders in pipes:
-        best, best_t = None, math.inf
-        for stages in orders:   # candidate stage orders of this pipeline: the fastest at an even share
-            st = split_layers(cm, stages, guess * micro_batch, guess, k)
-            if st is not None:
-                a, w = pipeline_terms(cm, st, micro_batch)
-                t = a + (guess - 1) * w + cm.update_time(ClusterLayout((PipelineLayout(st, guess, guess),)))
-                if t < best_t:
-                    best, best_t = st, t
-        if best is None:
-            return None
-        first.append(best)
+    first = [_best_order(cm, orders, guess, micro_batch, k) for orders in pipes]
+    if any(st is None for st in first):
+        return None
     chunks = allocate_chunks([pipeline_terms(cm, st, micro_batch) for st in first],
                              [max_chunks(cm, st, micro_batch, k, total) for st in first], total)
     if chunks is None:
         return None
     out = []
-    for stages, c in zip(first, chunks):
-        st = split_layers(cm, stages, c * micro_batch, c, k)
+    for orders, c in zip(pipes, chunks):
+        st = _best_order(cm, orders, c, micro_batch, k)
         if st is None:
             return None
         out.append(PipelineLayout(st, c * micro_batch, c))

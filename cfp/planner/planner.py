@@ -92,23 +92,37 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
     choices = tp_choices(cluster, config.num_heads)
     ks = pipeline_counts(cluster, options, config.num_layers)
     found: list[tuple[float, int, ClusterLayout]] = []
+    others: list[tuple[float, int, ClusterLayout]] = []   # layouts of the TP maps that lost in descent
     for step, k in enumerate(ks):
-        # uniform TP first, then coordinate descent over device types
+        # uniform TP first
         best_tp, best_t, best_l = None, math.inf, None
+        tried: set[tuple] = set()
         for t in sorted({t for ts in choices.values() for t in ts}):
             tp = {g: max([x for x in ts if x <= t] or [1]) for g, ts in choices.items()}
+            tried.add(tuple(sorted(tp.items())))
             layout, obj = search.evaluate(k, tp)
+            if layout is not None:
+                others.append((obj, k, layout))
             if obj < best_t:
                 best_tp, best_t, best_l = tp, obj, layout
         if best_tp is not None:
-            for g in sorted(choices):
-                for t in choices[g]:
-                    if t == best_tp[g]:
-                        continue
-                    tp = dict(best_tp, **{g: t})
-                    layout, obj = search.evaluate(k, tp)
-                    if obj < best_t:
-                        best_tp, best_t, best_l = tp, obj, layout
+            # coordinate descent over device types, repeated until a whole pass changes nothing (one
+            # pass can miss a type's best degree that only pays once another type's degree changed)
+            changed = True
+            while changed:
+                changed = False
+                for g in sorted(choices):
+                    for t in choices[g]:
+                        tp = dict(best_tp, **{g: t})
+                        key = tuple(sorted(tp.items()))
+                        if key in tried:
+                            continue
+                        tried.add(key)
+                        layout, obj = search.evaluate(k, tp)
+                        if layout is not None:
+                            others.append((obj, k, layout))
+                        if obj < best_t:
+                            best_tp, best_t, best_l, changed = tp, obj, layout, True
             found.append((best_t, k, best_l))
         if progress:
             progress(step + 1, len(ks))
@@ -120,7 +134,12 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
     layout = found[0][2]
     if options.refine:
         best_layout, best_est = None, None
-        for _, _, cand in found[:3]:  # refine the three best pipeline counts
+        # the three best pipeline counts, and the two best other layouts (a TP map that loses before
+        # refinement can win after it)
+        chosen = [c for _, _, c in found[:3]]
+        others.sort(key=lambda x: (x[0], x[1]))
+        chosen += [c for _, _, c in others if c not in chosen][:2]
+        for cand in chosen:
             lay, est = refine(cm, cand, options.refine_evaluations // 3)
             if best_est is None or est.objective < best_est.objective:
                 best_layout, best_est = lay, est

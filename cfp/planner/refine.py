@@ -19,14 +19,17 @@ def _replace(layout: ClusterLayout, p: int, pipe: PipelineLayout) -> ClusterLayo
 
 
 def _layer_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
-    """From each pipeline's slowest stage, one layer to every other stage (slowest pipeline first)."""
+    """One layer from a stage to another in each pipeline (slowest pipeline and stage first)."""
     order = sorted(range(len(layout.pipelines)), key=lambda p: -est.pipeline_time[p])
     for p in order:
         pipe, times = layout.pipelines[p], est.stages[p]
         slowest = max(range(len(pipe.stages)), key=lambda i: (times[i].fwd + times[i].bwd, -i))
         # the stage whose optimizer update takes longest (parameters over memory bandwidth)
         heaviest = max(range(len(pipe.stages)), key=lambda i: (times[i].update, -i))
-        for src, dst in [(s, d) for s in dict.fromkeys((slowest, heaviest)) for d in range(len(pipe.stages))]:
+        # then from every other stage: the estimate's communication and update terms can favour a
+        # split that the per-stage compute times do not show
+        sources = dict.fromkeys((slowest, heaviest, *range(len(pipe.stages))))
+        for src, dst in [(s, d) for s in sources for d in range(len(pipe.stages))]:
             if dst == src or pipe.stages[src].layers <= 1:
                 continue
             st = list(pipe.stages)

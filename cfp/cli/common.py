@@ -5,6 +5,7 @@ import argparse
 import os
 
 from cfp.errors import ConfigError
+from cfp import files
 from cfp.models.configs import MODEL_NAMES
 
 
@@ -48,18 +49,8 @@ def non_negative_int(text: str) -> int:
 
 def check_output_dir(path: str | None, flag: str) -> None:
     """Fail fast (before any capture or profiling) when directory `path` could not be created or written."""
-    if not path:
-        return
-    full = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(full) and not os.path.isdir(full):
-        raise ConfigError(f"{flag} {path!r} is an existing file, not a directory")
-    parent = full
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{flag} {path!r} cannot be created: {parent!r} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path!r} cannot be written: no write permission in {parent!r}")
+    if path:
+        files.check_output_dir(path, flag)
 
 
 def check_output_file(path: str | None, flag: str) -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from typing import Sequence
 
 import numpy as np
 
 from cfp.data.schemes import Scheme, SchemeSpace
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.files import write_json_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +54,7 @@ class Strategy:
             raise ConfigError(f"not a strategy file ({e}); write one with `cfp data propose`") from None
 
     def save(self, path: str) -> None:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(self.to_json(), fh, indent=1)
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str) -> "Strategy":

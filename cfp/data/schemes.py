@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Sequence
 
 import numpy as np
 
 from cfp.errors import ConfigError
+from cfp.files import write_json_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +86,7 @@ class SchemeSpace:
             raise ConfigError(f"not a scheme-space file ({e}); write one with `cfp data schemes`") from None
 
     def save(self, path: str) -> None:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(self.to_json(), fh, indent=1)
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str) -> "SchemeSpace":

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from cfp.errors import ConfigError
+from cfp.files import check_output_dir
 from cfp.runtime.layout import HeteroLayout, layout_lists
 from cfp.runtime.schedules import ScheduleName
 
@@ -140,21 +141,6 @@ def _print0(*a, **k):
 def build_config(opts: TrainOptions):
     from cfp.models import get_config
     return get_config(opts.model, opts.config_name, **opts.overrides)
-
-
-def check_output_dir(path: str, name: str) -> None:
-    """Raise ConfigError unless ``path`` is, or can be created as, a writable directory (checked
-    before any work starts, so a bad output path does not fail after the training)."""
-    p = os.path.abspath(path)
-    if os.path.exists(p) and not os.path.isdir(p):
-        raise ConfigError(f"{name}={path!r} is not a directory")
-    parent = p
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{name}={path!r} cannot be created: {parent!r} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{name}={path!r} is not writable ({parent!r})")
 
 
 def _check_paths(opts: TrainOptions) -> None:

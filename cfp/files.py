@@ -1,0 +1,31 @@
+"""Output files: checking a directory before any work starts, and atomic JSON writes (no run loses data)."""
+from __future__ import annotations
+
+import json
+import os
+
+from cfp.errors import ConfigError
+
+
+def check_output_dir(path: str, name: str) -> None:
+    """Raise ConfigError unless `path` is, or can be created as, a writable directory; `name` is how the
+    user gave it (a flag or an option name), so the message names it."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{name}={path!r} is not a directory: it is an existing file")
+    parent = full
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{name}={path!r} cannot be created: {parent!r} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}={path!r} cannot be written: no write permission in {parent!r}")
+
+
+def write_json_atomic(path: str, obj) -> str:
+    """Write `obj` as JSON to `path` through a temporary file and a rename, so a crash leaves the old file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, path)
+    return path

@@ -1,29 +1,16 @@
 """autoshard end to end: the searched plan computes what the single-device step computes; plan files; errors."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from cfp.api import apply_plan, autoshard, load_plan
 from cfp.errors import ConfigError, InfeasibleError
-from conftest import assert_adam_step_matches, assert_same_tree
-
-
-def _loss(p, x, y):
-    h = jnp.tanh(x @ p["w1"] + p["b1"])
-    return jnp.mean((h @ p["w2"] - y) ** 2)
-
-
-def grad_step(p, x, y):
-    return jax.value_and_grad(_loss)(p, x, y)
+from conftest import assert_adam_step_matches, assert_same_tree, mlp_grad_step as grad_step
 
 
 @pytest.fixture(scope="module")
-def args():
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    p = {"w1": jax.random.normal(k[0], (32, 64)) * 0.1, "b1": jnp.zeros((64,)),
-         "w2": jax.random.normal(k[1], (64, 32)) * 0.1}
-    return p, jax.random.normal(k[2], (16, 32)), jax.random.normal(k[3], (16, 32))
+def args(mlp_problem):
+    return mlp_problem[1]
 
 
 def _close(a, b, **kw):

@@ -3,7 +3,7 @@
 JAX dispatches asynchronously, so one watcher thread per stage waits on each dispatched computation
 and records when it finished.  An action's start is the latest of its dispatch, its stage's previous
 action's end and its producer's end (the previous stage's forward, or the next stage's backward and
-its own forward), capped at its end.
+its own forward); an end observed before that start (watcher threads poll independently) is raised to it.
 """
 from __future__ import annotations
 
@@ -76,7 +76,10 @@ class StepClock:
             else:
                 deps.append(ends.get(((a.pipeline, a.stage + 1), a.microbatch, Phase.BWD), t_start))
                 deps.append(ends.get((key, a.microbatch, Phase.FWD), t_start))
-            start = min(max(deps), ends[k])
+            start = max(deps)
+            # watchers of different stages poll independently, so one may see a consumer finish a little
+            # before another records its producer's end: an action cannot end before it can start
+            ends[k] = max(ends[k], start)
             last_end[key] = ends[k]
             events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, start - t_start,
                                 ends[k] - t_start))

@@ -22,10 +22,17 @@ def check_output_dir(path: str, name: str) -> None:
         raise ConfigError(f"{name}={path!r} cannot be written: no write permission in {parent!r}")
 
 
-def write_json_atomic(path: str, obj) -> str:
-    """Write `obj` as JSON to `path` through a temporary file and a rename, so a crash leaves the old file."""
+def write_text_atomic(path, text: str) -> str:
+    """Write `text` to `path` through a temporary file and a rename, so a crash leaves the old file (or none),
+    never half a file; the temporary name carries the pid so two writers never share one."""
+    path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
+        fh.write(text)
     os.replace(tmp, path)
     return path
+
+
+def write_json_atomic(path, obj, indent: int | None = 1) -> str:
+    """Write `obj` as JSON to `path` atomically (see `write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(obj, indent=indent))

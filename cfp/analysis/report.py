@@ -5,6 +5,7 @@ from pathlib import Path
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.layout import DimAxes
+from cfp.files import write_text_atomic
 
 
 def spec_text(spec: DimAxes) -> str:
@@ -83,8 +84,6 @@ def dump(analysis: Analysis, directory: str | Path) -> list[Path]:
     }
     out = []
     for name, text in files.items():
-        tmp = d / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(d / name)  # atomic: a crash never leaves a half-written dump
         out.append(d / name)
+        write_text_atomic(out[-1], text)
     return out

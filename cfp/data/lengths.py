@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
 import numpy as np
 
 from cfp.errors import ConfigError
+from cfp.files import write_json_atomic
 
 PERCENTILES = (50, 75, 90, 95, 99, 100)
 
@@ -75,10 +75,7 @@ def save_report(report: LengthReport, out_dir: str) -> tuple[str, str]:
 
     os.makedirs(out_dir, exist_ok=True)
     jpath, ppath = os.path.join(out_dir, "lengths.json"), os.path.join(out_dir, "lengths.png")
-    tmp = jpath + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(report.to_json(), fh, indent=1)
-    os.replace(tmp, jpath)
+    write_json_atomic(jpath, report.to_json())
     fig, ax = plt.subplots(figsize=(7, 4))
     e = np.array(report.hist_edges)
     ax.bar(e[:-1], report.hist_counts, width=np.diff(e), align="edge", edgecolor="k", linewidth=0.3)

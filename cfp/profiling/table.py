@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from cfp.errors import ConfigError
+from cfp.files import write_json_atomic
 from cfp.profiling.options import ProfilerSpec
 
 _log = logging.getLogger("cfp")
@@ -162,8 +163,6 @@ def cache_store(cache_dir: str | None, key: str, seg: SegmentProfile) -> None:
     if not cache_dir:
         return
     os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, key + ".json")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"version": TABLE_VERSION, "segment": seg.to_dict()}, f)
-    os.replace(tmp, path)   # atomic: a reader never sees half a file
+    # atomic: a concurrent reader never sees half a file
+    write_json_atomic(os.path.join(cache_dir, key + ".json"), {"version": TABLE_VERSION, "segment": seg.to_dict()},
+                      indent=None)

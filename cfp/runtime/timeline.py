@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 
 from cfp.errors import ConfigError
+from cfp.files import write_json_atomic
 from cfp.runtime.schedules import Phase
 
 
@@ -143,10 +144,7 @@ class Timeline:
         return {"version": 1, "events": [dict(dataclasses.asdict(e), phase=e.phase.value) for e in self._events]}
 
     def save_json(self, path: str | os.PathLike) -> None:
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f)
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict(), indent=None)
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> "Timeline":

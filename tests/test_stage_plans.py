@@ -3,6 +3,8 @@ second search with the same layout profiles nothing, plans round-trip through th
 import numpy as np
 import pytest
 
+from cfp.search.plan import spec_from_entries
+
 from cfp.errors import ConfigError
 from cfp.runtime.layout import HeteroLayout
 
@@ -38,13 +40,19 @@ def test_stage_plans_give_the_single_device_gradient(searched):
     from cfp.runtime.engine import HeteroTrainer
     layout, plans, _ = searched
     cfg = _cfg()
-    trainer = HeteroTrainer("llama2", cfg, layout, stage_shardings=plans.shardings()).init(0)
+    from cfp.runtime.engine import optimizer
+    from cfp.runtime.stage_plans import stage_replays
+    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
+    assert sorted(replays) == sorted(p.key for p in plans.plans if p.strategies and not p.megatron)
+    trainer = HeteroTrainer("llama2", cfg, layout, replays=replays).init(0)
     for p in plans.plans:      # the runtime runs on the plans' layouts, not the Megatron rules
+        if p.key not in replays:
+            continue
         prog = trainer.programs[p.key]
-        specs = dict(p.shardings().params)
+        assert prog.replay is replays[p.key]
+        specs = {k: spec_from_entries([list(x) if isinstance(x, tuple) else x for x in e]) for k, e in p.params}
         for path, sh in jax.tree_util.tree_flatten_with_path(prog.shardings)[0]:
             assert sh.spec == specs[jax.tree_util.keystr(path)]
-        assert prog.act_in.spec == p.shardings().act_in
     batch = jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.total_batch_size, 7))
     for schedule in ("gpipe", "1f1b"):
         trainer.set_schedule(schedule)
@@ -77,7 +85,7 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
     layout, plans, _ = searched
     plans.save(str(tmp_path))
     back = StagePlans.load(str(tmp_path)).check(layout, "llama2")
-    assert back == plans and back.shardings() == plans.shardings()
+    assert back == plans
     other = HeteroLayout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
     with pytest.raises(ConfigError, match=r"no plan for stage \(0, 0\)"):
         back.check(other, "llama2")

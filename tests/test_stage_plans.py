@@ -68,6 +68,40 @@ def test_stage_plans_give_the_single_device_gradient(searched):
             np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
 
 
+def _sdy(spec, names) -> str:
+    return "[" + ", ".join("{" + ", ".join(f'"{names[a]}"' for a in axes) + "}" for axes in spec) + "]"
+
+
+def test_stage_programs_impose_the_searched_block_layouts(searched):
+    """The bwd program of a searched stage constrains every forward dot's result to the layout its block's
+    searched strategy gives it (GSPMD alone would be free to pick another); the Megatron stage has none."""
+    import re
+    from cfp.runtime.engine import HeteroTrainer, optimizer
+    from cfp.runtime.stage_plans import stage_replays
+    layout, plans, _ = searched
+    cfg = _cfg()
+    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
+    runs = {"plan": HeteroTrainer("llama2", cfg, layout, replays=replays),
+            "megatron": HeteroTrainer("llama2", cfg, layout)}
+    key = next(k for k, r in replays.items() if not r.shardings.shard_state)
+    found = {}
+    for name, trainer in runs.items():
+        prog, args = trainer.compile_jobs(key)[1]           # the stage's bwd and its abstract arguments
+        text = prog.lower(*args).as_text()
+        found[name] = set(re.findall(r"sdy.sharding_constraint %\S+ <@mesh, (\[[^\]]*\])> : (tensor<[^>]*>)", text))
+    assert not found["megatron"]
+    r = replays[key]
+    g, names = r.analysis.graph, r.analysis.mesh.axis_names
+    expected = set()
+    for lay in r.shardings.layouts:
+        t = g.operators[r.analysis.blocks[lay.block].forward.op].outputs[0]
+        spec, tensor = lay.spec_of[t], g.tensor(t)
+        if any(spec):
+            dt = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[tensor.dtype]
+            expected.add((_sdy(spec, names), "tensor<" + "x".join(map(str, tensor.shape)) + f"x{dt}>"))
+    assert expected and expected <= found["plan"], expected - found["plan"]
+
+
 def test_second_search_profiles_nothing(searched, capsys):
     from cfp.runtime.engine import optimizer
     from cfp.runtime.stage_plans import search_stage_plans

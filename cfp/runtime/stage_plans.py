@@ -142,6 +142,7 @@ class StagePlan:
     megatron: bool = False
     megatron_time: float = 0.0
     megatron_boundary_time: float = 0.0
+    megatron_memory: int = 0
 
     @property
     def key(self) -> tuple[int, int]:
@@ -302,12 +303,15 @@ def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_bat
     """Analyse, profile and search one stage on its own sub-mesh, then time the winner side by side with
     the Megatron sharding; see the module doc."""
     from cfp.runtime.stage_compare import compare_with_megatron
-    t0 = time.perf_counter()
+    marks = [time.perf_counter()]
     analysis, program, args = analysed_step(prog, tx, model_name, config, micro_batch, x_like, y_like)
+    marks.append(time.perf_counter())
     quiet = lambda *_: None
     table = profile(program, analysis, options.profile_options(), log=quiet)
+    marks.append(time.perf_counter())
     sopts = options.search_options()
     result = search(program, analysis, table, args, sopts, log=quiet, mesh=prog.mesh)
+    marks.append(time.perf_counter())
     n_params = len(jax.tree_util.tree_leaves(args[0]))
     n_act = 2 * n_params + len(jax.tree_util.tree_leaves(args[1]))
     last = prog.stage.is_last
@@ -315,6 +319,7 @@ def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_bat
                                  sopts.memory_per_device, n_act)
     meg = compare_with_megatron(prog, tx, args, analysis, result, v, boundary, boundary_seconds(
         prog, P(), P(), x_like, None if last else y_like, result.link_gbps), options, table.profiler)
+    marks.append(time.perf_counter())
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prog.params_like)[0]]
     st = prog.stage
     plan = StagePlan(
@@ -323,12 +328,16 @@ def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_bat
         tuple((k, _entries(s)) for k, s in zip(paths, applied.input_specs[:n_params])),
         _entries(applied.input_specs[n_act]), _entries(applied.input_specs[n_act + 1]) if not last else (),
         meg.searched_time if meg else float(v.time), float(boundary), int(v.memory), str(table.profiler),
-        int(table.compiles), time.perf_counter() - t0, bool(meg and meg.megatron_wins),
-        meg.megatron_time if meg else 0.0, meg.megatron_boundary if meg else 0.0)
+        int(table.compiles), marks[-1] - marks[0], bool(meg and meg.megatron_wins),
+        meg.megatron_time if meg else 0.0, meg.megatron_boundary if meg else 0.0,
+        meg.megatron_memory if meg else 0)
     log(f"stage p{st.pipeline}s{st.index} (TP {st.tp}, {len(analysis.blocks)} blocks, "
         f"{analysis.num_unique_segments} unique segments): profiled {table.compiles} combinations "
         f"({'nothing compiled, all from the profile cache' if table.compiles == 0 else 'compiled'}), "
-        f"searched in {plan.planning_time:.1f} s" + (f"; {meg.text()}" if meg else "") + f": {plan.summary()}")
+        f"planned in {plan.planning_time:.1f} s (analysis {marks[1] - marks[0]:.1f}, profiling "
+        f"{marks[2] - marks[1]:.1f}, search with {len(result.verified)} whole steps verified "
+        f"{marks[3] - marks[2]:.1f}, Megatron side by side {marks[4] - marks[3]:.1f}; measured)"
+        + (f"; {meg.text()}" if meg else "") + f": {plan.summary()}")
     return plan
 
 
@@ -464,7 +473,8 @@ def report_lines(plans: StagePlans, layout: HeteroLayout, busy: dict) -> list[st
                      f"{p.time * chunks:.4f} s ({chunks} micro-batches) + boundary estimated "
                      f"{p.boundary_time * chunks:.4f} s")
         if p.megatron_time:
-            line += (f"; Megatron side by side: step {p.megatron_time * chunks:.4f} s + boundary "
+            line += (f"; Megatron side by side: {p.megatron_memory / 2**20:.2f} MiB per device (compiled), "
+                     f"step {p.megatron_time * chunks:.4f} s + boundary "
                      f"{p.megatron_boundary_time * chunks:.4f} s; {'Megatron' if p.megatron else 'searched'} runs")
         if p.key in busy:
             line += f"; busy measured {busy[p.key]:.4f} s/step"

@@ -1,7 +1,7 @@
 """Megatron stage shardings vs searched stage plans, side by side, on layouts where they differ.
 
     python benchmarks/stage_plans.py [--steps 6] [--profiler measure|estimate] [--gpu A100-SXM-80G]
-                                     [--layouts vocab moe]
+                                     [--layouts vocab moe] [--verify N]
 
 Layouts (8 simulated CPU devices):
   vocab — llama2, 2 layers, vocab 8192: pipeline [TP2 stage: embed + layer 0, TP4 stage: layer 1 + the wide head],
@@ -53,7 +53,8 @@ def _run(name: str, args) -> None:
     tx = optimizer(1e-3, 0.01)
     import tempfile
     cache = args.cache_dir or tempfile.mkdtemp(prefix="cfp_stage_plans_bench_")
-    opts = StagePlanOptions("search", profiler=args.profiler, gpu=args.gpu, cache_dir=cache)
+    opts = StagePlanOptions("search", profiler=args.profiler, gpu=args.gpu, cache_dir=cache,
+                            **({"verify": args.verify} if args.verify is not None else {}))
     print(f"\n== {name}: {model} {overrides}, layout {lists[0]} layers {lists[1]} batch {lists[2]} "
           f"chunks {lists[3]}")
     t0 = time.perf_counter()
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profiler", choices=("measure", "estimate"), default="measure")
     ap.add_argument("--gpu", default=None)
     ap.add_argument("--cache-dir", default=None, help="profile cache (default: cfp's)")
+    ap.add_argument("--verify", type=int, default=None,
+                    help="DP solutions each stage search verifies whole (default: StagePlanOptions')")
     ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
     args = ap.parse_args(argv)
     ensure_host_devices(8)

@@ -120,6 +120,18 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
     plans.save(str(tmp_path))
     back = StagePlans.load(str(tmp_path)).check(layout, "llama2")
     assert back == plans
+    import dataclasses
+    from cfp.runtime.engine import optimizer
+    from cfp.runtime.stage_plans import stage_replays
+    won = [dataclasses.replace(p, megatron=True) if p.key == (1, 0) else p for p in plans.plans]
+    replays = stage_replays(StagePlans(plans.model, plans.layout, tuple(won)), _cfg(), layout,
+                            optimizer(1e-3, 0.01))
+    assert (1, 0) not in replays and (0, 0) in replays      # a stage Megatron won runs the Megatron sharding
+    p00 = next(p for p in plans.plans if p.key == (0, 0))
+    edited = dataclasses.replace(p00, choice=(p00.choice[0] + 1,) + p00.choice[1:])   # notation left as it was
+    with pytest.raises(ConfigError, match=r"stage plan of stage \(0, 0\) does not fit the analysed stage step"):
+        stage_replays(StagePlans(plans.model, plans.layout, (edited,) + plans.plans[1:]), _cfg(), layout,
+                      optimizer(1e-3, 0.01))
     other = HeteroLayout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
     with pytest.raises(ConfigError, match=r"no plan for stage \(0, 0\)"):
         back.check(other, "llama2")
@@ -147,3 +159,23 @@ def test_cli_bad_stage_plans_is_one_line_exit_2(capsys, tmp_path):
                  str(tmp_path / "nowhere"), "--data", "synthetic"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "neither megatron, search nor a directory" in err
+
+
+def test_search_times_megatron_side_by_side(tmp_path):
+    """With whole-step verification the stage's winner is compared with its Megatron sharding on the same
+    step and cost model, and the faster one is what the plan runs."""
+    from cfp.models import get_config
+    from cfp.runtime.engine import optimizer
+    from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans, stage_replays
+    layout = HeteroLayout.from_lists([[2]], [[1]], [2], [1])
+    cfg = get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)
+    opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
+                            max_combinations=2, top_k=1, verify=1)
+    logs = []
+    plans = search_stage_plans("llama2", cfg, layout, optimizer(1e-3, 0.01), opts, log=logs.append)
+    (plan,) = plans.plans
+    assert plan.megatron_time > 0 and plan.megatron_memory > 0 and plan.time > 0
+    assert plan.megatron == (plan.megatron_time + plan.megatron_boundary_time < plan.time + plan.boundary_time)
+    assert "side by side (estimated)" in logs[-1]
+    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
+    assert (plan.key in replays) == (not plan.megatron)

@@ -68,7 +68,7 @@ class StagePlanOptions:
     cache_dir: Optional[str] = None
     max_combinations: int = 8
     top_k: int = 3
-    verify: int = 2
+    verify: int = 1           # DP solutions verified whole (the uniform ones and Megatron join them)
     iters: int = 3
     shard_state: bool = True
 

@@ -8,8 +8,9 @@ the same sub-mesh are shared by stages, pipelines and later runs) and per-block 
 the memory budget, parameter/optimizer-state sharding (ZeRO-3) included. Among the verified plans the search's
 step time plus the boundary transfer — the bytes each of the stage's devices receives for its incoming
 activation and outgoing activation's gradient in the layouts that plan gives them — picks the winner, which
-is then timed side by side with the stage's Megatron sharding (same step, same timing method); the faster
-one runs, so a stage plan is never slower than Megatron beyond the measured noise.
+is then timed side by side with the stage's Megatron sharding (`cfp.runtime.stage_compare`: both stages'
+runtime programs, timed in turns); the faster one runs, so a stage plan is never slower than Megatron beyond
+the measured noise.
 
 The runtime runs what was searched: its forward, backward and update programs are cut from the analysed
 stage step under the plan's choice, every block tensor constrained to its searched layout
@@ -118,7 +119,8 @@ def _spec(entries) -> P:
 class StagePlan:
     """One stage's plan: per-block strategy `choice` (with their notation), blocks whose state is stored
     sharded, each parameter's PartitionSpec entries by key path, the activation layouts at its boundaries,
-    and the search's figures (`time`: one micro-batch's step, measured or estimated per `profiler`).
+    and the search's figures (`time`: per micro-batch, the stage's runtime programs measured side by side
+    with Megatron's — fwd, bwd and a share of the update — or the whole step estimated, per `profiler`).
     `megatron`: the stage's Megatron sharding was faster than the searched choice side by side
     (`megatron_time`, same step and timing method) and runs instead."""
 
@@ -298,8 +300,8 @@ def analysed_step(prog: StageProgram, tx, model_name: str, config: Any, micro_ba
     return _ANALYSED[key]
 
 
-def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_batch: int, x_like, y_like,
-                 options: StagePlanOptions, log: Callable[[str], None] = print) -> StagePlan:
+def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_batch: int, chunks: int, x_like,
+                 y_like, options: StagePlanOptions, log: Callable[[str], None] = print) -> StagePlan:
     """Analyse, profile and search one stage on its own sub-mesh, then time the winner side by side with
     the Megatron sharding; see the module doc."""
     from cfp.runtime.stage_compare import compare_with_megatron
@@ -317,8 +319,8 @@ def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_bat
     last = prog.stage.is_last
     v, applied, boundary = _pick(analysis, result, prog, x_like, None if last else y_like,
                                  sopts.memory_per_device, n_act)
-    meg = compare_with_megatron(prog, tx, args, analysis, result, v, boundary, boundary_seconds(
-        prog, P(), P(), x_like, None if last else y_like, result.link_gbps), options, table.profiler)
+    meg = compare_with_megatron(prog, tx, args, analysis, result, v, applied, boundary, boundary_seconds(
+        prog, P(), P(), x_like, None if last else y_like, result.link_gbps), chunks, options, table.profiler)
     marks.append(time.perf_counter())
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prog.params_like)[0]]
     st = prog.stage
@@ -377,7 +379,9 @@ def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, tx: o
         elif key in done:
             plan = dataclasses.replace(done[key], pipeline=st.pipeline, stage=st.index)
         else:
-            plan = done[key] = search_stage(prog, tx, model_name, config, mbs, x_like, y_like, options, log)
+            chunks = layout.pipelines[st.pipeline].chunks
+            plan = done[key] = search_stage(prog, tx, model_name, config, mbs, chunks, x_like, y_like, options,
+                                             log)
         plans.append(plan)
     return StagePlans(model_name, layout_lists(layout), tuple(plans))
 

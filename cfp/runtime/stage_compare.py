@@ -29,7 +29,7 @@ class MegatronComparison:
     megatron_time: float        # inf when the Megatron step is over the memory budget
     searched_boundary: float
     megatron_boundary: float
-    megatron_memory: int
+    megatron_memory: int        # compiled whole step; 0 when not compiled (measured, no budget)
     noise: Optional[float]      # relative noise of the measured times (None: estimated)
 
     @property
@@ -52,14 +52,13 @@ def compare_with_megatron(prog, tx, args, analysis, result, chosen, applied, bou
     sopts = options.search_options()
     if sopts.verify == 0:
         return None
-    in_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * (len(args) - 3)
-    n_rest = len(jax.tree_util.tree_structure(jax.eval_shape(stage_step(prog, tx), *args)).children()) - 3
-    out_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * n_rest
-    megatron = jax.jit(stage_step(prog, tx), in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
-    mem = compiled_figures(megatron, analysis.mesh.shape, collectives=False).memory
     budget = sopts.memory_per_device
+    estimate = profiler.kind is ProfilerKind.ESTIMATE
+    # the Megatron whole step is compiled for the cost model and for the memory budget only
+    megatron = _megatron_step(prog, tx, args) if estimate or budget is not None else None
+    mem = compiled_figures(megatron, analysis.mesh.shape, collectives=False).memory if megatron else 0
     fits = budget is None or mem <= budget
-    if profiler.kind is ProfilerKind.ESTIMATE:
+    if estimate:
         searched = result.steps[(tuple(chosen.choice), tuple(chosen.shard_state))].compile(*args)
         t_s, t_m = (_estimated(c, analysis, chosen.choice, profiler.gpu) for c in (searched, megatron))
         noise = None
@@ -68,6 +67,14 @@ def compare_with_megatron(prog, tx, args, analysis, result, chosen, applied, bou
         (t_s, t_m), noise = _alternating([_runtime_run(p, args, chunks) for p in (planned, prog)],
                                          sopts.iters, sopts.warmup)
     return MegatronComparison(t_s, t_m if fits else float("inf"), boundary, megatron_boundary, mem, noise)
+
+
+def _megatron_step(prog, tx, args):
+    """The stage step compiled with the Megatron stage's layouts (activations replicated)."""
+    in_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * (len(args) - 3)
+    n_rest = len(jax.tree_util.tree_structure(jax.eval_shape(stage_step(prog, tx), *args)).children()) - 3
+    out_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * n_rest
+    return jax.jit(stage_step(prog, tx), in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
 
 
 def _planned_program(prog, tx, result, analysis, applied):

@@ -477,8 +477,8 @@ def report_lines(plans: StagePlans, layout: HeteroLayout, busy: dict) -> list[st
                      f"{p.time * chunks:.4f} s ({chunks} micro-batches) + boundary estimated "
                      f"{p.boundary_time * chunks:.4f} s")
         if p.megatron_time:
-            line += (f"; Megatron side by side: {p.megatron_memory / 2**20:.2f} MiB per device (compiled), "
-                     f"step {p.megatron_time * chunks:.4f} s + boundary "
+            mem = f"{p.megatron_memory / 2**20:.2f} MiB per device (compiled), " if p.megatron_memory else ""
+            line += (f"; Megatron side by side: {mem}step {p.megatron_time * chunks:.4f} s + boundary "
                      f"{p.megatron_boundary_time * chunks:.4f} s; {'Megatron' if p.megatron else 'searched'} runs")
         if p.key in busy:
             line += f"; busy measured {busy[p.key]:.4f} s/step"

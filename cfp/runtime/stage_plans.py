@@ -37,13 +37,12 @@ from cfp.analysis.analysis import analyze_with_program
 from cfp.profiling.options import ProfileOptions, default_cache_dir
 from cfp.profiling.profiler import profile
 from cfp.runtime.layout import HeteroLayout, Stage, layout_lists
-from cfp.search.options import SearchOptions, parse_bytes
-from cfp.search.plan import spec_entries, spec_from_entries
+from cfp.search.options import SearchOptions
+from cfp.search.plan import spec_entries
 from cfp.search.search import search
 from cfp.sharding.specs import resolve
 from cfp.runtime.stage import StageProgram
 from cfp.runtime.stage_replay import StageReplay, stage_step
-from cfp.xla.compiled import compiled_figures
 
 PLANS_FILE = "stage_plans.json"
 PLANS_VERSION = 2   # 2: the analysed step accumulates gradients; Megatron may win a stage
@@ -109,10 +108,6 @@ class StagePlanOptions:
 
 def _entries(spec: P) -> tuple:
     return tuple(tuple(e) if isinstance(e, list) else e for e in spec_entries(spec))
-
-
-def _spec(entries) -> P:
-    return spec_from_entries([list(e) if isinstance(e, (list, tuple)) else e for e in entries])
 
 
 @dataclasses.dataclass(frozen=True)

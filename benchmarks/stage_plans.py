@@ -1,17 +1,19 @@
 """Megatron stage shardings vs searched stage plans, side by side, on layouts where they differ.
 
     python benchmarks/stage_plans.py [--steps 6] [--profiler measure|estimate] [--gpu A100-SXM-80G]
-                                     [--layouts vocab moe]
+                                     [--layouts vocab moe] [--verify N]
 
 Layouts (8 simulated CPU devices):
   vocab — llama2, 2 layers, vocab 8192: pipeline [TP2 stage: embed + layer 0, TP4 stage: layer 1 + the wide head],
           global batch 8 in 2 micro-batches;
   moe   — MoE (4 experts), 2 layers: one pipeline of a TP4 stage holding everything, batch 4 in 1 micro-batch.
-For each layout the stage plans are searched (planning time printed, then searched again to show the profile
-cache: the second search profiles nothing), then the Megatron trainer and the searched trainer run
-alternating steps (the first of each is a warm-up) so both see the same machine state. Printed per layout:
-tokens/s of each (measured, mean over the timed steps), their ratio, and per stage the measured busy seconds
-per step and the persistent state (parameters + optimizer state) per device, measured from the placed arrays.
+For each layout the stage plans are searched (planning time printed, with a fresh profile cache unless
+--cache-dir is given, then searched again to show the profile cache: the second search profiles nothing; each
+stage's search also times its winner side by side with the stage's Megatron sharding and keeps the faster),
+then the Megatron trainer and the searched trainer run alternating steps (the first of each is a warm-up) so
+both see the same machine state. Printed per layout: tokens/s of each (measured, mean over the timed steps),
+their ratio, per stage which sharding runs, the measured busy seconds per step and the persistent state
+(parameters + optimizer state) per device, measured from the placed arrays.
 """
 from __future__ import annotations
 
@@ -43,13 +45,16 @@ def _run(name: str, args) -> None:
     from cfp.models import get_config
     from cfp.runtime.engine import HeteroTrainer, optimizer
     from cfp.runtime.layout import HeteroLayout
-    from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans
+    from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans, stage_replays
     from cfp.models import make_batch
     model, overrides, lists = LAYOUTS[name]
     cfg = get_config(model, "tiny", **overrides)
     layout = HeteroLayout.from_lists(*lists)
     tx = optimizer(1e-3, 0.01)
-    opts = StagePlanOptions("search", profiler=args.profiler, gpu=args.gpu, cache_dir=args.cache_dir)
+    import tempfile
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="cfp_stage_plans_bench_")
+    opts = StagePlanOptions("search", profiler=args.profiler, gpu=args.gpu, cache_dir=cache,
+                            **({"verify": args.verify} if args.verify is not None else {}))
     print(f"\n== {name}: {model} {overrides}, layout {lists[0]} layers {lists[1]} batch {lists[2]} "
           f"chunks {lists[3]}")
     t0 = time.perf_counter()
@@ -58,11 +63,12 @@ def _run(name: str, args) -> None:
     t0 = time.perf_counter()
     again = search_stage_plans(model, cfg, layout, tx, opts, log=lambda *_: None)
     t_again = time.perf_counter() - t0
-    print(f"planning time (measured): {t_plan:.1f} s; again with the profile cache {t_again:.1f} s "
+    print(f"planning time (measured): {t_plan:.1f} s{' (fresh profile cache)' if not args.cache_dir else ''}; "
+          f"again with the profile cache {t_again:.1f} s "
           f"({sum(p.profile_compiles for p in again.plans)} profile compiles)")
     trainers = {"megatron": HeteroTrainer(model, cfg, layout, learning_rate=1e-3),
                 "searched": HeteroTrainer(model, cfg, layout, learning_rate=1e-3,
-                                          stage_shardings=plans.shardings())}
+                                          replays=stage_replays(plans, cfg, layout, tx))}
     for t in trainers.values():
         t.init(0)
         t.compile()
@@ -89,7 +95,11 @@ def _run(name: str, args) -> None:
             f"p{key[0]}s{key[1]} busy {busy.get(key, 0.0):.4f} s/step, state {mem[key] / 2**20:.2f} MiB/device"
             for key in sorted(mem)))
     for p in plans.plans:
-        print(f"  plan p{p.pipeline}s{p.stage} TP {p.tp}: {p.summary()}")
+        runs = "replicated" if not p.strategies else ("Megatron" if p.megatron else "searched")
+        side = (f"; side by side per micro-batch step: searched {p.time * 1e3:.2f} ms, Megatron "
+                f"{p.megatron_time * 1e3:.2f} ms ({'estimated' if p.profiler.startswith('estimate') else 'measured'})"
+                if p.megatron_time else "")
+        print(f"  plan p{p.pipeline}s{p.stage} TP {p.tp}: {runs} runs{side}; {p.summary()}")
     print(f"ratio searched / megatron tokens/s: {tps['searched'] / tps['megatron']:.2f}x (measured)")
 
 
@@ -99,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profiler", choices=("measure", "estimate"), default="measure")
     ap.add_argument("--gpu", default=None)
     ap.add_argument("--cache-dir", default=None, help="profile cache (default: cfp's)")
+    ap.add_argument("--verify", type=int, default=None,
+                    help="DP solutions each stage search verifies whole (default: StagePlanOptions')")
     ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
     args = ap.parse_args(argv)
     ensure_host_devices(8)

@@ -3,6 +3,8 @@ second search with the same layout profiles nothing, plans round-trip through th
 import numpy as np
 import pytest
 
+from cfp.search.plan import spec_from_entries
+
 from cfp.errors import ConfigError
 from cfp.runtime.layout import HeteroLayout
 
@@ -38,13 +40,19 @@ def test_stage_plans_give_the_single_device_gradient(searched):
     from cfp.runtime.engine import HeteroTrainer
     layout, plans, _ = searched
     cfg = _cfg()
-    trainer = HeteroTrainer("llama2", cfg, layout, stage_shardings=plans.shardings()).init(0)
+    from cfp.runtime.engine import optimizer
+    from cfp.runtime.stage_plans import stage_replays
+    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
+    assert sorted(replays) == sorted(p.key for p in plans.plans if p.strategies and not p.megatron)
+    trainer = HeteroTrainer("llama2", cfg, layout, replays=replays).init(0)
     for p in plans.plans:      # the runtime runs on the plans' layouts, not the Megatron rules
+        if p.key not in replays:
+            continue
         prog = trainer.programs[p.key]
-        specs = dict(p.shardings().params)
+        assert prog.replay is replays[p.key]
+        specs = {k: spec_from_entries([list(x) if isinstance(x, tuple) else x for x in e]) for k, e in p.params}
         for path, sh in jax.tree_util.tree_flatten_with_path(prog.shardings)[0]:
             assert sh.spec == specs[jax.tree_util.keystr(path)]
-        assert prog.act_in.spec == p.shardings().act_in
     batch = jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.total_batch_size, 7))
     for schedule in ("gpipe", "1f1b"):
         trainer.set_schedule(schedule)
@@ -58,6 +66,40 @@ def test_stage_plans_give_the_single_device_gradient(searched):
             r = np.asarray(r)
             assert np.all(np.isfinite(g))
             np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+
+
+def _sdy(spec, names) -> str:
+    return "[" + ", ".join("{" + ", ".join(f'"{names[a]}"' for a in axes) + "}" for axes in spec) + "]"
+
+
+def test_stage_programs_impose_the_searched_block_layouts(searched):
+    """The bwd program of a searched stage constrains every forward dot's result to the layout its block's
+    searched strategy gives it (GSPMD alone would be free to pick another); the Megatron stage has none."""
+    import re
+    from cfp.runtime.engine import HeteroTrainer, optimizer
+    from cfp.runtime.stage_plans import stage_replays
+    layout, plans, _ = searched
+    cfg = _cfg()
+    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
+    runs = {"plan": HeteroTrainer("llama2", cfg, layout, replays=replays),
+            "megatron": HeteroTrainer("llama2", cfg, layout)}
+    key = next(k for k, r in replays.items() if not r.shardings.shard_state)
+    found = {}
+    for name, trainer in runs.items():
+        prog, args = trainer.compile_jobs(key)[1]           # the stage's bwd and its abstract arguments
+        text = prog.lower(*args).as_text()
+        found[name] = set(re.findall(r"sdy.sharding_constraint %\S+ <@mesh, (\[[^\]]*\])> : (tensor<[^>]*>)", text))
+    assert not found["megatron"]
+    r = replays[key]
+    g, names = r.analysis.graph, r.analysis.mesh.axis_names
+    expected = set()
+    for lay in r.shardings.layouts:
+        t = g.operators[r.analysis.blocks[lay.block].forward.op].outputs[0]
+        spec, tensor = lay.spec_of[t], g.tensor(t)
+        if any(spec):
+            dt = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[tensor.dtype]
+            expected.add((_sdy(spec, names), "tensor<" + "x".join(map(str, tensor.shape)) + f"x{dt}>"))
+    assert expected and expected <= found["plan"], expected - found["plan"]
 
 
 def test_second_search_profiles_nothing(searched, capsys):
@@ -77,7 +119,19 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
     layout, plans, _ = searched
     plans.save(str(tmp_path))
     back = StagePlans.load(str(tmp_path)).check(layout, "llama2")
-    assert back == plans and back.shardings() == plans.shardings()
+    assert back == plans
+    import dataclasses
+    from cfp.runtime.engine import optimizer
+    from cfp.runtime.stage_plans import stage_replays
+    won = [dataclasses.replace(p, megatron=True) if p.key == (1, 0) else p for p in plans.plans]
+    replays = stage_replays(StagePlans(plans.model, plans.layout, tuple(won)), _cfg(), layout,
+                            optimizer(1e-3, 0.01))
+    assert (1, 0) not in replays and (0, 0) in replays      # a stage Megatron won runs the Megatron sharding
+    p00 = next(p for p in plans.plans if p.key == (0, 0))
+    edited = dataclasses.replace(p00, choice=(p00.choice[0] + 1,) + p00.choice[1:])   # notation left as it was
+    with pytest.raises(ConfigError, match=r"stage plan of stage \(0, 0\) does not fit the analysed stage step"):
+        stage_replays(StagePlans(plans.model, plans.layout, (edited,) + plans.plans[1:]), _cfg(), layout,
+                      optimizer(1e-3, 0.01))
     other = HeteroLayout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
     with pytest.raises(ConfigError, match=r"no plan for stage \(0, 0\)"):
         back.check(other, "llama2")
@@ -105,3 +159,23 @@ def test_cli_bad_stage_plans_is_one_line_exit_2(capsys, tmp_path):
                  str(tmp_path / "nowhere"), "--data", "synthetic"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "neither megatron, search nor a directory" in err
+
+
+def test_search_times_megatron_side_by_side(tmp_path):
+    """With whole-step verification the stage's winner is compared with its Megatron sharding on the same
+    step and cost model, and the faster one is what the plan runs."""
+    from cfp.models import get_config
+    from cfp.runtime.engine import optimizer
+    from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans, stage_replays
+    layout = HeteroLayout.from_lists([[2]], [[1]], [2], [1])
+    cfg = get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)
+    opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
+                            max_combinations=2, top_k=1, verify=1)
+    logs = []
+    plans = search_stage_plans("llama2", cfg, layout, optimizer(1e-3, 0.01), opts, log=logs.append)
+    (plan,) = plans.plans
+    assert plan.megatron_time > 0 and plan.megatron_memory > 0 and plan.time > 0   # estimated: compiled
+    assert plan.megatron == (plan.megatron_time + plan.megatron_boundary_time < plan.time + plan.boundary_time)
+    assert "side by side (estimated)" in logs[-1]
+    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
+    assert (plan.key in replays) == (not plan.megatron)

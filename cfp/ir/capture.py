@@ -88,6 +88,45 @@ class Program:
                     env[tid] = on_output(i, tid, val) if on_output else val
         return env
 
+    def replay_part(self, inputs: dict[int, Any], outputs, given: dict[int, Any] | None = None,
+                    on_output=None, scope_of=None, on_input=None) -> list:
+        """Evaluate only what flat outputs `outputs` (positions) need, from flat inputs `inputs` (position ->
+        value) and tensors `given` (tensor id -> value, substituted for what the program would compute;
+        passed through `on_output` as if produced). Hooks as in `replay`. Raises CaptureError when the
+        outputs need an input that is not given."""
+        t = self._traced
+        given = dict(given or {})
+        values = {t.invars[p]: v for p, v in inputs.items()}
+        prod = self.graph.producer
+        for tid, v in given.items():
+            values[tid] = on_output(prod.get(tid), tid, v) if on_output else v
+        wanted = [t.outvars[p] for p in outputs]
+        ops = self._cone([a for kind, a in wanted if kind == "var"], set(values))
+        env = self.evaluate(values, ops, on_output, scope_of, on_input)
+        return [env[a] if kind == "var" else a for kind, a in wanted]
+
+    def _cone(self, tensors, known: set[int]) -> list[int]:
+        """Indices (in program order) of the operators computing `tensors` from the `known` ones."""
+        prod, consts = self.graph.producer, self._traced.const_values
+        ops, seen, stack = set(), set(), list(tensors)
+        while stack:
+            tid = stack.pop()
+            if tid in known or tid in seen:
+                continue
+            seen.add(tid)
+            i = prod.get(tid)
+            if i is None:
+                if tid not in consts:
+                    pos = self.graph.input_position.get(tid)
+                    raise CaptureError(f"the requested outputs need flat input {pos} "
+                                       f"({self.graph.input_paths[pos] if pos is not None else tid}), "
+                                       "which was not given")
+                continue
+            if i not in ops:
+                ops.add(i)
+                stack.extend(a for a in self.graph.operators[i].inputs if a is not None)
+        return sorted(ops)
+
     def as_function(self, **replay_kwargs) -> Callable:
         """The program as a function of the original (pytree) arguments, returning the original outputs."""
         def fn(*args):

@@ -161,7 +161,7 @@ class ScheduleRun:
 
 def sync_gradients(layout: HeteroLayout, programs: dict, acc: dict) -> dict:
     """For every local stage, its submodules' gradients from every pipeline (in pipeline order),
-    resharded onto this stage's shardings; their sum is the token-weighted global gradient.
+    resharded onto this stage's gradient shardings; their sum is the token-weighted global gradient.
 
     The same elementwise sums in the same order happen everywhere a module is held, so all
     pipelines keep bit-identical parameters."""
@@ -177,7 +177,7 @@ def sync_gradients(layout: HeteroLayout, programs: dict, acc: dict) -> dict:
                 if not common:
                     continue
                 sub = subtree(acc[src.key], common) if programs[src.key].is_local else None
-                moved = move(programs, sub, src, dst, subtree(dprog.shardings, common),
+                moved = move(programs, sub, src, dst, subtree(dprog.grad_shardings, common),
                              subtree(dprog.params_like, common))
                 if moved is not None:
                     piece.update(moved["params"])

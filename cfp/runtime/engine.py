@@ -67,10 +67,10 @@ _PROGRAMS: dict[tuple, StageProgram] = {}
 
 def build_programs(model_name: str, config: Any, layout: HeteroLayout, devices: list,
                    tx: optax.GradientTransformation, tx_key: tuple,
-                   stage_shardings: Optional[dict] = None) -> dict:
+                   replays: Optional[dict] = None) -> dict:
     """Every stage's ``StageProgram`` (cached by model, config, stage, devices, ``tx_key`` and its
-    shardings). ``stage_shardings``: stage key -> ``StageShardings`` of a searched stage plan (absent:
-    the Megatron rules)."""
+    replay). ``replays``: stage key -> ``StageReplay`` of a searched stage plan (absent: the Megatron
+    rules)."""
     mb_min = min_batch_size(config)
     for p in layout.pipelines:
         if p.micro_batch_size % mb_min:
@@ -86,7 +86,7 @@ def build_programs(model_name: str, config: Any, layout: HeteroLayout, devices: 
                 f"stage {st.key} uses devices {list(st.devices)} of processes "
                 f"{sorted({d.process_index for d in devs})}; a stage's devices must belong to "
                 f"one process (choose devices_id accordingly)")
-        planned = (stage_shardings or {}).get(st.key)
+        planned = (replays or {}).get(st.key)
         ckey = (model_name, config, st, tuple(devs), planned) + tx_key
         if ckey not in _PROGRAMS:
             _PROGRAMS[ckey] = StageProgram(st, modules, devs,
@@ -101,14 +101,14 @@ class HeteroTrainer:
     def __init__(self, model_name: str, config: Any, layout: HeteroLayout,
                  schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, learning_rate: float = 1e-3,
                  weight_decay: float = 0.01, devices: Optional[list] = None,
-                 stage_shardings: Optional[dict] = None):
+                 replays: Optional[dict] = None):
         self.model_name, self.config, self.layout = model_name, config, layout
         self.devices = list(devices) if devices is not None else jax.devices()
         layout.validate_for(config, len(self.devices))
         self.tx = optimizer(learning_rate, weight_decay)
         self.full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
         self.programs = build_programs(model_name, config, layout, self.devices, self.tx,
-                                       (float(learning_rate), float(weight_decay)), stage_shardings)
+                                       (float(learning_rate), float(weight_decay)), replays)
         self.set_schedule(schedule)
         self.aux_coef = float(getattr(config, "aux_loss_coef", 0.0))
         self.params: dict[tuple[int, int], Any] = {}

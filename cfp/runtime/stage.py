@@ -13,13 +13,14 @@ A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in t
   its summed gradient and its new value are finite, so NaN/Inf is caught in the step it appears.
 
 Under the Megatron rules activations and their gradients enter and leave replicated over the stage's
-``tp`` axis; under a searched stage plan (``StageShardings``) they enter and leave in the plan's layouts.
-Either way moving them to another stage (``comm.move``) needs no resharding logic of its own.
+``tp`` axis. Under a searched stage plan the three programs are cut from the analysed stage step
+(``cfp.runtime.stage_replay.StageReplay``) with every block tensor constrained to its searched layout, and
+parameters, optimizer state, gradients and activations take the plan's layouts. Either way moving
+activations to another stage (``comm.move``) needs no resharding logic of its own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,52 +31,56 @@ from cfp.errors import ConfigError
 from cfp.runtime.layout import Stage
 from cfp.runtime.sharding import param_shardings, stage_mesh
 
-
-@dataclass(frozen=True)
-class StageShardings:
-    """A stage's layout from a searched stage plan: each parameter's PartitionSpec by its key path
-    (``jax.tree_util.keystr``), the layout of the stage's input activation (tokens on the first stage)
-    and of the activation it sends on (its gradient arrives in the same layout)."""
-    params: tuple[tuple[str, P], ...]
-    act_in: P = P()
-    act_out: P = P()
+if TYPE_CHECKING:
+    from cfp.runtime.stage_replay import StageReplay
 
 
 class StageProgram:
-    """Jitted fwd / bwd / zeros / update of one stage; params and grads use Megatron shardings, or a
-    searched stage plan's (``shardings``), and activations enter/leave in its layouts."""
+    """Jitted fwd / bwd / zeros / update of one stage: with Megatron shardings, or cut from a searched
+    stage plan's analysed step (``replay``) with its layouts."""
 
     def __init__(self, stage: Stage, modules: tuple, devices: list, params_like: Any,
-                 tx: optax.GradientTransformation, shardings: Optional[StageShardings] = None):
+                 tx: optax.GradientTransformation, replay: Optional["StageReplay"] = None):
         self.stage = stage
         self.embed, self.layer_mods, self.head = modules
         self.mesh = stage_mesh(devices)
         self.repl = NamedSharding(self.mesh, P())
         self.params_like = params_like  # {"params": {name: ShapeDtypeStruct tree}}
-        if shardings is None:
-            self.shardings = param_shardings(params_like, self.mesh)
-            self.act_in = self.act_out = self.repl
-        else:
-            self.shardings = _planned(params_like, self.mesh, dict(shardings.params))
-            self.act_in = NamedSharding(self.mesh, shardings.act_in)
-            self.act_out = NamedSharding(self.mesh, shardings.act_out)
         self.tx = tx
+        self.replay = replay
         self.is_local = all(d.process_index == jax.process_index() for d in devices)
-        # The first stage's input is integer tokens: it returns no input gradient.
-        out_acc = ((self.shardings, self.repl) if stage.is_first
-                   else (self.shardings, self.act_in, self.repl))
-        if stage.is_last:
-            self.fwd = jax.jit(self.last_forward, out_shardings=(self.repl, self.repl))
-            self.bwd = jax.jit(self._last_backward, out_shardings=out_acc, donate_argnums=(6,))
+        if replay is None:
+            self.shardings = param_shardings(params_like, self.mesh)
+            self.grad_shardings = self.shardings
+            self.opt_shardings = self._opt_shardings()
+            self.act_in = self.act_out = self.out_sharding = self.g_x_sharding = self.repl
+            fwd = self.last_forward if stage.is_last else self.forward
+            bwd = self._last_backward if stage.is_last else self._backward
+            self._apply_update = self._adamw
         else:
-            self.fwd = jax.jit(self.forward, out_shardings=(self.act_out, self.repl))
-            self.bwd = jax.jit(self._backward, out_shardings=out_acc, donate_argnums=(4,))
+            self.shardings = self._named(replay.param_specs())
+            self.grad_shardings = self._named(replay.grad_specs())
+            self.opt_shardings = self._named(replay.opt_specs())
+            self.act_in = NamedSharding(self.mesh, replay.act_in())
+            self.act_out = NamedSharding(self.mesh, replay.act_out())
+            self.out_sharding = NamedSharding(self.mesh, replay.out_spec())
+            self.g_x_sharding = self.repl if stage.is_first else NamedSharding(self.mesh, replay.g_x_spec())
+            fwd, bwd, self._apply_update = replay.functions(self.mesh)
+        # The first stage's input is integer tokens: it returns no input gradient.
+        out_acc = ((self.grad_shardings, self.repl) if stage.is_first
+                   else (self.grad_shardings, self.g_x_sharding, self.repl))
+        self.fwd = jax.jit(fwd, out_shardings=(self.out_sharding, self.repl))
+        self.bwd = jax.jit(lambda *a: self._bwd_out(*bwd(*a)), out_shardings=out_acc,
+                           donate_argnums=(6 if stage.is_last else 4,))
         self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
-            lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.shardings)
-        self.opt_shardings = self._opt_shardings()
+            lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.grad_shardings)
         self.opt_init = jax.jit(tx.init, out_shardings=self.opt_shardings)
         self.update = jax.jit(self._update, donate_argnums=(0, 1),
                               out_shardings=(self.shardings, self.opt_shardings, self.repl))
+
+    def _named(self, specs: Any) -> Any:
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
+                                      is_leaf=lambda x: isinstance(x, P))
 
     # ------------------------------------------------------------------ pure stage functions
     def _body(self, params, x):
@@ -113,13 +118,13 @@ class StageProgram:
     def _backward(self, params, x, g_y, aux_ct, acc):
         _, pull = self.vjp(self._body, params, x)
         g_p, g_x = pull((g_y, aux_ct.astype(jnp.float32)))
-        return self._bwd_out(_add(acc, g_p), g_x)
+        return _add(acc, g_p), g_x
 
     def _last_backward(self, params, x, targets, weights, total_weight, aux_ct, acc):
         fn = lambda p, x_: self.last_forward(p, x_, targets, weights, total_weight)
         _, pull = self.vjp(fn, params, x)
         g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct.astype(jnp.float32)))
-        return self._bwd_out(_add(acc, g_p), g_x)
+        return _add(acc, g_p), g_x
 
     def _bwd_out(self, acc, g_x):
         # A scalar "done" output: all outputs of one execution become ready together, and unlike
@@ -127,11 +132,14 @@ class StageProgram:
         done = jnp.zeros((), jnp.float32)
         return (acc, done) if self.stage.is_first else (acc, g_x, done)
 
+    def _adamw(self, params, opt_state, grads):
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     def _update(self, params, opt_state, grad_parts):
         # The pipelines' gradients are summed here, in list order, fused with AdamW (one program).
         grads = sum_trees(list(grad_parts))
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = self._apply_update(params, opt_state, grads)
         finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)])
         # [2, leaves]: gradient / new parameter finite, in tree_leaves order of the stage's params
         return params, opt_state, jnp.stack([finite(grads), finite(params)])
@@ -163,31 +171,23 @@ class StageProgram:
         tokens / the last stage's loss)."""
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         params = _with_sharding(self.params_like, self.shardings)
+        grads = _with_sharding(self.params_like, self.grad_shardings)
         opt = _with_sharding(jax.eval_shape(self.tx.init, self.params_like), self.opt_shardings)
         tok = jax.ShapeDtypeStruct((micro_batch_size, seq_len), jnp.int32, sharding=self.repl)
         x = tok.update(sharding=self.act_in) if self.stage.is_first else _with_sharding(x_like, self.act_in)
         if self.stage.is_last:
             w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=self.repl)
             jobs = [(self.fwd, (params, x, tok, w, scalar)),
-                    (self.bwd, (params, x, tok, w, scalar, scalar, params))]
+                    (self.bwd, (params, x, tok, w, scalar, scalar, grads))]
         else:
             y = _with_sharding(y_like, self.act_out)
-            jobs = [(self.fwd, (params, x)), (self.bwd, (params, x, y, scalar, params))]
-        return jobs + [(self.zeros, ()), (self.update, (params, opt, [params] * num_pipelines))]
+            jobs = [(self.fwd, (params, x)), (self.bwd, (params, x, y, scalar, grads))]
+        return jobs + [(self.zeros, ()), (self.update, (params, opt, [grads] * num_pipelines))]
 
 
 def _with_sharding(like: Any, shardings: Any) -> Any:
     return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s),
                                   like, shardings)
-
-
-def _planned(params_like: Any, mesh, specs: dict) -> Any:
-    def pick(path, _):
-        key = jax.tree_util.keystr(path)
-        if key not in specs:
-            raise ConfigError(f"stage plan has no sharding for parameter {key}")
-        return NamedSharding(mesh, specs[key])
-    return jax.tree_util.tree_map_with_path(pick, params_like)
 
 
 def _add(a, b):

@@ -1,17 +1,20 @@
 """Searched intra-operator plans for every stage of a heterogeneous pipeline (the CFP passes per stage).
 
 For each stage — its layers, its TP sub-mesh, its pipeline's micro-batch and its per-device memory — the
-stage's training step on one micro-batch (forward, backward by ``jax.vjp`` and the AdamW update, exactly the
-stage functions of `StageProgram`) is analysed, its unique segments are profiled (through the profile cache,
-so segments with the same shapes on the same sub-mesh are shared by stages, pipelines and later runs) and
-per-block strategies are searched under the memory budget, parameter/optimizer-state sharding (ZeRO-3)
-included. Among the verified plans the search's step time plus the boundary transfer — the bytes each of the
-stage's devices receives for its incoming activation and outgoing activation's gradient in the layouts that
-plan gives them — picks the winner.
+stage's training step on one micro-batch (`cfp.runtime.stage_replay.stage_step`: forward, ``jax.vjp``
+backward, gradient accumulation and the AdamW update, built from the stage functions of `StageProgram`) is
+analysed, its unique segments are profiled (through the profile cache, so segments with the same shapes on
+the same sub-mesh are shared by stages, pipelines and later runs) and per-block strategies are searched under
+the memory budget, parameter/optimizer-state sharding (ZeRO-3) included. Among the verified plans the search's
+step time plus the boundary transfer — the bytes each of the stage's devices receives for its incoming
+activation and outgoing activation's gradient in the layouts that plan gives them — picks the winner, which
+is then timed side by side with the stage's Megatron sharding (`cfp.runtime.stage_compare`: both stages'
+runtime programs, timed in turns); the faster one runs, so a stage plan is never slower than Megatron beyond
+the measured noise.
 
-The runtime takes from a stage plan its parameters' PartitionSpecs and the layouts in which activations and
-their gradients enter and leave the stage (`StageShardings`); GSPMD propagates them through the stage's
-fwd/bwd/update programs. Stages of one device need no search (everything replicated).
+The runtime runs what was searched: its forward, backward and update programs are cut from the analysed
+stage step under the plan's choice, every block tensor constrained to its searched layout
+(`cfp.runtime.stage_replay.StageReplay`). Stages of one device need no search (everything replicated).
 """
 from __future__ import annotations
 
@@ -34,14 +37,15 @@ from cfp.analysis.analysis import analyze_with_program
 from cfp.profiling.options import ProfileOptions, default_cache_dir
 from cfp.profiling.profiler import profile
 from cfp.runtime.layout import HeteroLayout, Stage, layout_lists
-from cfp.search.options import SearchOptions, parse_bytes
-from cfp.search.plan import spec_entries, spec_from_entries
+from cfp.search.options import SearchOptions
+from cfp.search.plan import spec_entries
 from cfp.search.search import search
 from cfp.sharding.specs import resolve
-from cfp.runtime.stage import StageProgram, StageShardings
+from cfp.runtime.stage import StageProgram
+from cfp.runtime.stage_replay import StageReplay, stage_step
 
 PLANS_FILE = "stage_plans.json"
-PLANS_VERSION = 1
+PLANS_VERSION = 2   # 2: the analysed step accumulates gradients; Megatron may win a stage
 
 
 class StagePlanMode(enum.Enum):
@@ -64,7 +68,7 @@ class StagePlanOptions:
     cache_dir: Optional[str] = None
     max_combinations: int = 8
     top_k: int = 3
-    verify: int = 2
+    verify: int = 1           # DP solutions verified whole (the uniform ones and Megatron join them)
     iters: int = 3
     shard_state: bool = True
 
@@ -106,15 +110,14 @@ def _entries(spec: P) -> tuple:
     return tuple(tuple(e) if isinstance(e, list) else e for e in spec_entries(spec))
 
 
-def _spec(entries) -> P:
-    return spec_from_entries([list(e) if isinstance(e, (list, tuple)) else e for e in entries])
-
-
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     """One stage's plan: per-block strategy `choice` (with their notation), blocks whose state is stored
     sharded, each parameter's PartitionSpec entries by key path, the activation layouts at its boundaries,
-    and the search's figures (`time`: one micro-batch's step, measured or estimated per `profiler`)."""
+    and the search's figures (`time`: per micro-batch, the stage's runtime programs measured side by side
+    with Megatron's — fwd, bwd and a share of the update — or the whole step estimated, per `profiler`).
+    `megatron`: the stage's Megatron sharding was faster than the searched choice side by side
+    (`megatron_time`, same step and timing method) and runs instead."""
 
     pipeline: int
     stage: int
@@ -133,14 +136,14 @@ class StagePlan:
     profiler: str = ""
     profile_compiles: int = 0
     planning_time: float = 0.0
+    megatron: bool = False
+    megatron_time: float = 0.0
+    megatron_boundary_time: float = 0.0
+    megatron_memory: int = 0
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.pipeline, self.stage)
-
-    def shardings(self) -> StageShardings:
-        return StageShardings(tuple((k, _spec(e)) for k, e in self.params), _spec(self.act_in),
-                              _spec(self.act_out))
 
     def matches(self, st: Stage, micro_batch_size: int) -> bool:
         return (self.key == st.key and self.tp == st.tp and tuple(self.layers) == (st.layer_start, st.layer_end)
@@ -150,6 +153,8 @@ class StagePlan:
         """How many blocks/parameters the plan shards and the activation layouts at its boundaries."""
         if not self.strategies:
             return "replicated (1 device)"
+        if self.megatron:
+            return "Megatron sharding (faster than the searched plan side by side)"
         sharded = sum(1 for _, e in self.params if any(x is not None for x in e))
         fmt = lambda e: "P(" + ", ".join(map(str, e)) + ")"
         return (f"{len(self.choice)} blocks, {len(set(self.strategies))} distinct strategies, "
@@ -165,9 +170,6 @@ class StagePlans:
     model: str
     layout: dict
     plans: tuple[StagePlan, ...]
-
-    def shardings(self) -> dict:
-        return {p.key: p.shardings() for p in self.plans}
 
     def check(self, layout: HeteroLayout, model: str) -> "StagePlans":
         """Raise ConfigError unless every stage of `layout` has a plan made for it."""
@@ -226,42 +228,18 @@ def _plan_from_dict(d: dict) -> StagePlan:
 
 
 # ---------------------------------------------------------------------------------------------- the stage step
-def stage_step(prog: StageProgram, tx: optax.GradientTransformation, aux_coef: float) -> Callable:
-    """The stage's training step on one micro-batch, built from its runtime functions: forward, ``jax.vjp``
-    backward and the optimizer update. Arguments ``(params, opt_state, x[, g_y])`` (the last stage:
-    ``(params, opt_state, x, targets, weights)``); returns ``(params, opt_state[, g_x][, loss])``."""
-    st = prog.stage
-    aux_ct = jnp.float32(aux_coef)
-
-    def finish(params, opt_state, g_p, g_x, extra=()):
-        updates, opt_state = tx.update(g_p, opt_state, params)
-        head = (optax.apply_updates(params, updates), opt_state)
-        return head + (() if st.is_first else (g_x,)) + extra
-
-    if st.is_last:
-        def step(params, opt_state, x, targets, weights):
-            fn = lambda p, x_: prog.last_forward(p, x_, targets, weights, jnp.float32(1.0))
-            (ce, _), pull = prog.vjp(fn, params, x)
-            g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct))
-            return finish(params, opt_state, g_p, g_x, (ce,))
-    else:
-        def step(params, opt_state, x, g_y):
-            _, pull = prog.vjp(prog.forward, params, x)
-            g_p, g_x = pull((g_y, aux_ct))
-            return finish(params, opt_state, g_p, g_x)
-    return step
-
-
 def example_args(prog: StageProgram, tx, micro_batch: int, seq_len: int, x_like, y_like) -> tuple:
     """Concrete (zero) arguments of `stage_step`: the search compiles and may time the whole step."""
     zeros = lambda s: np.zeros(s.shape, s.dtype)
     params = jax.tree_util.tree_map(zeros, prog.params_like)
     opt = jax.tree_util.tree_map(zeros, jax.eval_shape(tx.init, prog.params_like))
+    acc = jax.tree_util.tree_map(zeros, prog.params_like)
     x = zeros(x_like)
+    one = np.float32(1.0)
     if prog.stage.is_last:
-        return params, opt, x, np.zeros((micro_batch, seq_len), np.int32), np.ones((micro_batch, seq_len),
-                                                                                  np.float32)
-    return params, opt, x, zeros(y_like)
+        return (params, opt, acc, x, np.zeros((micro_batch, seq_len), np.int32),
+                np.ones((micro_batch, seq_len), np.float32), one, one)
+    return params, opt, acc, x, zeros(y_like), one
 
 
 # ---------------------------------------------------------------------------------------------- searching
@@ -281,15 +259,16 @@ def boundary_seconds(prog: StageProgram, act_in: P, act_out: P, x_like, y_like, 
     return total / (link_gbps * 1e9)
 
 
-def _pick(analysis, result, prog, x_like, y_like, budget, n_params: int, n_opt: int):
-    """(verified plan, resolved plan, boundary seconds) with the least step time plus boundary transfer."""
+def _pick(analysis, result, prog, x_like, y_like, budget, n_act: int):
+    """(verified plan, resolved plan, boundary seconds) with the least step time plus boundary transfer;
+    `n_act`: flat position of the input activation in the stage step (its output's gradient follows)."""
     best = None
     for v in result.verified:
         if not math.isfinite(v.time) or (budget is not None and v.memory > budget):
             continue
         applied = resolve(analysis, v.choice, v.shard_state)
-        act_in = applied.input_specs[n_params + n_opt]
-        act_out = applied.input_specs[n_params + n_opt + 1] if y_like is not None else P()
+        act_in = applied.input_specs[n_act]
+        act_out = applied.input_specs[n_act + 1] if y_like is not None else P()
         b = boundary_seconds(prog, act_in, act_out, x_like, y_like, result.link_gbps)
         if best is None or v.time + b < best[0].time + best[2]:
             best = (v, applied, b)
@@ -298,34 +277,64 @@ def _pick(analysis, result, prog, x_like, y_like, budget, n_params: int, n_opt: 
     return best
 
 
-def search_stage(prog: StageProgram, tx, micro_batch: int, seq_len: int, x_like, y_like, aux_coef: float,
-                 options: StagePlanOptions, log: Callable[[str], None] = print) -> StagePlan:
-    """Analyse, profile and search one stage on its own sub-mesh; see the module doc."""
-    t0 = time.perf_counter()
-    args = example_args(prog, tx, micro_batch, seq_len, x_like, y_like)
-    analysis, program = analyze_with_program(stage_step(prog, tx, aux_coef), prog.mesh, *args)
+# Analysed stage steps by stage signature and optimizer: the search and the runtime's replays share them.
+_ANALYSED: dict[tuple, tuple] = {}
+
+
+def _signature(model_name: str, config: Any, st: Stage, micro_batch: int, tx) -> tuple:
+    return (model_name, config, tuple(st.module_names()), st.tp, micro_batch, st.is_first, st.is_last, tx)
+
+
+def analysed_step(prog: StageProgram, tx, model_name: str, config: Any, micro_batch: int, x_like, y_like):
+    """(analysis, program, example args) of the stage's `stage_step` (cached per stage signature)."""
+    key = _signature(model_name, config, prog.stage, micro_batch, tx)
+    if key not in _ANALYSED:
+        args = example_args(prog, tx, micro_batch, config.seq_len, x_like, y_like)
+        analysis, program = analyze_with_program(stage_step(prog, tx), prog.mesh, *args)
+        _ANALYSED[key] = (analysis, program, args)
+    return _ANALYSED[key]
+
+
+def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_batch: int, chunks: int, x_like,
+                 y_like, options: StagePlanOptions, log: Callable[[str], None] = print) -> StagePlan:
+    """Analyse, profile and search one stage on its own sub-mesh, then time the winner side by side with
+    the Megatron sharding; see the module doc."""
+    from cfp.runtime.stage_compare import compare_with_megatron
+    marks = [time.perf_counter()]
+    analysis, program, args = analysed_step(prog, tx, model_name, config, micro_batch, x_like, y_like)
+    marks.append(time.perf_counter())
     quiet = lambda *_: None
     table = profile(program, analysis, options.profile_options(), log=quiet)
+    marks.append(time.perf_counter())
     sopts = options.search_options()
     result = search(program, analysis, table, args, sopts, log=quiet, mesh=prog.mesh)
+    marks.append(time.perf_counter())
     n_params = len(jax.tree_util.tree_leaves(args[0]))
-    n_opt = len(jax.tree_util.tree_leaves(args[1]))
-    v, applied, boundary = _pick(analysis, result, prog, x_like, y_like if not prog.stage.is_last else None,
-                                 sopts.memory_per_device, n_params, n_opt)
+    n_act = 2 * n_params + len(jax.tree_util.tree_leaves(args[1]))
+    last = prog.stage.is_last
+    v, applied, boundary = _pick(analysis, result, prog, x_like, None if last else y_like,
+                                 sopts.memory_per_device, n_act)
+    meg = compare_with_megatron(prog, tx, args, analysis, result, v, applied, boundary, boundary_seconds(
+        prog, P(), P(), x_like, None if last else y_like, result.link_gbps), chunks, options, table.profiler)
+    marks.append(time.perf_counter())
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prog.params_like)[0]]
     st = prog.stage
     plan = StagePlan(
         st.pipeline, st.index, st.tp, (st.layer_start, st.layer_end), micro_batch, tuple(v.choice),
         tuple(analysis.notation(b, c) for b, c in enumerate(v.choice)), tuple(v.shard_state),
         tuple((k, _entries(s)) for k, s in zip(paths, applied.input_specs[:n_params])),
-        _entries(applied.input_specs[n_params + n_opt]),
-        _entries(applied.input_specs[n_params + n_opt + 1]) if not st.is_last else (),
-        float(v.time), float(boundary), int(v.memory), str(table.profiler), int(table.compiles),
-        time.perf_counter() - t0)
+        _entries(applied.input_specs[n_act]), _entries(applied.input_specs[n_act + 1]) if not last else (),
+        meg.searched_time if meg else float(v.time), float(boundary), int(v.memory), str(table.profiler),
+        int(table.compiles), marks[-1] - marks[0], bool(meg and meg.megatron_wins),
+        meg.megatron_time if meg else 0.0, meg.megatron_boundary if meg else 0.0,
+        meg.megatron_memory if meg else 0)
     log(f"stage p{st.pipeline}s{st.index} (TP {st.tp}, {len(analysis.blocks)} blocks, "
         f"{analysis.num_unique_segments} unique segments): profiled {table.compiles} combinations "
         f"({'nothing compiled, all from the profile cache' if table.compiles == 0 else 'compiled'}), "
-        f"searched in {plan.planning_time:.1f} s: {plan.summary()}")
+        f"planned in {plan.planning_time:.1f} s (analysis {marks[1] - marks[0]:.1f}, profiling "
+        f"{marks[2] - marks[1]:.1f}, search with {len(result.verified)} whole steps verified "
+        f"{marks[3] - marks[2]:.1f}, Megatron side by side {marks[4] - marks[3]:.1f}; measured)"
+        + (f"; {meg.text()}" if meg else "") + f": {plan.summary()}")
     return plan
 
 
@@ -335,36 +344,77 @@ def _replicated(st: Stage, micro_batch: int, params_like) -> StagePlan:
                      tuple((k, ()) for k in paths), (), ())
 
 
-def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, tx: optax.GradientTransformation,
-                       options: StagePlanOptions, devices: Optional[list] = None,
-                       log: Callable[[str], None] = print) -> StagePlans:
-    """Search every stage's plan (stages equal in layers, TP and micro-batch are searched once)."""
+def _stage_programs(model_name: str, config: Any, layout: HeteroLayout, tx, devices: Optional[list]):
+    """(stage, micro-batch, Megatron `StageProgram`, input activation, output activation) of every stage."""
     from cfp.models import init_params, stage_modules
     devices = list(devices) if devices is not None else jax.devices()
     modules = stage_modules(model_name, config)
     full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
-    aux_coef = float(getattr(config, "aux_loss_coef", 0.0))
-    done: dict[tuple, StagePlan] = {}
-    plans = []
     for pipe in layout.pipelines:
         mbs = pipe.micro_batch_size
         x_like = jax.ShapeDtypeStruct((mbs, config.seq_len), jnp.int32)
         for st in pipe.stages:
-            names = st.module_names()
-            params_like = {"params": {n: full_like["params"][n] for n in names}}
+            params_like = {"params": {n: full_like["params"][n] for n in st.module_names()}}
             prog = StageProgram(st, modules, [devices[d] for d in st.devices], params_like, tx)
             y_like = jax.eval_shape(prog.forward, params_like, x_like)[0]
-            key = (tuple(names), st.tp, mbs, st.is_first, st.is_last)
-            if st.tp == 1:
-                plan = _replicated(st, mbs, params_like)
-            elif key in done:
-                plan = dataclasses.replace(done[key], pipeline=st.pipeline, stage=st.index)
-            else:
-                plan = done[key] = search_stage(prog, tx, mbs, config.seq_len, x_like, y_like, aux_coef,
-                                                options, log)
-            plans.append(plan)
+            yield st, mbs, prog, x_like, y_like
             x_like = y_like
+
+
+def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, tx: optax.GradientTransformation,
+                       options: StagePlanOptions, devices: Optional[list] = None,
+                       log: Callable[[str], None] = print) -> StagePlans:
+    """Search every stage's plan (stages equal in layers, TP and micro-batch are searched once)."""
+    done: dict[tuple, StagePlan] = {}
+    plans = []
+    for st, mbs, prog, x_like, y_like in _stage_programs(model_name, config, layout, tx, devices):
+        key = (tuple(st.module_names()), st.tp, mbs, st.is_first, st.is_last)
+        if st.tp == 1:
+            plan = _replicated(st, mbs, prog.params_like)
+        elif key in done:
+            plan = dataclasses.replace(done[key], pipeline=st.pipeline, stage=st.index)
+        else:
+            chunks = layout.pipelines[st.pipeline].chunks
+            plan = done[key] = search_stage(prog, tx, model_name, config, mbs, chunks, x_like, y_like, options,
+                                             log)
+        plans.append(plan)
     return StagePlans(model_name, layout_lists(layout), tuple(plans))
+
+
+_REPLAYS: dict[tuple, StageReplay] = {}
+
+
+def stage_replays(plans: StagePlans, config: Any, layout: HeteroLayout, tx: optax.GradientTransformation,
+                  devices: Optional[list] = None) -> dict:
+    """Stage key -> `StageReplay` of every stage whose plan runs a searched choice (the others run the
+    Megatron sharding). Saved plans are re-analysed (no profiling, no search) and checked against the
+    analysis: same blocks, same strategies, same parameter layouts."""
+    by_key = {p.key: p for p in plans.plans}
+    out = {}
+    for st, mbs, prog, x_like, y_like in _stage_programs(plans.model, config, layout, tx, devices):
+        plan = by_key[st.key]
+        if not plan.strategies or plan.megatron:
+            continue
+        key = _signature(plans.model, config, st, mbs, tx) + (plan.choice, plan.shard_state)
+        if key not in _REPLAYS:
+            analysis, program, _ = analysed_step(prog, tx, plans.model, config, mbs, x_like, y_like)
+            _REPLAYS[key] = StageReplay(program, analysis, _checked(plan, analysis, prog), st.is_first,
+                                        st.is_last)
+        out[st.key] = _REPLAYS[key]
+    return out
+
+
+def _checked(plan: StagePlan, analysis, prog: StageProgram):
+    """The plan's `StepShardings` on the re-analysed stage step; ConfigError if the plan does not fit it."""
+    notation = tuple(analysis.notation(b, c) for b, c in enumerate(plan.choice)) if len(plan.choice) == len(
+        analysis.blocks) and all(c < len(b.strategies) for b, c in zip(analysis.blocks, plan.choice)) else None
+    applied = resolve(analysis, plan.choice, plan.shard_state) if notation == plan.strategies else None
+    specs = applied and tuple(_entries(s) for s in applied.input_specs[:len(plan.params)])
+    if applied is None or specs != tuple(e for _, e in plan.params):
+        raise ConfigError(f"stage plan of stage {plan.key} does not fit the analysed stage step "
+                          f"({len(analysis.blocks)} blocks): it was made by another cfp or model code; "
+                          "search again")
+    return applied
 
 
 def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: Any, layout: HeteroLayout,
@@ -418,8 +468,13 @@ def report_lines(plans: StagePlans, layout: HeteroLayout, busy: dict) -> list[st
         kind = "estimated" if p.profiler.startswith("estimate") else "measured in search"
         line = f"stage plan p{p.pipeline}s{p.stage} TP {p.tp}: {p.summary()}"
         if p.strategies:
-            line += (f"; {p.memory / 2**20:.2f} MiB per device (compiled); step {kind} {p.time * chunks:.4f} s "
-                     f"({chunks} micro-batches) + boundary estimated {p.boundary_time * chunks:.4f} s")
+            line += (f"; searched: {p.memory / 2**20:.2f} MiB per device (compiled), step {kind} "
+                     f"{p.time * chunks:.4f} s ({chunks} micro-batches) + boundary estimated "
+                     f"{p.boundary_time * chunks:.4f} s")
+        if p.megatron_time:
+            mem = f"{p.megatron_memory / 2**20:.2f} MiB per device (compiled), " if p.megatron_memory else ""
+            line += (f"; Megatron side by side: {mem}step {p.megatron_time * chunks:.4f} s + boundary "
+                     f"{p.megatron_boundary_time * chunks:.4f} s; {'Megatron' if p.megatron else 'searched'} runs")
         if p.key in busy:
             line += f"; busy measured {busy[p.key]:.4f} s/step"
         out.append(line)

@@ -158,15 +158,15 @@ def _check_paths(opts: TrainOptions) -> None:
 def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> TrainResult:
     """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc."""
     from cfp.runtime.engine import HeteroTrainer, optimizer
-    from cfp.runtime.stage_plans import plans_for_run, report_lines
+    from cfp.runtime.stage_plans import plans_for_run, report_lines, stage_replays
     _check_paths(opts)
     config = build_config(opts)
-    plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout,
-                          optimizer(opts.learning_rate, opts.weight_decay), opts.checkpoint_dir,
+    tx = optimizer(opts.learning_rate, opts.weight_decay)
+    plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout, tx, opts.checkpoint_dir,
                           opts.resume, log)
     trainer = HeteroTrainer(opts.model, config, opts.layout, opts.schedule,
                             learning_rate=opts.learning_rate, weight_decay=opts.weight_decay,
-                            stage_shardings=plans.shardings() if plans else None)
+                            replays=stage_replays(plans, config, opts.layout, tx) if plans else None)
     data = _Data(opts, config)
     start, losses = _initial_state(opts, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None

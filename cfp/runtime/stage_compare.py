@@ -1,0 +1,139 @@
+"""A searched stage plan against the stage's Megatron sharding, side by side.
+
+Under the `measure` profiler both are timed as they run: the stage's runtime programs (fwd and bwd of each
+of the pipeline's micro-batches, then the update) of a `StageProgram` cut from the searched choice and of the
+Megatron `StageProgram`, in turns after a warm-up of each, so both see the same machine state. (The whole step
+the search verified runs the forward once; the runtime runs it twice, once more inside bwd, so plans whose
+forward is dear rank differently there.) Under `estimate` both whole steps are priced by the same GPU cost
+model from their compiled figures. Each side adds the boundary transfer its activation layouts imply, and
+the Megatron sharding runs only when it is faster.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import jax
+
+from cfp.profiling import costmodel
+from cfp.profiling.options import ProfilerKind
+from cfp.runtime.stage_replay import stage_step
+from cfp.xla.compiled import compiled_figures
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronComparison:
+    searched_time: float        # seconds per micro-batch step
+    megatron_time: float        # inf when the Megatron step is over the memory budget
+    searched_boundary: float
+    megatron_boundary: float
+    megatron_memory: int        # compiled whole step; 0 when not compiled (measured, no budget)
+    noise: Optional[float]      # relative noise of the measured times (None: estimated)
+
+    @property
+    def megatron_wins(self) -> bool:
+        return self.megatron_time + self.megatron_boundary < self.searched_time + self.searched_boundary
+
+    def text(self) -> str:
+        kind = "estimated" if self.noise is None else f"measured, noise ±{self.noise * 100:.1f}%"
+        meg = ("over the memory budget" if self.megatron_time == float("inf")
+               else f"{self.megatron_time * 1e3:.3f} ms")
+        return (f"side by side ({kind}): searched {self.searched_time * 1e3:.3f} ms, Megatron {meg} "
+                f"(+ boundary estimated {self.searched_boundary * 1e3:.3f} / {self.megatron_boundary * 1e3:.3f} "
+                f"ms): {'Megatron' if self.megatron_wins else 'searched plan'} runs")
+
+
+def compare_with_megatron(prog, tx, args, analysis, result, chosen, applied, boundary: float,
+                          megatron_boundary: float, chunks: int, options, profiler) -> Optional[MegatronComparison]:
+    """Time (or estimate) `chosen` (a verified choice of `result`, resolved as `applied`) and the Megatron
+    stage side by side; None when the search verified nothing whole (`verify` 0)."""
+    sopts = options.search_options()
+    if sopts.verify == 0:
+        return None
+    budget = sopts.memory_per_device
+    estimate = profiler.kind is ProfilerKind.ESTIMATE
+    # the Megatron whole step is compiled for the cost model and for the memory budget only
+    megatron = _megatron_step(prog, tx, args) if estimate or budget is not None else None
+    mem = compiled_figures(megatron, analysis.mesh.shape, collectives=False).memory if megatron else 0
+    fits = budget is None or mem <= budget
+    if estimate:
+        searched = result.steps[(tuple(chosen.choice), tuple(chosen.shard_state))].compile(*args)
+        t_s, t_m = (_estimated(c, analysis, chosen.choice, profiler.gpu) for c in (searched, megatron))
+        noise = None
+    else:
+        planned = _planned_program(prog, tx, result, analysis, applied)
+        (t_s, t_m), noise = _alternating([_runtime_run(p, args, chunks) for p in (planned, prog)],
+                                         sopts.iters, sopts.warmup)
+    return MegatronComparison(t_s, t_m if fits else float("inf"), boundary, megatron_boundary, mem, noise)
+
+
+def _megatron_step(prog, tx, args):
+    """The stage step compiled with the Megatron stage's layouts (activations replicated)."""
+    in_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * (len(args) - 3)
+    n_rest = len(jax.tree_util.tree_structure(jax.eval_shape(stage_step(prog, tx), *args)).children()) - 3
+    out_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * n_rest
+    return jax.jit(stage_step(prog, tx), in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
+
+
+def _planned_program(prog, tx, result, analysis, applied):
+    """The stage's `StageProgram` cut from the searched choice (what the runtime would run)."""
+    from cfp.runtime.stage import StageProgram
+    from cfp.runtime.stage_replay import StageReplay
+    st = prog.stage
+    program = next(iter(result.steps.values())).program
+    replay = StageReplay(program, analysis, applied, st.is_first, st.is_last)
+    return StageProgram(st, (prog.embed, prog.layer_mods, prog.head), list(prog.mesh.devices.flat),
+                        prog.params_like, tx, replay)
+
+
+def _runtime_run(p, args, chunks: int) -> Callable[[], Any]:
+    """A function running stage program `p` as one pipeline step runs it on the example micro-batch: fwd and
+    bwd of `chunks` micro-batches, then the update; returns what to wait for. Seconds are per micro-batch."""
+    put = lambda v, s: jax.device_put(v, s)
+    state = {"params": p.place_params(args[0]), "opt": put(args[1], p.opt_shardings), "acc": p.zeros()}
+    x = put(args[3], p.act_in)
+    if p.stage.is_last:
+        fwd_args = (x,) + tuple(put(a, p.repl) for a in args[4:7])
+        bwd_args = fwd_args + (put(args[7], p.repl),)
+    else:
+        fwd_args = (x,)
+        bwd_args = (x, put(args[4], p.act_out), put(args[5], p.repl))
+
+    def run():
+        outs = []
+        for _ in range(chunks):
+            outs.append(p.fwd(state["params"], *fwd_args))
+            r = p.bwd(state["params"], *bwd_args, state["acc"])
+            state["acc"] = r[0]
+        state["params"], state["opt"], flags = p.update(state["params"], state["opt"], [state["acc"]])
+        return outs, flags, state["params"]
+    return run, chunks
+
+
+def _estimated(compiled, analysis, choice, gpu_name: str) -> float:
+    from cfp.hardware.gpus import get_gpu
+    gpu = get_gpu(gpu_name)
+    shape = analysis.mesh.shape
+    fig = compiled_figures(compiled, shape, collectives=True)
+    dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
+    # the dots of both are the stage's same dots; their rate is taken at the searched choice's shapes
+    return costmodel.estimated_time(fig, shape, gpu, dtype, costmodel.dots_rate(analysis, enumerate(choice), gpu))
+
+
+def _alternating(runs: list[tuple[Callable[[], Any], int]], iters: int, warmup: int) -> tuple[list[float], float]:
+    """Median seconds (per unit of work: each run's second item) of each run, timed in turns; and the largest
+    relative noise (half range over median) among them."""
+    for _ in range(warmup):
+        for fn, _ in runs:
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(iters):
+        for (fn, units), ts in zip(runs, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append((time.perf_counter() - t0) / units)
+    meds = [statistics.median(ts) for ts in times]
+    noise = max((max(ts) - min(ts)) / 2 / m for ts, m in zip(times, meds) if m > 0)
+    return meds, noise

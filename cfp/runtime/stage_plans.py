@@ -33,6 +33,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.files import write_json_atomic
 from cfp.analysis.analysis import analyze_with_program
 from cfp.profiling.options import ProfileOptions, default_cache_dir
 from cfp.profiling.profiler import profile
@@ -165,11 +166,15 @@ class StagePlan:
 
 @dataclasses.dataclass(frozen=True)
 class StagePlans:
-    """Every stage's plan for one model and layout; saved as JSON in a directory."""
+    """Every stage's plan for one model and layout; saved as JSON in a directory. `config`: the model config
+    the stages were searched for (its fields), `device`: the kind of device their times were taken on
+    ("cpu" here), so `cfp plan --stage-times` can use measured stage times for stages of the same shape."""
 
     model: str
     layout: dict
     plans: tuple[StagePlan, ...]
+    config: dict = dataclasses.field(default_factory=dict)
+    device: str = ""
 
     def check(self, layout: HeteroLayout, model: str) -> "StagePlans":
         """Raise ConfigError unless every stage of `layout` has a plan made for it."""
@@ -188,12 +193,8 @@ class StagePlans:
 
     def save(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, PLANS_FILE)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"version": PLANS_VERSION, **dataclasses.asdict(self)}, f, indent=1)
-        os.replace(tmp, path)
-        return path
+        return write_json_atomic(os.path.join(directory, PLANS_FILE),
+                                 {"version": PLANS_VERSION, **dataclasses.asdict(self)})
 
     @classmethod
     def load(cls, directory: str) -> "StagePlans":
@@ -209,7 +210,8 @@ class StagePlans:
             raise ConfigError(f"stage plans {path!r} have version {d.get('version')!r}, expected {PLANS_VERSION}")
         try:
             plans = tuple(_plan_from_dict(p) for p in d["plans"])
-            return cls(str(d["model"]), dict(d["layout"]), plans)
+            return cls(str(d["model"]), dict(d["layout"]), plans, dict(d.get("config", {})),
+                       str(d.get("device", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"stage plans {path!r} are malformed: {e!r}") from None
 
@@ -378,7 +380,14 @@ def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, tx: o
             plan = done[key] = search_stage(prog, tx, model_name, config, mbs, chunks, x_like, y_like, options,
                                              log)
         plans.append(plan)
-    return StagePlans(model_name, layout_lists(layout), tuple(plans))
+    devices = list(devices) if devices is not None else jax.devices()
+    return StagePlans(model_name, layout_lists(layout), tuple(plans), dataclasses.asdict(config),
+                      device_kind(devices[0]))
+
+
+def device_kind(device) -> str:
+    """The GPU-catalog-style name of the device stage times were taken on ("cpu" for host devices)."""
+    return "cpu" if device.platform == "cpu" else str(device.device_kind)
 
 
 _REPLAYS: dict[tuple, StageReplay] = {}

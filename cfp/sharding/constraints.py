@@ -29,13 +29,17 @@ def _needs_constraint(graph, ops: set[int], specs: dict, dots_only: bool = False
     """Tensors of a block to constrain: every sharded one, every tensor entering the block (resharding
     belongs at the entry, not wherever the partitioner would put it), and every operand/result of its dots,
     gradient sums (`add_any`), reductions, scans, gathers and concatenations — the places where a free
-    partitioner would otherwise pick a layout of its own and move data. Other replicated intermediates (an
-    optimizer update of a replicated weight, say) are left free: pinning them replicated costs memory
-    (measured +42% on a data-parallel GPT step, 8.38 vs 5.92 MB per device) and buys nothing.
+    partitioner would otherwise pick a layout of its own and move data. A replicated result of an operator
+    that reads a sharded tensor is pinned too: left free, the partitioner may give it a layout from elsewhere
+    that it can only reach by replicating and slicing again. Other replicated intermediates (an optimizer
+    update of a replicated weight, say) are left free: pinning them replicated costs memory (measured +42% on
+    a data-parallel GPT step, 8.38 vs 5.92 MB per device) and buys nothing.
     """
     keep = set() if dots_only else {t for t, spec in specs.items() if any(spec) or graph.producer.get(t) not in ops}
     for i in ops:
         op = graph.operators[i]
+        if not dots_only and any(any(specs.get(t, ())) for t in op.inputs):
+            keep.update(t for t in op.outputs if t in specs)
         if op.is_dot or (op.primitive in _PINNED_PRIMITIVES and not dots_only):
             # dots_only leaves a dot's result free (a sharded contraction may then end in a reduce-scatter)
             # and the step's inputs it reads: pinning a stored-sharded weight to its gathered layout at the

@@ -15,8 +15,9 @@ import tempfile
 import threading
 from typing import Iterator
 
-# one capture at a time: descriptor 2 is shared by every thread of the process
-_LOCK = threading.Lock()
+# one thread captures at a time (descriptor 2 is shared by the process); nested captures pass their text
+# on to the enclosing one
+_LOCK = threading.RLock()
 
 _REMAT = re.compile(r"Involuntary full rematerialization\. The compiler cannot go from sharding (\{.*?\}) "
                     r"to (\{.*?\}) efficiently for HLO operation %([\w.\-]+) = (\w+\[[\d,]*\])")

@@ -2,12 +2,14 @@
 
 GSPMD moves a tensor between two layouts with one all-gather, all-to-all, collective-permute or local slice
 when it can; when it cannot it logs "Involuntary full rematerialization", gathers the whole tensor on every
-device and slices it again. Measured on XLA 0.10 (every pair of layouts of rank-2 and rank-3 tensors on 2x4,
-4x2 and 8 meshes, `tests/test_reshard.py`), that only happens when no dim is sharded in both layouts and the
-move is more than one dim's axes going, whole, to one other dim that keeps them (`direct_ok` says when it
-cannot happen). For such a move `reshard_path` finds intermediate layouts, each one efficient step from the
-last: a path of single-axis gathers (all-gather), moves between dims (all-to-all) and slices (free), cheapest
-by the bytes they move, shortened wherever a longer jump is still efficient.
+device and slices it again. With jaxlib 0.10.2 that only happened when no dim is sharded in both layouts and
+the move is more than one dim's axes going, whole, to one other dim that keeps them (`direct_ok` says when it
+cannot happen): measured on every pair of layouts of rank-2 and rank-3 tensors on 2x4, 4x2 and 8 meshes and of
+rank-4 tensors on 2x4 (1,734 pairs: none missed, 168 flagged that XLA did manage); `tests/test_reshard.py`
+re-checks the rank-2 pairs on 2x4 against XLA. For a flagged move `reshard_path` finds intermediate layouts,
+each one efficient step from the last: a path of single-axis gathers (all-gather), moves between dims
+(all-to-all) and slices (free), cheapest by the bytes they move, shortened wherever a longer jump is still
+efficient. Every flagged move so measured compiled without a rematerialization along its path.
 """
 from __future__ import annotations
 

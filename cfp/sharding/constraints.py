@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.layout import BlockLayout, DimAxes
-from cfp.sharding.reshard import reshard_path
+from cfp.sharding.reshard import direct_ok, reshard_path
 from cfp.sharding.specs import partition_spec
 
 
@@ -29,17 +29,13 @@ def _needs_constraint(graph, ops: set[int], specs: dict, dots_only: bool = False
     """Tensors of a block to constrain: every sharded one, every tensor entering the block (resharding
     belongs at the entry, not wherever the partitioner would put it), and every operand/result of its dots,
     gradient sums (`add_any`), reductions, scans, gathers and concatenations — the places where a free
-    partitioner would otherwise pick a layout of its own and move data. A replicated result of an operator
-    that reads a sharded tensor is pinned too: left free, the partitioner may give it a layout from elsewhere
-    that it can only reach by replicating and slicing again. Other replicated intermediates (an optimizer
-    update of a replicated weight, say) are left free: pinning them replicated costs memory (measured +42% on
-    a data-parallel GPT step, 8.38 vs 5.92 MB per device) and buys nothing.
+    partitioner would otherwise pick a layout of its own and move data. Other replicated intermediates (an
+    optimizer update of a replicated weight, say) are left free: pinning them replicated costs memory
+    (measured +42% on a data-parallel GPT step, 8.38 vs 5.92 MB per device) and buys nothing.
     """
     keep = set() if dots_only else {t for t, spec in specs.items() if any(spec) or graph.producer.get(t) not in ops}
     for i in ops:
         op = graph.operators[i]
-        if not dots_only and any(any(specs.get(t, ())) for t in op.inputs):
-            keep.update(t for t in op.outputs if t in specs)
         if op.is_dot or (op.primitive in _PINNED_PRIMITIVES and not dots_only):
             # dots_only leaves a dot's result free (a sharded contraction may then end in a reduce-scatter)
             # and the step's inputs it reads: pinning a stored-sharded weight to its gathered layout at the
@@ -47,6 +43,25 @@ def _needs_constraint(graph, ops: set[int], specs: dict, dots_only: bool = False
             keep.update(t for t in (*op.inputs, *(() if dots_only else op.outputs))
                         if t in specs and not (dots_only and t not in graph.producer))
     return keep
+
+
+def _pin_free_exits(analysis: Analysis, layouts: Sequence[BlockLayout], pinned: dict[int, set[int]]) -> None:
+    """Also pin a block's free result where another block takes it in a layout that the operator's sharded
+    operand could only reach by replicating: left free, GSPMD gives the operator the consumer's layout and
+    rematerializes there (seen at an `eq` of GPT's softmax on a 2x4 mesh); pinned, the entry is routed."""
+    g = analysis.graph
+    spec_of = {lay.block: lay.spec_of for lay in layouts}
+    block_of_op = {op: lay.block for lay in layouts for op in analysis.blocks[lay.block].operators}
+    for lay in layouts:
+        for t, spec in lay.specs:
+            a = block_of_op.get(g.producer.get(t))
+            if a is None or a == lay.block or t in pinned[a] or t not in pinned[lay.block]:
+                continue
+            op = g.operators[g.producer[t]]
+            rank = len(g.tensor(t).shape)
+            if any(len(s) == rank and any(s) and not direct_ok(s, spec)
+                   for s in (spec_of[a].get(u) for u in op.inputs) if s is not None):
+                pinned[a].add(t)
 
 
 class ConstraintHooks:
@@ -62,6 +77,7 @@ class ConstraintHooks:
         self.block_of_op = {op: lay.block for lay in layouts for op in analysis.blocks[lay.block].operators}
         pinned = {lay.block: _needs_constraint(g, set(analysis.blocks[lay.block].operators), dict(lay.specs),
                                                lay.block in dots_only) for lay in layouts}
+        _pin_free_exits(analysis, layouts, pinned)
         produced = dict(sources or {})
         for lay in layouts:
             ops = analysis.blocks[lay.block].operators

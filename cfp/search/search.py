@@ -21,7 +21,8 @@ from cfp.search.dp import DPSolution, dp_search
 from cfp.search.options import SearchOptions, fmt_bytes
 from cfp.search.state import StateEstimator
 from cfp.sharding.step import ShardedStep, apply_choice
-from cfp.xla.compiled import compiled_figures, compiled_memory, time_compiled, time_compiled_spread
+from cfp.xla.compiled import (compiled_figures, compiled_memory, time_compiled, time_compiled_spread,
+                              time_interleaved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,8 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         solutions, keys = _with_uniform_choices(analysis, uniform, solutions, keys, estimator is not None)
     verified = [_verify_solution(program, analysis, sol, choice, shard, example_args, mesh, steps, options, gpu, log)
                 for sol, (choice, shard) in zip(solutions, keys)]
+    if gpu is None and options.verify:
+        verified = _retime_side_by_side(verified, steps, example_args, options, log)
     best = _best_fitting(verified, options)
     if any(v.remats for v in verified):
         log(f"{sum(1 for v in verified if v.remats)} of {len(verified)} verified plans reshard by replicating "
@@ -217,6 +220,29 @@ def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_
         f"{fmt_bytes(v.memory)} per device"
         + (f", {v.remats} involuntary full rematerializations" if v.remats else ""))
     return v
+
+
+def _retime_side_by_side(verified, steps, example_args, options: SearchOptions, log) -> list[VerifiedChoice]:
+    """Time every measured plan that fits again, all of them in turn in each round: timed one after another,
+    a burst of load on a shared host lands on one plan only (the demo once chose a plan 55% faster by its own
+    timing window that was 4% slower side by side). The side-by-side medians and spreads replace the first."""
+    fits = [k for k, v in enumerate(verified) if v.noise is not None and v.time != float("inf")
+            and (options.memory_per_device is None or v.memory <= options.memory_per_device)]
+    if len(fits) < 2:
+        return verified
+    runs = []
+    for k in fits:
+        step = steps[(verified[k].choice, verified[k].shard_state)]
+        runs.append((step.compile(*example_args),
+                     lambda step=step: jax.tree_util.tree_leaves(step.shard_args(*example_args))))
+    timed = time_interleaved(runs, max(options.iters, 5), options.warmup)
+    out = list(verified)
+    for k, (t, noise) in zip(fits, timed):
+        out[k] = dataclasses.replace(verified[k], time=t, noise=noise)
+    log("side by side (measured, interleaved): " + ", ".join(
+        f"{list(out[k].choice)[:4]}...{' sharded state' if out[k].shard_state else ''} {out[k].time * 1e3:.4g} ms "
+        f"±{out[k].noise * 100:.0f}%" for k in fits))
+    return out
 
 
 def _tie_tolerance(a: VerifiedChoice, b: VerifiedChoice) -> float:

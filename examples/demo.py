@@ -93,7 +93,8 @@ def main() -> None:
     for k, (c, _) in runs.items():
         mem = compiled_memory(c)
         fits = "fits" if mem <= budget else "over the budget"
-        print(f"{k:<14} {statistics.median(times[k]) * 1e3:7.2f} ms   {mem / 1e6:6.2f} MB per device ({fits})")
+        print(f"{k:<14} {statistics.median(times[k]) * 1e3:7.2f} ms (range {min(times[k]) * 1e3:.1f}-"
+              f"{max(times[k]) * 1e3:.1f})   {mem / 1e6:6.2f} MB per device ({fits})")
     fitting = [k for k in runs if k != "cfp plan" and compiled_memory(runs[k][0]) <= budget]
     if fitting:
         best = min(fitting, key=lambda k: statistics.median(times[k]))

@@ -149,7 +149,7 @@ def test_search_prefers_a_plan_without_rematerialization():
 
 
 def test_free_result_taken_by_another_block_in_an_unreachable_layout_is_pinned(gpt_train_problem):
-    """GPT's softmax `eq` in one block reads a tensor with dim 0 sharded over axis 1, its result is left
+    """A GPT `eq` (after a `max`) in one block reads a tensor with dim 0 sharded over axis 1, its result is left
     free, and another block takes it with dim 1 sharded over axis 0: unpinned, GSPMD gave the `eq` that
     layout and rematerialized (measured: 1 on this segment combination); pinned, the entry is routed."""
     import cfp

@@ -235,7 +235,8 @@ def _retime_side_by_side(verified, steps, example_args, options: SearchOptions, 
         step = steps[(verified[k].choice, verified[k].shard_state)]
         runs.append((step.compile(*example_args),
                      lambda step=step: jax.tree_util.tree_leaves(step.shard_args(*example_args))))
-    timed = time_interleaved(runs, max(options.iters, 5), options.warmup)
+    # ten rounds at least: the spread of a few runs understates how much this host's timings wander
+    timed = time_interleaved(runs, max(options.iters, 10), options.warmup)
     out = list(verified)
     for k, (t, noise) in zip(fits, timed):
         out[k] = dataclasses.replace(verified[k], time=t, noise=noise)

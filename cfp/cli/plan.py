@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
                         _estimate_dict(est), cluster.to_dict())
         write_layout_file(args.out, lf)
         print(f"layout written to {args.out}")
-    print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog peaks, {cm.precision.value})")
+    print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog's dense "
+          f"{'/'.join(p.value for p in cm.precisions())} peaks)")
     print(f"estimated tokens/s: {est.tokens_per_s:.0f}")
     print(f"planning time: {time.perf_counter() - t0:.2f} s (measured)")
     sys.stdout.flush()

@@ -20,7 +20,7 @@ def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
     m = cm.model
     intra = cm.cluster.machines[st.machine].intra_bandwidth
     ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-    return 4 * mb * m.layer_flops(st.tp) / cm.rate(st.machine) + 6 * ar
+    return 4 * cm.layer_seconds(st.machine, st.tp, mb) + 6 * ar
 
 
 def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:
@@ -51,7 +51,12 @@ def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunk
         return None
     tau = [layer_time(cm, st, mb) for st in stages]
     last = stages[-1]
-    fixed = [0.0] * (len(stages) - 1) + [4 * mb * cm.model.head_flops(last.tp) / cm.rate(last.machine)]
+    # a stage's steady-state slot also holds its send and the previous stage's (not overlapped with
+    # compute in the schedule's estimate): a stage behind a slow link gets fewer layers
+    sends = [mb * cm.model.boundary_bytes() / cm.cluster.link(a.machine, b.machine)
+             for a, b in zip(stages, stages[1:])] + [0.0]
+    fixed = [sends[i] + (sends[i - 1] if i else 0.0) for i in range(len(stages))]
+    fixed[-1] += 4 * cm.head_seconds(last.machine, last.tp, mb)
     n = [1] * len(stages)
     heap = [(fixed[i] + 2 * tau[i], i) for i in range(len(stages)) if caps[i] > 1]
     heapq.heapify(heap)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cfp.errors import ConfigError
+from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.models.configs import GPTConfig, LlamaConfig
@@ -28,7 +29,7 @@ from cfp.planner.cluster import Cluster
 from cfp.runtime.schedules import ScheduleName
 
 def _memo(fn):
-    """Per-instance memo of a ModelCost figure (its arguments are small ints)."""
+    """Per-instance memo of a figure (its arguments are small ints)."""
     @functools.wraps(fn)
     def wrapper(self, *args):
         key = (fn.__name__,) + args
@@ -40,21 +41,18 @@ def _memo(fn):
 
 
 PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
-# Assumed fraction of the dense datasheet peak a large transformer dot reaches on a GPU. An assumption
-# of this planner, not a measurement; the `cpu` entry's peak is already a measured matmul rate.
-GPU_MATMUL_EFFICIENCY = 0.7
 
 
 def achievable_flops(gpu: GpuSpec, precision: Precision) -> float:
-    """FLOP/s a transformer's dots reach on `gpu` in `precision`: the ONE place the planner takes device
-    rates from (swap in the shared precision/shape-aware rates here)."""
-    return gpu.peak(precision) * (1.0 if gpu.name == "cpu" else GPU_MATMUL_EFFICIENCY)
+    """FLOP/s of a large GEMM on `gpu` in `precision` (`cfp.hardware.rates`, shared with the profiling
+    pass): the planner's measure of a device's speed for METIS' vertex weights and the greedy baseline."""
+    return rates.achievable_flops(gpu, precision)
 
 
-def precision_of(dtype: str) -> Precision:
-    """bfloat16 compute runs on BF16 tensor cores; float32 is counted at the FP32 rate (conservative:
-    XLA:GPU may use TF32 under JAX's default matmul precision)."""
-    return Precision.BF16 if dtype == "bfloat16" else Precision.FP32
+def precision_of(dtype: str, gpu: GpuSpec) -> Precision:
+    """The arithmetic of the model's dots on `gpu` (`cfp.hardware.rates.dot_precision` under JAX's default
+    matmul precision: bfloat16 on BF16 tensor cores, float32 as TF32 where the device has it)."""
+    return rates.dot_precision(dtype, None, gpu)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -159,6 +157,29 @@ class ModelCost:
         return (4 * s * h * h + 4 * s * s * h + mlp) / tp + 4 * s * h * kv / kv_div
 
     @_memo
+    def layer_gemms(self, tp: int, mb: int) -> tuple[tuple[float, tuple[float, float, float]], ...]:
+        """(FLOPs, per-device GEMM shape (m, n, k)) of each dot of one layer's forward on `mb` sequences;
+        the FLOPs sum to `mb * layer_dot_flops(tp)`. A dot's backward GEMMs permute (m, n, k), which
+        `cfp.hardware.rates.gemm_efficiency` treats alike."""
+        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
+        kv = self.kv_heads * c.head_dim / (tp if self.kv_heads % tp == 0 else 1)
+        t, f, d = mb * s, c.ffn_size / tp, c.head_dim
+        heads = mb * c.num_heads / tp          # batched attention GEMMs, one per sequence and head
+        return ((2 * t * h * h / tp, (t, h / tp, h)),            # q
+                (2 * t * h * h / tp, (t, h, h / tp)),            # out
+                (4 * t * h * kv, (t, kv, h)),                    # k and v
+                (2 * heads * s * s * d, (s, s, d)),              # scores
+                (2 * heads * s * s * d, (s, d, s)),              # probabilities x values
+                ((4 if self.llama else 2) * t * h * f, (t, f, h)),   # MLP in (Llama: gate and up)
+                (2 * t * h * f, (t, h, f)))                      # MLP out
+
+    @_memo
+    def head_gemm(self, tp: int, mb: int) -> tuple[float, tuple[float, float, float]]:
+        c, t = self.config, mb * self.config.seq_len
+        v = c.vocab_size / (tp if c.vocab_size % tp == 0 else 1)
+        return 2 * t * c.hidden_size * v, (t, v, c.hidden_size)
+
+    @_memo
     def layer_elementwise_flops(self, tp: int = 1) -> float:
         """Softmax (~5 per score), norms and residuals (~10 per hidden element), activation (~5 per
         MLP element), RoPE (~6 per q/k element): a rough count, small next to the dots."""
@@ -246,14 +267,43 @@ class CostModel:
 
     def __post_init__(self):
         object.__setattr__(self, "model", ModelCost(self.config))
-        object.__setattr__(self, "precision", precision_of(self.config.dtype))
         object.__setattr__(self, "_machines", self.cluster.machine_of())
-        object.__setattr__(self, "_peak", [m.gpu.peak(self.precision) for m in self.cluster.machines])
-        object.__setattr__(self, "_rate", [achievable_flops(m.gpu, self.precision) for m in self.cluster.machines])
+        prec = [precision_of(self.config.dtype, m.gpu) for m in self.cluster.machines]
+        object.__setattr__(self, "_precision", prec)
+        object.__setattr__(self, "_peak", [m.gpu.peak(p) for m, p in zip(self.cluster.machines, prec)])
+        object.__setattr__(self, "_rate", [achievable_flops(m.gpu, p) for m, p in zip(self.cluster.machines, prec)])
         object.__setattr__(self, "_stage_memo", {})
+        object.__setattr__(self, "_memo", {})
 
     def rate(self, machine: int) -> float:
+        """A large GEMM's FLOP/s on `machine`'s devices (their speed, for partitioning)."""
         return self._rate[machine]
+
+    def _dot_seconds(self, machine: int, gemms) -> float:
+        gpu, prec = self.cluster.machines[machine].gpu, self._precision[machine]
+        return sum(f / rates.achievable_flops(gpu, prec, *mnk) for f, mnk in gemms)
+
+    @_memo
+    def layer_seconds(self, machine: int, tp: int, mb: int) -> float:
+        """Forward compute of one layer on `mb` sequences: each dot at its shape's achievable rate
+        (`cfp.hardware.rates`), the elementwise ops' FLOPs at the large-GEMM rate (small next to the dots)."""
+        return (self._dot_seconds(machine, self.model.layer_gemms(tp, mb))
+                + mb * self.model.layer_elementwise_flops(tp) / self.rate(machine))
+
+    @_memo
+    def head_seconds(self, machine: int, tp: int, mb: int) -> float:
+        """Forward compute of the LM head (and its loss) on `mb` sequences, like `layer_seconds`."""
+        m = self.model
+        gemm = m.head_gemm(tp, mb)
+        return self._dot_seconds(machine, (gemm,)) + (mb * m.head_flops(tp) - gemm[0]) / self.rate(machine)
+
+    def precisions(self) -> tuple[Precision, ...]:
+        """The arithmetic of the model's dots on each device type used (sorted, distinct)."""
+        return tuple(sorted(set(self._precision), key=lambda p: p.value))
+
+    def peak(self, machine: int) -> float:
+        """Dense peak FLOP/s of `machine`'s devices in the arithmetic the model's dots run in."""
+        return self._peak[machine]
 
     def stored_inputs(self, stage_index: int, num_stages: int, chunks: int) -> int:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
@@ -313,11 +363,12 @@ class CostModel:
         first, last = idx == 0, idx == n - 1
         mb = pipe.micro_batch
         ff, fb = self.stage_flops(st, first, last, mb)
-        rate = self.rate(st.machine)
+        compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb)
+                   + (self.head_seconds(st.machine, st.tp, mb) if last else 0.0))
         intra = self.cluster.machines[st.machine].intra_bandwidth
         ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-        fwd = ff / rate + 2 * st.layers * ar           # one all-reduce after attention, one after MLP
-        bwd = fb / rate + 4 * st.layers * ar           # recomputed forward + backward
+        fwd = compute + 2 * st.layers * ar             # one all-reduce after attention, one after MLP
+        bwd = 3 * compute + 4 * st.layers * ar         # recomputed forward + backward (2x)
         send = 0.0
         if nxt is not None:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from cfp.errors import InfeasibleError
 from cfp.planner.build import build_layout, stage_layouts
 from cfp.planner.cluster import Cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, achievable_flops
+from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate
 from cfp.planner.options import PlannerOptions
 from cfp.planner.partition import split_pipelines, split_stages, stage_orders
 from cfp.planner.refine import refine
@@ -49,7 +49,7 @@ def pipeline_counts(cluster: Cluster, options: PlannerOptions, num_layers: int) 
 class _Search:
     def __init__(self, cm: CostModel, options: PlannerOptions):
         self.cm, self.options = cm, options
-        self.rate = lambda d: achievable_flops(d.gpu, cm.precision)
+        self.rate = lambda d: cm.rate(d.machine)
         self._phase1: dict[int, list[list[int]]] = {}
         self._phase2: dict[tuple, list[list[int]]] = {}
         self.count = 0
@@ -140,7 +140,7 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
         others.sort(key=lambda x: (x[0], x[1]))
         chosen += [c for _, _, c in others if c not in chosen][:2]
         for cand in chosen:
-            lay, est = refine(cm, cand, options.refine_evaluations // 3)
+            lay, est = refine(cm, cand, options.refine_evaluations // 3, options.micro_batch_sizes)
             if best_est is None or est.objective < best_est.objective:
                 best_layout, best_est = lay, est
         layout, est = best_layout, best_est

@@ -1,15 +1,35 @@
-"""Local refinement guided by the cost model: move a layer between stages, a micro-batch between
-pipelines, reverse a pipeline's stage order or move a stage's devices (a TP group) to another pipeline,
-while the estimate improves.
+"""Local refinement guided by the cost model (variable-neighbourhood descent).
+
+Two kinds of move. *Polishing* moves keep the layout's structure: shift 1, 2, 3, 4, 8, ... layers from
+one stage of a pipeline to another, or one micro-batch from one pipeline to another. *Structural* moves
+change it: change the micro-batch size, reverse a pipeline or swap two of its machine blocks, move a TP
+group to another pipeline (a pipeline left empty disappears) or swap two groups of different machines
+between pipelines. Moves keep each machine's stages of a pipeline together and every TP degree
+unchanged (the TP map per device type is the candidate generation's search, `planner.find_layout`), so
+the refined layout stays inside the exhaustive search's space (`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`)
+and the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so
+a move that only pays together with other layer and batch counts is still taken.
 
 First improvement in a fixed move order, so the result is deterministic; `budget` bounds the number
-of estimates."""
+of estimates (a count, not a time)."""
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
-from cfp.planner.build import split_layers
+from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms, split_layers
 from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, PipelineLayout, StageLayout
+
+_SHIFTS = (1, 2, 3, 4, 8, 16, 32, 64)
+_EPS = 1e-9
+
+
+class _Budget:
+    def __init__(self, cm: CostModel, budget: int):
+        self.cm, self.left = cm, budget
+
+    def estimate(self, layout: ClusterLayout) -> Estimate:
+        self.left -= 1
+        return self.cm.estimate(layout)
 
 
 def _replace(layout: ClusterLayout, p: int, pipe: PipelineLayout) -> ClusterLayout:
@@ -18,96 +38,187 @@ def _replace(layout: ClusterLayout, p: int, pipe: PipelineLayout) -> ClusterLayo
     return ClusterLayout(tuple(pipes))
 
 
-def _layer_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
-    """One layer from a stage to another in each pipeline (slowest pipeline and stage first)."""
-    order = sorted(range(len(layout.pipelines)), key=lambda p: -est.pipeline_time[p])
-    for p in order:
-        pipe, times = layout.pipelines[p], est.stages[p]
-        slowest = max(range(len(pipe.stages)), key=lambda i: (times[i].fwd + times[i].bwd, -i))
-        # the stage whose optimizer update takes longest (parameters over memory bandwidth)
-        heaviest = max(range(len(pipe.stages)), key=lambda i: (times[i].update, -i))
-        # then from every other stage: the estimate's communication and update terms can favour a
-        # split that the per-stage compute times do not show
-        sources = dict.fromkeys((slowest, heaviest, *range(len(pipe.stages))))
-        for src, dst in [(s, d) for s in sources for d in range(len(pipe.stages))]:
-            if dst == src or pipe.stages[src].layers <= 1:
-                continue
-            st = list(pipe.stages)
-            a, b = st[src], st[dst]
-            st[src] = StageLayout(a.devices, a.machine, a.layers - 1)
-            st[dst] = StageLayout(b.devices, b.machine, b.layers + 1)
-            yield _replace(layout, p, PipelineLayout(tuple(st), pipe.batch, pipe.chunks))
+# ----------------------------------------------------------------------------- polishing
+def _layer_shifts(layout: ClusterLayout, est: Estimate, pipes: Sequence[int]) -> Iterator[ClusterLayout]:
+    """d layers from stage `src` to stage `dst` of a pipeline (slowest pipeline first, small d first)."""
+    for p in sorted(pipes, key=lambda p: (-est.pipeline_time[p], p)):
+        pipe = layout.pipelines[p]
+        n = len(pipe.stages)
+        for d in _SHIFTS:
+            for src in range(n):
+                if pipe.stages[src].layers <= d:
+                    continue
+                for dst in range(n):
+                    if dst == src:
+                        continue
+                    st = list(pipe.stages)
+                    a, b = st[src], st[dst]
+                    st[src] = StageLayout(a.devices, a.machine, a.layers - d)
+                    st[dst] = StageLayout(b.devices, b.machine, b.layers + d)
+                    yield _replace(layout, p, PipelineLayout(tuple(st), pipe.batch, pipe.chunks))
 
 
 def _batch_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
-    """One micro-batch from the slowest pipeline to each other one."""
-    if len(layout.pipelines) < 2:
-        return
-    src = max(range(len(layout.pipelines)), key=lambda p: (est.pipeline_time[p], -p))
-    a = layout.pipelines[src]
-    if a.chunks <= 1:
-        return
-    mb = a.micro_batch
-    for dst in range(len(layout.pipelines)):
-        b = layout.pipelines[dst]
-        if dst == src or b.micro_batch != mb:
-            continue
-        out = _replace(layout, src, PipelineLayout(a.stages, a.batch - mb, a.chunks - 1))
-        yield _replace(out, dst, PipelineLayout(b.stages, b.batch + mb, b.chunks + 1))
-
-
-def _device_moves(cm: CostModel, layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
-    """A TP group of the slowest pipeline moves to another pipeline, next to a stage of its machine
-    (or at the end); both pipelines' layers are re-split."""
+    """One micro-batch from a pipeline to another (slowest source first)."""
     k = len(layout.pipelines)
-    if k < 2:
-        return
-    src = max(range(k), key=lambda p: (est.pipeline_time[p], -p))
-    a = layout.pipelines[src]
-    if len(a.stages) < 2:
-        return
-    for i, st in enumerate(a.stages):
-        rest = a.stages[:i] + a.stages[i + 1:]
-        new_a = split_layers(cm, rest, a.batch, a.chunks, k)
-        if new_a is None:
+    for src in sorted(range(k), key=lambda p: (-est.pipeline_time[p], p)):
+        a = layout.pipelines[src]
+        if a.chunks <= 1:
             continue
+        mb = a.micro_batch
         for dst in range(k):
-            if dst == src:
-                continue
             b = layout.pipelines[dst]
-            same = [j for j, s in enumerate(b.stages) if s.machine == st.machine]
-            at = same[-1] + 1 if same else len(b.stages)
-            new_b = split_layers(cm, b.stages[:at] + (st,) + b.stages[at:], b.batch, b.chunks, k)
-            if new_b is None:
+            if dst == src or b.micro_batch != mb:
                 continue
-            out = _replace(layout, src, PipelineLayout(new_a, a.batch, a.chunks))
-            yield _replace(out, dst, PipelineLayout(new_b, b.batch, b.chunks))
+            out = _replace(layout, src, PipelineLayout(a.stages, a.batch - mb, a.chunks - 1))
+            yield _replace(out, dst, PipelineLayout(b.stages, b.batch + mb, b.chunks + 1))
 
 
-def _reverse_moves(layout: ClusterLayout) -> Iterator[ClusterLayout]:
-    """A pipeline's stages in reverse order (the embedding and the head change ends)."""
-    for p, pipe in enumerate(layout.pipelines):
-        if len(pipe.stages) > 1:
-            yield _replace(layout, p, PipelineLayout(pipe.stages[::-1], pipe.batch, pipe.chunks))
-
-
-def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000) -> tuple[ClusterLayout, Estimate]:
-    """Hill-climb from `layout`; returns the best layout found and its estimate."""
-    est = cm.estimate(layout)
-    spent = 0
+def _polish(bud: _Budget, layout: ClusterLayout, est: Estimate, pipes: Sequence[int]
+            ) -> tuple[ClusterLayout, Estimate]:
+    """Hill-climb with layer shifts in `pipes` and micro-batch moves until neither improves."""
     improved = True
-    while improved and spent < budget:
+    while improved and bud.left > 0:
         improved = False
-        for moves in (_layer_moves(layout, est), _batch_moves(layout, est), _reverse_moves(layout),
-                      _device_moves(cm, layout, est)):
-            for cand in moves:
-                spent += 1
-                e = cm.estimate(cand)
-                if e.objective < est.objective * (1 - 1e-9):
-                    layout, est, improved = cand, e, True
-                    break
-                if spent >= budget:
-                    break
-            if improved or spent >= budget:
+        for cand in (*_layer_shifts(layout, est, pipes), *_batch_moves(layout, est)):
+            e = bud.estimate(cand)
+            if e.objective < est.objective * (1 - _EPS):
+                layout, est, improved = cand, e, True
+                break
+            if bud.left <= 0:
+                break
+    return layout, est
+
+
+# ----------------------------------------------------------------------------- structural moves
+def _rebuild(cm: CostModel, pipes: Sequence[Sequence[StageLayout]], changed: set[int], global_batch: int,
+             mb: int) -> Optional[ClusterLayout]:
+    """Layers of the `changed` pipelines re-split, micro-batches (of size `mb`) re-allocated over all;
+    None when a pipeline cannot hold the model or the batch."""
+    k, total = len(pipes), global_batch // mb
+    if global_batch % mb or total < k:
+        return None
+    guess = max(1, total // k)
+    stages = []
+    for p, st in enumerate(pipes):
+        if p in changed:
+            st = split_layers(cm, st, guess * mb, guess, k)
+            if st is None:
+                return None
+        stages.append(tuple(st))
+    chunks = allocate_chunks([pipeline_terms(cm, st, mb) for st in stages],
+                             [max_chunks(cm, st, mb, k, total) for st in stages], total)
+    if chunks is None:
+        return None
+    return ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for st, c in zip(stages, chunks)))
+
+
+def _blocks(stages: Sequence[StageLayout]) -> list[list[StageLayout]]:
+    """A pipeline's stages cut where the machine changes."""
+    out: list[list[StageLayout]] = []
+    for s in stages:
+        if out and out[-1][-1].machine == s.machine:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
+def _order_moves(layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+    """A pipeline with two of its machine blocks swapped, or reversed."""
+    for p, pipe in enumerate(layout.pipelines):
+        blocks = _blocks(pipe.stages)
+        pipes = [list(q.stages) for q in layout.pipelines]
+        if len(pipe.stages) > 1:
+            yield [*pipes[:p], list(pipe.stages[::-1]), *pipes[p + 1:]], {p}
+        for i in range(len(blocks)):
+            for j in range(i + 1, len(blocks)):
+                b = list(blocks)
+                b[i], b[j] = b[j], b[i]
+                yield [*pipes[:p], [s for blk in b for s in blk], *pipes[p + 1:]], {p}
+
+
+def _insert_points(stages: Sequence[StageLayout], st: StageLayout) -> list[int]:
+    """Where a group may join a pipeline: next to the stages of its machine if there are any (its links
+    are fastest there), else at every machine-block boundary."""
+    same = [j for j, s in enumerate(stages) if s.machine == st.machine]
+    if same:
+        return [same[-1] + 1]
+    cuts, i = [0], 0
+    for blk in _blocks(stages):
+        i += len(blk)
+        cuts.append(i)
+    return cuts
+
+
+def _device_moves(layout: ClusterLayout, est: Estimate) -> Iterator[tuple[list, set[int]]]:
+    """A TP group from one pipeline to another (slowest source first; a pipeline left empty disappears),
+    then two groups of different machines swapped between pipelines."""
+    k = len(layout.pipelines)
+    pipes = [list(q.stages) for q in layout.pipelines]
+    order = sorted(range(k), key=lambda p: (-est.pipeline_time[p], p))
+    for src in order:
+        for i, st in enumerate(pipes[src]):
+            rest = pipes[src][:i] + pipes[src][i + 1:]
+            for dst in order:
+                if dst == src:
+                    continue
+                for at in _insert_points(pipes[dst], st):
+                    new = list(pipes)
+                    new[src], new[dst] = rest, pipes[dst][:at] + [st] + pipes[dst][at:]
+                    if rest:
+                        yield new, {src, dst}
+                    else:
+                        del new[src]
+                        yield new, {dst - (dst > src)}
+    for ai, a in enumerate(order):
+        for b in order[ai + 1:]:
+            for i, x in enumerate(pipes[a]):
+                for j, y in enumerate(pipes[b]):
+                    if x.machine == y.machine:
+                        continue
+                    ra, rb = pipes[a][:i] + pipes[a][i + 1:], pipes[b][:j] + pipes[b][j + 1:]
+                    for at_a in _insert_points(ra, y):
+                        for at_b in _insert_points(rb, x):
+                            new = list(pipes)
+                            new[a], new[b] = ra[:at_a] + [y] + ra[at_a:], rb[:at_b] + [x] + rb[at_b:]
+                            yield new, {a, b}
+
+
+def _structural(cm: CostModel, layout: ClusterLayout, est: Estimate, micro_batch_sizes: Sequence[int]
+                ) -> Iterator[tuple[ClusterLayout, set[int]]]:
+    g, mb = layout.global_batch, layout.pipelines[0].micro_batch
+    pipes = [list(q.stages) for q in layout.pipelines]
+    for other in micro_batch_sizes:
+        if other != mb:
+            lay = _rebuild(cm, pipes, set(), g, other)
+            if lay is not None:
+                yield lay, set(range(len(pipes)))
+    for gen in (_order_moves(layout), _device_moves(layout, est)):
+        for new, changed in gen:
+            lay = _rebuild(cm, new, changed, g, mb)
+            if lay is not None:
+                yield lay, changed
+
+
+def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000,
+           micro_batch_sizes: Sequence[int] = ()) -> tuple[ClusterLayout, Estimate]:
+    """Descend from `layout`: polish, then take the first structural move whose polished estimate is
+    better, until none is or `budget` estimates are spent. Returns the best layout and its estimate.
+    `micro_batch_sizes`: the other micro-batch sizes a move may switch to."""
+    bud = _Budget(cm, budget)
+    est = bud.estimate(layout)
+    layout, est = _polish(bud, layout, est, range(len(layout.pipelines)))
+    improved = True
+    while improved and bud.left > 0:
+        improved = False
+        for cand, changed in _structural(cm, layout, est, micro_batch_sizes):
+            e = bud.estimate(cand)
+            if e.fits:
+                cand, e = _polish(bud, cand, e, sorted(changed))
+            if e.objective < est.objective * (1 - _EPS):
+                layout, est, improved = cand, e, True
+                break
+            if bud.left <= 0:
                 break
     return layout, est

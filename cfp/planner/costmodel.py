@@ -259,6 +259,17 @@ class Estimate:
 
 
 @dataclass(frozen=True)
+class _PipelineFigures:
+    stages: tuple[StageEstimate, ...]
+    time: float                     # the pipeline's forward-backward time, seconds
+    update: float                   # its slowest stage's optimizer update, seconds
+    layer_tp: tuple[int, ...]       # TP degree per layer
+    fits: bool
+    peak: float                     # dense peak FLOP/s of its devices
+    machines: frozenset
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Estimates a `ClusterLayout` of `config` on `cluster` with `schedule`."""
     config: Any
@@ -273,6 +284,7 @@ class CostModel:
         object.__setattr__(self, "_peak", [m.gpu.peak(p) for m, p in zip(self.cluster.machines, prec)])
         object.__setattr__(self, "_rate", [achievable_flops(m.gpu, p) for m, p in zip(self.cluster.machines, prec)])
         object.__setattr__(self, "_stage_memo", {})
+        object.__setattr__(self, "_pipe_memo", {})
         object.__setattr__(self, "_memo", {})
 
     def rate(self, machine: int) -> float:
@@ -386,6 +398,28 @@ class CostModel:
         worst = max(s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send))
         return fill + (chunks - 1) * worst
 
+    def _pipeline(self, pipe: PipelineLayout, n_pipes: int) -> _PipelineFigures:
+        """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
+        in one or two pipelines)."""
+        key = (pipe, n_pipes)
+        memo = self._pipe_memo
+        if key not in memo:
+            st = pipe.stages
+            ests = tuple(self.stage_estimate(s, i, pipe, n_pipes, st[i + 1] if i + 1 < len(st) else None)
+                         for i, s in enumerate(st))
+            layer_tp = tuple(s.tp for s in st for _ in range(s.layers))
+            memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
+                                         layer_tp, all(e.memory <= e.capacity for e in ests),
+                                         sum(s.tp * self._peak[s.machine] for s in st),
+                                         frozenset(s.machine for s in st))
+        return memo[key]
+
+    def _all_reduce(self, nbytes: float, n: int, bw: float) -> float:
+        key = ("all-reduce", nbytes, n, bw)
+        if key not in self._memo:
+            self._memo[key] = collective_time("all-reduce", nbytes, n, bw)
+        return self._memo[key]
+
     def dp_time(self, layout: ClusterLayout) -> float:
         """Gradient sync: per layer a ring all-reduce over the pipelines of the largest per-device shard
         among them, over the slowest link; a stage syncs its layers one after another, stages run at
@@ -394,24 +428,19 @@ class CostModel:
         if n == 1:
             return 0.0
         m = self.model
-        machines = {s.machine for p in layout.pipelines for s in p.stages}
+        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
-              else self.cluster.machines[machines.pop()].intra_bandwidth)
-        min_tp = [math.inf] * m.config.num_layers
-        for p in layout.pipelines:
-            layer = 0
-            for st in p.stages:
-                for l in range(layer, layer + st.layers):
-                    min_tp[l] = min(min_tp[l], st.tp)
-                layer += st.layers
-        per_layer = [collective_time("all-reduce", m.layer_params(int(t)) * PARAM_BYTES, n, bw) for t in min_tp]
+              else self.cluster.machines[next(iter(machines))].intra_bandwidth)
+        prefix = [0.0]
+        for tps in zip(*(f.layer_tp for f in figs)):
+            prefix.append(prefix[-1] + self._all_reduce(m.layer_params(min(tps)) * PARAM_BYTES, n, bw))
         worst = 0.0
         for p in layout.pipelines:
-            layer = 0
+            layer, last = 0, len(p.stages) - 1
             for i, st in enumerate(p.stages):
-                extra = (m.embed_params() if i == 0 else 0) + (m.head_params(1) if i == len(p.stages) - 1 else 0)
-                t = sum(per_layer[layer:layer + st.layers]) + collective_time(
-                    "all-reduce", extra * PARAM_BYTES, n, bw)
+                extra = (m.embed_params() if i == 0 else 0) + (m.head_params(1) if i == last else 0)
+                t = prefix[layer + st.layers] - prefix[layer] + self._all_reduce(extra * PARAM_BYTES, n, bw)
                 worst = max(worst, t)
                 layer += st.layers
         return worst
@@ -420,25 +449,19 @@ class CostModel:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
         stages update at once, the step waits for the slowest."""
         n = len(layout.pipelines)
-        return max(self.stage_estimate(st, i, p, n, p.stages[i + 1] if i + 1 < len(p.stages) else None).update
-                   for p in layout.pipelines for i, st in enumerate(p.stages))
+        return max(self._pipeline(p, n).update for p in layout.pipelines)
 
     def estimate(self, layout: ClusterLayout) -> Estimate:
         n = len(layout.pipelines)
-        stages, times = [], []
-        for p in layout.pipelines:
-            ests = tuple(self.stage_estimate(st, i, p, n, p.stages[i + 1] if i + 1 < len(p.stages) else None)
-                         for i, st in enumerate(p.stages))
-            stages.append(ests)
-            times.append(self.pipeline_time(ests, p.chunks))
-        dp, upd = self.dp_time(layout), self.update_time(layout)
+        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        times = tuple(f.time for f in figs)
+        dp, upd = self.dp_time(layout), max(f.update for f in figs)
         step = max(times) + dp + upd
         seqs = layout.global_batch
-        peak = sum(s.tp * self._peak[s.machine] for p in layout.pipelines for s in p.stages)
+        peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)
-        fits = all(s.memory <= s.capacity for row in stages for s in row)
-        return Estimate(step, seqs * self.config.seq_len / step, mfu, tuple(times), dp, upd,
-                        tuple(stages), fits, peak)
+        return Estimate(step, seqs * self.config.seq_len / step, mfu, times, dp, upd,
+                        tuple(f.stages for f in figs), all(f.fits for f in figs), peak)
 
     def mfu_with_peaks(self, est: Estimate, layout: ClusterLayout, tflops: dict[str, float]) -> float:
         """MFU of `est` against another peak table (TFLOP/s by catalog name), e.g. a paper's."""

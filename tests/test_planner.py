@@ -158,13 +158,16 @@ def optimality_gap(seed, max_devices=6):
     return case.gap
 
 
-# Seeds where earlier planners missed the optimum, each for another reason, then random ones:
-# 223 (4x RTX4090 + 4x L4: another stage order with other layer counts), 262 (the layer split must
-# keep the stage behind the slow link light), 274 (pipelines of unbalanced compute with 1 and 7
-# micro-batches: 14.5% off before the structural moves), 296 (the embedding on the fast-memory GPU).
-@pytest.mark.parametrize("seed", [223, 262, 274, 296, *range(100, 106)])
+# Seeds (8 devices at most) where earlier planners missed the optimum, each for another reason: 223
+# (4x RTX4090 + 4x L4: another stage order with other layer counts), 262 (the layer split must keep the
+# stage behind the slow link light; 4.1% off before), 296 (the embedding on the GPU with fast memory;
+# 3.4%), 232, 202, 279 and 247 (one machine cut into TP groups of mixed sizes, a wide one holding the LM
+# head: up to 18% off before the re-cut moves), 221 (2 pipelines sharing a machine: 1.95%, the largest
+# gap of the sweep). 274 (14.5% off before: unbalanced pipelines with 1 and 7 micro-batches) is left to
+# benchmarks/planner_optimality.py, its exhaustive search takes ~15 s.
+@pytest.mark.parametrize("seed", [223, 262, 296, 232, 202, 279, 247, 221])
 def test_planner_is_within_two_percent_of_the_exhaustive_optimum(seed):
-    gap = optimality_gap(seed, max_devices=6 if seed < 200 else 8)
+    gap = optimality_gap(seed, max_devices=8)
     if gap is None:
         pytest.skip("exhaustive search passed its layout cap")
     assert gap <= 0.02, gap

@@ -2,22 +2,25 @@
 
 Two kinds of move. *Polishing* moves keep the layout's structure: shift 1, 2, 3, 4, 8, ... layers from
 one stage of a pipeline to another, or one micro-batch from one pipeline to another. *Structural* moves
-change it: change the micro-batch size, reverse a pipeline or swap two of its machine blocks, move a TP
-group to another pipeline (a pipeline left empty disappears) or swap two groups of different machines
-between pipelines. Moves keep each machine's stages of a pipeline together and every TP degree
-unchanged (the TP map per device type is the candidate generation's search, `planner.find_layout`), so
-the refined layout stays inside the exhaustive search's space (`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`)
+change it: change the micro-batch size, reverse a pipeline or swap two of its machine blocks, split a
+stage's TP group in two or merge two neighbouring stages of one machine into one group of twice the
+degree, re-cut a pipeline's stages on one machine into groups of other sizes (so TP degrees can differ
+inside a machine, as HexiScale allows), move a TP group to another
+pipeline (a pipeline left empty disappears) or swap two groups of different machines between
+pipelines. Moves keep each machine's stages of a pipeline together, so the refined layout stays inside
+the exhaustive search's space (`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`)
 and the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so
 a move that only pays together with other layer and batch counts is still taken.
 
 First improvement in a fixed move order, so the result is deterministic; `budget` bounds the number
-of estimates (a count, not a time)."""
+of estimates and rebuilds (a count, not a time)."""
 from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
 from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms, split_layers
 from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, PipelineLayout, StageLayout
+from cfp.planner.partition import size_cuts, size_orders
 
 _SHIFTS = (1, 2, 3, 4, 8, 16, 32, 64)
 _EPS = 1e-9
@@ -27,9 +30,18 @@ class _Budget:
     def __init__(self, cm: CostModel, budget: int):
         self.cm, self.left = cm, budget
 
+        self._terms: dict[tuple, tuple] = {}
+
     def estimate(self, layout: ClusterLayout) -> Estimate:
         self.left -= 1
         return self.cm.estimate(layout)
+
+    def terms(self, stages: tuple[StageLayout, ...], mb: int, k: int, total: int) -> tuple[tuple, int]:
+        """A pipeline's time terms and micro-batch cap (memoised: rebuilds repeat unchanged pipelines)."""
+        key = (stages, mb, k, total)
+        if key not in self._terms:
+            self._terms[key] = (pipeline_terms(self.cm, stages, mb), max_chunks(self.cm, stages, mb, k, total))
+        return self._terms[key]
 
 
 def _replace(layout: ClusterLayout, p: int, pipe: PipelineLayout) -> ClusterLayout:
@@ -92,11 +104,12 @@ def _polish(bud: _Budget, layout: ClusterLayout, est: Estimate, pipes: Sequence[
 
 
 # ----------------------------------------------------------------------------- structural moves
-def _rebuild(cm: CostModel, pipes: Sequence[Sequence[StageLayout]], changed: set[int], global_batch: int,
+def _rebuild(bud: _Budget, pipes: Sequence[Sequence[StageLayout]], changed: set[int], global_batch: int,
              mb: int) -> Optional[ClusterLayout]:
     """Layers of the `changed` pipelines re-split, micro-batches (of size `mb`) re-allocated over all;
-    None when a pipeline cannot hold the model or the batch."""
-    k, total = len(pipes), global_batch // mb
+    None when a pipeline cannot hold the model or the batch. Counts as one estimate of the budget."""
+    cm, k, total = bud.cm, len(pipes), global_batch // mb
+    bud.left -= 1
     if global_batch % mb or total < k:
         return None
     guess = max(1, total // k)
@@ -107,8 +120,8 @@ def _rebuild(cm: CostModel, pipes: Sequence[Sequence[StageLayout]], changed: set
             if st is None:
                 return None
         stages.append(tuple(st))
-    chunks = allocate_chunks([pipeline_terms(cm, st, mb) for st in stages],
-                             [max_chunks(cm, st, mb, k, total) for st in stages], total)
+    chunks = allocate_chunks([bud.terms(st, mb, k, total)[0] for st in stages],
+                             [bud.terms(st, mb, k, total)[1] for st in stages], total)
     if chunks is None:
         return None
     return ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for st, c in zip(stages, chunks)))
@@ -186,18 +199,64 @@ def _device_moves(layout: ClusterLayout, est: Estimate) -> Iterator[tuple[list, 
                             yield new, {a, b}
 
 
-def _structural(cm: CostModel, layout: ClusterLayout, est: Estimate, micro_batch_sizes: Sequence[int]
+def _tp_moves(cm: CostModel, layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+    """A stage's TP group split into two halves, or two neighbouring stages of one machine and degree
+    merged into one group of twice the degree (heads divisible)."""
+    heads = cm.config.num_heads
+    pipes = [list(q.stages) for q in layout.pipelines]
+    for p, stages in enumerate(pipes):
+        for i, s in enumerate(stages):
+            if s.tp > 1:
+                h = s.tp // 2
+                parts = [StageLayout(s.devices[:h], s.machine, 0), StageLayout(s.devices[h:], s.machine, 0)]
+                yield [*pipes[:p], stages[:i] + parts + stages[i + 1:], *pipes[p + 1:]], {p}
+        for i in range(len(stages) - 1):
+            a, b = stages[i], stages[i + 1]
+            if a.machine == b.machine and a.tp == b.tp and heads % (2 * a.tp) == 0:
+                merged = StageLayout(tuple(sorted(a.devices + b.devices)), a.machine, 0)
+                yield [*pipes[:p], stages[:i] + [merged] + stages[i + 2:], *pipes[p + 1:]], {p}
+
+
+def _regroup_moves(cm: CostModel, layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+    """A pipeline's stages on one machine re-cut into TP groups of other sizes (every ordered cut into
+    power-of-two groups, nearest stage count first): e.g. a wide group where the LM head sits and narrow
+    ones elsewhere, which single splits and merges reach only through a worse layout."""
+    heads = cm.config.num_heads
+    pipes = [list(q.stages) for q in layout.pipelines]
+    for p, stages in enumerate(pipes):
+        start = 0
+        for blk in _blocks(stages):
+            devices = sorted(d for s in blk for d in s.devices)
+            now = tuple(s.tp for s in blk)
+            seqs = [seq for cut in size_cuts(len(devices), heads) for seq in size_orders(cut)
+                    if seq != now and len(seq) <= cm.config.num_layers]
+            # nearest stage counts first (every ordered cut of an 8-device machine is 56 sequences)
+            for seq in sorted(seqs, key=lambda q: (abs(len(q) - len(now)), len(q), tuple(-t for t in q))):
+                groups, i = [], 0
+                for t in seq:
+                    groups.append(StageLayout(tuple(devices[i:i + t]), blk[0].machine, 0))
+                    i += t
+                new = stages[:start] + groups + stages[start + len(blk):]
+                yield [*pipes[:p], new, *pipes[p + 1:]], {p}
+            start += len(blk)
+
+
+def _structural(bud: _Budget, layout: ClusterLayout, est: Estimate, micro_batch_sizes: Sequence[int]
                 ) -> Iterator[tuple[ClusterLayout, set[int]]]:
+    cm = bud.cm
     g, mb = layout.global_batch, layout.pipelines[0].micro_batch
     pipes = [list(q.stages) for q in layout.pipelines]
     for other in micro_batch_sizes:
         if other != mb:
-            lay = _rebuild(cm, pipes, set(), g, other)
+            lay = _rebuild(bud, pipes, set(), g, other)
             if lay is not None:
                 yield lay, set(range(len(pipes)))
-    for gen in (_order_moves(layout), _device_moves(layout, est)):
+    for gen in (_order_moves(layout), _tp_moves(cm, layout), _regroup_moves(cm, layout),
+                _device_moves(layout, est)):
         for new, changed in gen:
-            lay = _rebuild(cm, new, changed, g, mb)
+            if bud.left <= 0:
+                return
+            lay = _rebuild(bud, new, changed, g, mb)
             if lay is not None:
                 yield lay, changed
 
@@ -213,7 +272,7 @@ def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000,
     improved = True
     while improved and bud.left > 0:
         improved = False
-        for cand, changed in _structural(cm, layout, est, micro_batch_sizes):
+        for cand, changed in _structural(bud, layout, est, micro_batch_sizes):
             e = bud.estimate(cand)
             if e.fits:
                 cand, e = _polish(bud, cand, e, sorted(changed))

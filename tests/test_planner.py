@@ -263,3 +263,11 @@ def test_cli_plan_bad_cluster_is_one_line_exit_2(tmp_path, capsys):
     code = main(["plan", "--cluster", str(bad), "--model", "llama2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "RTX9090" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("model", ["moe", "bert"])
+def test_cli_plan_unsupported_model_is_one_line_exit_2(model, capsys):
+    from cfp.cli.main import main
+    code = main(["plan", "--cluster", "examples/clusters/local.yaml", "--model", model])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and f"--model {model}" in err and "gpt and llama2" in err and len(err.splitlines()) == 1

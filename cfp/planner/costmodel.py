@@ -7,6 +7,12 @@ stays replicated). The runtime keeps only each micro-batch's stage input between
 and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
 (recompute + 2x for the gradients) and its activation peak is one micro-batch's whole stage.
 
+Compute time: each dot of a layer (q, k/v, out, the attention einsums, the MLP; the LM head) at its own
+per-device GEMM shape's achievable rate from `cfp.hardware.rates` (the precision from the dtype as JAX
+runs it, the large-GEMM efficiency and its fall-off for thin shapes; shared with the profiling pass's
+estimate), so a high TP degree or a short micro-batch costs more per FLOP; the elementwise FLOPs at the
+large-GEMM rate. MFU is against the dense peaks of that precision.
+
 Step time = slowest pipeline (closed form of GPipe / non-interleaved 1F1B: the sum of the stage
 times plus (m-1) times the slowest stage, sends included) + gradient sync across pipelines (ring
 all-reduce per layer over the slowest link) + the memory-bound AdamW update. Collectives come from

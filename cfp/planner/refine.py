@@ -2,15 +2,15 @@
 
 Two kinds of move. *Polishing* moves keep the layout's structure: shift 1, 2, 3, 4, 8, ... layers from
 one stage of a pipeline to another, or one micro-batch from one pipeline to another. *Structural* moves
-change it: change the micro-batch size, reverse a pipeline or swap two of its machine blocks, split a
-stage's TP group in two or merge two neighbouring stages of one machine into one group of twice the
-degree, re-cut a pipeline's stages on one machine into groups of other sizes (so TP degrees can differ
-inside a machine, as HexiScale allows), move a TP group to another
-pipeline (a pipeline left empty disappears) or swap two groups of different machines between
-pipelines. Moves keep each machine's stages of a pipeline together, so the refined layout stays inside
-the exhaustive search's space (`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`)
-and the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so
-a move that only pays together with other layer and batch counts is still taken.
+change it: change the micro-batch size; reverse a pipeline or swap two of its machine blocks; split a
+stage's TP group in two, merge two neighbouring stages of one machine into one group of twice the
+degree, or re-cut a pipeline's stages on one machine into groups of other sizes (TP degrees may differ
+inside a machine, as HexiScale allows); move a TP group to another pipeline (a pipeline left empty
+disappears) or swap two groups of different machines between pipelines. Moves keep each machine's
+stages of a pipeline together, so the refined layout stays inside the exhaustive search's space
+(`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`) and
+the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so a
+move that only pays together with other layer and batch counts is still taken.
 
 First improvement in a fixed move order, so the result is deterministic; `budget` bounds the number
 of estimates and rebuilds (a count, not a time)."""
@@ -29,7 +29,6 @@ _EPS = 1e-9
 class _Budget:
     def __init__(self, cm: CostModel, budget: int):
         self.cm, self.left = cm, budget
-
         self._terms: dict[tuple, tuple] = {}
 
     def estimate(self, layout: ClusterLayout) -> Estimate:

@@ -126,18 +126,19 @@ def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_0
                 if G % mb or G // mb < k:
                     continue
                 total = G // mb
-                per_pipe = [[p.stages for order in _pipeline_orders(pb)
-                             for p in _layer_splits(cm, order, mb, 1, k)] for pb in pipes_blocks]
+                # per pipeline: (stages, time terms, micro-batch cap) of every order and layer split
+                per_pipe = [[(p.stages, pipeline_terms(cm, p.stages, mb), max_chunks(cm, p.stages, mb, k, total))
+                             for order in _pipeline_orders(pb) for p in _layer_splits(cm, order, mb, 1, k)]
+                            for pb in pipes_blocks]
                 for combo in itertools.product(*per_pipe):
                     count += 1
                     if count > limit:
                         raise InfeasibleError(f"exhaustive search passed {limit} layouts; use a "
                                               f"smaller cluster or fewer layers")
-                    chunks = allocate_chunks([pipeline_terms(cm, st, mb) for st in combo],
-                                             [max_chunks(cm, st, mb, k, total) for st in combo], total)
+                    chunks = allocate_chunks([c[1] for c in combo], [c[2] for c in combo], total)
                     if chunks is None:
                         continue
-                    lay = ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for st, c in zip(combo, chunks)))
+                    lay = ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for (st, _, _), c in zip(combo, chunks)))
                     e = cm.estimate(lay)
                     if e.fits and (best is None or e.objective < best[1].objective):
                         best = (lay, e)

@@ -4,6 +4,7 @@ worst and mean, how many are within 2% and how many clusters passed the exhausti
 (skipped). A planner estimate below the optimum would mean the two searched different spaces: reported.
 
     PYTHONPATH=$PWD python benchmarks/planner_optimality.py [--seeds 100] [--first 0] [--max-devices 8]
+        [--limit 200000] [--only SEED ...]
 """
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=0, help="first seed")
     ap.add_argument("--max-devices", type=int, default=8)
     ap.add_argument("--limit", type=int, default=200_000, help="exhaustive search's layout cap")
+    ap.add_argument("--only", type=int, nargs="+", default=None,
+                    help="these seeds instead of --first/--seeds (e.g. the ones that passed a smaller cap)")
     args = ap.parse_args()
     gaps: dict[int, float] = {}
     capped, below, plan_s = [], [], []
     t0 = time.perf_counter()
-    for seed in range(args.first, args.first + args.seeds):
+    for seed in args.only or range(args.first, args.first + args.seeds):
         case = optimality_case(seed, args.max_devices, args.limit)
         summary = case.cluster.summary()
         plan_s.append(case.planned.seconds)

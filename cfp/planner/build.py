@@ -26,14 +26,7 @@ def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
 def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:
     """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
     the number of layers)."""
-    st = pipe.stages[i]
-    cap = cm.cluster.machines[st.machine].memory
-    s0, s1, a0, a1 = cm.memory_terms(st, i, pipe, n_pipes)
-    # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
-    n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
-    n2 = (cap / (3 + n_pipes) - s0) / s1
-    n = int(math.floor(min(n1, n2) * (1 + 1e-12)))
-    return max(0, min(limit, n))
+    return max(0, min(limit, cm.layer_capacity(pipe.stages[i], i, pipe, n_pipes)))
 
 
 def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunks: int,

@@ -356,6 +356,21 @@ class CostModel:
               + (PARAM_BYTES * m.embed_params(st.tp) if first else 0.0))
         return s0, s1, a0, mb * m.layer_activation_bytes(st.tp)
 
+    def layer_capacity(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> int:
+        """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
+        the number of layers); memoised on what the terms depend on (planning at scale asks ~10^6 times)."""
+        n = len(pipe.stages)
+        key = ("layer_capacity", st.machine, st.tp, idx == 0, idx == n - 1,
+               self.stored_inputs(idx, n, pipe.chunks), pipe.micro_batch, n_pipes)
+        if key not in self._memo:
+            cap = self.cluster.machines[st.machine].memory
+            s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
+            # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
+            n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
+            n2 = (cap / (3 + n_pipes) - s0) / s1
+            self._memo[key] = int(math.floor(min(n1, n2) * (1 + 1e-12)))
+        return self._memo[key]
+
     def stage_memory(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> float:
         """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
         backward's working set (stored inputs + one micro-batch's stage activations) and the

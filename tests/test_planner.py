@@ -271,3 +271,14 @@ def test_cli_plan_unsupported_model_is_one_line_exit_2(model, capsys):
     code = main(["plan", "--cluster", "examples/clusters/local.yaml", "--model", model])
     err = capsys.readouterr().err.strip()
     assert code == 2 and f"--model {model}" in err and "gpt and llama2" in err and len(err.splitlines()) == 1
+
+
+def test_split_by_type_deals_every_type_evenly():
+    from cfp.planner.partition import split_by_type
+    cl = random_cluster(random.Random(207), 8)      # 5 machines of 3 types
+    for k in (1, 2, 3, 8):
+        parts = split_by_type(cl, k)
+        assert sorted(d for p in parts for d in p) == list(range(cl.num_devices))
+        for name in {m.gpu.name for m in cl.machines}:
+            counts = [sum(cl.machines[cl.devices[d].machine].gpu.name == name for d in p) for p in parts]
+            assert max(counts) - min(counts) <= 1 or len(parts) < k

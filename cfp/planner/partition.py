@@ -72,6 +72,23 @@ def split_pipelines(cluster: Cluster, k: int, rate) -> list[list[int]]:
     return sorted(_parts(k, devices, membership), key=lambda g: g[0])
 
 
+def split_by_type(cluster: Cluster, k: int) -> list[list[int]]:
+    """Phase 1's alternative cut: each device type's devices (machine-major) dealt in `k` contiguous,
+    near-equal slices, one per pipeline, so every pipeline gets the same mix of types (data-parallel
+    replicas of one heterogeneous pipeline), keeping machines whole where the counts allow. METIS'
+    min-cut keeps fast-linked machines together instead, which this cut can beat when pipelines of
+    equal mix balance better. Empty pipelines are dropped."""
+    parts: list[list[int]] = [[] for _ in range(k)]
+    by_type: dict[str, list[int]] = defaultdict(list)
+    for d in cluster.devices:
+        by_type[cluster.machines[d.machine].gpu.name].append(d.id)
+    for name in sorted(by_type):
+        ds = by_type[name]
+        for p in range(k):
+            parts[p] += ds[p * len(ds) // k:(p + 1) * len(ds) // k]
+    return sorted((sorted(p) for p in parts if p), key=lambda g: g[0])
+
+
 def machine_groups(cluster: Cluster, devices: Sequence[int], tp_of, heads: int) -> list[list[int]]:
     """Cut each machine's share of `devices` into TP groups of its degree; a remainder becomes smaller
     groups of power-of-two sizes that divide `heads`."""

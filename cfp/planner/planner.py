@@ -13,8 +13,8 @@ from cfp.planner.build import build_layout, stage_layouts
 from cfp.planner.cluster import Cluster
 from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate
 from cfp.planner.options import PlannerOptions
-from cfp.planner.partition import (balanced_stages, machine_groups, split_pipelines, split_stages,
-                                   stage_orders)
+from cfp.planner.partition import (balanced_stages, machine_groups, split_by_type, split_pipelines,
+                                   split_stages, stage_orders)
 from cfp.planner.refine import refine
 
 
@@ -56,10 +56,12 @@ class _Search:
         self._balanced: dict[tuple, list[list[int]]] = {}
         self.count = 0
 
-    def pipelines(self, k: int) -> list[list[int]]:
-        if k not in self._phase1:
-            self._phase1[k] = split_pipelines(self.cm.cluster, k, self.rate)
-        return self._phase1[k]
+    def pipelines(self, k: int, by_type: bool = False) -> list[list[int]]:
+        """Phase 1: `k` pipelines by METIS, or (`by_type`) by dealing each device type out evenly."""
+        if (k, by_type) not in self._phase1:
+            self._phase1[k, by_type] = (split_by_type(self.cm.cluster, k) if by_type
+                                        else split_pipelines(self.cm.cluster, k, self.rate))
+        return self._phase1[k, by_type]
 
     def stages(self, devices: list[int], tp_of, metis: bool) -> list[list[list[int]]]:
         """Phase 2 and the candidate stage orders of one pipeline (cached: pipelines recur across TP
@@ -77,10 +79,12 @@ class _Search:
             self._phase2[key] = [order for groups in cuts for order in stage_orders(cl, groups)]
         return self._phase2[key]
 
-    def evaluate(self, k: int, tp: dict[str, int], metis: bool = False) -> tuple[Optional[ClusterLayout], float]:
+    def evaluate(self, k: int, tp: dict[str, int], metis: bool = False, by_type: bool = False
+                 ) -> tuple[Optional[ClusterLayout], float]:
         cl = self.cm.cluster
         tp_of = lambda m: tp[cl.machines[m].gpu.name]
-        pipes = [[stage_layouts(self.cm, o) for o in self.stages(g, tp_of, metis)] for g in self.pipelines(k)]
+        pipes = [[stage_layouts(self.cm, o) for o in self.stages(g, tp_of, metis)]
+                 for g in self.pipelines(k, by_type)]
         best, best_t = None, math.inf
         for mb in self.options.micro_batch_sizes:
             layout = build_layout(self.cm, pipes, self.options.global_batch_size, mb)
@@ -142,6 +146,12 @@ def _with_metis(search: _Search, cand: _Candidate) -> _Candidate:
     return _Candidate(obj, cand.k, cand.tp, layout) if layout is not None and obj < cand.objective else cand
 
 
+def _by_type(search: _Search, cand: _Candidate) -> Optional[_Candidate]:
+    """The candidate's pipeline count and TP map on phase 1's by-type cut (`split_by_type`)."""
+    layout, obj = search.evaluate(cand.k, dict(cand.tp), metis=search.options.phase2_metis, by_type=True)
+    return None if layout is None else _Candidate(obj, cand.k, cand.tp, layout)
+
+
 def find_layout(cluster: Cluster, config, options: PlannerOptions,
                 progress: Optional[Callable[[int, int], None]] = None) -> PlannerResult:
     """The best layout the planner finds for `config` on `cluster` (deterministic)."""
@@ -172,9 +182,11 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
         others = [_with_metis(search, c) for c in others[:2]] + others[2:]
         found.sort(key=key)
         others.sort(key=key)
-    # the three best pipeline counts and the two best other TP maps (one that loses before refinement
-    # can win after it)
-    layouts = [c.layout for c in found[:3] + others[:2]]
+    # phase 1's other cut, pipelines of equal type mix, for the best TP map of every pipeline count
+    typed = sorted((c for c in (_by_type(search, c) for c in found) if c is not None), key=key)
+    # refined: the three best pipeline counts, the two best other TP maps (one that loses before
+    # refinement can win after it) and the best equal-mix cut
+    layouts = [c.layout for c in found[:3] + others[:2] + typed[:1]]
     best_layout, best_est = None, None
     for cand in layouts:
         if options.refine:

@@ -5,8 +5,8 @@ one stage of a pipeline to another, or one micro-batch from one pipeline to anot
 change it: change the micro-batch size; reverse a pipeline or swap two of its machine blocks; split a
 stage's TP group in two, merge two neighbouring stages of one machine into one group of twice the
 degree, or re-cut a pipeline's stages on one machine into groups of other sizes (TP degrees may differ
-inside a machine, as HexiScale allows); move a TP group to another pipeline (a pipeline left empty
-disappears) or swap two groups of different machines between pipelines. Moves keep each machine's
+inside a machine, as HexiScale allows); move a TP group or a machine block to another pipeline (a
+pipeline left empty disappears) or swap two of them, of different machines, between pipelines. Moves keep each machine's
 stages of a pipeline together, so the refined layout stays inside the exhaustive search's space
 (`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`) and
 the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so a
@@ -164,21 +164,33 @@ def _insert_points(stages: Sequence[StageLayout], st: StageLayout) -> list[int]:
     return cuts
 
 
+def _units(stages: Sequence[StageLayout]) -> list[tuple[int, int]]:
+    """(start, length) of what a device move carries: every single stage (TP group), then every
+    machine block of two or more stages."""
+    out = [(i, 1) for i in range(len(stages))]
+    start = 0
+    for blk in _blocks(stages):
+        if len(blk) > 1:
+            out.append((start, len(blk)))
+        start += len(blk)
+    return out
+
+
 def _device_moves(layout: ClusterLayout, est: Estimate) -> Iterator[tuple[list, set[int]]]:
-    """A TP group from one pipeline to another (slowest source first; a pipeline left empty disappears),
-    then two groups of different machines swapped between pipelines."""
+    """A TP group or a machine block from one pipeline to another (slowest source first; a pipeline
+    left empty disappears), then two of them, of different machines, swapped between pipelines."""
     k = len(layout.pipelines)
     pipes = [list(q.stages) for q in layout.pipelines]
     order = sorted(range(k), key=lambda p: (-est.pipeline_time[p], p))
     for src in order:
-        for i, st in enumerate(pipes[src]):
-            rest = pipes[src][:i] + pipes[src][i + 1:]
+        for i, n in _units(pipes[src]):
+            unit, rest = pipes[src][i:i + n], pipes[src][:i] + pipes[src][i + n:]
             for dst in order:
                 if dst == src:
                     continue
-                for at in _insert_points(pipes[dst], st):
+                for at in _insert_points(pipes[dst], unit[0]):
                     new = list(pipes)
-                    new[src], new[dst] = rest, pipes[dst][:at] + [st] + pipes[dst][at:]
+                    new[src], new[dst] = rest, pipes[dst][:at] + unit + pipes[dst][at:]
                     if rest:
                         yield new, {src, dst}
                     else:
@@ -186,15 +198,16 @@ def _device_moves(layout: ClusterLayout, est: Estimate) -> Iterator[tuple[list, 
                         yield new, {dst - (dst > src)}
     for ai, a in enumerate(order):
         for b in order[ai + 1:]:
-            for i, x in enumerate(pipes[a]):
-                for j, y in enumerate(pipes[b]):
-                    if x.machine == y.machine:
+            for i, n in _units(pipes[a]):
+                for j, m in _units(pipes[b]):
+                    x, y = pipes[a][i:i + n], pipes[b][j:j + m]
+                    if x[0].machine == y[0].machine:
                         continue
-                    ra, rb = pipes[a][:i] + pipes[a][i + 1:], pipes[b][:j] + pipes[b][j + 1:]
-                    for at_a in _insert_points(ra, y):
-                        for at_b in _insert_points(rb, x):
+                    ra, rb = pipes[a][:i] + pipes[a][i + n:], pipes[b][:j] + pipes[b][j + m:]
+                    for at_a in _insert_points(ra, y[0]):
+                        for at_b in _insert_points(rb, x[0]):
                             new = list(pipes)
-                            new[a], new[b] = ra[:at_a] + [y] + ra[at_a:], rb[:at_b] + [x] + rb[at_b:]
+                            new[a], new[b] = ra[:at_a] + y + ra[at_a:], rb[:at_b] + x + rb[at_b:]
                             yield new, {a, b}
 
 

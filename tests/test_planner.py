@@ -18,6 +18,7 @@ from cfp.planner.layout_file import (LayoutFile, load_layout_file, train_args_fr
                                      write_layout_file)
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import find_layout
+from cfp.planner.random_clusters import optimality_case, random_cluster
 from cfp.runtime.layout import HeteroLayout
 from cfp.runtime.schedules import ScheduleName
 from cfp.runtime.sharding import param_specs
@@ -72,6 +73,24 @@ def test_parameter_counts_match_the_model_trees_under_tp(model, tp):
     assert m.embed_params(tp) == _device_params(like["embed"], tp)
 
 
+@pytest.mark.parametrize("model", ["llama2", "gpt"])
+def test_layer_gemms_carry_the_dot_flops_and_slow_down_when_thin(model):
+    """The per-GEMM split the shape-aware rates price must hold exactly the layer's dot FLOPs; and a
+    GEMM made thin by a high TP degree or a short micro-batch must run below the large-GEMM rate."""
+    cfg = get_config(model, "7B" if model == "llama2" else "6.7B", dtype="bfloat16", seq_len=256)
+    cl = parse_cluster({"inter_machine_bandwidth": "1GB/s", "machines": [
+        {"gpu": "A100-SXM-80G", "count": 8, "intra_bandwidth": "300GB/s"}]})
+    cm = CostModel(cfg, cl)
+    m = cm.model
+    for tp, mb in itertools.product((1, 2, 8), (1, 4)):
+        assert sum(f for f, _ in m.layer_gemms(tp, mb)) == pytest.approx(mb * m.layer_dot_flops(tp), rel=1e-12)
+        assert m.head_gemm(tp, mb)[0] < mb * m.head_flops(tp)
+        rate = mb * m.layer_flops(tp) / cm.layer_seconds(0, tp, mb)
+        assert 0 < rate < cm.rate(0) < cm.peak(0)
+    per_flop = lambda tp, mb: cm.layer_seconds(0, tp, mb) / (mb * m.layer_flops(tp))
+    assert per_flop(8, 1) > per_flop(1, 1) and per_flop(1, 1) > per_flop(1, 4)
+
+
 def test_compiled_stages_agree_with_the_cost_model():
     """FLOPs: dots are counted exactly, elementwise ops roughly (measured within 3.5%; a FLOP count is a
     property of the HLO, not of the CPU); update bytes are the tensors the model counts plus the temporaries
@@ -94,19 +113,6 @@ def test_compiled_stages_agree_with_the_cost_model():
 
 
 # ----------------------------------------------------------------------------- random clusters
-GPUS = ["RTX3080Ti", "RTX3090", "RTX4090", "A100-PCIe-40G", "A100-SXM-80G", "L4"]
-
-
-def random_cluster(rng, max_devices):
-    machines, total = [], 0
-    while not machines or (total < max_devices and rng.random() < 0.6):
-        count = rng.choice([c for c in (1, 2, 4, 8) if total + c <= max_devices] or [1])
-        machines.append({"gpu": rng.choice(GPUS), "count": count,
-                         "intra_bandwidth": f"{rng.choice([16, 25, 300])}GB/s"})
-        total += count
-    return parse_cluster({"inter_machine_bandwidth": f"{rng.choice([1.25, 12.5])}GB/s", "machines": machines})
-
-
 def check_plan(cluster, cfg, options, result):
     lay = result.layout
     hl = HeteroLayout.from_lists(**lay.lists()).validate_for(cfg, cluster.num_devices)
@@ -139,36 +145,29 @@ def test_random_clusters_give_valid_plans(seed):
     assert again.layout == result.layout                       # deterministic
 
 
-def optimality_gap(seed, max_devices=6, limit=200_000):
-    """(planner's estimated step time / the exhaustive optimum's) - 1 on the random small cluster of
-    `seed`, or None when the exhaustive search passes `limit` layouts. Also checks the plan's
-    properties and that the optimum is a lower bound."""
-    from cfp.errors import InfeasibleError
-    rng = random.Random(seed)
-    cluster = random_cluster(rng, max_devices)
-    # a 2048-wide Llama (0.8 GB of AdamW state per layer) fits any of these devices
-    cfg = get_config("llama2", "7B", dtype="bfloat16", num_layers=rng.choice([4, 6]), seq_len=1024,
-                     hidden_size=2048, num_heads=16, ffn_size=5504)
-    options = PlannerOptions(global_batch_size=8, micro_batch_sizes=(1, 2))
-    result = find_layout(cluster, cfg, options)
-    check_plan(cluster, cfg, options, result)
-    cm = CostModel(cfg, cluster, options.schedule)
-    try:
-        best, est, count = exhaustive_layout(cm, options, limit)
-    except InfeasibleError as e:
-        if "passed" in str(e):
-            return None
-        raise
+def optimality_gap(seed, max_devices=6):
+    """The planner's gap to the exhaustive optimum on the random cluster of `seed` (None past the
+    search's cap), after checking the plan's properties and that the optimum is a lower bound."""
+    case = optimality_case(seed, max_devices)
+    check_plan(case.cluster, case.config, case.options, case.planned)
+    if case.optimum is None:
+        return None
+    _, est, count = case.optimum
     assert count > 1 and np.isfinite(est.step_time) and est.step_time > 0
-    assert est.step_time <= result.estimate.step_time * (1 + 1e-9)   # the optimum is a lower bound
-    return result.estimate.step_time / est.step_time - 1
+    assert est.step_time <= case.planned.estimate.step_time * (1 + 1e-9)   # the optimum is a lower bound
+    return case.gap
 
 
-# seeds 100..107 and 223 (4x RTX4090 + 4x L4: the optimum needs another stage order with other layer
-# counts, which the refinement's single moves did not reach together; 6.7% off before the fix)
-@pytest.mark.parametrize("seed", [*range(100, 108), 223])
+# Seeds (8 devices at most) where earlier planners missed the optimum, each for another reason: 223
+# (4x RTX4090 + 4x L4: another stage order with other layer counts), 262 (the layer split must keep the
+# stage behind the slow link light; 4.1% off before), 296 (the embedding on the GPU with fast memory;
+# 3.4%), 232, 202, 279 and 247 (one machine cut into TP groups of mixed sizes, a wide one holding the LM
+# head: up to 18% off before the re-cut moves), 221 (2 pipelines sharing a machine: 1.95%, the largest
+# gap of the sweep). 274 (14.5% off before: unbalanced pipelines with 1 and 7 micro-batches) is left to
+# benchmarks/planner_optimality.py, its exhaustive search takes ~15 s.
+@pytest.mark.parametrize("seed", [223, 262, 296, 232, 202, 279, 247, 221])
 def test_planner_is_within_two_percent_of_the_exhaustive_optimum(seed):
-    gap = optimality_gap(seed, max_devices=8 if seed == 223 else 6)
+    gap = optimality_gap(seed, max_devices=8)
     if gap is None:
         pytest.skip("exhaustive search passed its layout cap")
     assert gap <= 0.02, gap
@@ -264,3 +263,22 @@ def test_cli_plan_bad_cluster_is_one_line_exit_2(tmp_path, capsys):
     code = main(["plan", "--cluster", str(bad), "--model", "llama2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "RTX9090" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("model", ["moe", "bert"])
+def test_cli_plan_unsupported_model_is_one_line_exit_2(model, capsys):
+    from cfp.cli.main import main
+    code = main(["plan", "--cluster", "examples/clusters/local.yaml", "--model", model])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and f"--model {model}" in err and "gpt and llama2" in err and len(err.splitlines()) == 1
+
+
+def test_split_by_type_deals_every_type_evenly():
+    from cfp.planner.partition import split_by_type
+    cl = random_cluster(random.Random(207), 8)      # 5 machines of 3 types
+    for k in (1, 2, 3, 8):
+        parts = split_by_type(cl, k)
+        assert sorted(d for p in parts for d in p) == list(range(cl.num_devices))
+        for name in {m.gpu.name for m in cl.machines}:
+            counts = [sum(cl.machines[cl.devices[d].machine].gpu.name == name for d in p) for p in parts]
+            assert max(counts) - min(counts) <= 1 or len(parts) < k

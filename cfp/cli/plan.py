@@ -13,12 +13,15 @@ import time
 from cfp.cli.common import positive_int
 from cfp.errors import ConfigError, InfeasibleError
 
+PLANNED_MODELS = ("gpt", "llama2")
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="plan a heterogeneous 3D-parallel layout for a cluster",
                               description=__doc__.splitlines()[0])
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster file (YAML)")
-    p.add_argument("--model", required=True, choices=("gpt", "llama2"))
+    p.add_argument("--model", required=True, choices=("gpt", "llama2", "moe", "bert"),
+                   help="model family (the planner's cost model covers the decoders gpt and llama2)")
     p.add_argument("--config", default="tiny", help="named model config (default: tiny)")
     p.add_argument("--num-layers", type=positive_int, default=None)
     p.add_argument("--seq-len", type=positive_int, default=None)
@@ -95,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     from cfp.planner.planner import find_layout
 
     t0 = time.perf_counter()
+    if args.model not in PLANNED_MODELS:
+        raise ConfigError(f"cfp plan --model {args.model}: the planner's cost model covers the decoder "
+                          f"models {' and '.join(PLANNED_MODELS)} (MoE and BERT layouts are written by hand)")
     cluster = load_cluster_file(args.cluster)
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("seq_len", args.seq_len),
                                    ("dtype", args.dtype)) if v is not None}
@@ -117,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                         _estimate_dict(est), cluster.to_dict())
         write_layout_file(args.out, lf)
         print(f"layout written to {args.out}")
-    print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog peaks, {cm.precision.value})")
+    print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog's dense "
+          f"{'/'.join(p.value for p in cm.precisions())} peaks)")
     print(f"estimated tokens/s: {est.tokens_per_s:.0f}")
     print(f"planning time: {time.perf_counter() - t0:.2f} s (measured)")
     sys.stdout.flush()

@@ -20,20 +20,13 @@ def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
     m = cm.model
     intra = cm.cluster.machines[st.machine].intra_bandwidth
     ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-    return 4 * mb * m.layer_flops(st.tp) / cm.rate(st.machine) + 6 * ar
+    return 4 * cm.layer_seconds(st.machine, st.tp, mb) + 6 * ar
 
 
 def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:
     """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
     the number of layers)."""
-    st = pipe.stages[i]
-    cap = cm.cluster.machines[st.machine].memory
-    s0, s1, a0, a1 = cm.memory_terms(st, i, pipe, n_pipes)
-    # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
-    n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
-    n2 = (cap / (3 + n_pipes) - s0) / s1
-    n = int(math.floor(min(n1, n2) * (1 + 1e-12)))
-    return max(0, min(limit, n))
+    return max(0, min(limit, cm.layer_capacity(pipe.stages[i], i, pipe, n_pipes)))
 
 
 def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunks: int,
@@ -51,7 +44,12 @@ def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunk
         return None
     tau = [layer_time(cm, st, mb) for st in stages]
     last = stages[-1]
-    fixed = [0.0] * (len(stages) - 1) + [4 * mb * cm.model.head_flops(last.tp) / cm.rate(last.machine)]
+    # a stage's steady-state slot also holds its send and the previous stage's (not overlapped with
+    # compute in the schedule's estimate): a stage behind a slow link gets fewer layers
+    sends = [mb * cm.model.boundary_bytes() / cm.cluster.link(a.machine, b.machine)
+             for a, b in zip(stages, stages[1:])] + [0.0]
+    fixed = [sends[i] + (sends[i - 1] if i else 0.0) for i in range(len(stages))]
+    fixed[-1] += 4 * cm.head_seconds(last.machine, last.tp, mb)
     n = [1] * len(stages)
     heap = [(fixed[i] + 2 * tau[i], i) for i in range(len(stages)) if caps[i] > 1]
     heapq.heapify(heap)

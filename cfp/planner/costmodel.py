@@ -7,6 +7,12 @@ stays replicated). The runtime keeps only each micro-batch's stage input between
 and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
 (recompute + 2x for the gradients) and its activation peak is one micro-batch's whole stage.
 
+Compute time: each dot of a layer (q, k/v, out, the attention einsums, the MLP; the LM head) at its own
+per-device GEMM shape's achievable rate from `cfp.hardware.rates` (the precision from the dtype as JAX
+runs it, the large-GEMM efficiency and its fall-off for thin shapes; shared with the profiling pass's
+estimate), so a high TP degree or a short micro-batch costs more per FLOP; the elementwise FLOPs at the
+large-GEMM rate. MFU is against the dense peaks of that precision.
+
 Step time = slowest pipeline (closed form of GPipe / non-interleaved 1F1B: the sum of the stage
 times plus (m-1) times the slowest stage, sends included) + gradient sync across pipelines (ring
 all-reduce per layer over the slowest link) + the memory-bound AdamW update. Collectives come from
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cfp.errors import ConfigError
+from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.models.configs import GPTConfig, LlamaConfig
@@ -28,7 +35,7 @@ from cfp.planner.cluster import Cluster
 from cfp.runtime.schedules import ScheduleName
 
 def _memo(fn):
-    """Per-instance memo of a ModelCost figure (its arguments are small ints)."""
+    """Per-instance memo of a figure (its arguments are small ints)."""
     @functools.wraps(fn)
     def wrapper(self, *args):
         key = (fn.__name__,) + args
@@ -40,21 +47,18 @@ def _memo(fn):
 
 
 PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
-# Assumed fraction of the dense datasheet peak a large transformer dot reaches on a GPU. An assumption
-# of this planner, not a measurement; the `cpu` entry's peak is already a measured matmul rate.
-GPU_MATMUL_EFFICIENCY = 0.7
 
 
 def achievable_flops(gpu: GpuSpec, precision: Precision) -> float:
-    """FLOP/s a transformer's dots reach on `gpu` in `precision`: the ONE place the planner takes device
-    rates from (swap in the shared precision/shape-aware rates here)."""
-    return gpu.peak(precision) * (1.0 if gpu.name == "cpu" else GPU_MATMUL_EFFICIENCY)
+    """FLOP/s of a large GEMM on `gpu` in `precision` (`cfp.hardware.rates`, shared with the profiling
+    pass): the planner's measure of a device's speed for METIS' vertex weights and the greedy baseline."""
+    return rates.achievable_flops(gpu, precision)
 
 
-def precision_of(dtype: str) -> Precision:
-    """bfloat16 compute runs on BF16 tensor cores; float32 is counted at the FP32 rate (conservative:
-    XLA:GPU may use TF32 under JAX's default matmul precision)."""
-    return Precision.BF16 if dtype == "bfloat16" else Precision.FP32
+def precision_of(dtype: str, gpu: GpuSpec) -> Precision:
+    """The arithmetic of the model's dots on `gpu` (`cfp.hardware.rates.dot_precision` under JAX's default
+    matmul precision: bfloat16 on BF16 tensor cores, float32 as TF32 where the device has it)."""
+    return rates.dot_precision(dtype, None, gpu)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -159,6 +163,29 @@ class ModelCost:
         return (4 * s * h * h + 4 * s * s * h + mlp) / tp + 4 * s * h * kv / kv_div
 
     @_memo
+    def layer_gemms(self, tp: int, mb: int) -> tuple[tuple[float, tuple[float, float, float]], ...]:
+        """(FLOPs, per-device GEMM shape (m, n, k)) of each dot of one layer's forward on `mb` sequences;
+        the FLOPs sum to `mb * layer_dot_flops(tp)`. A dot's backward GEMMs permute (m, n, k), which
+        `cfp.hardware.rates.gemm_efficiency` treats alike."""
+        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
+        kv = self.kv_heads * c.head_dim / (tp if self.kv_heads % tp == 0 else 1)
+        t, f, d = mb * s, c.ffn_size / tp, c.head_dim
+        heads = mb * c.num_heads / tp          # batched attention GEMMs, one per sequence and head
+        return ((2 * t * h * h / tp, (t, h / tp, h)),            # q
+                (2 * t * h * h / tp, (t, h, h / tp)),            # out
+                (4 * t * h * kv, (t, kv, h)),                    # k and v
+                (2 * heads * s * s * d, (s, s, d)),              # scores
+                (2 * heads * s * s * d, (s, d, s)),              # probabilities x values
+                ((4 if self.llama else 2) * t * h * f, (t, f, h)),   # MLP in (Llama: gate and up)
+                (2 * t * h * f, (t, h, f)))                      # MLP out
+
+    @_memo
+    def head_gemm(self, tp: int, mb: int) -> tuple[float, tuple[float, float, float]]:
+        c, t = self.config, mb * self.config.seq_len
+        v = c.vocab_size / (tp if c.vocab_size % tp == 0 else 1)
+        return 2 * t * c.hidden_size * v, (t, v, c.hidden_size)
+
+    @_memo
     def layer_elementwise_flops(self, tp: int = 1) -> float:
         """Softmax (~5 per score), norms and residuals (~10 per hidden element), activation (~5 per
         MLP element), RoPE (~6 per q/k element): a rough count, small next to the dots."""
@@ -238,6 +265,17 @@ class Estimate:
 
 
 @dataclass(frozen=True)
+class _PipelineFigures:
+    stages: tuple[StageEstimate, ...]
+    time: float                     # the pipeline's forward-backward time, seconds
+    update: float                   # its slowest stage's optimizer update, seconds
+    layer_tp: tuple[int, ...]       # TP degree per layer
+    fits: bool
+    peak: float                     # dense peak FLOP/s of its devices
+    machines: frozenset
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Estimates a `ClusterLayout` of `config` on `cluster` with `schedule`."""
     config: Any
@@ -246,14 +284,44 @@ class CostModel:
 
     def __post_init__(self):
         object.__setattr__(self, "model", ModelCost(self.config))
-        object.__setattr__(self, "precision", precision_of(self.config.dtype))
         object.__setattr__(self, "_machines", self.cluster.machine_of())
-        object.__setattr__(self, "_peak", [m.gpu.peak(self.precision) for m in self.cluster.machines])
-        object.__setattr__(self, "_rate", [achievable_flops(m.gpu, self.precision) for m in self.cluster.machines])
+        prec = [precision_of(self.config.dtype, m.gpu) for m in self.cluster.machines]
+        object.__setattr__(self, "_precision", prec)
+        object.__setattr__(self, "_peak", [m.gpu.peak(p) for m, p in zip(self.cluster.machines, prec)])
+        object.__setattr__(self, "_rate", [achievable_flops(m.gpu, p) for m, p in zip(self.cluster.machines, prec)])
         object.__setattr__(self, "_stage_memo", {})
+        object.__setattr__(self, "_pipe_memo", {})
+        object.__setattr__(self, "_memo", {})
 
     def rate(self, machine: int) -> float:
+        """A large GEMM's FLOP/s on `machine`'s devices (their speed, for partitioning)."""
         return self._rate[machine]
+
+    def _dot_seconds(self, machine: int, gemms) -> float:
+        gpu, prec = self.cluster.machines[machine].gpu, self._precision[machine]
+        return sum(f / rates.achievable_flops(gpu, prec, *mnk) for f, mnk in gemms)
+
+    @_memo
+    def layer_seconds(self, machine: int, tp: int, mb: int) -> float:
+        """Forward compute of one layer on `mb` sequences: each dot at its shape's achievable rate
+        (`cfp.hardware.rates`), the elementwise ops' FLOPs at the large-GEMM rate (small next to the dots)."""
+        return (self._dot_seconds(machine, self.model.layer_gemms(tp, mb))
+                + mb * self.model.layer_elementwise_flops(tp) / self.rate(machine))
+
+    @_memo
+    def head_seconds(self, machine: int, tp: int, mb: int) -> float:
+        """Forward compute of the LM head (and its loss) on `mb` sequences, like `layer_seconds`."""
+        m = self.model
+        gemm = m.head_gemm(tp, mb)
+        return self._dot_seconds(machine, (gemm,)) + (mb * m.head_flops(tp) - gemm[0]) / self.rate(machine)
+
+    def precisions(self) -> tuple[Precision, ...]:
+        """The arithmetic of the model's dots on each device type used (sorted, distinct)."""
+        return tuple(sorted(set(self._precision), key=lambda p: p.value))
+
+    def peak(self, machine: int) -> float:
+        """Dense peak FLOP/s of `machine`'s devices in the arithmetic the model's dots run in."""
+        return self._peak[machine]
 
     def stored_inputs(self, stage_index: int, num_stages: int, chunks: int) -> int:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
@@ -288,6 +356,21 @@ class CostModel:
               + (PARAM_BYTES * m.embed_params(st.tp) if first else 0.0))
         return s0, s1, a0, mb * m.layer_activation_bytes(st.tp)
 
+    def layer_capacity(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> int:
+        """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
+        the number of layers); memoised on what the terms depend on (planning at scale asks ~10^6 times)."""
+        n = len(pipe.stages)
+        key = ("layer_capacity", st.machine, st.tp, idx == 0, idx == n - 1,
+               self.stored_inputs(idx, n, pipe.chunks), pipe.micro_batch, n_pipes)
+        if key not in self._memo:
+            cap = self.cluster.machines[st.machine].memory
+            s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
+            # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
+            n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
+            n2 = (cap / (3 + n_pipes) - s0) / s1
+            self._memo[key] = int(math.floor(min(n1, n2) * (1 + 1e-12)))
+        return self._memo[key]
+
     def stage_memory(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> float:
         """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
         backward's working set (stored inputs + one micro-batch's stage activations) and the
@@ -313,11 +396,12 @@ class CostModel:
         first, last = idx == 0, idx == n - 1
         mb = pipe.micro_batch
         ff, fb = self.stage_flops(st, first, last, mb)
-        rate = self.rate(st.machine)
+        compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb)
+                   + (self.head_seconds(st.machine, st.tp, mb) if last else 0.0))
         intra = self.cluster.machines[st.machine].intra_bandwidth
         ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-        fwd = ff / rate + 2 * st.layers * ar           # one all-reduce after attention, one after MLP
-        bwd = fb / rate + 4 * st.layers * ar           # recomputed forward + backward
+        fwd = compute + 2 * st.layers * ar             # one all-reduce after attention, one after MLP
+        bwd = 3 * compute + 4 * st.layers * ar         # recomputed forward + backward (2x)
         send = 0.0
         if nxt is not None:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
@@ -335,6 +419,28 @@ class CostModel:
         worst = max(s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send))
         return fill + (chunks - 1) * worst
 
+    def _pipeline(self, pipe: PipelineLayout, n_pipes: int) -> _PipelineFigures:
+        """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
+        in one or two pipelines)."""
+        key = (pipe, n_pipes)
+        memo = self._pipe_memo
+        if key not in memo:
+            st = pipe.stages
+            ests = tuple(self.stage_estimate(s, i, pipe, n_pipes, st[i + 1] if i + 1 < len(st) else None)
+                         for i, s in enumerate(st))
+            layer_tp = tuple(s.tp for s in st for _ in range(s.layers))
+            memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
+                                         layer_tp, all(e.memory <= e.capacity for e in ests),
+                                         sum(s.tp * self._peak[s.machine] for s in st),
+                                         frozenset(s.machine for s in st))
+        return memo[key]
+
+    def _all_reduce(self, nbytes: float, n: int, bw: float) -> float:
+        key = ("all-reduce", nbytes, n, bw)
+        if key not in self._memo:
+            self._memo[key] = collective_time("all-reduce", nbytes, n, bw)
+        return self._memo[key]
+
     def dp_time(self, layout: ClusterLayout) -> float:
         """Gradient sync: per layer a ring all-reduce over the pipelines of the largest per-device shard
         among them, over the slowest link; a stage syncs its layers one after another, stages run at
@@ -343,24 +449,19 @@ class CostModel:
         if n == 1:
             return 0.0
         m = self.model
-        machines = {s.machine for p in layout.pipelines for s in p.stages}
+        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
-              else self.cluster.machines[machines.pop()].intra_bandwidth)
-        min_tp = [math.inf] * m.config.num_layers
-        for p in layout.pipelines:
-            layer = 0
-            for st in p.stages:
-                for l in range(layer, layer + st.layers):
-                    min_tp[l] = min(min_tp[l], st.tp)
-                layer += st.layers
-        per_layer = [collective_time("all-reduce", m.layer_params(int(t)) * PARAM_BYTES, n, bw) for t in min_tp]
+              else self.cluster.machines[next(iter(machines))].intra_bandwidth)
+        prefix = [0.0]
+        for tps in zip(*(f.layer_tp for f in figs)):
+            prefix.append(prefix[-1] + self._all_reduce(m.layer_params(min(tps)) * PARAM_BYTES, n, bw))
         worst = 0.0
         for p in layout.pipelines:
-            layer = 0
+            layer, last = 0, len(p.stages) - 1
             for i, st in enumerate(p.stages):
-                extra = (m.embed_params() if i == 0 else 0) + (m.head_params(1) if i == len(p.stages) - 1 else 0)
-                t = sum(per_layer[layer:layer + st.layers]) + collective_time(
-                    "all-reduce", extra * PARAM_BYTES, n, bw)
+                extra = (m.embed_params() if i == 0 else 0) + (m.head_params(1) if i == last else 0)
+                t = prefix[layer + st.layers] - prefix[layer] + self._all_reduce(extra * PARAM_BYTES, n, bw)
                 worst = max(worst, t)
                 layer += st.layers
         return worst
@@ -369,25 +470,19 @@ class CostModel:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
         stages update at once, the step waits for the slowest."""
         n = len(layout.pipelines)
-        return max(self.stage_estimate(st, i, p, n, p.stages[i + 1] if i + 1 < len(p.stages) else None).update
-                   for p in layout.pipelines for i, st in enumerate(p.stages))
+        return max(self._pipeline(p, n).update for p in layout.pipelines)
 
     def estimate(self, layout: ClusterLayout) -> Estimate:
         n = len(layout.pipelines)
-        stages, times = [], []
-        for p in layout.pipelines:
-            ests = tuple(self.stage_estimate(st, i, p, n, p.stages[i + 1] if i + 1 < len(p.stages) else None)
-                         for i, st in enumerate(p.stages))
-            stages.append(ests)
-            times.append(self.pipeline_time(ests, p.chunks))
-        dp, upd = self.dp_time(layout), self.update_time(layout)
+        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        times = tuple(f.time for f in figs)
+        dp, upd = self.dp_time(layout), max(f.update for f in figs)
         step = max(times) + dp + upd
         seqs = layout.global_batch
-        peak = sum(s.tp * self._peak[s.machine] for p in layout.pipelines for s in p.stages)
+        peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)
-        fits = all(s.memory <= s.capacity for row in stages for s in row)
-        return Estimate(step, seqs * self.config.seq_len / step, mfu, tuple(times), dp, upd,
-                        tuple(stages), fits, peak)
+        return Estimate(step, seqs * self.config.seq_len / step, mfu, times, dp, upd,
+                        tuple(f.stages for f in figs), all(f.fits for f in figs), peak)
 
     def mfu_with_peaks(self, est: Estimate, layout: ClusterLayout, tflops: dict[str, float]) -> float:
         """MFU of `est` against another peak table (TFLOP/s by catalog name), e.g. a paper's."""

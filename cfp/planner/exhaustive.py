@@ -1,8 +1,10 @@
 """The exhaustive optimum over the planner's layout space, for small clusters (<= 16 devices).
 
-Space: every TP degree per device type; every grouping of the resulting TP groups into pipelines
-(groups of one machine are interchangeable, so groupings are multiset partitions); every order of
-each pipeline's machines (a machine's stages kept together); every split of the layers over stages
+Space: every cut of each machine's devices into TP groups of power-of-two sizes that divide the heads
+(mixed sizes included, as the planner's remainders and refinement produce them); every grouping of
+those groups into pipelines (groups of one machine and size are interchangeable, so groupings are
+multiset partitions); every order of each pipeline's machines (a machine's stages kept together) and
+of the group sizes inside each machine; every split of the layers over stages
 that fits memory; every micro-batch size and every split of the micro-batches over pipelines. The
 last is solved exactly rather than enumerated: the step is the slowest pipeline plus terms that do not
 depend on micro-batch counts, and each pipeline's time is increasing in its count, so
@@ -18,8 +20,7 @@ from cfp.errors import InfeasibleError
 from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms
 from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, PipelineLayout, StageLayout
 from cfp.planner.options import PlannerOptions
-from cfp.planner.partition import machine_groups
-from cfp.planner.planner import tp_choices
+from cfp.planner.partition import size_cuts, size_orders
 
 MAX_DEVICES = 16
 
@@ -53,9 +54,37 @@ def compositions(total: int, parts: int, caps: Sequence[int]) -> Iterator[tuple[
             yield (first,) + rest
 
 
+def _distinct_orders(block: list[StageLayout]) -> list[tuple[StageLayout, ...]]:
+    """Orders of one machine's groups that differ in the sequence of sizes (same-size groups of a machine
+    are interchangeable)."""
+    by_size: dict[int, list[StageLayout]] = {}
+    for s in block:
+        by_size.setdefault(s.tp, []).append(s)
+    out = []
+    for seq in size_orders([s.tp for s in block]):
+        used = {t: 0 for t in by_size}
+        order = []
+        for t in seq:
+            order.append(by_size[t][used[t]])
+            used[t] += 1
+        out.append(tuple(order))
+    return out
+
+
 def _pipeline_orders(blocks: list[list[StageLayout]]) -> Iterator[tuple[StageLayout, ...]]:
+    inner = [_distinct_orders(b) for b in blocks]
     for perm in itertools.permutations(range(len(blocks))):
-        yield tuple(s for i in perm for s in blocks[i])
+        for parts in itertools.product(*(inner[i] for i in perm)):
+            yield tuple(s for part in parts for s in part)
+
+
+def _machine_groups(cl, cuts: Sequence[tuple[int, ...]]) -> list[list[int]]:
+    out, first = [], 0
+    for m, cut in zip(cl.machines, cuts):
+        for t in cut:
+            out.append(list(range(first, first + t)))
+            first += t
+    return out
 
 
 def _layer_splits(cm: CostModel, stages: tuple[StageLayout, ...], batch: int, chunks: int, k: int):
@@ -75,13 +104,9 @@ def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_0
     if cl.num_devices > MAX_DEVICES:
         raise InfeasibleError(f"exhaustive search covers at most {MAX_DEVICES} devices, the cluster has "
                               f"{cl.num_devices}")
-    choices = tp_choices(cl, cm.config.num_heads)
-    names = sorted(choices)
     best, count = None, 0
-    for combo in itertools.product(*(choices[g] for g in names)):
-        tp = dict(zip(names, combo))
-        groups = machine_groups(cl, range(cl.num_devices), lambda m: tp[cl.machines[m].gpu.name],
-                                cm.config.num_heads)
+    for cuts in itertools.product(*(size_cuts(m.count, cm.config.num_heads) for m in cl.machines)):
+        groups = _machine_groups(cl, cuts)
         kinds = sorted({(cl.devices[g[0]].machine, len(g)) for g in groups})
         pool = {kd: [g for g in groups if (cl.devices[g[0]].machine, len(g)) == kd] for kd in kinds}
         counts = tuple(len(pool[kd]) for kd in kinds)
@@ -101,18 +126,19 @@ def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_0
                 if G % mb or G // mb < k:
                     continue
                 total = G // mb
-                per_pipe = [[p.stages for order in _pipeline_orders(pb)
-                             for p in _layer_splits(cm, order, mb, 1, k)] for pb in pipes_blocks]
+                # per pipeline: (stages, time terms, micro-batch cap) of every order and layer split
+                per_pipe = [[(p.stages, pipeline_terms(cm, p.stages, mb), max_chunks(cm, p.stages, mb, k, total))
+                             for order in _pipeline_orders(pb) for p in _layer_splits(cm, order, mb, 1, k)]
+                            for pb in pipes_blocks]
                 for combo in itertools.product(*per_pipe):
                     count += 1
                     if count > limit:
                         raise InfeasibleError(f"exhaustive search passed {limit} layouts; use a "
                                               f"smaller cluster or fewer layers")
-                    chunks = allocate_chunks([pipeline_terms(cm, st, mb) for st in combo],
-                                             [max_chunks(cm, st, mb, k, total) for st in combo], total)
+                    chunks = allocate_chunks([c[1] for c in combo], [c[2] for c in combo], total)
                     if chunks is None:
                         continue
-                    lay = ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for st, c in zip(combo, chunks)))
+                    lay = ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for (st, _, _), c in zip(combo, chunks)))
                     e = cm.estimate(lay)
                     if e.fits and (best is None or e.objective < best[1].objective):
                         best = (lay, e)

@@ -18,13 +18,16 @@ def _positive(name: str, v) -> int:
 class PlannerOptions:
     """`global_batch_size` sequences per step; `micro_batch_sizes` tried per micro-batch;
     `max_pipelines` caps the data-parallel degree searched (None: as many as the batch allows);
-    `refine_evaluations` bounds the local refinement (a count, not a time, so plans are deterministic)."""
+    `refine_evaluations` bounds the local refinement (a count, not a time, so plans are deterministic);
+    `phase2_metis` offers METIS' compute-balanced stage cut next to one TP degree per device type
+    (off: the latter only, for comparison)."""
     global_batch_size: int
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     max_pipelines: int | None = None
     refine: bool = True
     refine_evaluations: int = 3000
+    phase2_metis: bool = True
 
     def __post_init__(self):
         _positive("global_batch_size", self.global_batch_size)

@@ -4,9 +4,10 @@ The graph: devices are vertices weighted by their achievable compute; links are 
 bandwidth (every pair inside a machine; across machines, devices with the same local index, which
 keeps the graph sparse at 1024 devices while every machine pair stays connected). Phase 1 cuts the
 cluster into pipelines of balanced compute, cutting as little bandwidth as possible, so fast links stay
-inside a pipeline. Phase 2 cuts each pipeline into stages (equal device counts per TP group), which the
-bandwidth weights keep inside machines; a part that still spans machines or has the wrong size is
-re-cut machine by machine. Stages are ordered greedily so neighbours share the most bandwidth.
+inside a pipeline. Phase 2 cuts each pipeline into stages: TP groups of one degree per device type, and
+METIS' cut into as many stages of balanced compute (re-cut at machine borders and into power-of-two
+groups), both offered to the cost model (`split_stages`). Stages are ordered greedily so neighbours
+share the most bandwidth; with few machines every order of the machines is a candidate.
 """
 from __future__ import annotations
 
@@ -28,24 +29,23 @@ def _graph(cluster: Cluster, devices: Sequence[int], vweight) -> tuple[list[int]
     local: dict[int, list[int]] = defaultdict(list)
     for v, m in enumerate(machine):
         local[m].append(v)
-    rank = {}
-    for m, vs in local.items():
+    rank = [0] * len(devices)
+    by_rank: dict[int, list[int]] = defaultdict(list)
+    for vs in local.values():
         for i, v in enumerate(vs):
             rank[v] = i
-    by_rank: dict[int, list[int]] = defaultdict(list)
-    for v in range(len(devices)):
-        by_rank[rank[v]].append(v)
+            by_rank[i].append(v)
     unit = 1e8  # edge weight in 0.1 GB/s
+    intra = {m: max(1, int(round(cluster.machines[m].intra_bandwidth / unit))) for m in local}
+    inter = max(1, int(round(cluster.inter_bandwidth / unit)))
     xadj, adjncy, ew = [0], [], []
     for v in range(len(devices)):
-        for u in local[machine[v]]:
-            if u != v:
-                adjncy.append(u)
-                ew.append(max(1, int(round(cluster.machines[machine[v]].intra_bandwidth / unit))))
-        for u in by_rank[rank[v]]:
-            if machine[u] != machine[v]:
-                adjncy.append(u)
-                ew.append(max(1, int(round(cluster.inter_bandwidth / unit))))
+        mv = machine[v]
+        same = [u for u in local[mv] if u != v]
+        other = [u for u in by_rank[rank[v]] if machine[u] != mv]
+        adjncy += same
+        adjncy += other
+        ew += [intra[mv]] * len(same) + [inter] * len(other)
         xadj.append(len(adjncy))
     vw = [max(1, int(round(vweight(devs[d])))) for d in devices]
     return xadj, adjncy, vw, ew
@@ -72,6 +72,23 @@ def split_pipelines(cluster: Cluster, k: int, rate) -> list[list[int]]:
     return sorted(_parts(k, devices, membership), key=lambda g: g[0])
 
 
+def split_by_type(cluster: Cluster, k: int) -> list[list[int]]:
+    """Phase 1's alternative cut: each device type's devices (machine-major) dealt in `k` contiguous,
+    near-equal slices, one per pipeline, so every pipeline gets the same mix of types (data-parallel
+    replicas of one heterogeneous pipeline), keeping machines whole where the counts allow. METIS'
+    min-cut keeps fast-linked machines together instead, which this cut can beat when pipelines of
+    equal mix balance better. Empty pipelines are dropped."""
+    parts: list[list[int]] = [[] for _ in range(k)]
+    by_type: dict[str, list[int]] = defaultdict(list)
+    for d in cluster.devices:
+        by_type[cluster.machines[d.machine].gpu.name].append(d.id)
+    for name in sorted(by_type):
+        ds = by_type[name]
+        for p in range(k):
+            parts[p] += ds[p * len(ds) // k:(p + 1) * len(ds) // k]
+    return sorted((sorted(p) for p in parts if p), key=lambda g: g[0])
+
+
 def machine_groups(cluster: Cluster, devices: Sequence[int], tp_of, heads: int) -> list[list[int]]:
     """Cut each machine's share of `devices` into TP groups of its degree; a remainder becomes smaller
     groups of power-of-two sizes that divide `heads`."""
@@ -91,25 +108,94 @@ def machine_groups(cluster: Cluster, devices: Sequence[int], tp_of, heads: int) 
     return out
 
 
-def split_stages(cluster: Cluster, devices: Sequence[int], tp_of, heads: int) -> list[list[int]]:
-    """Phase 2: the pipeline's devices cut into TP groups (one machine each), METIS first."""
-    fallback = machine_groups(cluster, devices, tp_of, heads)
-    n = len(fallback)
-    if n <= 1 or len(set(len(g) for g in fallback)) != 1:
-        return fallback  # unequal group sizes: METIS' equal-weight parts cannot express them
-    devs = cluster.devices
-    machines = {devs[d].machine for d in devices}
-    if all(cluster.machines[m].intra_bandwidth >= cluster.inter_bandwidth for m in machines):
-        # every machine's share is whole TP groups and its links are the fastest: machine-aligned groups
-        # cut only what any equal split must cut, so they are a min-cut partition; METIS has no choice
-        return fallback
-    xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: 1)
-    _, membership = pymetis.part_graph(n, pymetis.CSRAdjacency(xadj, adjncy), vweights=vw, eweights=ew,
-                                       options=pymetis.Options(**_OPTIONS))
-    parts = _parts(n, devices, membership)
-    size = len(fallback[0])
-    ok = len(parts) == n and all(len(p) == size and len({devs[d].machine for d in p}) == 1 for p in parts)
-    return parts if ok else fallback
+def _power_pieces(ds: list[int], heads: int) -> list[list[int]]:
+    """`ds` cut into groups of power-of-two sizes dividing `heads`, largest first."""
+    out, i = [], 0
+    while i < len(ds):
+        size = 1
+        while size * 2 <= len(ds) - i and heads % (size * 2) == 0:
+            size *= 2
+        out.append(ds[i:i + size])
+        i += size
+    return out
+
+
+def balanced_stages(cluster: Cluster, devices: Sequence[int], parts: int, rate, heads: int) -> list[list[int]]:
+    """Phase 2 with METIS: the pipeline's devices cut into `parts` stages of balanced compute (vertex
+    weight: the device's rate), cutting as little bandwidth as possible; a part is then cut at machine
+    borders (TP stays inside a machine) and into power-of-two groups that divide `heads`. Unlike
+    `machine_groups` (one TP degree per device type) the group sizes follow compute: slower devices
+    get wider groups."""
+    devices = sorted(devices)
+    if parts <= 1 or len(devices) <= 1:
+        membership = [0] * len(devices)
+    elif 2 * parts > len(devices):
+        # parts of one or two devices: METIS' recursive bisection runs out of vertices on such cuts
+        # of weighted graphs (it reports an error and returns an arbitrary membership); one device
+        # per part is the balanced cut there
+        membership = list(range(len(devices)))
+    else:
+        scale = 100.0 / min(rate(cluster.devices[d]) for d in devices)
+        xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: rate(d) * scale)
+        _, membership = pymetis.part_graph(parts, pymetis.CSRAdjacency(xadj, adjncy), vweights=vw,
+                                           eweights=ew, options=pymetis.Options(**_OPTIONS))
+    out = []
+    for part in _parts(len(devices), devices, membership):
+        by_machine: dict[int, list[int]] = defaultdict(list)
+        for d in part:
+            by_machine[cluster.devices[d].machine].append(d)
+        for m in sorted(by_machine):
+            out.extend(_power_pieces(by_machine[m], heads))
+    return sorted(out, key=lambda g: g[0])
+
+
+def split_stages(cluster: Cluster, typed: list[list[int]], balanced: list[list[int]]) -> list[list[list[int]]]:
+    """Phase 2's candidate cuts of one pipeline into TP groups: one TP degree per device type (`typed`,
+    from `machine_groups`) and METIS' compute-balanced cut into as many stages (`balanced`, from
+    `balanced_stages`) where its group sizes differ. The cost model chooses (`build.build_layout`).
+
+    A METIS cut into parts of *equal device count* would add nothing: every group must stay inside one
+    machine and a machine's devices are interchangeable (one device type, one intra-machine
+    bandwidth), so any such cut equals `machine_groups` up to relabelling devices, which no estimate
+    sees. Balancing compute instead of device counts is what lets METIS choose other group sizes."""
+    shape = lambda gs: sorted((cluster.devices[g[0]].machine, len(g)) for g in gs)
+    return [typed] if shape(balanced) == shape(typed) else [typed, balanced]
+
+
+def size_cuts(count: int, heads: int) -> list[tuple[int, ...]]:
+    """Multisets (descending) of power-of-two TP group sizes dividing `heads` that sum to `count`: the
+    ways one machine's devices can be cut into TP groups."""
+    sizes = [t for t in (16, 8, 4, 2, 1) if t <= count and heads % t == 0]
+
+    def rec(left: int, top: int):
+        if left == 0:
+            yield ()
+            return
+        for t in sizes:
+            if t <= min(left, top):
+                for rest in rec(left - t, t):
+                    yield (t,) + rest
+    return list(rec(count, count))
+
+
+def size_orders(sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """The distinct orders of a multiset of group sizes (largest first at each position)."""
+    left: dict[int, int] = defaultdict(int)
+    for t in sizes:
+        left[t] += 1
+    out: list[tuple[int, ...]] = []
+
+    def rec(prefix: tuple[int, ...]):
+        if len(prefix) == len(sizes):
+            out.append(prefix)
+            return
+        for t in sorted(left, reverse=True):
+            if left[t]:
+                left[t] -= 1
+                rec(prefix + (t,))
+                left[t] += 1
+    rec(())
+    return out
 
 
 def order_stages(cluster: Cluster, groups: list[list[int]]) -> list[list[int]]:

@@ -1,6 +1,12 @@
 """The heterogeneous-cluster planner (HexiScale): pipelines by METIS, stages by METIS, layers by stage
 speed under memory, batch by pipeline throughput, then refinement; searched over the number of
-pipelines and the TP degree of each device type."""
+pipelines and the TP degree of each device type.
+
+Search: for every pipeline count, phase 1's METIS cut (`split_pipelines`), then TP maps (uniform degrees
+with phase 2's compute-balanced METIS stage cut offered beside one degree per type, then coordinate
+descent over types). The best map of every count is tried again with the METIS stage cut and on phase
+1's equal-mix cut (`split_by_type`); the three best counts, the two best other maps and the best
+equal-mix layout are refined (`refine`) and the fastest estimate wins."""
 from __future__ import annotations
 
 import math
@@ -11,9 +17,10 @@ from typing import Callable, Optional
 from cfp.errors import InfeasibleError
 from cfp.planner.build import build_layout, stage_layouts
 from cfp.planner.cluster import Cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, achievable_flops
+from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate
 from cfp.planner.options import PlannerOptions
-from cfp.planner.partition import split_pipelines, split_stages, stage_orders
+from cfp.planner.partition import (balanced_stages, machine_groups, split_by_type, split_pipelines,
+                                   split_stages, stage_orders)
 from cfp.planner.refine import refine
 
 
@@ -49,28 +56,41 @@ def pipeline_counts(cluster: Cluster, options: PlannerOptions, num_layers: int) 
 class _Search:
     def __init__(self, cm: CostModel, options: PlannerOptions):
         self.cm, self.options = cm, options
-        self.rate = lambda d: achievable_flops(d.gpu, cm.precision)
+        self.rate = lambda d: cm.rate(d.machine)
         self._phase1: dict[int, list[list[int]]] = {}
         self._phase2: dict[tuple, list[list[int]]] = {}
+        self._balanced: dict[tuple, list[list[int]]] = {}
         self.count = 0
 
-    def pipelines(self, k: int) -> list[list[int]]:
-        if k not in self._phase1:
-            self._phase1[k] = split_pipelines(self.cm.cluster, k, self.rate)
-        return self._phase1[k]
+    def pipelines(self, k: int, by_type: bool = False) -> list[list[int]]:
+        """Phase 1: `k` pipelines by METIS, or (`by_type`) by dealing each device type out evenly."""
+        if (k, by_type) not in self._phase1:
+            self._phase1[k, by_type] = (split_by_type(self.cm.cluster, k) if by_type
+                                        else split_pipelines(self.cm.cluster, k, self.rate))
+        return self._phase1[k, by_type]
 
-    def stages(self, devices: list[int], tp_of) -> list[list[list[int]]]:
-        """Phase 2 and the candidate stage orders of one pipeline (cached: pipelines recur across TP maps)."""
+    def stages(self, devices: list[int], tp_of, metis: bool) -> list[list[list[int]]]:
+        """Phase 2 and the candidate stage orders of one pipeline (cached: pipelines recur across TP
+        maps); with `metis`, METIS' compute-balanced cut is offered beside one TP degree per type."""
         cl = self.cm.cluster
-        key = (tuple(devices), tuple(tp_of(m) for m in sorted({cl.devices[d].machine for d in devices})))
+        key = (tuple(devices), tuple(tp_of(m) for m in sorted({cl.devices[d].machine for d in devices})), metis)
         if key not in self._phase2:
-            self._phase2[key] = stage_orders(cl, split_stages(cl, devices, tp_of, self.cm.config.num_heads))
+            heads = self.cm.config.num_heads
+            cuts = [machine_groups(cl, devices, tp_of, heads)]
+            if metis:
+                parts = (tuple(devices), len(cuts[0]))   # the METIS cut depends on the stage count only
+                if parts not in self._balanced:
+                    self._balanced[parts] = balanced_stages(cl, devices, parts[1], self.rate, heads)
+                cuts = split_stages(cl, cuts[0], self._balanced[parts])
+            self._phase2[key] = [order for groups in cuts for order in stage_orders(cl, groups)]
         return self._phase2[key]
 
-    def evaluate(self, k: int, tp: dict[str, int]) -> tuple[Optional[ClusterLayout], float]:
-        cl, heads = self.cm.cluster, self.cm.config.num_heads
+    def evaluate(self, k: int, tp: dict[str, int], metis: bool = False, by_type: bool = False
+                 ) -> tuple[Optional[ClusterLayout], float]:
+        cl = self.cm.cluster
         tp_of = lambda m: tp[cl.machines[m].gpu.name]
-        pipes = [[stage_layouts(self.cm, o) for o in self.stages(g, tp_of)] for g in self.pipelines(k)]
+        pipes = [[stage_layouts(self.cm, o) for o in self.stages(g, tp_of, metis)]
+                 for g in self.pipelines(k, by_type)]
         best, best_t = None, math.inf
         for mb in self.options.micro_batch_sizes:
             layout = build_layout(self.cm, pipes, self.options.global_batch_size, mb)
@@ -82,6 +102,61 @@ class _Search:
                 best, best_t = layout, t
         return best, best_t
 
+    def tp_maps(self, k: int, choices: dict[str, list[int]]) -> list[_Candidate]:
+        """Every (TP map, layout) tried for `k` pipelines, the best first: uniform degrees (with phase
+        2's METIS cut offered), then
+        coordinate descent over device types, repeated until a whole pass changes nothing (one pass
+        can miss a type's best degree that only pays once another type's degree changed)."""
+        tried: dict[tuple, _Candidate] = {}
+
+        def attempt(tp: dict[str, int], metis: bool = False) -> float:
+            key = tuple(sorted(tp.items()))
+            if key not in tried:
+                layout, obj = self.evaluate(k, tp, metis)
+                tried[key] = _Candidate(obj, k, key, layout)
+            return tried[key].objective
+
+        best_tp, best_t = None, math.inf
+        for t in sorted({t for ts in choices.values() for t in ts}):
+            tp = {g: max([x for x in ts if x <= t] or [1]) for g, ts in choices.items()}
+            # a uniform degree fixes the number of stages; phase 2's METIS cut into that many stages
+            # of balanced compute gives other group sizes per device type, which the descent below
+            # (one type at a time) can miss
+            obj = attempt(tp, self.options.phase2_metis)
+            if obj < best_t:
+                best_tp, best_t = tp, obj
+        changed = best_tp is not None
+        while changed:
+            changed = False
+            for g in sorted(choices):
+                for t in choices[g]:
+                    tp = dict(best_tp, **{g: t})
+                    obj = attempt(tp)
+                    if obj < best_t:
+                        best_tp, best_t, changed = tp, obj, True
+        return sorted((c for c in tried.values() if c.layout is not None), key=lambda c: (c.objective, c.k))
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    objective: float
+    k: int
+    tp: tuple          # sorted (device type, TP degree) pairs
+    layout: Optional[ClusterLayout]
+
+
+def _with_metis(search: _Search, cand: _Candidate) -> _Candidate:
+    """The candidate, or the layout its (pipelines, TP map) gives with METIS' compute-balanced stage
+    cut offered too (phase 2), whichever the cost model estimates faster."""
+    layout, obj = search.evaluate(cand.k, dict(cand.tp), metis=True)
+    return _Candidate(obj, cand.k, cand.tp, layout) if layout is not None and obj < cand.objective else cand
+
+
+def _by_type(search: _Search, cand: _Candidate) -> Optional[_Candidate]:
+    """The candidate's pipeline count and TP map on phase 1's by-type cut (`split_by_type`)."""
+    layout, obj = search.evaluate(cand.k, dict(cand.tp), metis=search.options.phase2_metis, by_type=True)
+    return None if layout is None else _Candidate(obj, cand.k, cand.tp, layout)
+
 
 def find_layout(cluster: Cluster, config, options: PlannerOptions,
                 progress: Optional[Callable[[int, int], None]] = None) -> PlannerResult:
@@ -91,59 +166,39 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
     search = _Search(cm, options)
     choices = tp_choices(cluster, config.num_heads)
     ks = pipeline_counts(cluster, options, config.num_layers)
-    found: list[tuple[float, int, ClusterLayout]] = []
-    others: list[tuple[float, int, ClusterLayout]] = []   # layouts of the TP maps that lost in descent
+    found: list[_Candidate] = []     # the best TP map per pipeline count
+    others: list[_Candidate] = []    # the TP maps that lost
     for step, k in enumerate(ks):
-        # uniform TP first
-        best_tp, best_t, best_l = None, math.inf, None
-        tried: set[tuple] = set()
-        for t in sorted({t for ts in choices.values() for t in ts}):
-            tp = {g: max([x for x in ts if x <= t] or [1]) for g, ts in choices.items()}
-            tried.add(tuple(sorted(tp.items())))
-            layout, obj = search.evaluate(k, tp)
-            if layout is not None:
-                others.append((obj, k, layout))
-            if obj < best_t:
-                best_tp, best_t, best_l = tp, obj, layout
-        if best_tp is not None:
-            # coordinate descent over device types, repeated until a whole pass changes nothing (one
-            # pass can miss a type's best degree that only pays once another type's degree changed)
-            changed = True
-            while changed:
-                changed = False
-                for g in sorted(choices):
-                    for t in choices[g]:
-                        tp = dict(best_tp, **{g: t})
-                        key = tuple(sorted(tp.items()))
-                        if key in tried:
-                            continue
-                        tried.add(key)
-                        layout, obj = search.evaluate(k, tp)
-                        if layout is not None:
-                            others.append((obj, k, layout))
-                        if obj < best_t:
-                            best_tp, best_t, best_l, changed = tp, obj, layout, True
-            found.append((best_t, k, best_l))
+        tried = search.tp_maps(k, choices)
+        found += tried[:1]
+        others += tried[1:]
         if progress:
             progress(step + 1, len(ks))
     if not found:
         raise InfeasibleError(f"no layout of {type(config).__name__}(num_layers={config.num_layers}) fits "
                               f"{cluster.summary()} with global batch {options.global_batch_size}; use fewer "
                               f"layers, a shorter sequence or more devices")
-    found.sort(key=lambda x: (x[0], x[1]))
-    layout = found[0][2]
-    if options.refine:
-        best_layout, best_est = None, None
-        # the three best pipeline counts, and the two best other layouts (a TP map that loses before
-        # refinement can win after it)
-        chosen = [c for _, _, c in found[:3]]
-        others.sort(key=lambda x: (x[0], x[1]))
-        chosen += [c for _, _, c in others if c not in chosen][:2]
-        for cand in chosen:
-            lay, est = refine(cm, cand, options.refine_evaluations // 3)
-            if best_est is None or est.objective < best_est.objective:
-                best_layout, best_est = lay, est
-        layout, est = best_layout, best_est
-    else:
-        est = cm.estimate(layout)
-    return PlannerResult(layout, est, search.count, time.perf_counter() - t0)
+    key = lambda c: (c.objective, c.k)
+    found.sort(key=key)
+    others.sort(key=key)
+    if options.phase2_metis:
+        # phase 2's METIS cut for the best TP map of every pipeline count and the two best other maps
+        # (a cut that balances compute can turn the ranking), then ranked again
+        found = [_with_metis(search, c) for c in found]
+        others = [_with_metis(search, c) for c in others[:2]] + others[2:]
+        found.sort(key=key)
+        others.sort(key=key)
+    # phase 1's other cut, pipelines of equal type mix, for the best TP map of every pipeline count
+    typed = sorted((c for c in (_by_type(search, c) for c in found) if c is not None), key=key)
+    # refined: the three best pipeline counts, the two best other TP maps (one that loses before
+    # refinement can win after it) and the best equal-mix cut
+    layouts = [c.layout for c in found[:3] + others[:2] + typed[:1]]
+    best_layout, best_est = None, None
+    for cand in layouts:
+        if options.refine:
+            lay, est = refine(cm, cand, options.refine_evaluations // 3, options.micro_batch_sizes)
+        else:
+            lay, est = cand, cm.estimate(cand)
+        if best_est is None or est.objective < best_est.objective:
+            best_layout, best_est = lay, est
+    return PlannerResult(best_layout, best_est, search.count, time.perf_counter() - t0)

@@ -1,15 +1,46 @@
-"""Local refinement guided by the cost model: move a layer between stages, a micro-batch between
-pipelines, reverse a pipeline's stage order or move a stage's devices (a TP group) to another pipeline,
-while the estimate improves.
+"""Local refinement guided by the cost model (variable-neighbourhood descent).
+
+Two kinds of move. *Polishing* moves keep the layout's structure: shift 1, 2, 3, 4, 8, ... layers from
+one stage of a pipeline to another, or one micro-batch from one pipeline to another. *Structural* moves
+change it: change the micro-batch size; reverse a pipeline or swap two of its machine blocks; split a
+stage's TP group in two, merge two neighbouring stages of one machine into one group of twice the
+degree, or re-cut a pipeline's stages on one machine into groups of other sizes (TP degrees may differ
+inside a machine, as HexiScale allows); move a TP group or a machine block to another pipeline (a
+pipeline left empty disappears) or swap two of them, of different machines, between pipelines. Moves keep each machine's
+stages of a pipeline together, so the refined layout stays inside the exhaustive search's space
+(`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`) and
+the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so a
+move that only pays together with other layer and batch counts is still taken.
 
 First improvement in a fixed move order, so the result is deterministic; `budget` bounds the number
-of estimates."""
+of estimates and rebuilds (a count, not a time)."""
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
-from cfp.planner.build import split_layers
+from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms, split_layers
 from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, PipelineLayout, StageLayout
+from cfp.planner.partition import size_cuts, size_orders
+
+_SHIFTS = (1, 2, 3, 4, 8, 16, 32, 64)
+_EPS = 1e-9
+
+
+class _Budget:
+    def __init__(self, cm: CostModel, budget: int):
+        self.cm, self.left = cm, budget
+        self._terms: dict[tuple, tuple] = {}
+
+    def estimate(self, layout: ClusterLayout) -> Estimate:
+        self.left -= 1
+        return self.cm.estimate(layout)
+
+    def terms(self, stages: tuple[StageLayout, ...], mb: int, k: int, total: int) -> tuple[tuple, int]:
+        """A pipeline's time terms and micro-batch cap (memoised: rebuilds repeat unchanged pipelines)."""
+        key = (stages, mb, k, total)
+        if key not in self._terms:
+            self._terms[key] = (pipeline_terms(self.cm, stages, mb), max_chunks(self.cm, stages, mb, k, total))
+        return self._terms[key]
 
 
 def _replace(layout: ClusterLayout, p: int, pipe: PipelineLayout) -> ClusterLayout:
@@ -18,96 +49,248 @@ def _replace(layout: ClusterLayout, p: int, pipe: PipelineLayout) -> ClusterLayo
     return ClusterLayout(tuple(pipes))
 
 
-def _layer_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
-    """One layer from a stage to another in each pipeline (slowest pipeline and stage first)."""
-    order = sorted(range(len(layout.pipelines)), key=lambda p: -est.pipeline_time[p])
-    for p in order:
-        pipe, times = layout.pipelines[p], est.stages[p]
-        slowest = max(range(len(pipe.stages)), key=lambda i: (times[i].fwd + times[i].bwd, -i))
-        # the stage whose optimizer update takes longest (parameters over memory bandwidth)
-        heaviest = max(range(len(pipe.stages)), key=lambda i: (times[i].update, -i))
-        # then from every other stage: the estimate's communication and update terms can favour a
-        # split that the per-stage compute times do not show
-        sources = dict.fromkeys((slowest, heaviest, *range(len(pipe.stages))))
-        for src, dst in [(s, d) for s in sources for d in range(len(pipe.stages))]:
-            if dst == src or pipe.stages[src].layers <= 1:
-                continue
-            st = list(pipe.stages)
-            a, b = st[src], st[dst]
-            st[src] = StageLayout(a.devices, a.machine, a.layers - 1)
-            st[dst] = StageLayout(b.devices, b.machine, b.layers + 1)
-            yield _replace(layout, p, PipelineLayout(tuple(st), pipe.batch, pipe.chunks))
+# ----------------------------------------------------------------------------- polishing
+def _layer_shifts(layout: ClusterLayout, est: Estimate, pipes: Sequence[int]) -> Iterator[ClusterLayout]:
+    """d layers from stage `src` to stage `dst` of a pipeline: slowest pipeline first, then from its
+    slower stages to its faster ones, small d first (the likeliest improvements come first, which is
+    what keeps first-improvement search cheap on pipelines of many stages)."""
+    for p in sorted(pipes, key=lambda p: (-est.pipeline_time[p], p)):
+        pipe = layout.pipelines[p]
+        slot = [e.fwd + e.bwd + e.send for e in est.stages[p]]
+        by_time = sorted(range(len(slot)), key=lambda i: (-slot[i], i))
+        for src in by_time:
+            for dst in by_time[::-1]:
+                for d in _SHIFTS:
+                    if dst == src or pipe.stages[src].layers <= d:
+                        continue
+                    st = list(pipe.stages)
+                    a, b = st[src], st[dst]
+                    st[src] = StageLayout(a.devices, a.machine, a.layers - d)
+                    st[dst] = StageLayout(b.devices, b.machine, b.layers + d)
+                    yield _replace(layout, p, PipelineLayout(tuple(st), pipe.batch, pipe.chunks))
 
 
 def _batch_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
-    """One micro-batch from the slowest pipeline to each other one."""
-    if len(layout.pipelines) < 2:
-        return
-    src = max(range(len(layout.pipelines)), key=lambda p: (est.pipeline_time[p], -p))
-    a = layout.pipelines[src]
-    if a.chunks <= 1:
-        return
-    mb = a.micro_batch
-    for dst in range(len(layout.pipelines)):
-        b = layout.pipelines[dst]
-        if dst == src or b.micro_batch != mb:
-            continue
-        out = _replace(layout, src, PipelineLayout(a.stages, a.batch - mb, a.chunks - 1))
-        yield _replace(out, dst, PipelineLayout(b.stages, b.batch + mb, b.chunks + 1))
-
-
-def _device_moves(cm: CostModel, layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
-    """A TP group of the slowest pipeline moves to another pipeline, next to a stage of its machine
-    (or at the end); both pipelines' layers are re-split."""
+    """One micro-batch from a pipeline to another (slowest source first)."""
     k = len(layout.pipelines)
-    if k < 2:
-        return
-    src = max(range(k), key=lambda p: (est.pipeline_time[p], -p))
-    a = layout.pipelines[src]
-    if len(a.stages) < 2:
-        return
-    for i, st in enumerate(a.stages):
-        rest = a.stages[:i] + a.stages[i + 1:]
-        new_a = split_layers(cm, rest, a.batch, a.chunks, k)
-        if new_a is None:
+    for src in sorted(range(k), key=lambda p: (-est.pipeline_time[p], p)):
+        a = layout.pipelines[src]
+        if a.chunks <= 1:
             continue
+        mb = a.micro_batch
         for dst in range(k):
-            if dst == src:
-                continue
             b = layout.pipelines[dst]
-            same = [j for j, s in enumerate(b.stages) if s.machine == st.machine]
-            at = same[-1] + 1 if same else len(b.stages)
-            new_b = split_layers(cm, b.stages[:at] + (st,) + b.stages[at:], b.batch, b.chunks, k)
-            if new_b is None:
+            if dst == src or b.micro_batch != mb:
                 continue
-            out = _replace(layout, src, PipelineLayout(new_a, a.batch, a.chunks))
-            yield _replace(out, dst, PipelineLayout(new_b, b.batch, b.chunks))
+            out = _replace(layout, src, PipelineLayout(a.stages, a.batch - mb, a.chunks - 1))
+            yield _replace(out, dst, PipelineLayout(b.stages, b.batch + mb, b.chunks + 1))
 
 
-def _reverse_moves(layout: ClusterLayout) -> Iterator[ClusterLayout]:
-    """A pipeline's stages in reverse order (the embedding and the head change ends)."""
-    for p, pipe in enumerate(layout.pipelines):
-        if len(pipe.stages) > 1:
-            yield _replace(layout, p, PipelineLayout(pipe.stages[::-1], pipe.batch, pipe.chunks))
-
-
-def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000) -> tuple[ClusterLayout, Estimate]:
-    """Hill-climb from `layout`; returns the best layout found and its estimate."""
-    est = cm.estimate(layout)
-    spent = 0
+def _polish(bud: _Budget, layout: ClusterLayout, est: Estimate, pipes: Sequence[int]
+            ) -> tuple[ClusterLayout, Estimate]:
+    """Hill-climb with layer shifts in `pipes` and micro-batch moves until neither improves."""
     improved = True
-    while improved and spent < budget:
+    while improved and bud.left > 0:
         improved = False
-        for moves in (_layer_moves(layout, est), _batch_moves(layout, est), _reverse_moves(layout),
-                      _device_moves(cm, layout, est)):
-            for cand in moves:
-                spent += 1
-                e = cm.estimate(cand)
-                if e.objective < est.objective * (1 - 1e-9):
-                    layout, est, improved = cand, e, True
-                    break
-                if spent >= budget:
-                    break
-            if improved or spent >= budget:
+        for cand in (*_layer_shifts(layout, est, pipes), *_batch_moves(layout, est)):
+            e = bud.estimate(cand)
+            if e.objective < est.objective * (1 - _EPS):
+                layout, est, improved = cand, e, True
+                break
+            if bud.left <= 0:
+                break
+    return layout, est
+
+
+# ----------------------------------------------------------------------------- structural moves
+def _rebuild(bud: _Budget, pipes: Sequence[Sequence[StageLayout]], changed: set[int], global_batch: int,
+             mb: int) -> Optional[ClusterLayout]:
+    """Layers of the `changed` pipelines re-split, micro-batches (of size `mb`) re-allocated over all;
+    None when a pipeline cannot hold the model or the batch. Counts as one estimate of the budget."""
+    cm, k, total = bud.cm, len(pipes), global_batch // mb
+    bud.left -= 1
+    if global_batch % mb or total < k:
+        return None
+    guess = max(1, total // k)
+    stages = []
+    for p, st in enumerate(pipes):
+        if p in changed:
+            st = split_layers(cm, st, guess * mb, guess, k)
+            if st is None:
+                return None
+        stages.append(tuple(st))
+    chunks = allocate_chunks([bud.terms(st, mb, k, total)[0] for st in stages],
+                             [bud.terms(st, mb, k, total)[1] for st in stages], total)
+    if chunks is None:
+        return None
+    return ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for st, c in zip(stages, chunks)))
+
+
+def _blocks(stages: Sequence[StageLayout]) -> list[list[StageLayout]]:
+    """A pipeline's stages cut where the machine changes."""
+    out: list[list[StageLayout]] = []
+    for s in stages:
+        if out and out[-1][-1].machine == s.machine:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
+def _order_moves(layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+    """A pipeline with two of its machine blocks swapped, or reversed."""
+    for p, pipe in enumerate(layout.pipelines):
+        blocks = _blocks(pipe.stages)
+        pipes = [list(q.stages) for q in layout.pipelines]
+        if len(pipe.stages) > 1:
+            yield [*pipes[:p], list(pipe.stages[::-1]), *pipes[p + 1:]], {p}
+        for i in range(len(blocks)):
+            for j in range(i + 1, len(blocks)):
+                b = list(blocks)
+                b[i], b[j] = b[j], b[i]
+                yield [*pipes[:p], [s for blk in b for s in blk], *pipes[p + 1:]], {p}
+
+
+def _insert_points(stages: Sequence[StageLayout], st: StageLayout) -> list[int]:
+    """Where a group may join a pipeline: next to the stages of its machine if there are any (its links
+    are fastest there), else at every machine-block boundary."""
+    same = [j for j, s in enumerate(stages) if s.machine == st.machine]
+    if same:
+        return [same[-1] + 1]
+    cuts, i = [0], 0
+    for blk in _blocks(stages):
+        i += len(blk)
+        cuts.append(i)
+    return cuts
+
+
+def _units(stages: Sequence[StageLayout]) -> list[tuple[int, int]]:
+    """(start, length) of what a device move carries: every single stage (TP group), then every
+    machine block of two or more stages."""
+    out = [(i, 1) for i in range(len(stages))]
+    start = 0
+    for blk in _blocks(stages):
+        if len(blk) > 1:
+            out.append((start, len(blk)))
+        start += len(blk)
+    return out
+
+
+def _device_moves(layout: ClusterLayout, est: Estimate) -> Iterator[tuple[list, set[int]]]:
+    """A TP group or a machine block from one pipeline to another (slowest source first; a pipeline
+    left empty disappears), then two of them, of different machines, swapped between pipelines."""
+    k = len(layout.pipelines)
+    pipes = [list(q.stages) for q in layout.pipelines]
+    order = sorted(range(k), key=lambda p: (-est.pipeline_time[p], p))
+    for src in order:
+        for i, n in _units(pipes[src]):
+            unit, rest = pipes[src][i:i + n], pipes[src][:i] + pipes[src][i + n:]
+            for dst in order:
+                if dst == src:
+                    continue
+                for at in _insert_points(pipes[dst], unit[0]):
+                    new = list(pipes)
+                    new[src], new[dst] = rest, pipes[dst][:at] + unit + pipes[dst][at:]
+                    if rest:
+                        yield new, {src, dst}
+                    else:
+                        del new[src]
+                        yield new, {dst - (dst > src)}
+    for ai, a in enumerate(order):
+        for b in order[ai + 1:]:
+            for i, n in _units(pipes[a]):
+                for j, m in _units(pipes[b]):
+                    x, y = pipes[a][i:i + n], pipes[b][j:j + m]
+                    if x[0].machine == y[0].machine:
+                        continue
+                    ra, rb = pipes[a][:i] + pipes[a][i + n:], pipes[b][:j] + pipes[b][j + m:]
+                    for at_a in _insert_points(ra, y[0]):
+                        for at_b in _insert_points(rb, x[0]):
+                            new = list(pipes)
+                            new[a], new[b] = ra[:at_a] + y + ra[at_a:], rb[:at_b] + x + rb[at_b:]
+                            yield new, {a, b}
+
+
+def _tp_moves(cm: CostModel, layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+    """A stage's TP group split into two halves, or two neighbouring stages of one machine and degree
+    merged into one group of twice the degree (heads divisible)."""
+    heads = cm.config.num_heads
+    pipes = [list(q.stages) for q in layout.pipelines]
+    for p, stages in enumerate(pipes):
+        for i, s in enumerate(stages):
+            if s.tp > 1:
+                h = s.tp // 2
+                parts = [StageLayout(s.devices[:h], s.machine, 0), StageLayout(s.devices[h:], s.machine, 0)]
+                yield [*pipes[:p], stages[:i] + parts + stages[i + 1:], *pipes[p + 1:]], {p}
+        for i in range(len(stages) - 1):
+            a, b = stages[i], stages[i + 1]
+            if a.machine == b.machine and a.tp == b.tp and heads % (2 * a.tp) == 0:
+                merged = StageLayout(tuple(sorted(a.devices + b.devices)), a.machine, 0)
+                yield [*pipes[:p], stages[:i] + [merged] + stages[i + 2:], *pipes[p + 1:]], {p}
+
+
+def _regroup_moves(cm: CostModel, layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+    """A pipeline's stages on one machine re-cut into TP groups of other sizes (every ordered cut into
+    power-of-two groups, nearest stage count first): e.g. a wide group where the LM head sits and narrow
+    ones elsewhere, which single splits and merges reach only through a worse layout."""
+    heads = cm.config.num_heads
+    pipes = [list(q.stages) for q in layout.pipelines]
+    for p, stages in enumerate(pipes):
+        start = 0
+        for blk in _blocks(stages):
+            devices = sorted(d for s in blk for d in s.devices)
+            now = tuple(s.tp for s in blk)
+            seqs = [seq for cut in size_cuts(len(devices), heads) for seq in size_orders(cut)
+                    if seq != now and len(seq) <= cm.config.num_layers]
+            # nearest stage counts first (every ordered cut of an 8-device machine is 56 sequences)
+            for seq in sorted(seqs, key=lambda q: (abs(len(q) - len(now)), len(q), tuple(-t for t in q))):
+                groups, i = [], 0
+                for t in seq:
+                    groups.append(StageLayout(tuple(devices[i:i + t]), blk[0].machine, 0))
+                    i += t
+                new = stages[:start] + groups + stages[start + len(blk):]
+                yield [*pipes[:p], new, *pipes[p + 1:]], {p}
+            start += len(blk)
+
+
+def _structural(bud: _Budget, layout: ClusterLayout, est: Estimate, micro_batch_sizes: Sequence[int]
+                ) -> Iterator[tuple[ClusterLayout, set[int]]]:
+    cm = bud.cm
+    g, mb = layout.global_batch, layout.pipelines[0].micro_batch
+    pipes = [list(q.stages) for q in layout.pipelines]
+    for other in micro_batch_sizes:
+        if other != mb:
+            lay = _rebuild(bud, pipes, set(), g, other)
+            if lay is not None:
+                yield lay, set(range(len(pipes)))
+    for gen in (_order_moves(layout), _tp_moves(cm, layout), _regroup_moves(cm, layout),
+                _device_moves(layout, est)):
+        for new, changed in gen:
+            if bud.left <= 0:
+                return
+            lay = _rebuild(bud, new, changed, g, mb)
+            if lay is not None:
+                yield lay, changed
+
+
+def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000,
+           micro_batch_sizes: Sequence[int] = ()) -> tuple[ClusterLayout, Estimate]:
+    """Descend from `layout`: polish, then take the first structural move whose polished estimate is
+    better, until none is or `budget` estimates are spent. Returns the best layout and its estimate.
+    `micro_batch_sizes`: the other micro-batch sizes a move may switch to."""
+    bud = _Budget(cm, budget)
+    est = bud.estimate(layout)
+    layout, est = _polish(bud, layout, est, range(len(layout.pipelines)))
+    improved = True
+    while improved and bud.left > 0:
+        improved = False
+        for cand, changed in _structural(bud, layout, est, micro_batch_sizes):
+            e = bud.estimate(cand)
+            if e.fits:
+                cand, e = _polish(bud, cand, e, sorted(changed))
+            if e.objective < est.objective * (1 - _EPS):
+                layout, est, improved = cand, e, True
+                break
+            if bud.left <= 0:
                 break
     return layout, est

@@ -17,6 +17,7 @@ from cfp.analysis.layout import BlockLayout
 from cfp.hardware import rates
 from cfp.hardware.collectives import LINKS, collective_time, link_collective_time
 from cfp.hardware.gpus import GpuSpec
+from cfp.sharding.reshard import reshard_steps
 from cfp.xla.compiled import CompiledFigures
 
 # Ranking only needs relative costs; the default ranks with the most common training GPU's ratios.
@@ -115,15 +116,16 @@ def block_cost(analysis: Analysis, layout: BlockLayout, gpu: GpuSpec) -> float:
 
 
 def reshard_cost(analysis: Analysis, a: BlockLayout | dict, b: BlockLayout | dict, link_bytes_per_s: float) -> float:
-    """All-gather estimate for every tensor two layouts shard differently: (n-1)/n · bytes / link bandwidth."""
+    """Seconds to move every tensor two layouts shard differently: the all-gathers and all-to-alls of the
+    cheapest single-axis path between its layouts (`cfp.sharding.reshard`), the path the constraints make
+    XLA take where it would otherwise replicate the tensor and slice it again."""
     sa = a if isinstance(a, dict) else a.spec_of
     sb = b if isinstance(b, dict) else b.spec_of
     shape = analysis.mesh.shape
     t = 0.0
     for tid in sa.keys() & sb.keys():
         if sa[tid] != sb[tid]:
-            xa, xb = {x for d in sa[tid] for x in d}, {x for d in sb[tid] for x in d}
-            moved = (xa ^ xb) or (xa | xb)   # same axes on other dims: still a full exchange over them
-            t += collective_time("all-gather", analysis.graph.tensor(tid).nbytes,
-                                 group_size(tuple(sorted(moved)), shape), link_bytes_per_s)
+            tensor = analysis.graph.tensor(tid)
+            for kind, nbytes, n in reshard_steps(sa[tid], sb[tid], tensor.shape, shape, tensor.nbytes):
+                t += collective_time(kind, nbytes, n, link_bytes_per_s)
     return t

@@ -9,13 +9,14 @@ into a reduce-scatter.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import BlockLayout
+from cfp.analysis.layout import BlockLayout, DimAxes
+from cfp.sharding.reshard import direct_ok, reshard_path
 from cfp.sharding.specs import partition_spec
 
 
@@ -44,41 +45,77 @@ def _needs_constraint(graph, ops: set[int], specs: dict, dots_only: bool = False
     return keep
 
 
+def _pin_free_exits(analysis: Analysis, layouts: Sequence[BlockLayout], pinned: dict[int, set[int]]) -> None:
+    """Also pin a block's free result where another block takes it in a layout that the operator's sharded
+    operand could only reach by replicating: left free, GSPMD gives the operator the consumer's layout and
+    rematerializes there (seen at an `eq` of GPT's softmax on a 2x4 mesh); pinned, the entry is routed."""
+    g = analysis.graph
+    spec_of = {lay.block: lay.spec_of for lay in layouts}
+    block_of_op = {op: lay.block for lay in layouts for op in analysis.blocks[lay.block].operators}
+    for lay in layouts:
+        for t, spec in lay.specs:
+            a = block_of_op.get(g.producer.get(t))
+            if a is None or a == lay.block or t in pinned[a] or t not in pinned[lay.block]:
+                continue
+            op = g.operators[g.producer[t]]
+            rank = len(g.tensor(t).shape)
+            if any(len(s) == rank and any(s) and not direct_ok(s, spec)
+                   for s in (spec_of[a].get(u) for u in op.inputs) if s is not None):
+                pinned[a].add(t)
+
+
 class ConstraintHooks:
     """Replay hooks that impose block layouts: constraints on block tensors (scope `cfp_b<N>`) and on
-    tensors entering a block with another layout (scope `cfp_reshard<N>`)."""
+    tensors entering a block with another layout (scope `cfp_reshard<N>`).
+
+    `sources` gives the layouts of tensors that enter from outside the layouts (the step's inputs as stored);
+    with the producers' layouts they let each entry take a path GSPMD reshards efficiently."""
 
     def __init__(self, analysis: Analysis, layouts: Sequence[BlockLayout], mesh: jax.sharding.Mesh,
-                 dots_only: Sequence[int] = ()):
-        g = analysis.graph
-        names = analysis.mesh.axis_names
+                 dots_only: Sequence[int] = (), sources: Mapping[int, DimAxes] | None = None):
+        g, names = analysis.graph, analysis.mesh.axis_names
         self.block_of_op = {op: lay.block for lay in layouts for op in analysis.blocks[lay.block].operators}
+        pinned = {lay.block: _needs_constraint(g, set(analysis.blocks[lay.block].operators), dict(lay.specs),
+                                               lay.block in dots_only) for lay in layouts}
+        _pin_free_exits(analysis, layouts, pinned)
+        produced = dict(sources or {})
+        for lay in layouts:
+            ops = analysis.blocks[lay.block].operators
+            produced.update((t, spec) for t, spec in lay.specs
+                            if t in pinned[lay.block] and g.producer.get(t) in ops)
         self.out_cons: dict[int, Any] = {}
-        self.use_cons: dict[tuple[int, int], Any] = {}
+        self.use_cons: dict[tuple[int, int], tuple[Any, ...]] = {}
         for lay in layouts:
             ops = set(analysis.blocks[lay.block].operators)
-            pinned = _needs_constraint(g, ops, dict(lay.specs), lay.block in dots_only)
             for t, spec in lay.specs:
-                if t not in pinned:
+                if t not in pinned[lay.block]:
                     continue
-                sharding = NamedSharding(mesh, partition_spec(spec, names))
                 prod = g.producer.get(t)
                 if prod in ops:
-                    self.out_cons[t] = sharding
+                    self.out_cons[t] = self._sharding(mesh, names, spec)
+                    continue
+                path = ((spec,) if t not in produced
+                        else reshard_path(produced[t], spec, g.tensor(t).shape, analysis.mesh.shape))
                 for c in g.consumers.get(t, ()):
-                    if c in ops and prod not in ops:
-                        self.use_cons[(c, t)] = sharding
+                    if c in ops:
+                        self.use_cons[(c, t)] = tuple(self._sharding(mesh, names, s) for s in path)
+
+    @staticmethod
+    def _sharding(mesh: jax.sharding.Mesh, names, spec: DimAxes) -> NamedSharding:
+        return NamedSharding(mesh, partition_spec(spec, names))
 
     def on_output(self, i, t, v):
         s = self.out_cons.get(t)
         return jax.lax.with_sharding_constraint(v, s) if s is not None else v
 
     def on_input(self, i, t, v):
-        s = self.use_cons.get((i, t))
-        if s is None:
+        path = self.use_cons.get((i, t))
+        if path is None:
             return v
         with jax.named_scope(f"cfp_reshard{self.block_of_op[i]}"):
-            return jax.lax.with_sharding_constraint(v, s)
+            for s in path:
+                v = jax.lax.with_sharding_constraint(v, s)
+            return v
 
     def scope_of(self, i):
         b = self.block_of_op.get(i)

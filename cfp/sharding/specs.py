@@ -31,6 +31,16 @@ def partition_spec(dim_axes: DimAxes, axis_names: Sequence[str]) -> PartitionSpe
     return PartitionSpec(*entries)
 
 
+def dim_axes(spec: PartitionSpec, axis_names: Sequence[str], rank: int) -> DimAxes:
+    """The inverse of `partition_spec` for a tensor of `rank` dims."""
+    out = []
+    for d in range(rank):
+        entry = spec[d] if d < len(spec) else None
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(tuple(axis_names.index(n) for n in names))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepShardings:
     """A strategy choice made concrete: per-block layouts and the shardings of the step's flat inputs/outputs."""

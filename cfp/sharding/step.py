@@ -11,8 +11,9 @@ from cfp.analysis.analysis import Analysis
 from cfp.errors import ConfigError
 from cfp.ir.capture import Program
 from cfp.sharding.constraints import ConstraintHooks
-from cfp.sharding.specs import StepShardings, resolve
+from cfp.sharding.specs import StepShardings, dim_axes, resolve
 from cfp.xla.hlo import Collective, parse_collectives
+from cfp.xla.log import Rematerialization, capture_log
 
 
 class ShardedStep:
@@ -27,7 +28,10 @@ class ShardedStep:
                  plan: Any = None, search: Any = None, profile: Any = None):
         self.program, self.analysis, self.shardings, self.mesh = program, analysis, shardings, mesh
         self.plan, self.search, self.profile = plan, search, profile
-        hooks = ConstraintHooks(analysis, shardings.layouts, mesh, dots_only=frozenset(shardings.shard_state))
+        g, names = analysis.graph, analysis.mesh.axis_names
+        stored = {t: dim_axes(s, names, len(g.tensor(t).shape)) for t, s in zip(g.inputs, shardings.input_specs)}
+        hooks = ConstraintHooks(analysis, shardings.layouts, mesh, dots_only=frozenset(shardings.shard_state),
+                                sources=stored)
         on_output, on_input, scope_of = hooks.on_output, hooks.on_input, hooks.scope_of
 
         def flat_fn(*flat):
@@ -36,6 +40,7 @@ class ShardedStep:
         self.out_shardings = tuple(NamedSharding(mesh, s) for s in shardings.output_specs)
         self._jitted = jax.jit(flat_fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)
         self._compiled = None
+        self._remats: tuple[Rematerialization, ...] = ()
 
     def with_results(self, plan: Any = None, search: Any = None, profile: Any = None) -> "ShardedStep":
         """A copy of this step (same compiled program) whose `plan`, `search` and `profile` are the given ones."""
@@ -49,8 +54,16 @@ class ShardedStep:
 
     def compile(self, *args):
         if self._compiled is None:
-            self._compiled = self.lower(*args).compile()
+            with capture_log() as log:
+                self._compiled = self.lower(*args).compile()
+            self._remats = log.rematerializations
         return self._compiled
+
+    def rematerializations(self, *args) -> tuple[Rematerialization, ...]:
+        """The involuntary full rematerializations XLA's SPMD partitioner reported compiling this step
+        (resharding it could only do by replicating the tensor and slicing it again)."""
+        self.compile(*args)
+        return self._remats
 
     def shard_args(self, *args):
         """Place the step's arguments with its input shardings."""

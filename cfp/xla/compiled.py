@@ -57,6 +57,32 @@ def time_compiled_spread(compiled, args, iters: int, warmup: int,
     return med, ((max(times) - min(times)) / 2 / med if med > 0 else 0.0)
 
 
+def time_interleaved(runs: Sequence[tuple[object, Callable[[], Sequence]]], rounds: int,
+                     warmup: int) -> list[tuple[float, float]]:
+    """(median wall seconds, relative noise) of each `(compiled, make_args)` in `runs`, timed in turn within
+    each of `rounds` rounds, so that a burst of load on a shared host falls on all of them alike rather than
+    on whichever was being timed alone; noise as in `time_compiled_spread`. Each program's arguments are made
+    (placed) just before its runs and dropped after, so only one program's arguments live at a time."""
+    for compiled, make_args in runs:
+        args = make_args()
+        for _ in range(warmup):
+            jax.block_until_ready(compiled(*args))
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for k, (compiled, make_args) in enumerate(runs):
+            args = make_args()
+            jax.block_until_ready(args)
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times[k].append(time.perf_counter() - t0)
+            del args
+    out = []
+    for ts in times:
+        med = statistics.median(ts)
+        out.append((med, (max(ts) - min(ts)) / 2 / med if med > 0 else 0.0))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledFigures:
     """Per-device figures of one compiled program, read from XLA (nothing is run)."""

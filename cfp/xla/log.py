@@ -1,0 +1,78 @@
+"""What XLA's C++ code logs while compiling, and the SPMD partitioner's involuntary rematerializations in it.
+
+XLA writes its warnings to the process's stderr file descriptor, past Python's `sys.stderr`, so `capture_log`
+points descriptor 2 at a temporary file around a compile and then writes everything it caught back to stderr:
+nothing is hidden, and cfp can read what XLA said about the program it just compiled.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+import threading
+from typing import Iterator
+
+# one thread captures at a time (descriptor 2 is shared by the process); nested captures pass their text
+# on to the enclosing one
+_LOCK = threading.RLock()
+
+_REMAT = re.compile(r"Involuntary full rematerialization\. The compiler cannot go from sharding (\{.*?\}) "
+                    r"to (\{.*?\}) efficiently for HLO operation %([\w.\-]+) = (\w+\[[\d,]*\])")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Rematerialization:
+    """One "[SPMD] Involuntary full rematerialization": GSPMD replicated a tensor to reshard it."""
+
+    source: str        # HLO sharding it had, e.g. {devices=[8,1]<=[8]}
+    target: str        # HLO sharding it was needed in
+    operation: str     # HLO instruction name
+    shape: str         # per-device shape of that instruction, e.g. f32[2,64]
+    op_name: str       # its metadata op_name (carries cfp's named scopes)
+
+
+@dataclasses.dataclass
+class XlaLog:
+    """Text XLA logged during a `capture_log` block (filled in when the block ends)."""
+
+    text: str = ""
+
+    @property
+    def rematerializations(self) -> tuple[Rematerialization, ...]:
+        return involuntary_rematerializations(self.text)
+
+
+def involuntary_rematerializations(text: str) -> tuple[Rematerialization, ...]:
+    """Every involuntary full rematerialization that XLA's SPMD partitioner reported in `text`."""
+    out = []
+    for line in text.splitlines():
+        m = _REMAT.search(line)
+        if m:
+            name = _OP_NAME.search(line, m.end())
+            out.append(Rematerialization(*m.groups(), name.group(1) if name else ""))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def capture_log() -> Iterator[XlaLog]:
+    """Catch what is written to descriptor 2 inside the block (XLA's log), then write it back to stderr."""
+    log = XlaLog()
+    with _LOCK, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield log
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            raw = tmp.read()
+            if raw:
+                os.write(2, raw)
+            log.text = raw.decode(errors="replace")

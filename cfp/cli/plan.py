@@ -31,6 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="sequences per step (default: 4 per device)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     p.add_argument("--out", default=None, metavar="FILE", help="write the layout file (JSON) here")
+    p.add_argument("--stage-times", default=None, metavar="DIR",
+                   help="stage plans saved by `cfp train --stage-plans search` (CHECKPOINT_DIR/stage_plans): "
+                        "stages of the same shape on the same device are priced by their measured times")
     p.add_argument("--compare", action="store_true",
                    help="also estimate a Megatron-style layout, a greedy heuristic and, up to 16 devices, "
                         "the exhaustive optimum")
@@ -52,9 +55,28 @@ def load_cluster_file(path: str):
     return parse_cluster(data)
 
 
+def load_stage_times(directory: str, model: str, config):
+    """`MeasuredStageTimes` from the stage plans a `cfp train --stage-plans search` run saved in `directory`:
+    the per-micro-batch time of every multi-device stage measured there (the sharding that runs: searched or
+    Megatron), for `model`'s `config` only."""
+    from cfp.planner.measured import StageShape, measured_stage_times
+    from cfp.runtime.stage_plans import StagePlans
+    plans = StagePlans.load(directory)
+    if plans.model != model or not plans.config:
+        raise ConfigError(f"--stage-times {directory!r}: stage plans of model {plans.model!r}"
+                          + ("" if plans.config else " without a model config (saved by an older cfp)")
+                          + f", planning {model!r}")
+    depth = [len(p) for p in plans.layout["hetero_configs"]]
+    stages = [(StageShape(p.tp, p.layers[1] - p.layers[0], p.stage == 0, p.stage == depth[p.pipeline] - 1,
+                          p.micro_batch_size), p.megatron_time if p.megatron else p.time)
+              for p in plans.plans if p.strategies and p.profiler == "measure"]
+    return measured_stage_times(plans.device, plans.config, stages, source=directory).check_config(config)
+
+
 def _table(cm, layout, est) -> str:
     cl = cm.cluster
-    head = ("pipeline", "stage", "GPUs", "TP", "layers", "micro-batches", "memory (est.)", "time/mb (est.)")
+    head = ("pipeline", "stage", "GPUs", "TP", "layers", "micro-batches", "memory (est.)",
+            "time/mb (est. unless marked)")
     rows = []
     for p, (pipe, ests) in enumerate(zip(layout.pipelines, est.stages)):
         for s, (st, e) in enumerate(zip(pipe.stages, ests)):
@@ -63,7 +85,8 @@ def _table(cm, layout, est) -> str:
             span = f"{ids[0]}-{ids[-1]}" if contiguous else ",".join(map(str, ids))
             rows.append((str(p), str(s), f"{cl.machines[st.machine].gpu.name} [{span}]", str(st.tp),
                          str(st.layers), f"{pipe.chunks} x {pipe.micro_batch}",
-                         f"{e.memory / 1e9:.2f}/{e.capacity / 1e9:.0f} GB", f"{(e.fwd + e.bwd) * 1e3:.1f} ms"))
+                         f"{e.memory / 1e9:.2f}/{e.capacity / 1e9:.0f} GB",
+                         f"{(e.fwd + e.bwd) * 1e3:.1f} ms" + (" (measured)" if e.measured else "")))
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows])
@@ -105,15 +128,20 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("seq_len", args.seq_len),
                                    ("dtype", args.dtype)) if v is not None}
     config = get_config(args.model, args.config, **overrides)
+    stage_times = load_stage_times(args.stage_times, args.model, config) if args.stage_times else None
     options = PlannerOptions(global_batch_size=args.global_batch_size or 4 * cluster.num_devices,
-                             schedule=args.schedule)
+                             schedule=args.schedule, stage_times=stage_times)
     result = _plan_with_progress(cluster, config, options)
-    cm = CostModel(config, cluster, options.schedule)
+    cm = CostModel(config, cluster, options.schedule, stage_times)
     est = result.estimate
     print(f"cluster: {cluster.summary()} ({cluster.num_devices} devices); model {args.model} {args.config} "
           f"({config.num_layers} layers, seq {config.seq_len}, {config.dtype}); global batch "
           f"{options.global_batch_size}; schedule {options.schedule.value}")
     print(_table(cm, result.layout, est))
+    if stage_times is not None:
+        n = sum(e.measured for ests in est.stages for e in ests)
+        print(f"stage times: {n} of {sum(map(len, est.stages))} stages priced by times measured on "
+              f"{stage_times.device} ({args.stage_times}); the others estimated")
     print(f"estimated step time: {est.step_time:.4f} s (slowest pipeline {max(est.pipeline_time):.4f} s, "
           f"gradient sync {est.dp_time:.4f} s, update {est.update_time:.4f} s)")
     if args.compare:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from cfp.errors import ConfigError
 from cfp.hardware import rates
@@ -32,6 +32,7 @@ from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.models.configs import GPTConfig, LlamaConfig
 from cfp.planner.cluster import Cluster
+from cfp.planner.measured import MeasuredStageTimes, StageShape
 from cfp.runtime.schedules import ScheduleName
 
 def _memo(fn):
@@ -244,6 +245,7 @@ class StageEstimate:
     flops_fwd: float    # per device, per micro-batch
     flops_bwd: float
     update: float = 0.0  # seconds of the AdamW update (memory-bound)
+    measured: bool = False  # fwd/bwd from a measured stage time (`MeasuredStageTimes`), not the model
 
 
 @dataclass(frozen=True)
@@ -277,10 +279,12 @@ class _PipelineFigures:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Estimates a `ClusterLayout` of `config` on `cluster` with `schedule`."""
+    """Estimates a `ClusterLayout` of `config` on `cluster` with `schedule`; stages whose shape and device
+    `stage_times` has measured are priced by the measured time (their TP collectives included in it)."""
     config: Any
     cluster: Cluster
     schedule: ScheduleName = ScheduleName.GPIPE
+    stage_times: Optional[MeasuredStageTimes] = None
 
     def __post_init__(self):
         object.__setattr__(self, "model", ModelCost(self.config))
@@ -402,6 +406,9 @@ class CostModel:
         ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
         fwd = compute + 2 * st.layers * ar             # one all-reduce after attention, one after MLP
         bwd = 3 * compute + 4 * st.layers * ar         # recomputed forward + backward (2x)
+        measured = self._measured(st, first, last, mb)
+        if measured is not None:                        # split 1:3 like the modelled compute
+            fwd, bwd = measured / 4, 3 * measured / 4
         send = 0.0
         if nxt is not None:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
@@ -409,7 +416,13 @@ class CostModel:
         cap = self.cluster.machines[st.machine].memory
         upd = 7 * PARAM_BYTES * self.stage_params(st, first, last) / (
             self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
-        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd)
+        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None)
+
+    def _measured(self, st: StageLayout, first: bool, last: bool, mb: int) -> Optional[float]:
+        if self.stage_times is None:
+            return None
+        gpu = self.cluster.machines[st.machine].gpu.name
+        return self.stage_times.lookup(gpu, StageShape(st.tp, st.layers, first, last, mb))
 
     def pipeline_time(self, stages: tuple[StageEstimate, ...], chunks: int) -> float:
         """GPipe / non-interleaved 1F1B: fill and drain once through every stage, then chunks-1 times

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Optional
 
 from cfp.errors import ConfigError
+from cfp.planner.measured import MeasuredStageTimes
 from cfp.runtime.schedules import ScheduleName
 
 
@@ -20,7 +22,8 @@ class PlannerOptions:
     `max_pipelines` caps the data-parallel degree searched (None: as many as the batch allows);
     `refine_evaluations` bounds the local refinement (a count, not a time, so plans are deterministic);
     `phase2_metis` offers METIS' compute-balanced stage cut next to one TP degree per device type
-    (off: the latter only, for comparison)."""
+    (off: the latter only, for comparison); `stage_times`: measured stage times that replace the
+    analytic ones for stages of their shape and device (`cfp plan --stage-times`)."""
     global_batch_size: int
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
@@ -28,6 +31,7 @@ class PlannerOptions:
     refine: bool = True
     refine_evaluations: int = 3000
     phase2_metis: bool = True
+    stage_times: Optional[MeasuredStageTimes] = None
 
     def __post_init__(self):
         _positive("global_batch_size", self.global_batch_size)
@@ -39,3 +43,5 @@ class PlannerOptions:
         if self.max_pipelines is not None:
             _positive("max_pipelines", self.max_pipelines)
         _positive("refine_evaluations", self.refine_evaluations)
+        if self.stage_times is not None and not isinstance(self.stage_times, MeasuredStageTimes):
+            raise ConfigError(f"PlannerOptions.stage_times={self.stage_times!r} must be a MeasuredStageTimes")

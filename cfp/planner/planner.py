@@ -162,7 +162,7 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
                 progress: Optional[Callable[[int, int], None]] = None) -> PlannerResult:
     """The best layout the planner finds for `config` on `cluster` (deterministic)."""
     t0 = time.perf_counter()
-    cm = CostModel(config, cluster, options.schedule)
+    cm = CostModel(config, cluster, options.schedule, options.stage_times)
     search = _Search(cm, options)
     choices = tp_choices(cluster, config.num_heads)
     ks = pipeline_counts(cluster, options, config.num_layers)

@@ -155,7 +155,8 @@ def cache_load(cache_dir: str | None, key: str) -> SegmentProfile | None:
             raise ConfigError(f"not a version-{TABLE_VERSION} cache entry")
         return SegmentProfile.from_dict(d.get("segment"))
     except (OSError, ValueError) as e:     # ConfigError is a ValueError
-        _log.warning("ignoring corrupt profile cache file %s (%s); profiling the segment again", path, e)
+        _log.warning("ignoring unreadable or outdated profile cache file %s (%s); profiling the segment again",
+                     path, e)
         return None
 
 

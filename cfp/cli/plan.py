@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
           f"{options.global_batch_size}; schedule {options.schedule.value}")
     print(_table(cm, result.layout, est))
     if stage_times is not None:
-        n = sum(e.measured for ests in est.stages for e in ests)
-        print(f"stage times: {n} of {sum(map(len, est.stages))} stages priced by times measured on "
-              f"{stage_times.device} ({args.stage_times}); the others estimated")
+        n, total = sum(e.measured for ests in est.stages for e in ests), sum(map(len, est.stages))
+        print(f"stage times: {n} of {total} stages priced by times measured on {stage_times.device} "
+              f"({args.stage_times})" + ("; the others estimated" if n < total else ""))
     print(f"estimated step time: {est.step_time:.4f} s (slowest pipeline {max(est.pipeline_time):.4f} s, "
           f"gradient sync {est.dp_time:.4f} s, update {est.update_time:.4f} s)")
     if args.compare:

@@ -10,7 +10,7 @@ The public API, re-exported here from the passes that own each name (one argumen
     again = cfp.apply_plan(step_fn, "2x4", params, opt_state, batch, plan="plan.json")
 """
 from cfp.analysis.analysis import Analysis, analyze
-from cfp.api import autoshard
+from cfp.api import apply_plan, autoshard
 from cfp.errors import CaptureError, CfpError, ConfigError, InfeasibleError, PlanError
 from cfp.mesh import MeshSpec
 from cfp.planner.cluster import Cluster, parse_cluster
@@ -18,7 +18,7 @@ from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
 from cfp.profiling.table import ProfileTable
 from cfp.runtime.training import TrainOptions, TrainResult, run_training
-from cfp.search.plan import Plan, apply_plan, load_plan
+from cfp.search.plan import Plan, load_plan
 from cfp.search.search import SearchResult
 from cfp.sharding.check import check_collectives
 from cfp.sharding.specs import StepShardings

@@ -1,6 +1,7 @@
 """`autoshard`: analysis, profiling and search in one call, returning the sharded step."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from cfp.analysis.analysis import analyze_with_program
@@ -8,7 +9,8 @@ from cfp.mesh import MeshSpec
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile
-from cfp.search.plan import Plan, apply_plan, load_plan, make_plan
+from cfp.errors import ConfigError, PlanError
+from cfp.search.plan import Plan, load_plan, make_plan, spec_entries, spec_from_entries
 from cfp.search.search import search
 from cfp.search.options import SearchOptions
 
@@ -47,3 +49,49 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     if plan_out:
         plan.save(plan_out)
     return step.with_results(plan=plan, search=result, profile=table)
+
+
+def apply_plan(step_fn: Callable, mesh, *example_args, plan) -> ShardedStep:
+    """Shard `step_fn` with `plan`: a `Plan`, a plan file's path, or a choice (one strategy index per block).
+
+    A saved plan must match the step: same mesh shape, same blocks (fingerprints) and, once applied, the same
+    PartitionSpec for every input; `mesh` may be None to use the plan's. Mismatches raise `PlanError`.
+    """
+    if isinstance(plan, (str, os.PathLike)):
+        plan = load_plan(os.fspath(plan))
+    if not isinstance(plan, Plan):
+        if mesh is None:
+            raise ConfigError("apply_plan with a choice needs a mesh")
+        analysis, program = analyze_with_program(step_fn, mesh, *example_args)
+        step = apply_choice(program, analysis, plan, mesh if hasattr(mesh, "devices") else None)
+        return step.with_results(plan=make_plan(analysis, step.shardings))
+    analysis, program = analyze_with_program(step_fn, mesh if mesh is not None else plan.mesh, *example_args)
+    if tuple(analysis.mesh.shape) != tuple(plan.mesh_shape):
+        raise PlanError(f"plan is for mesh {plan.mesh_shape}, the step was given mesh {analysis.mesh.shape}")
+    _check_blocks(plan, tuple(b.fingerprint for b in analysis.blocks))
+    step = apply_choice(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None,
+                        shard_state=plan.shard_state)
+    _check_input_specs(plan, make_plan(analysis, step.shardings).input_specs)
+    return step.with_results(plan=plan)
+
+
+def _check_blocks(plan: Plan, fps: tuple[str, ...]) -> None:
+    if len(fps) != len(plan.block_fingerprints):
+        raise PlanError(f"plan has {len(plan.block_fingerprints)} blocks, this step has {len(fps)}; "
+                        f"search again for this step")
+    for i, (want, got) in enumerate(zip(plan.block_fingerprints, fps)):
+        if want != got:
+            raise PlanError(f"block {i} differs: the plan's fingerprint is {want}, this step's is {got} "
+                            f"(first of {sum(a != b for a, b in zip(plan.block_fingerprints, fps))} differing "
+                            f"blocks); search again for this step")
+
+
+def _check_input_specs(plan: Plan, derived: dict[str, list]) -> None:
+    """The plan's stored input specs must be those its choice gives this step (a hand-edited or foreign plan
+    would otherwise place inputs differently from what the file says)."""
+    for path in list(plan.input_specs) + [p for p in derived if p not in plan.input_specs]:
+        want = spec_entries(spec_from_entries(plan.input_specs[path])) if path in plan.input_specs else None
+        got = derived.get(path)
+        if want != got:
+            raise PlanError(f"input {path}: the plan stores spec {want}, its choice gives this step {got} "
+                            f"({'missing' if want is None else 'absent from the step' if got is None else 'differs'})")

@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable
+from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from cfp.analysis.analysis import Analysis, analyze_with_program
-from cfp.errors import ConfigError, PlanError
+from cfp.analysis.analysis import Analysis
+from cfp.errors import PlanError
+from cfp.files import write_text_atomic
 from cfp.mesh import MeshSpec
 from cfp.sharding.specs import StepShardings
-from cfp.sharding.step import ShardedStep, apply_choice
 
 
 def spec_entries(spec: PartitionSpec) -> list:
@@ -61,11 +61,7 @@ class Plan:
 
     def save(self, path: str) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(self.to_json())
-        os.replace(tmp, path)
-        return path
+        return write_text_atomic(path, self.to_json())
 
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> "Plan":
@@ -100,52 +96,6 @@ def load_plan(path: str) -> Plan:
     except (OSError, UnicodeDecodeError) as e:
         raise PlanError(f"cannot read plan file {path!r}: {getattr(e, 'strerror', None) or e}") from None
     return Plan.from_json(text, where=f"plan file {path!r}")
-
-
-def apply_plan(step_fn: Callable, mesh, *example_args, plan) -> ShardedStep:
-    """Shard `step_fn` with `plan`: a `Plan`, a plan file's path, or a choice (one strategy index per block).
-
-    A saved plan must match the step: same mesh shape, same blocks (fingerprints) and, once applied, the same
-    PartitionSpec for every input; `mesh` may be None to use the plan's. Mismatches raise `PlanError`.
-    """
-    if isinstance(plan, (str, os.PathLike)):
-        plan = load_plan(os.fspath(plan))
-    if not isinstance(plan, Plan):
-        if mesh is None:
-            raise ConfigError("apply_plan with a choice needs a mesh")
-        analysis, program = analyze_with_program(step_fn, mesh, *example_args)
-        step = apply_choice(program, analysis, plan, mesh if hasattr(mesh, "devices") else None)
-        return step.with_results(plan=make_plan(analysis, step.shardings))
-    analysis, program = analyze_with_program(step_fn, mesh if mesh is not None else plan.mesh, *example_args)
-    if tuple(analysis.mesh.shape) != tuple(plan.mesh_shape):
-        raise PlanError(f"plan is for mesh {plan.mesh_shape}, the step was given mesh {analysis.mesh.shape}")
-    _check_blocks(plan, tuple(b.fingerprint for b in analysis.blocks))
-    step = apply_choice(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None,
-                        shard_state=plan.shard_state)
-    _check_input_specs(plan, make_plan(analysis, step.shardings).input_specs)
-    return step.with_results(plan=plan)
-
-
-def _check_blocks(plan: Plan, fps: tuple[str, ...]) -> None:
-    if len(fps) != len(plan.block_fingerprints):
-        raise PlanError(f"plan has {len(plan.block_fingerprints)} blocks, this step has {len(fps)}; "
-                        f"search again for this step")
-    for i, (want, got) in enumerate(zip(plan.block_fingerprints, fps)):
-        if want != got:
-            raise PlanError(f"block {i} differs: the plan's fingerprint is {want}, this step's is {got} "
-                            f"(first of {sum(a != b for a, b in zip(plan.block_fingerprints, fps))} differing "
-                            f"blocks); search again for this step")
-
-
-def _check_input_specs(plan: Plan, derived: dict[str, list]) -> None:
-    """The plan's stored input specs must be those its choice gives this step (a hand-edited or foreign plan
-    would otherwise place inputs differently from what the file says)."""
-    for path in list(plan.input_specs) + [p for p in derived if p not in plan.input_specs]:
-        want = spec_entries(spec_from_entries(plan.input_specs[path])) if path in plan.input_specs else None
-        got = derived.get(path)
-        if want != got:
-            raise PlanError(f"input {path}: the plan stores spec {want}, its choice gives this step {got} "
-                            f"({'missing' if want is None else 'absent from the step' if got is None else 'differs'})")
 
 
 def _fail(where: str, field: str, what: str, value) -> None:

@@ -27,9 +27,14 @@ def write_text_atomic(path, text: str) -> str:
     never half a file; the temporary name carries the pid so two writers never share one."""
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:      # a failed write (disk full, interrupt) leaves no temporary file behind
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     return path
 
 

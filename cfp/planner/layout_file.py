@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from cfp.errors import ConfigError
+from cfp.files import write_text_atomic
 from cfp.models import get_config
 from cfp.runtime.layout import HeteroLayout
 from cfp.runtime.schedules import ScheduleName
@@ -41,17 +40,7 @@ class LayoutFile:
 
 def write_layout_file(path: str, layout_file: LayoutFile) -> None:
     """Write atomically (a temporary file in the same directory, then rename)."""
-    text = json.dumps(layout_file.to_dict(), indent=1) + "\n"
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".layout-", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, json.dumps(layout_file.to_dict(), indent=1) + "\n")
 
 
 def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:

@@ -192,11 +192,15 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
     typed = sorted((c for c in (_by_type(search, c) for c in found) if c is not None), key=key)
     # refined: the three best pipeline counts, the two best other TP maps (one that loses before
     # refinement can win after it) and the best equal-mix cut
-    layouts = [c.layout for c in found[:3] + others[:2] + typed[:1]]
+    # once each, a third of `refine_evaluations` per candidate: a layout found twice would be refined
+    # twice to the same result, so the budget of the repeats goes to the distinct layouts
+    picked = [c.layout for c in found[:3] + others[:2] + typed[:1]]
+    layouts = list(dict.fromkeys(picked))
+    budget = options.refine_evaluations // 3 * len(picked) // len(layouts)
     best_layout, best_est = None, None
     for cand in layouts:
         if options.refine:
-            lay, est = refine(cm, cand, options.refine_evaluations // 3, options.micro_batch_sizes)
+            lay, est = refine(cm, cand, budget, options.micro_batch_sizes)
         else:
             lay, est = cand, cm.estimate(cand)
         if best_est is None or est.objective < best_est.objective:

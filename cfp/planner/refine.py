@@ -6,7 +6,10 @@ change it: change the micro-batch size; reverse a pipeline or swap two of its ma
 stage's TP group in two, merge two neighbouring stages of one machine into one group of twice the
 degree, or re-cut a pipeline's stages on one machine into groups of other sizes (TP degrees may differ
 inside a machine, as HexiScale allows); move a TP group or a machine block to another pipeline (a
-pipeline left empty disappears) or swap two of them, of different machines, between pipelines. Moves keep each machine's
+pipeline left empty disappears) or swap two of them, of different machines, between pipelines. When
+no single structural move pays, *compound* moves are tried: a device move followed by a TP split or
+merge in a pipeline it changed. Polishing also moves a stage boundary shared by several pipelines in
+all of them at once (gradient sync couples their layer splits). Moves keep each machine's
 stages of a pipeline together, so the refined layout stays inside the exhaustive search's space
 (`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`) and
 the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so a
@@ -70,6 +73,40 @@ def _layer_shifts(layout: ClusterLayout, est: Estimate, pipes: Sequence[int]) ->
                     yield _replace(layout, p, PipelineLayout(tuple(st), pipe.batch, pipe.chunks))
 
 
+def _boundaries(pipe: PipelineLayout) -> dict[int, int]:
+    """Layer index at which each stage but the last ends -> that stage's index."""
+    out, layer = {}, 0
+    for i, st in enumerate(pipe.stages[:-1]):
+        layer += st.layers
+        out[layer] = i
+    return out
+
+
+def _aligned_shifts(layout: ClusterLayout) -> Iterator[ClusterLayout]:
+    """A stage boundary at the same layer moved by d layers in every pipeline that has it (at least
+    two). Gradient sync runs per stage over the pipelines' layers at their narrowest TP degree, so a
+    boundary moved in one pipeline alone can cost more sync than it saves where moving it in all pays."""
+    ends = [_boundaries(p) for p in layout.pipelines]
+    shared = sorted({b for e in ends for b in e if sum(b in f for f in ends) >= 2})
+    for b in shared:
+        for d in _SHIFTS:
+            for sign in (-1, 1):
+                pipes, moved = list(layout.pipelines), 0
+                for p, pipe in enumerate(layout.pipelines):
+                    i = ends[p].get(b)
+                    if i is None:
+                        continue
+                    st = list(pipe.stages)
+                    a, c = st[i], st[i + 1]
+                    if (a.layers if sign < 0 else c.layers) <= d:
+                        continue
+                    st[i] = StageLayout(a.devices, a.machine, a.layers + sign * d)
+                    st[i + 1] = StageLayout(c.devices, c.machine, c.layers - sign * d)
+                    pipes[p], moved = PipelineLayout(tuple(st), pipe.batch, pipe.chunks), moved + 1
+                if moved >= 2:
+                    yield ClusterLayout(tuple(pipes))
+
+
 def _batch_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
     """One micro-batch from a pipeline to another (slowest source first)."""
     k = len(layout.pipelines)
@@ -88,11 +125,13 @@ def _batch_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout
 
 def _polish(bud: _Budget, layout: ClusterLayout, est: Estimate, pipes: Sequence[int]
             ) -> tuple[ClusterLayout, Estimate]:
-    """Hill-climb with layer shifts in `pipes` and micro-batch moves until neither improves."""
+    """Hill-climb with layer shifts in `pipes`, micro-batch moves and aligned layer shifts (in every
+    pipeline) until none improves."""
     improved = True
     while improved and bud.left > 0:
         improved = False
-        for cand in (*_layer_shifts(layout, est, pipes), *_batch_moves(layout, est)):
+        for cand in (*_layer_shifts(layout, est, pipes), *_batch_moves(layout, est),
+                     *_aligned_shifts(layout)):
             e = bud.estimate(cand)
             if e.objective < est.objective * (1 - _EPS):
                 layout, est, improved = cand, e, True
@@ -211,12 +250,15 @@ def _device_moves(layout: ClusterLayout, est: Estimate) -> Iterator[tuple[list, 
                             yield new, {a, b}
 
 
-def _tp_moves(cm: CostModel, layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+def _tp_moves(cm: CostModel, layout: ClusterLayout, only: Optional[set[int]] = None
+              ) -> Iterator[tuple[list, set[int]]]:
     """A stage's TP group split into two halves, or two neighbouring stages of one machine and degree
-    merged into one group of twice the degree (heads divisible)."""
+    merged into one group of twice the degree (heads divisible); in the pipelines `only` if given."""
     heads = cm.config.num_heads
     pipes = [list(q.stages) for q in layout.pipelines]
     for p, stages in enumerate(pipes):
+        if only is not None and p not in only:
+            continue
         for i, s in enumerate(stages):
             if s.tp > 1:
                 h = s.tp // 2
@@ -273,24 +315,55 @@ def _structural(bud: _Budget, layout: ClusterLayout, est: Estimate, micro_batch_
                 yield lay, changed
 
 
+def _compound(bud: _Budget, layout: ClusterLayout, est: Estimate
+              ) -> Iterator[tuple[ClusterLayout, set[int]]]:
+    """A device move (`_device_moves`) followed by a TP split or merge in a pipeline it changed: a group
+    joining a pipeline adds a stage there, which often pays only with two of its groups merged (or one
+    split where the group left), while each move alone is worse."""
+    g, mb = layout.global_batch, layout.pipelines[0].micro_batch
+    for new, changed in _device_moves(layout, est):
+        if bud.left <= 0:
+            return
+        moved = _rebuild(bud, new, changed, g, mb)
+        if moved is None:
+            continue
+        for second, again in _tp_moves(bud.cm, moved, changed):
+            if bud.left <= 0:
+                return
+            lay = _rebuild(bud, second, again, g, mb)
+            if lay is not None:
+                yield lay, changed
+
+
+def _first_better(bud: _Budget, layout: ClusterLayout, est: Estimate,
+                  moves: Iterator[tuple[ClusterLayout, set[int]]]) -> Optional[tuple[ClusterLayout, Estimate]]:
+    """The first of `moves` whose estimate, polished over the pipelines it changed, beats `est`."""
+    for cand, changed in moves:
+        e = bud.estimate(cand)
+        if e.fits:
+            cand, e = _polish(bud, cand, e, sorted(changed))
+        if e.objective < est.objective * (1 - _EPS):
+            return cand, e
+        if bud.left <= 0:
+            break
+    return None
+
+
 def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000,
            micro_batch_sizes: Sequence[int] = ()) -> tuple[ClusterLayout, Estimate]:
     """Descend from `layout`: polish, then take the first structural move whose polished estimate is
-    better, until none is or `budget` estimates are spent. Returns the best layout and its estimate.
+    better; when none is, the first compound move (`_compound`) that is; until neither is or `budget`
+    estimates are spent. Returns the best layout and its estimate.
     `micro_batch_sizes`: the other micro-batch sizes a move may switch to."""
     bud = _Budget(cm, budget)
     est = bud.estimate(layout)
     layout, est = _polish(bud, layout, est, range(len(layout.pipelines)))
-    improved = True
-    while improved and bud.left > 0:
-        improved = False
-        for cand, changed in _structural(bud, layout, est, micro_batch_sizes):
-            e = bud.estimate(cand)
-            if e.fits:
-                cand, e = _polish(bud, cand, e, sorted(changed))
-            if e.objective < est.objective * (1 - _EPS):
-                layout, est, improved = cand, e, True
-                break
-            if bud.left <= 0:
-                break
+    while bud.left > 0:
+        # compound moves only once single ones are exhausted: they cost a TP move's worth of
+        # estimates per device move, and the budget is better spent on single moves while they pay
+        found = (_first_better(bud, layout, est, _structural(bud, layout, est, micro_batch_sizes))
+                 or _first_better(bud, layout, est, _compound(bud, layout, est)))
+        if found is None:
+            break
+        layout, est = found
     return layout, est

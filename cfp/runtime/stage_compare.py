@@ -11,8 +11,6 @@ the Megatron sharding runs only when it is faster.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -20,7 +18,7 @@ import jax
 from cfp.profiling import costmodel
 from cfp.profiling.options import ProfilerKind
 from cfp.runtime.stage_replay import stage_step
-from cfp.xla.compiled import compiled_figures
+from cfp.xla.compiled import compiled_figures, time_in_turns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +123,6 @@ def _estimated(compiled, analysis, choice, gpu_name: str) -> float:
 def _alternating(runs: list[tuple[Callable[[], Any], int]], iters: int, warmup: int) -> tuple[list[float], float]:
     """Median seconds (per unit of work: each run's second item) of each run, timed in turns; and the largest
     relative noise (half range over median) among them."""
-    for _ in range(warmup):
-        for fn, _ in runs:
-            jax.block_until_ready(fn())
-    times: list[list[float]] = [[] for _ in runs]
-    for _ in range(iters):
-        for (fn, units), ts in zip(runs, times):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts.append((time.perf_counter() - t0) / units)
-    meds = [statistics.median(ts) for ts in times]
-    noise = max((max(ts) - min(ts)) / 2 / m for ts, m in zip(times, meds) if m > 0)
-    return meds, noise
+    timed = time_in_turns([lambda fn=fn: fn for fn, _ in runs], iters, warmup)
+    meds = [med / units for (med, _), (_, units) in zip(timed, runs)]
+    return meds, max(noise for _, noise in timed)

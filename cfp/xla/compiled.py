@@ -53,34 +53,46 @@ def time_compiled_spread(compiled, args, iters: int, warmup: int,
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
-    return med, ((max(times) - min(times)) / 2 / med if med > 0 else 0.0)
+    return _median_noise(times)
 
 
 def time_interleaved(runs: Sequence[tuple[object, Callable[[], Sequence]]], rounds: int,
                      warmup: int) -> list[tuple[float, float]]:
-    """(median wall seconds, relative noise) of each `(compiled, make_args)` in `runs`, timed in turn within
-    each of `rounds` rounds, so that a burst of load on a shared host falls on all of them alike rather than
-    on whichever was being timed alone; noise as in `time_compiled_spread`. Each program's arguments are made
-    (placed) just before its runs and dropped after, so only one program's arguments live at a time."""
-    for compiled, make_args in runs:
+    """(median wall seconds, relative noise) of each `(compiled, make_args)` in `runs`, timed in turns (see
+    `time_in_turns`). Each program's arguments are made (placed) just before its run and dropped after, so
+    only one program's arguments live at a time."""
+    def prepare(compiled, make_args):
         args = make_args()
+        jax.block_until_ready(args)
+        return lambda: compiled(*args)
+    return time_in_turns([lambda c=c, m=m: prepare(c, m) for c, m in runs], rounds, warmup)
+
+
+def time_in_turns(prepares: Sequence[Callable[[], Callable[[], object]]], rounds: int,
+                  warmup: int) -> list[tuple[float, float]]:
+    """(median wall seconds, relative noise) of each run, timed in turn within each of `rounds` rounds, so
+    that a burst of load on a shared host falls on all of them alike rather than on whichever was being timed
+    alone. `prepares[k]()` (not timed) returns the function to time, whose result is waited for; noise as in
+    `time_compiled_spread`."""
+    for prepare in prepares:
+        fn = prepare()
         for _ in range(warmup):
-            jax.block_until_ready(compiled(*args))
-    times: list[list[float]] = [[] for _ in runs]
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in prepares]
     for _ in range(rounds):
-        for k, (compiled, make_args) in enumerate(runs):
-            args = make_args()
-            jax.block_until_ready(args)
+        for k, prepare in enumerate(prepares):
+            fn = prepare()
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
+            jax.block_until_ready(fn())
             times[k].append(time.perf_counter() - t0)
-            del args
-    out = []
-    for ts in times:
-        med = statistics.median(ts)
-        out.append((med, (max(ts) - min(ts)) / 2 / med if med > 0 else 0.0))
-    return out
+            del fn
+    return [_median_noise(ts) for ts in times]
+
+
+def _median_noise(times: Sequence[float]) -> tuple[float, float]:
+    """Median and half the range over the median: the ± within which two medians are not told apart."""
+    med = statistics.median(times)
+    return med, ((max(times) - min(times)) / 2 / med if med > 0 else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,8 +117,7 @@ class StageReplay:
         * backward(params, x, [g_y | targets, weights, total_weight], aux_ct, acc) -> (acc, g_x or None)
         * update(params, opt_state, grads) -> (params, opt_state)
         """
-        s = self.shardings
-        hooks = ConstraintHooks(self.analysis, s.layouts, mesh, dots_only=frozenset(s.shard_state))
+        hooks = ConstraintHooks.for_step(self.analysis, self.shardings, mesh)
         run = lambda inputs, outs, given=None: self.program.replay_part(
             inputs, outs, given, hooks.on_output, hooks.scope_of, hooks.on_input)
         labels = ("targets", "weights", "total_weight") if self.is_last else ()

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.layout import BlockLayout, DimAxes
 from cfp.sharding.reshard import direct_ok, reshard_path
-from cfp.sharding.specs import partition_spec
+from cfp.sharding.specs import StepShardings, dim_axes, partition_spec
 
 
 # operators around which a free partitioner tends to pick layouts of its own (sums, scans, gathers, concats)
@@ -99,6 +99,14 @@ class ConstraintHooks:
                 for c in g.consumers.get(t, ()):
                     if c in ops:
                         self.use_cons[(c, t)] = tuple(self._sharding(mesh, names, s) for s in path)
+
+    @classmethod
+    def for_step(cls, analysis: Analysis, shardings: StepShardings, mesh: jax.sharding.Mesh) -> "ConstraintHooks":
+        """The hooks that impose `shardings` on the analysed step: its block layouts, state-sharded blocks
+        constrained at their dots only, and each step input entering its blocks from its stored layout."""
+        g, names = analysis.graph, analysis.mesh.axis_names
+        stored = {t: dim_axes(s, names, len(g.tensor(t).shape)) for t, s in zip(g.inputs, shardings.input_specs)}
+        return cls(analysis, shardings.layouts, mesh, dots_only=frozenset(shardings.shard_state), sources=stored)
 
     @staticmethod
     def _sharding(mesh: jax.sharding.Mesh, names, spec: DimAxes) -> NamedSharding:

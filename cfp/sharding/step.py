@@ -11,7 +11,7 @@ from cfp.analysis.analysis import Analysis
 from cfp.errors import ConfigError
 from cfp.ir.capture import Program
 from cfp.sharding.constraints import ConstraintHooks
-from cfp.sharding.specs import StepShardings, dim_axes, resolve
+from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.hlo import Collective, parse_collectives
 from cfp.xla.log import Rematerialization, capture_log
 
@@ -28,10 +28,7 @@ class ShardedStep:
                  plan: Any = None, search: Any = None, profile: Any = None):
         self.program, self.analysis, self.shardings, self.mesh = program, analysis, shardings, mesh
         self.plan, self.search, self.profile = plan, search, profile
-        g, names = analysis.graph, analysis.mesh.axis_names
-        stored = {t: dim_axes(s, names, len(g.tensor(t).shape)) for t, s in zip(g.inputs, shardings.input_specs)}
-        hooks = ConstraintHooks(analysis, shardings.layouts, mesh, dots_only=frozenset(shardings.shard_state),
-                                sources=stored)
+        hooks = ConstraintHooks.for_step(analysis, shardings, mesh)
         on_output, on_input, scope_of = hooks.on_output, hooks.on_input, hooks.scope_of
 
         def flat_fn(*flat):

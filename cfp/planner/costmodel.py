@@ -35,8 +35,9 @@ from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
 from cfp.runtime.schedules import ScheduleName
 
+
 def _memo(fn):
-    """Per-instance memo of a figure (its arguments are small ints)."""
+    """Per-instance memo of a figure (its arguments are small hashable numbers)."""
     @functools.wraps(fn)
     def wrapper(self, *args):
         key = (fn.__name__,) + args
@@ -448,11 +449,9 @@ class CostModel:
                                          frozenset(s.machine for s in st))
         return memo[key]
 
+    @_memo
     def _all_reduce(self, nbytes: float, n: int, bw: float) -> float:
-        key = ("all-reduce", nbytes, n, bw)
-        if key not in self._memo:
-            self._memo[key] = collective_time("all-reduce", nbytes, n, bw)
-        return self._memo[key]
+        return collective_time("all-reduce", nbytes, n, bw)
 
     def dp_time(self, layout: ClusterLayout) -> float:
         """Gradient sync: per layer a ring all-reduce over the pipelines of the largest per-device shard

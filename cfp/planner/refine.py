@@ -19,6 +19,7 @@ First improvement in a fixed move order, so the result is deterministic; `budget
 of estimates and rebuilds (a count, not a time)."""
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Optional, Sequence
 
 from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms, split_layers
@@ -130,8 +131,9 @@ def _polish(bud: _Budget, layout: ClusterLayout, est: Estimate, pipes: Sequence[
     improved = True
     while improved and bud.left > 0:
         improved = False
-        for cand in (*_layer_shifts(layout, est, pipes), *_batch_moves(layout, est),
-                     *_aligned_shifts(layout)):
+        # lazily: first improvement stops after a few candidates of the many these moves generate
+        for cand in itertools.chain(_layer_shifts(layout, est, pipes), _batch_moves(layout, est),
+                                    _aligned_shifts(layout)):
             e = bud.estimate(cand)
             if e.objective < est.objective * (1 - _EPS):
                 layout, est, improved = cand, e, True

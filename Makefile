@@ -1,4 +1,4 @@
-PY ?= python3
+PY ?= $(shell scripts/find-python.sh)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-all install clean
 
 $(STAMP): pyproject.toml
+	@test -n "$(PY)" || { echo "make: no Python >= 3.12 found (see scripts/find-python.sh)" >&2; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test]"

@@ -3,8 +3,8 @@ import re
 from pathlib import Path
 
 ALLOWED = {"cfp/ir/_jax_internals.py"}
-PATTERN = re.compile(r"^\s*(from|import)\s+jax\.(_src|extend|core|interpreters)\b|jax\._src\.|jax\.core\.|jax\.extend\.",
-                     re.MULTILINE)
+PATTERN = re.compile(r"^\s*(from|import)\s+jax\.(_src|extend|core|interpreters)\b|jax\._src\.|jax\.core\.|jax\.extend\."
+                     r"|^\s*from\s+jax\s+import\s+.*\b(_src|extend|core|interpreters)\b", re.MULTILINE)
 
 
 def test_internals_live_in_one_module():
@@ -21,4 +21,7 @@ def test_the_pattern_catches_internal_imports():
     assert PATTERN.search("from jax._src import core")
     assert PATTERN.search("import jax.extend.core as jc")
     assert PATTERN.search("x = jax.core.Literal")
+    assert PATTERN.search("from jax import core")
+    assert PATTERN.search("from jax import numpy as jnp, _src")
     assert not PATTERN.search("import jax.numpy as jnp\nfrom jax.sharding import Mesh")
+    assert not PATTERN.search("from jax import numpy as jnp, tree_util")

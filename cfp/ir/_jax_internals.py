@@ -14,24 +14,27 @@ import jax
 import jax.extend.core as jex_core
 from jax._src import source_info_util
 
-# Primitives whose sub-jaxpr is a plain call: inlining them keeps the program's meaning (we are past
-# differentiation, so custom_jvp/custom_vjp rules are no longer needed: only their primal body runs).
-_CALL_JAXPR_PARAM = {
-    "pjit": "jaxpr",
-    "jit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat": "jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
+# Call-like primitives of jax 0.12 and the param holding the jaxpr they evaluate. Inlining them keeps the
+# program's meaning: we are past differentiation, so custom_jvp/custom_vjp/custom_vmap rules are no longer
+# needed (only their primal body runs) and remat's recomputation is already spelt out in the backward pass.
+# (Older releases' names -- pjit, closed_call, core_call, custom_vjp_call_jaxpr -- no longer exist: jax 0.12
+# aliases closed_call/call to eval_jaxpr. tests/test_capture.py checks that every name here is still emitted.)
+CALL_PRIMITIVES = {
+    "jit": "jaxpr",                  # a nested jax.jit
+    "eval_jaxpr": "call_jaxpr",      # calling a jaxpr or a `jax.jit(f).trace(...)` result
+    "remat2": "jaxpr",               # jax.checkpoint / jax.remat, with or without a policy
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "custom_lin": None,  # never appears after linearize+transpose; listed so it is reported, not mis-inlined
+    "custom_vmap_call": "call",
 }
 
+# Identities that only mark a value for a transformation already applied (`checkpoint_name` for remat
+# policies): dropped, so the value's producer feeds its consumers directly.
+IDENTITY_PRIMITIVES = frozenset({"name"})
+
 # Control flow cfp keeps as one opaque operator (its body is not analysed, but it still runs on replay).
-OPAQUE_PRIMITIVES = frozenset({"scan", "while", "cond", "shard_map", "xla_pmap", "pmap", "custom_transpose_call"})
+# jax 0.12's pmap is a jit around a shard_map.
+OPAQUE_PRIMITIVES = frozenset({"scan", "while", "cond", "shard_map", "custom_linear_solve"})
 
 
 @dataclasses.dataclass
@@ -62,14 +65,14 @@ class TracedProgram:
 
 
 def trace(fn: Callable, *args) -> TracedProgram:
-    """Trace `fn(*args)` to a closed jaxpr and flatten it."""
+    """Trace `fn(*args)` to a jaxpr and flatten it."""
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
 
     def flat_fn(*flat):
         return fn(*jax.tree_util.tree_unflatten(in_tree, flat))
 
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
-    return _flatten(closed, in_tree, jax.tree_util.tree_structure(out_shape))
+    jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+    return _flatten(jaxpr, in_tree, jax.tree_util.tree_structure(out_shape))
 
 
 def _aval_info(aval) -> tuple[tuple[int, ...], str]:
@@ -96,7 +99,8 @@ def _user_source(source_info) -> tuple[str, tuple]:
             (frame.file_name, frame.start_line, frame.start_column))
 
 
-def _flatten(closed, in_tree, out_tree) -> TracedProgram:
+def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
+    """Global ids for every value of `jaxpr` (a jax 0.12 Jaxpr, its consts attached), call-likes inlined."""
     avals: dict[int, tuple] = {}
     const_values: dict[int, Any] = {}
     eqns: list[FlatEqn] = []
@@ -112,6 +116,27 @@ def _flatten(closed, in_tree, out_tree) -> TracedProgram:
             return ("lit", a.val)
         return ("var", env[a])
 
+    def inline(sub, ins, outvars, env, scope, trans):
+        """Walk the called jaxpr `sub` with its inputs bound to the caller's operands `ins`."""
+        inner_env = {}
+        for v, c in zip(sub.constvars, sub.consts):
+            inner_env[v] = new_id(v.aval)
+            const_values[inner_env[v]] = c
+        # custom_jvp/vjp carry extra leading const operands for their rule functions only
+        for v, a in zip(sub.invars, ins[len(ins) - len(sub.invars):]):
+            inner_env[v] = bound(v, a)
+        walk(sub, inner_env, scope, trans)
+        for outer_v, inner_v in zip(outvars, sub.outvars):
+            if not isinstance(outer_v, jex_core.DropVar):
+                env[outer_v] = bound(outer_v, atom(inner_env, inner_v))
+
+    def bound(v, a) -> int:
+        """The global id `v` takes for the atom `a`: its var, or a new constant holding its literal."""
+        if a[0] == "var":
+            return a[1]
+        const_values[new_id(v.aval)] = a[1]
+        return counter[0]
+
     def walk(jaxpr, env, outer_scope, outer_transforms):
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
@@ -119,32 +144,14 @@ def _flatten(closed, in_tree, out_tree) -> TracedProgram:
             scope = outer_scope + scopes
             trans = outer_transforms + transforms
             ins = [atom(env, v) for v in eqn.invars]
-            sub_param = _CALL_JAXPR_PARAM.get(name, "")
-            sub = eqn.params.get(sub_param) if sub_param else None
-            if sub is not None:
-                sub_jaxpr = getattr(sub, "jaxpr", sub)
-                sub_consts = getattr(sub, "consts", ())
-                inner_env = {}
-                for v, c in zip(sub_jaxpr.constvars, sub_consts):
-                    inner_env[v] = new_id(v.aval)
-                    const_values[inner_env[v]] = c
-                # custom_jvp/vjp carry extra leading const operands for their rule functions only
-                n_skip = len(ins) - len(sub_jaxpr.invars)
-                for v, a in zip(sub_jaxpr.invars, ins[n_skip:]):
-                    if a[0] == "var":
-                        inner_env[v] = a[1]
-                    else:
-                        inner_env[v] = new_id(v.aval)
-                        const_values[inner_env[v]] = a[1]
-                walk(sub_jaxpr, inner_env, scope, trans)
-                for outer_v, inner_v in zip(eqn.outvars, sub_jaxpr.outvars):
-                    if isinstance(outer_v, jex_core.DropVar):
-                        continue
-                    if isinstance(inner_v, jex_core.Literal):
-                        env[outer_v] = new_id(outer_v.aval)
-                        const_values[env[outer_v]] = inner_v.val
-                    else:
-                        env[outer_v] = inner_env[inner_v]
+            sub = eqn.params.get(CALL_PRIMITIVES[name]) if name in CALL_PRIMITIVES else None
+            if isinstance(sub, jex_core.Jaxpr):
+                inline(sub, ins, eqn.outvars, env, scope, trans)
+                continue
+            if name in IDENTITY_PRIMITIVES:
+                for outer_v, a in zip(eqn.outvars, ins):
+                    if not isinstance(outer_v, jex_core.DropVar):
+                        env[outer_v] = bound(outer_v, a)
                 continue
             outs = []
             for v in eqn.outvars:
@@ -157,8 +164,7 @@ def _flatten(closed, in_tree, out_tree) -> TracedProgram:
             eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs, scope, trans, source, key))
 
     env: dict = {}
-    jaxpr = closed.jaxpr
-    for v, c in zip(jaxpr.constvars, closed.consts):
+    for v, c in zip(jaxpr.constvars, jaxpr.consts):
         env[v] = new_id(v.aval)
         const_values[env[v]] = c
     invars = []
@@ -179,7 +185,7 @@ def bind(eqn: FlatEqn, values: Sequence[Any]) -> list:
 def sub_jaxpr_params(eqn: FlatEqn) -> Iterator[str]:
     """Names of params holding sub-jaxprs (for reporting opaque control flow)."""
     for k, v in eqn.params.items():
-        if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+        if isinstance(v, jex_core.Jaxpr):
             yield k
 
 

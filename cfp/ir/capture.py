@@ -140,7 +140,7 @@ class Program:
 def capture(fn: Callable, *example_args) -> Program:
     """Trace `fn(*example_args)` (e.g. a whole train step) into a flat `Program`.
 
-    Nested jit/pjit, custom_jvp/custom_vjp and remat calls are inlined; control flow cfp cannot see through
+    Nested jit, jaxpr calls, custom_jvp/custom_vjp and remat calls are inlined; control flow cfp cannot see through
     (scan, while, cond, shard_map) stays as one opaque operator listed in `graph.opaque_operators`.
     """
     try:

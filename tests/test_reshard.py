@@ -1,6 +1,7 @@
 """No hidden resharding: XLA's involuntary full rematerializations are detected, predicted, and routed around."""
 import itertools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,15 @@ from cfp.sharding.specs import partition_spec
 from cfp.xla.log import capture_log, involuntary_rematerializations
 
 MESH = MeshSpec.parse("2x4")          # axis 0 of size 2, axis 1 of size 4
+
+
+@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
+def partitioner(request):
+    """XLA partitions after Shardy's propagation (JAX's default) or GSPMD's (deprecated, still selectable)."""
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param)
+    yield "shardy" if request.param else "gspmd"
+    jax.config.update("jax_use_shardy_partitioner", before)
 
 
 def _compile_moves(src, path, shape=(16, 16)):
@@ -51,10 +61,11 @@ def _layouts(rank, num_axes=2):
     return sorted(out)
 
 
-def test_detector_finds_replicate_then_partition_and_not_a_clean_move():
-    # batch dim over both axes -> the other dim over axis 0: GSPMD replicates over all 8 devices, then slices
+def test_detector_finds_replicate_then_partition_and_not_a_clean_move(partitioner):
+    # batch dim over both axes -> the other dim over axis 0: XLA replicates over all 8 devices, then slices
     found, _ = _compile_moves(((0, 1), ()), [((), (0,))])
     assert len(found) == 1 and found[0].shape == "f32[2,16]"
+    assert found[0].source.startswith({"shardy": "{mesh[", "gspmd": "{devices=["}[partitioner])
     assert "Involuntary" not in found[0].op_name and found[0].source != found[0].target
     clean, _ = _compile_moves(((0, 1), ()), [((0,), ())])      # all-gather over axis 1 only
     assert clean == ()
@@ -67,23 +78,32 @@ def test_capture_log_writes_the_text_back(capfd):
     assert "an XLA line" in capfd.readouterr().err       # nothing hidden
 
 
-def test_parser_reads_xla_warning_text():
+@pytest.mark.parametrize("source,target", [
+    ("{devices=[8,1]<=[8]}", "{devices=[1,2,4]<=[8] last_tile_dim_replicate}"),          # as GSPMD writes them
+    ("{mesh['x'=2,'y'=4], [{'x', 'y'}, {}]}", "{mesh['x'=2,'y'=4], [{}, {'x'}]}"),        # as Shardy does
+])
+def test_parser_reads_xla_warning_text(source, target):
     line = ("W1123 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler cannot go "
-            "from sharding {devices=[8,1]<=[8]} to {devices=[1,2,4]<=[8] last_tile_dim_replicate} efficiently "
-            "for HLO operation %sharding_constraint.7 = f32[2,64]{1,0} copy(%add.3), sharding={devices=[8,1]<=[8]}, "
+            f"from sharding {source} to {target} efficiently "
+            f"for HLO operation %sharding_constraint.7 = f32[2,64]{{1,0}} copy(%add.3), sharding={source}, "
             'metadata={op_name="jit(f)/cfp_b3/sharding_constraint" stack_frame_id=3}. As the last resort, ...')
     (r,) = involuntary_rematerializations("unrelated\n" + line)
     assert (r.source, r.target, r.operation, r.shape, r.op_name) == (
-        "{devices=[8,1]<=[8]}", "{devices=[1,2,4]<=[8] last_tile_dim_replicate}", "sharding_constraint.7",
-        "f32[2,64]", "jit(f)/cfp_b3/sharding_constraint")
+        source, target, "sharding_constraint.7", "f32[2,64]", "jit(f)/cfp_b3/sharding_constraint")
 
 
-def test_every_rank2_move_on_2x4_xla_replicates_is_predicted_and_its_path_is_clean():
+# a whole 16x16 tensor gathered on a device: with a sharded target, XLA replicated to reshard
+_FULL_GATHER = re.compile(r"= f32\[16,16\]\{[^}]*\} all-gather\(")
+
+
+def test_every_rank2_move_on_2x4_xla_replicates_is_predicted_and_its_path_is_clean(partitioner):
     """Against XLA itself: `direct_ok` never calls a move efficient that XLA rematerializes, and each
-    predicted one, constrained along `reshard_path`, compiles without a rematerialization."""
+    predicted one, constrained along `reshard_path`, compiles without a rematerialization. The log's
+    warnings are checked against the compiled HLO, so a log that stopped saying it would fail here."""
     flagged = 0
     for src, dst in itertools.permutations(_layouts(2), 2):
-        found, _ = _compile_moves(src, [dst])
+        found, compiled = _compile_moves(src, [dst])
+        assert bool(found) == bool(any(dst) and _FULL_GATHER.search(compiled.as_text())), (src, dst)
         assert not (found and direct_ok(src, dst)), (src, dst)
         if not direct_ok(src, dst):
             flagged += 1

@@ -1,5 +1,9 @@
 """What XLA's C++ code logs while compiling, and the SPMD partitioner's involuntary rematerializations in it.
 
+XLA's SPMD partitioner partitions the program after sharding propagation by Shardy (JAX's default) or GSPMD
+(`jax_use_shardy_partitioner=False`), and logs the same warning under both; only the shardings in it are
+written differently: `{mesh['x'=2,'y'=4], [{'x', 'y'}, {}]}` under Shardy, `{devices=[8,1]<=[8]}` under GSPMD.
+
 XLA writes its warnings to the process's stderr file descriptor, past Python's `sys.stderr`, so `capture_log`
 points descriptor 2 at a temporary file around a compile and then writes everything it caught back to stderr:
 nothing is hidden, and cfp can read what XLA said about the program it just compiled.
@@ -26,9 +30,9 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 @dataclasses.dataclass(frozen=True)
 class Rematerialization:
-    """One "[SPMD] Involuntary full rematerialization": GSPMD replicated a tensor to reshard it."""
+    """One "[SPMD] Involuntary full rematerialization": XLA replicated a tensor to reshard it."""
 
-    source: str        # HLO sharding it had, e.g. {devices=[8,1]<=[8]}
+    source: str        # HLO sharding it had, e.g. {mesh['x'=2,'y'=4], [{'x', 'y'}, {}]} or {devices=[8,1]<=[8]}
     target: str        # HLO sharding it was needed in
     operation: str     # HLO instruction name
     shape: str         # per-device shape of that instruction, e.g. f32[2,64]

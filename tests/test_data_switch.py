@@ -33,6 +33,19 @@ def _host(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
+def _reference_loss(cfg, params, mbs) -> float:
+    """Σ token cross-entropy x weight / Σ weight over all micro-batches, from the model's apply directly."""
+    from cfp.models import build_model
+    model = build_model(MODEL, cfg)
+    total = weight = 0.0
+    for mb in mbs:
+        logits, _ = model.apply(params, mb["inputs"], segment_ids=mb["segment_ids"], positions=mb["positions"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(np.asarray(logits, np.float32), mb["targets"])
+        total += float(np.sum(np.asarray(ce, np.float64) * mb["weights"]))
+        weight += float(np.sum(mb["weights"]))
+    return total / weight
+
+
 def test_switch_is_exact_and_switching_back_changes_nothing():
     cfg = get_config(MODEL, "tiny", seq_len=128)
     params = init_params(MODEL, cfg, 0)
@@ -44,6 +57,7 @@ def test_switch_is_exact_and_switching_back_changes_nothing():
     switched.set_pipelines(A)
     other.set_pipelines(A)
     steps = _steps()
+    losses = {"plain": [], "other": []}
     for k, mbs in enumerate(steps):
         if k == 1:
             before = _host(switched.params)
@@ -54,9 +68,11 @@ def test_switch_is_exact_and_switching_back_changes_nothing():
             assert {d.id for d in mesh.devices.flat} == {4, 5, 6, 7}
             switched.set_pipelines(A)          # ... and back, before the step
             other.set_pipelines(B)             # this one trains step 2 under B
-        plain.step(_split(mbs, plain.pipelines))
+        if k == 0:
+            ref_loss = _reference_loss(cfg, params, mbs)
+        losses["plain"].append(plain.step(_split(mbs, plain.pipelines)).loss)
         switched.step(_split(mbs, switched.pipelines))
-        other.step(_split(mbs, other.pipelines))
+        losses["other"].append(other.step(_split(mbs, other.pipelines)).loss)
         if k == 1:
             other.set_pipelines(A)
     for a, b in zip(_host(plain.params), _host(switched.params)):
@@ -64,5 +80,11 @@ def test_switch_is_exact_and_switching_back_changes_nothing():
     for a, b in zip(_host(plain.params), _host(other.params)):
         assert np.isfinite(b).all()
         assert np.max(np.abs(a - b)) <= TOL
+    # the loss is every pipeline's token-weighted sum over the step's real tokens: step 1 against the model
+    # applied directly, step 2 (two pipelines under B, same parameters as A's) against A's one pipeline;
+    # float32 reordering noise of a loss of ~5 is ~1e-6 relative, a pipeline left out is ~1e-1
+    assert abs(losses["plain"][0] - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert abs(losses["other"][1] - losses["plain"][1]) <= 1e-5 * abs(losses["plain"][1])
+    assert all(np.isfinite(v) for vs in losses.values() for v in vs)
     moved = max(np.max(np.abs(a - b)) for a, b in zip(_host(plain.params), _host(params)))
     assert moved > 1000 * TOL                  # training did change the parameters

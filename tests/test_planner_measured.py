@@ -61,3 +61,58 @@ def test_tp_all_reduces_match_the_compiled_stage(model):
     assert fwd_c == 2 * 2 * act                            # what XLA compiled: 2 layers x 2 all-reduces
     assert fwd_p == pytest.approx(fwd_c, rel=1e-9)
     assert 0.55 * bwd_c < bwd_p <= bwd_c, (bwd_p, bwd_c)
+
+
+def _concrete(args):
+    """Arguments of the abstract shapes and shardings (fresh for each run: the backward donates its
+    accumulator)."""
+    import jax
+    import jax.numpy as jnp
+    return jax.tree_util.tree_map(lambda s: jax.device_put(jnp.full(s.shape, 0.01, s.dtype), s.sharding), args)
+
+
+def _measure_in_turns(programs, rounds: int) -> list[tuple[float, float]]:
+    """(median seconds, relative noise = half the range over the median) of each `(compiled, abstract args)`,
+    timed in turns so that a busy spell of the shared host falls on every program alike."""
+    import time
+
+    import jax
+    import numpy as np
+    times = [[] for _ in programs]
+    for r in range(rounds + 1):                      # round 0 warms up
+        for i, (compiled, like) in enumerate(programs):
+            args = jax.block_until_ready(_concrete(like))
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            if r:
+                times[i].append(time.perf_counter() - t0)
+    return [(float(np.median(t)), (max(t) - min(t)) / 2 / float(np.median(t))) for t in times]
+
+
+def test_relative_stage_times_match_measured_ones():
+    """The planner's time of a middle TP-1 stage with 4 layers, and with twice the micro-batch, relative to the
+    1-layer stage, against the same ratios measured on this machine's CPU devices (the runtime's compiled
+    forward + backward programs, median of 7 runs in turns). Measured: 3.86x vs 4.0x and 1.82x vs 1.87x (the
+    absolute scale of the `cpu` catalog entry is not checked, nor TP: simulated devices share the host's
+    cores). Bound: 15% for what the model leaves out plus both measurements' noise; a stage time that ignores
+    the layer count or the micro-batch is off by 45% or more."""
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.layout import HeteroLayout
+    cfg = get_config("llama2", "tiny", num_layers=6, seq_len=64, hidden_size=128, ffn_size=256, vocab_size=256)
+    cm = CostModel(cfg, _cluster(1.75))
+    S = lambda d, n: StageLayout(tuple(d), 0, n)
+    programs, planned = [], []
+    for layers, mb in ((1, 4), (4, 4), (1, 8)):
+        trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]],
+                                                                       [2 * mb], [2]))
+        programs += [(prog.lower(*args).compile(), args) for prog, args in trainer.compile_jobs((0, 1))[:2]]
+        pipe = PipelineLayout((S([0], 1), S([1], layers), S([2], 5 - layers)), 2 * mb, 2)
+        est = cm.stage_estimate(pipe.stages[1], 1, pipe, 1, pipe.stages[2])
+        planned.append(est.fwd + est.bwd)
+    res = _measure_in_turns(programs, rounds=7)
+    measured = [res[2 * i][0] + res[2 * i + 1][0] for i in range(3)]
+    noise = [max(res[2 * i][1], res[2 * i + 1][1]) for i in range(3)]
+    for i in (1, 2):
+        ratio_m, ratio_p = measured[i] / measured[0], planned[i] / planned[0]
+        assert abs(ratio_p / ratio_m - 1) <= 0.15 + noise[i] + noise[0], \
+            (i, f"planned {ratio_p:.3f}x, measured {ratio_m:.3f}x (noise {noise[i]:.1%}, {noise[0]:.1%})")

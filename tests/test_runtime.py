@@ -237,7 +237,7 @@ def test_gradient_is_token_weighted():
     """Pipelines [[2,1,1],[4]] with batches 6 and 2: the gradient equals the single-device gradient
     of the concatenated batch (the seed's equal weighting of pipelines is a different gradient)."""
     import jax
-    from cfp.models import loss_fn
+    from cfp.runtime.verify import reference_loss
     from cfp.runtime.engine import HeteroTrainer
     cfg = tiny(3)  # same programs as the 2-1-1+4 equivalence test: no new compile
     layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
@@ -245,13 +245,13 @@ def test_gradient_is_token_weighted():
     batch = batches("llama2", cfg, 8)[0]
     grads, loss = trainer.gradients(batch)
     params = trainer.state()[0]
-    ref_loss, ref = jax.value_and_grad(loss_fn("llama2", cfg))(params, batch)
+    ref_loss, ref = jax.value_and_grad(reference_loss("llama2", cfg))(params, batch)
     assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
         r = np.asarray(r)
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
     # the seed's rule (mean of per-pipeline mean losses) is a different, wrong gradient
-    lf = loss_fn("llama2", cfg)
+    lf = reference_loss("llama2", cfg)
     half = lambda lo, hi: {k: v[lo:hi] for k, v in batch.items()}
     seed = jax.grad(lambda p: 0.5 * lf(p, half(0, 6)) + 0.5 * lf(p, half(6, 8)))(params)
     assert not np.allclose(seed["params"]["embed"]["token"]["embedding"],

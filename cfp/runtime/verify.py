@@ -23,9 +23,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import jax
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from cfp.errors import ConfigError, NumericalError

@@ -17,8 +17,11 @@ REPRESENTATIVE = (
     "tests/test_default_opt_level.py::test_this_process_runs_at_the_level_it_was_asked_for",
     # runtime: TP-2 and TP-1 pipeline stages, GPipe and 1F1B, vs one device (gradients, losses, parameters)
     "tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b[tp2-into-tp1]",
-    # applied plan: a sharded AdamW train step vs the unsharded one
+    # applied plans: a sharded AdamW train step vs the unsharded one; Llama-2 loss and gradients under the first
+    # and a random strategy choice on a 2x4 mesh vs unsharded
     "tests/test_apply.py::test_full_train_step_matches_single_device",
+    "tests/test_apply.py::test_sharded_loss_and_grads_match_unsharded_and_collectives_match_prediction"
+    "[llama2-2x4-kinds2]",
 )
 
 

@@ -149,9 +149,15 @@ MUTANTS: tuple[Mutant, ...] = (
 
 
 def _copy_repo(dest: str) -> None:
-    """Tracked and untracked non-ignored files of the repository (not .git, caches or virtual environments)."""
-    out = subprocess.run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard", "-z"], check=True,
-                         capture_output=True).stdout.decode()
+    """Tracked and untracked non-ignored files of the repository (not .git, caches or virtual environments);
+    outside a git checkout, the whole tree less those."""
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard", "-z"], check=True,
+                             capture_output=True).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(ROOT, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", "__pycache__", ".venv", "*.egg-info", ".pytest_cache"))
+        return
     for rel in filter(None, out.split("\0")):
         src = os.path.join(ROOT, rel)
         if not os.path.isfile(src):

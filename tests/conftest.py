@@ -2,10 +2,14 @@
 import os
 
 # Backend optimisation level 0 halves XLA:CPU compile time, which dominates this suite on 2 cores;
-# tests compare numbers, never speed.
+# tests compare numbers, never speed. Users run XLA's default level: tests/test_default_opt_level.py reruns a
+# representative set of the numeric equivalence tests in a subprocess with CFP_TEST_XLA_DEFAULT_OPT=1, which
+# leaves the level at XLA's default (the flag is read once, when JAX starts).
+DEFAULT_OPT_ENV = "CFP_TEST_XLA_DEFAULT_OPT"
+O0_FLAG = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    + ("" if os.environ.get(DEFAULT_OPT_ENV) == "1" else " " + O0_FLAG)
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -117,6 +117,11 @@ _REF = {}
 GRAD_TOL = 4e-6
 PARAM_TOL = 1e-5
 LOSS_RTOL = 2e-6
+# AdamW's decoupled weight decay moves the parameters by lr * WD * p per step: over STEPS steps ~3e-4 of their
+# norm, 30x PARAM_TOL, so an engine that drops (or mis-scales) the decay fails the parameter check.  The
+# references build their optimizer from optax directly (cfp.runtime.verify), never from the engine.
+LR, WD = 1e-3, 0.1
+OPT = dict(learning_rate=LR, weight_decay=WD)
 
 
 def tiny(num_layers, model="llama2", **kw):
@@ -143,8 +148,7 @@ def reference(model, cfg, rows):
         from cfp.runtime.verify import replay
         ts = train_step(model, cfg)
         p, o = ts.init(0)
-        _REF[key] = replay(model, cfg, p, o, batches(model, cfg, rows),
-                           learning_rate=1e-3, weight_decay=0.01)
+        _REF[key] = replay(model, cfg, p, o, batches(model, cfg, rows), learning_rate=LR, weight_decay=WD)
     return _REF[key]
 
 
@@ -159,7 +163,7 @@ def microbatched_reference(model, cfg, layout):
         p, o = train_step(model, cfg).init(0)
         _REF[key] = (jax.tree_util.tree_map(np.asarray, p),) + microbatched_replay(
             model, cfg, layout, p, o, batches(model, cfg, layout.total_batch_size),
-            learning_rate=1e-3, weight_decay=0.01)
+            learning_rate=LR, weight_decay=WD)
     return _REF[key]
 
 
@@ -198,7 +202,7 @@ def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
     from cfp.runtime.engine import HeteroTrainer
     layout = HeteroLayout.from_lists(tps, parts, gbs, chunks)
     cfg = tiny(layout.num_layers)
-    trainer = HeteroTrainer("llama2", cfg, layout, "gpipe")
+    trainer = HeteroTrainer("llama2", cfg, layout, "gpipe", **OPT)
     trainer.compile()
     check_gradients(trainer.init(0), "llama2", cfg)
     for schedule in ("gpipe", "1f1b"):  # stage programs are schedule-independent: compile once
@@ -215,7 +219,7 @@ def test_skipped_update_is_caught(monkeypatch):
     layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
     cfg = tiny(3)
     for skipped in ((0, 1), (1, 0)):
-        trainer = HeteroTrainer("llama2", cfg, layout).init(0)
+        trainer = HeteroTrainer("llama2", cfg, layout, **OPT).init(0)
         prog = trainer.programs[skipped]
         n = len(__import__("jax").tree_util.tree_leaves(prog.params_like))
         with monkeypatch.context() as m:
@@ -233,21 +237,21 @@ def test_gradient_is_token_weighted():
     """Pipelines [[2,1,1],[4]] with batches 6 and 2: the gradient equals the single-device gradient
     of the concatenated batch (the seed's equal weighting of pipelines is a different gradient)."""
     import jax
-    from cfp.models import loss_fn
+    from cfp.runtime.verify import reference_loss
     from cfp.runtime.engine import HeteroTrainer
     cfg = tiny(3)  # same programs as the 2-1-1+4 equivalence test: no new compile
     layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
-    trainer = HeteroTrainer("llama2", cfg, layout).init(0)
+    trainer = HeteroTrainer("llama2", cfg, layout, **OPT).init(0)
     batch = batches("llama2", cfg, 8)[0]
     grads, loss = trainer.gradients(batch)
     params = trainer.state()[0]
-    ref_loss, ref = jax.value_and_grad(loss_fn("llama2", cfg))(params, batch)
+    ref_loss, ref = jax.value_and_grad(reference_loss("llama2", cfg))(params, batch)
     assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
         r = np.asarray(r)
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
     # the seed's rule (mean of per-pipeline mean losses) is a different, wrong gradient
-    lf = loss_fn("llama2", cfg)
+    lf = reference_loss("llama2", cfg)
     half = lambda lo, hi: {k: v[lo:hi] for k, v in batch.items()}
     seed = jax.grad(lambda p: 0.5 * lf(p, half(0, 6)) + 0.5 * lf(p, half(6, 8)))(params)
     assert not np.allclose(seed["params"]["embed"]["token"]["embedding"],
@@ -261,7 +265,7 @@ def test_bf16_compute_with_f32_master_weights():
     from cfp.runtime.verify import tree_error
     cfg = tiny(2, dtype="bfloat16")
     layout = HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2])
-    trainer = HeteroTrainer("llama2", cfg, layout, "1f1b").init(0)
+    trainer = HeteroTrainer("llama2", cfg, layout, "1f1b", **OPT).init(0)
     ref_losses, ref_params = reference("llama2", cfg, 4)
     losses = [trainer.step(b).loss for b in batches("llama2", cfg, 4)]
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
@@ -275,7 +279,7 @@ def test_bf16_compute_with_f32_master_weights():
 def _opts(tmp_path, layout, **kw):
     from cfp.runtime.training import DataSource, TrainOptions
     base = dict(model="llama2", layout=layout, overrides=dict(num_layers=2, seq_len=16,
-                hidden_size=32, ffn_size=64), steps=4, data=DataSource.STDLIB,
+                hidden_size=32, ffn_size=64), steps=4, data=DataSource.STDLIB, learning_rate=LR, weight_decay=WD,
                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
     base.update(kw)
     return TrainOptions(**base)
@@ -302,6 +306,8 @@ def test_resume_reproduces_losses_also_on_another_layout(tmp_path):
     assert any("resharded from layout" in line and "[[1], [2]]" in line for line in said)
     np.testing.assert_allclose([moved.losses[k] for k in range(1, 5)],
                                [full.losses[k] for k in range(1, 5)], rtol=1e-5)
+    # verify's reference builds AdamW from optax itself: with WD the decay is 1e-4 of the parameters per step,
+    # 10x this bound, so a run whose optimizer lost it (or a reference that shared the engine's) would fail
     assert moved.verify_ok and moved.verify_error < 1e-5
     _check_timeline(tmp_path / "tl", full.bubbles[0])
 
@@ -334,7 +340,7 @@ def test_nan_is_an_error_naming_step_and_leaf():
     from cfp.errors import NumericalError
     from cfp.runtime.engine import HeteroTrainer
     cfg = tiny(2)  # the tp2-into-tp1 programs: no new compile
-    trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2]))
+    trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2]), **OPT)
     params, opt, _ = trainer.init(0).state()
     batch = batches("llama2", cfg, 4)[0]
     leaf = jax.tree_util.tree_flatten_with_path(params["params"]["layers_1"])[0][0][0]

@@ -1,7 +1,11 @@
 """Single-device replay of a training run and the comparison behind ``cfp train --verify``.
 
-The reference is ``cfp.models.train_step(...).step`` (one ``value_and_grad`` of the model's loss on the
-concatenated global batch + AdamW) jitted on one device, started from the same state.
+The reference is built independently of the code it checks: its loss from the model directly
+(``build_model(...).apply``, optax's integer-label cross-entropy weighted by the batch's weights, plus
+``aux_loss_coef`` times the MoE aux loss) and its optimizer from optax directly (``optax.adamw`` with the
+documented hyper-parameters of ``TrainOptions``), never ``cfp.runtime.engine.optimizer`` or
+``cfp.models.train_step``: a bug there (say, weight decay dropped) must not reach the reference too.  One
+``value_and_grad`` on the concatenated global batch + AdamW, jitted on one device, from the same state.
 
 Relative error: for losses ``|a - b| / |b|``; for parameters the normwise ``||a - b||_2 / ||b||_2``
 over all parameters (``tree_error``), or per leaf (``leaf_errors``).  Elementwise comparison of
@@ -19,18 +23,49 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from cfp.errors import ConfigError, NumericalError
-from cfp.models import train_step
+from cfp.models import build_model
+
+
+def reference_optimizer(learning_rate: float, weight_decay: float) -> optax.GradientTransformation:
+    """AdamW as ``TrainOptions`` documents it (optax's default betas and eps), built from optax here."""
+    return optax.adamw(learning_rate, weight_decay=weight_decay)
+
+
+def reference_loss(model_name: str, config: Any):
+    """``loss(params, batch)``: the weighted mean token cross-entropy of the model's logits (+ coef * aux),
+    written out from the model's ``apply`` rather than taken from ``cfp.models.loss_fn``."""
+    model = build_model(model_name, config)
+    coef = float(getattr(config, "aux_loss_coef", 0.0))
+
+    def loss(params, batch):
+        logits, aux = model.apply(params, batch["inputs"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+        w = batch["weights"].astype(jnp.float32)
+        return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-9) + coef * aux.astype(jnp.float32)
+    return loss
+
+
+def reference_step(model_name: str, config: Any, learning_rate: float, weight_decay: float):
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` of the reference (not jitted)."""
+    loss, tx = reference_loss(model_name, config), reference_optimizer(learning_rate, weight_decay)
+
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    return step
 
 
 def replay(model_name: str, config: Any, params: Any, opt_state: Any, batches: Iterable[dict], *,
            learning_rate: float, weight_decay: float, device: Optional[Any] = None):
     """Run the reference steps on one device; returns (losses, final params as numpy)."""
     device = device if device is not None else jax.local_devices()[0]
-    ts = train_step(model_name, config, learning_rate=learning_rate, weight_decay=weight_decay)
-    step = jax.jit(ts.step)
+    step = jax.jit(reference_step(model_name, config, learning_rate, weight_decay))
     p, o = jax.device_put((params, opt_state), device)
     losses = []
     for b in batches:
@@ -108,11 +143,6 @@ def microbatched_replay(model_name: str, config: Any, layout: Any, params: Any, 
     ``value_and_grad`` here, per-stage ``vjp`` with TP all-reduces there), so the comparison with the
     engine isolates pipeline and TP errors from the reordering noise of micro-batching.
     """
-    import jax.numpy as jnp
-    import optax
-
-    from cfp.models import build_model
-    from cfp.runtime.engine import optimizer
     device = device if device is not None else jax.local_devices()[0]
     model = build_model(model_name, config)
     coef = float(getattr(config, "aux_loss_coef", 0.0))
@@ -126,7 +156,7 @@ def microbatched_replay(model_name: str, config: Any, layout: Any, params: Any, 
 
     grad = jax.jit(jax.grad(part, has_aux=True))
     add = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
-    tx = optimizer(learning_rate, weight_decay)
+    tx = reference_optimizer(learning_rate, weight_decay)
     update = jax.jit(lambda p, o, g: _apply(tx, p, o, g))
     p, o = jax.device_put((params, opt_state), device)
     losses, grads_per_step = [], []
@@ -153,6 +183,5 @@ def microbatched_replay(model_name: str, config: Any, layout: Any, params: Any, 
 
 
 def _apply(tx, params, opt_state, grads):
-    import optax
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state

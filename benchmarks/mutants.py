@@ -1,0 +1,276 @@
+"""Mutation check of the test suite: plausible bugs injected into a copy of the repository must each fail a test.
+
+Each mutant is one search/replace on a source file (the `MUTANTS` table below; keep `old` on a line other work is
+unlikely to rewrite). For every mutant the script copies the repository (tracked and untracked, non-ignored files)
+to a temporary directory, applies the replacement there -- a mutant whose `old` text is not found exactly once is
+an ERROR (the table needs updating), never "caught" -- and runs the mutant's test files in the copy with
+`pytest -x -m "not slow"` and `PYTHONPATH` pointing at the copy. It prints one row per mutant: which test caught
+it, SURVIVED, or ERROR, with the measured wall time. Exit status 1 if any mutant survived or errored.
+
+    python benchmarks/mutants.py                 # all mutants, one at a time
+    python benchmarks/mutants.py --list          # the table
+    python benchmarks/mutants.py --only NAME...  # some of them
+    python benchmarks/mutants.py --jobs 2        # mutants in parallel (each its own copy and pytest)
+    python benchmarks/mutants.py --baseline      # first check the unmutated copy passes each test set
+    python benchmarks/mutants.py --only NAME --tests tests/test_x.py::test_y   # what else catches it
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]      # test files or node ids, run in this order with -x
+    bug: str
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ---- the five bugs of issue 17
+    Mutant("stage-replay-skips-update", "stage plans", "cfp/runtime/stage_replay.py",
+           "return (jax.tree_util.tree_unflatten(self._params_tree, flat[:n]),",
+           "return (params,",
+           ("tests/test_stage_plans.py",),
+           "searched stages return the old parameters from their optimizer update"),
+    Mutant("engine-drops-weight-decay", "runtime", "cfp/runtime/engine.py",
+           "return optax.adamw(learning_rate, weight_decay=weight_decay)",
+           "return optax.adamw(learning_rate)",
+           ("tests/test_runtime.py",),
+           "the engine's AdamW has no weight decay"),
+    Mutant("planner-ignores-tp-all-reduce", "planner", "cfp/planner/costmodel.py",
+           'ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)',
+           "ar = 0.0",
+           ("tests/test_planner_measured.py", "tests/test_planner.py"),
+           "the planner's stage time leaves out tensor-parallel all-reduces"),
+    Mutant("planner-stage-ignores-layer-count", "planner", "cfp/planner/costmodel.py",
+           "compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb)",
+           "compute = (self.layer_seconds(st.machine, st.tp, mb)",
+           ("tests/test_planner.py", "tests/test_planner_measured.py"),
+           "the planner prices a stage's compute as one layer whatever its layer count"),
+    Mutant("varlen-loss-pipeline-0-only", "data", "cfp/runtime/varlen.py",
+           "loss = sum(reshard(l, NamedSharding(home.mesh, P())) for l, _ in outs)",
+           "loss = reshard(outs[0][0], NamedSharding(home.mesh, P()))",
+           ("tests/test_data_switch.py",),
+           "the variable-length trainer's loss counts pipeline 0's micro-batches only"),
+    Mutant("varlen-grads-over-padded-slots", "data", "cfp/runtime/varlen.py",
+           "inv = jnp.float32(1.0 / max(real, 1))",
+           "inv = jnp.float32(1.0 / max(slots, 1))",
+           ("tests/test_data_switch.py",),
+           "the variable-length trainer normalises its gradients by padded slots instead of real tokens"),
+    Mutant("search-ignores-resharding", "search", "cfp/search/search.py",
+           "trans.append([[costmodel.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])",
+           "trans.append([[0.0 for y in b] for x in a])",
+           ("tests/test_references.py", "tests/test_search.py", "tests/test_golden_plans.py"),
+           "the search's DP gets no resharding cost between segments"),
+    # ---- more plausible bugs, one or more per area
+    Mutant("dp-drops-transition", "search", "cfp/search/dp.py",
+           "t + trans[i - 1][j][k] + cost[i][k]",
+           "t + cost[i][k]",
+           ("tests/test_search.py",),
+           "the DP adds segment times but forgets the transition between picks"),
+    Mutant("one-f-one-b-warmup-off-by-one", "runtime", "cfp/runtime/schedules.py",
+           "warm = min(num_stages - s - 1, num_microbatches)",
+           "warm = min(num_stages - s, num_microbatches)",
+           ("tests/test_runtime.py",),
+           "1F1B warms up one micro-batch too many on every stage"),
+    Mutant("loss-per-micro-batch-mean", "runtime", "cfp/runtime/stage.py",
+           "return jnp.sum(ce * weights.astype(jnp.float32)) / jnp.maximum(total_weight, 1e-9), aux",
+           "return jnp.sum(ce * weights.astype(jnp.float32)) / jnp.maximum(jnp.sum(weights), 1e-9), aux",
+           ("tests/test_runtime.py",),
+           "each micro-batch's loss is its own mean instead of its share of the global batch's tokens"),
+    Mutant("reshard-all-gather-bytes", "sharding", "cfp/sharding/reshard.py",
+           'yield out, ("all-gather", nbytes / (shards // mesh_shape[a]), mesh_shape[a])',
+           'yield out, ("all-gather", nbytes / shards, mesh_shape[a])',
+           ("tests/test_references.py",
+            "tests/test_reshard.py::test_path_price_is_the_gathers_and_all_to_alls_not_a_full_replica"),
+           "a resharding all-gather is priced at its input shard instead of its gathered output"),
+    Mutant("megatron-rules-leave-mlp-replicated", "sharding", "cfp/sharding/rules.py",
+           '    Rule("mlp", required=True),\n',
+           "",
+           ("tests/test_planner_measured.py", "tests/test_planner.py"),
+           "the Megatron table loses its MLP rule: under TP the MLP weights stay replicated"),
+    Mutant("ring-all-reduce-moves-half", "profiling", "cfp/hardware/collectives.py",
+           "return base + 2 * (n - 1) * latency_s + 2 * (n - 1) / n * nbytes / link_bytes_per_s",
+           "return base + 2 * (n - 1) * latency_s + (n - 1) / n * nbytes / link_bytes_per_s",
+           ("tests/test_collectives.py", "tests/test_profiling.py"),
+           "a ring all-reduce is priced like an all-gather (half its traffic)"),
+    Mutant("profile-top-k-fastest-only", "profiling", "cfp/profiling/table.py",
+           "small = sorted(self.entries, key=lambda e: (e.memory, e.time))[:top_k]",
+           "small = []",
+           ("tests/test_profiling.py",),
+           "a segment's candidates for the DP keep the fastest profiled combinations, never the leanest"),
+    Mutant("strategies-skip-divisibility", "analysis", "cfp/analysis/strategies.py",
+           "if all(loops[li].size % n == 0 for li, n in per_loop.items()):",
+           "if True:",
+           ("tests/test_references.py", "tests/test_analysis.py"),
+           "a loop is offered to several mesh axes whose product does not divide it"),
+    Mutant("packed-positions-run-on", "data", "cfp/data/batching.py",
+           'out["positions"][row, sl] = np.arange(n)',
+           'out["positions"][row, sl] = np.arange(at, at + n)',
+           ("tests/test_data_packing.py",),
+           "positions of a packed row continue across sequences instead of restarting at 0"),
+    Mutant("step-sequences-short", "data", "cfp/data/train.py",
+           "n = int(np.searchsorted(np.cumsum(lens), tokens_per_step)) + 1",
+           "n = int(np.searchsorted(np.cumsum(lens), tokens_per_step))",
+           ("tests/test_references.py", "tests/test_data_train.py"),
+           "`cfp data train` draws one sequence too few, so a step falls short of its token budget"),
+    Mutant("data-train-same-draw-every-step", "data", "cfp/data/train.py",
+           "ids = step_sequences(data, step, opts.seed, opts.tokens_per_step)",
+           "ids = step_sequences(data, 0, opts.seed, opts.tokens_per_step)",
+           ("tests/test_data_train.py",),
+           "`cfp data train` draws the same sequences at every step"),
+    Mutant("scheme-space-memory-without-temporaries", "data", "cfp/data/scheme_space.py",
+           "mems.append(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)",
+           "mems.append(ma.argument_size_in_bytes + ma.output_size_in_bytes)",
+           ("tests/test_data_train.py",),
+           "the measured scheme space leaves XLA's temporaries out of a scheme's memory, so max_len overshoots"),
+    Mutant("verify-reference-drops-weight-decay", "runtime", "cfp/runtime/verify.py",
+           "return optax.adamw(learning_rate, weight_decay=weight_decay)",
+           "return optax.adamw(learning_rate)",
+           ("tests/test_references.py",),
+           "the --verify reference's AdamW has no weight decay, so it no longer checks the engine's"),
+)
+
+
+def _copy_repo(dest: str) -> None:
+    """Tracked and untracked non-ignored files of the repository (not .git, caches or virtual environments);
+    outside a git checkout, the whole tree less those."""
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard", "-z"], check=True,
+                             capture_output=True).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(ROOT, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", "__pycache__", ".venv", "*.egg-info", ".pytest_cache"))
+        return
+    for rel in filter(None, out.split("\0")):
+        src = os.path.join(ROOT, rel)
+        if not os.path.isfile(src):
+            continue
+        dst = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(src, dst)
+
+
+def _apply(m: Mutant, dest: str) -> str | None:
+    """Apply the mutant in the copy; an error message if its text is not found exactly once."""
+    path = os.path.join(dest, m.file)
+    if not os.path.isfile(path):
+        return f"{m.file} does not exist"
+    with open(path) as f:
+        text = f.read()
+    count = text.count(m.old)
+    if count != 1:
+        return f"patch text found {count} times in {m.file}"
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+    return None
+
+
+_FAILED = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
+
+
+def _run_tests(tests: tuple[str, ...], dest: str, timeout: float) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=dest, PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *tests]
+    try:
+        p = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, "timed out"
+    return p.returncode, p.stdout + p.stderr
+
+
+def _verdict(rc: int, out: str) -> tuple[str, bool]:
+    """(result text, caught?) of a mutated run."""
+    if rc == 0:
+        return "SURVIVED", False
+    if rc == 1:
+        m = _FAILED.search(out)
+        return (f"caught by {m.group(2)}" if m else "caught (a test failed)"), True
+    if rc == -1:
+        return "ERROR: tests timed out", False
+    last = [line for line in out.strip().splitlines() if line.strip()][-1:] or [""]
+    return f"ERROR: pytest exit {rc} ({last[0][:80]})", False
+
+
+def run_mutant(m: Mutant, timeout: float, baseline: bool) -> tuple[Mutant, str, bool, float]:
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"cfp-mutant-{m.name}-") as dest:
+        _copy_repo(dest)
+        if baseline:
+            rc, out = _run_tests(m.tests, dest, timeout)
+            if rc != 0:
+                return m, f"ERROR: unmutated tests fail ({_verdict(rc, out)[0]})", False, time.perf_counter() - t0
+        err = _apply(m, dest)
+        if err:
+            return m, f"ERROR: patch failed ({err})", False, time.perf_counter() - t0
+        result, caught = _verdict(*_run_tests(m.tests, dest, timeout))
+    return m, result, caught, time.perf_counter() - t0
+
+
+def _table(rows) -> str:
+    head = ("mutant", "area", "file", "tests run", "result", "time (measured)")
+    body = [(m.name, m.area, m.file, " ".join(t.replace("tests/", "") for t in m.tests), res, f"{secs:.0f} s")
+            for m, res, _, secs in rows]
+    widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
+    fmt = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths))
+    return "\n".join([fmt(head), "-+-".join("-" * w for w in widths), *map(fmt, body)])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per mutant's tests (default 1800)")
+    ap.add_argument("--tests", nargs="+", metavar="TEST",
+                    help="run these test files or node ids instead of each mutant's own (to see what else catches it)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="run each mutant's tests unmutated first (an error if they fail)")
+    args = ap.parse_args(argv)
+    names = {m.name for m in MUTANTS}
+    if args.only:
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            ap.error(f"unknown mutant(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs} must be >= 1")
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.tests:
+        chosen = [dataclasses.replace(m, tests=tuple(args.tests)) for m in chosen]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:32} {m.area:12} {m.file:30} {m.bug}")
+        return 0
+    print(f"{len(chosen)} mutants, {args.jobs} at a time; times are measured wall seconds", flush=True)
+    rows = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_mutant, m, args.timeout, args.baseline) for m in chosen]
+        for f in concurrent.futures.as_completed(futures):
+            m, res, caught, secs = f.result()
+            print(f"  {m.name}: {res} ({secs:.0f} s)", flush=True)
+            rows.append(f.result())
+    rows.sort(key=lambda r: chosen.index(r[0]))
+    print(_table(rows))
+    caught = sum(1 for r in rows if r[2])
+    print(f"{caught} of {len(rows)} mutants caught")
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -99,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:   # bad options (one line already printed), --help, --version: a return code
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
     try:
         return int(args.func(args) or 0)
     except CfpError as e:

@@ -144,10 +144,10 @@ def test_bad_arguments(capsys):
         launch(["true"], 1, port=1234, coordinator="h:1")
     from cfp.cli.main import main
     for argv, message in ((["--nprocs", "2"], "no command to launch"),
-                          (["--nprocs", "0", "--", "true"], "argument --nprocs: 0 is invalid (must be a positive "
-                                                            "integer, 1 or more)"),
+                          (["--nprocs", "0", "--", "true"], "argument --nprocs: 0 must be a positive integer "
+                                                            "(1 or more)"),
                           (["--nprocs", "1", "--timeout", "nan", "--", "true"],
-                           "argument --timeout: nan is invalid (must be a finite number > 0)")):
+                           "argument --timeout: nan must be a finite number > 0")):
         code = main(["launch", *argv])
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("cfp launch: error: ") and message in err

@@ -18,14 +18,14 @@ def _run(capsys, *extra):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--lr", "nan"], "argument --lr: nan is invalid (must be a finite number > 0)"),
-    (["--lr", "0"], "argument --lr: 0 is invalid (must be a finite number > 0)"),
-    (["--weight-decay", "inf"], "argument --weight-decay: inf is invalid (must be a finite number >= 0)"),
-    (["--verify", "--verify-tol", "nan"], "argument --verify-tol: nan is invalid"),
-    (["--global-batch-size", "-6"], "-6 is invalid (must be a positive integer, 1 or more)"),
-    (["--global-batch-size", "0"], "0 is invalid (must be a positive integer, 1 or more)"),
-    (["--steps", "-1"], "argument --steps: -1 is invalid (must be a positive integer, 1 or more)"),
-    (["--keep-checkpoints", "-1"], "argument --keep-checkpoints: -1 is invalid (must be an integer >= 0)"),
+    (["--lr", "nan"], "argument --lr: nan must be a finite number > 0"),
+    (["--lr", "0"], "argument --lr: 0 must be a finite number > 0"),
+    (["--weight-decay", "inf"], "argument --weight-decay: inf must be a finite number >= 0"),
+    (["--verify", "--verify-tol", "nan"], "argument --verify-tol: nan must be a finite number > 0"),
+    (["--global-batch-size", "-6"], "-6 must be a positive integer (1 or more)"),
+    (["--global-batch-size", "0"], "0 must be a positive integer (1 or more)"),
+    (["--steps", "-1"], "argument --steps: -1 must be a positive integer (1 or more)"),
+    (["--keep-checkpoints", "-1"], "argument --keep-checkpoints: -1 must be an integer >= 0"),
     (["--seed", "x"], "argument --seed: 'x' is not an integer"),
     (["--checkpoint-every", "1"], "saves nothing without checkpoint_dir (--checkpoint-dir)"),
     (["--checkpoint-dir", "CKPT"], "is unused without checkpoint_every"),

@@ -52,7 +52,7 @@ def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (one message for 0 and for negative values)."""
     v = _number(text, int)
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} is invalid (must be a positive integer, 1 or more)")
+        raise argparse.ArgumentTypeError(f"{v} must be a positive integer (1 or more)")
     return v
 
 
@@ -60,7 +60,7 @@ def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     v = _number(text, int)
     if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} is invalid (must be an integer >= 0)")
+        raise argparse.ArgumentTypeError(f"{v} must be an integer >= 0")
     return v
 
 
@@ -68,7 +68,7 @@ def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     v = _number(text, float)
     if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"{text} is invalid (must be a finite number > 0)")
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
     return v
 
 
@@ -76,7 +76,7 @@ def non_negative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
     v = _number(text, float)
     if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is invalid (must be a finite number >= 0)")
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
     return v
 
 

@@ -76,7 +76,8 @@ def _propose_parser(sub) -> None:
     _input_options(q)
     q.add_argument("--gpus", type=positive_int, required=True, help="GPUs the strategy may use")
     q.add_argument("--tokens-per-step", type=positive_int, required=True, help="tokens in one training step")
-    q.add_argument("--max-seq-len", type=positive_int, default=None, help="default: the schemes' longest")
+    q.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="truncate longer sequences (default: the schemes' longest)")
     q.add_argument("--out", default="strategies.json", help="strategy JSON to write")
     q.set_defaults(func=run, action=run_propose, out_files={"out": "--out"})
 

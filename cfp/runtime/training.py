@@ -154,7 +154,10 @@ def build_config(opts: TrainOptions):
     return get_config(opts.model, opts.config_name, **opts.overrides)
 
 
-def _check_paths(opts: TrainOptions) -> None:
+def _check_before_work(opts: TrainOptions) -> None:
+    """Output paths, the checkpoint to resume and the processes of the job, before any compile."""
+    from cfp.runtime.launch import check_layout_fills_processes
+    check_layout_fills_processes([d for s in opts.layout.stages for d in s.devices])  # no idle process
     if opts.timeline_dir:
         check_output_dir(opts.timeline_dir, "timeline_dir")
     if opts.checkpoint_every or (opts.checkpoint_dir and _searches_stage_plans(opts)):
@@ -170,7 +173,7 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
     """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc."""
     from cfp.runtime.engine import HeteroTrainer, optimizer
     from cfp.runtime.stage_plans import plans_for_run, report_lines, stage_replays
-    _check_paths(opts)
+    _check_before_work(opts)
     config = build_config(opts)
     tx = optimizer(opts.learning_rate, opts.weight_decay)
     plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout, tx, opts.checkpoint_dir,

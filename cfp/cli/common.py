@@ -48,6 +48,11 @@ def _number(text: str, kind):
             f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
+def integer(text: str) -> int:
+    """argparse type: any integer (the same message as the others for a non-integer)."""
+    return _number(text, int)
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (one message for 0 and for negative values)."""
     v = _number(text, int)

@@ -103,20 +103,21 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:   # bad options (one line already printed), --help, --version: a return code
         return e.code if isinstance(e.code, int) else int(e.code is not None)
+    name = " ".join(n for n in (args.command, getattr(args, "data_command", None)) if n)   # e.g. "data train"
     try:
         return int(args.func(args) or 0)
     except CfpError as e:
-        print(f"cfp {args.command}: error: {e}", file=sys.stderr)
+        print(f"cfp {name}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:        # file system: a path that cannot be read or written
         where = f" {e.filename!r}" if getattr(e, "filename", None) else ""
-        print(f"cfp {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        print(f"cfp {name}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except json.JSONDecodeError as e:
-        print(f"cfp {args.command}: error: invalid JSON: {e}", file=sys.stderr)
+        print(f"cfp {name}: error: invalid JSON: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"cfp {args.command}: interrupted", file=sys.stderr)
+        print(f"cfp {name}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -155,15 +155,14 @@ def check_layout_fills_processes(device_ids, num_processes: int | None = None,
     total = num_processes * devices_per_proc
     job = f"{num_processes} processes x {devices_per_proc} devices each"
     need = -(-(ids[-1] + 1) // devices_per_proc)   # processes that the highest device id reaches
+    fix = f"launch {need} process{'es' if need > 1 else ''} (--nprocs {need} --devices-per-proc {devices_per_proc})"
     if ids[-1] >= total:
-        raise ConfigError(f"the layout uses device {ids[-1]} but the job has {total} devices, {job}; "
-                          f"launch {need} processes (--nprocs {need} --devices-per-proc {devices_per_proc})")
+        raise ConfigError(f"the layout uses device {ids[-1]} but the job has {total} devices, {job}; " + fix)
     idle = sorted(set(range(num_processes)) - {d // devices_per_proc for d in ids})
     if idle:
         raise ConfigError(f"the layout uses {len(ids)} devices (ids {_ranges(ids)}) but the job has {total}, "
                           f"{job}: process(es) {idle} would hold none of them and sit idle; "
-                          + (f"launch {need} processes (--nprocs {need} --devices-per-proc {devices_per_proc})"
-                             if need < num_processes
+                          + (fix if need < num_processes
                              else "renumber the layout's devices (--devices-id) so every process holds some"))
 
 

@@ -177,3 +177,28 @@ def test_checkpoint_without_checksums_is_refused(tmp_path):
     import shutil
     shutil.rmtree(_saved(tmp_path) / "checksums")
     _one_line_error(tmp_path, "has no checksums")
+
+
+def test_keep_is_orbax_retention_and_a_crash_while_pruning_leaves_whole_steps(tmp_path, monkeypatch):
+    """A prune that dies half-way through deleting must never leave a `<step>` that looks complete but has
+    lost data: orbax renames the old step out of the way first (todelete_subdir), then it is deleted."""
+    import shutil
+    for s in range(3):
+        save_checkpoint(tmp_path, s, {"x": np.full(2, s)}, keep=3)
+    real = shutil.rmtree
+
+    def dies_half_way(path, *a, **k):  # deletes the data of one step, then the process "crashes"
+        for root, dirs, _ in os.walk(path):
+            if "state" in dirs:
+                real(os.path.join(root, "state"))
+                break
+        raise KeyboardInterrupt
+    monkeypatch.setattr(shutil, "rmtree", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 3, {"x": np.full(2, 3)}, keep=2)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert all_steps(tmp_path)[-2:] == [2, 3]
+    for s in all_steps(tmp_path):  # every step still listed restores whole
+        assert restore_checkpoint(tmp_path, step=s)[0]["x"].tolist() == [s, s]
+    save_checkpoint(tmp_path, 4, {"x": np.full(2, 4)}, keep=2)  # the next save cleans up
+    assert sorted(os.listdir(tmp_path)) == ["3", "4"]

@@ -49,3 +49,32 @@ def test_schemes_cost_model_and_propose(tmp_path, capsys):
     st = json.loads(strat.read_text())
     assert st["devices"] <= 16 and st["groups"][-1]["max_len"] == 19999
     assert "proposal time:" in capsys.readouterr().out
+
+
+def test_propose_names_gpus_and_the_values_that_would_do(tmp_path, capsys):
+    """Too few --gpus for the longest sequence is blamed on --gpus, with the smallest count that holds it and
+    the --max-seq-len that fits the GPUs given."""
+    space = tmp_path / "space.json"
+    assert main(["data", "schemes", "--model", "llama2", "--config", "7B", "--gpu", "A100-SXM-80G",
+                 "--max-devices", "16", "--out", str(space)]) == 0
+    schemes = json.loads(space.read_text())["schemes"]
+    txt = tmp_path / "docs"
+    txt.mkdir()
+    (txt / "long.txt").write_text("y" * 9000)
+    longest = 8999
+    holding = min((s["cp"] * s["tp"] * s["pp"] for s in schemes if s["max_len"] >= longest))
+    gpus = holding - 1
+    cap = max(s["max_len"] for s in schemes if s["cp"] * s["tp"] * s["pp"] <= gpus)
+    capsys.readouterr()
+    argv = ["data", "propose", "--schemes", str(space), "--input", str(txt), "--tokens-per-step", "100000",
+            "--out", str(tmp_path / "st.json")]
+    assert main(argv + ["--gpus", str(gpus)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--gpus {gpus} is too few for the longest sequence ({longest} tokens)" in err
+    assert f"give --gpus {holding} or more, or --max-seq-len {cap} or less" in err, err
+    assert main(argv + ["--gpus", str(holding)]) == 0                  # the values it names do work
+    assert main(argv + ["--gpus", str(gpus), "--max-seq-len", str(cap)]) == 0
+    smallest = min(s["cp"] * s["tp"] * s["pp"] for s in schemes)
+    assert smallest > 1 and main(argv + ["--gpus", str(smallest - 1)]) == 2
+    assert f"--gpus {smallest - 1} is too few: the smallest scheme in {str(space)!r} needs {smallest} GPUs; " \
+           f"give --gpus {smallest} or more" in capsys.readouterr().err

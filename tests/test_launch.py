@@ -144,8 +144,10 @@ def test_bad_arguments(capsys):
         launch(["true"], 1, port=1234, coordinator="h:1")
     from cfp.cli.main import main
     for argv, message in ((["--nprocs", "2"], "no command to launch"),
-                          (["--nprocs", "0", "--", "true"], "nprocs=0"),
-                          (["--nprocs", "1", "--timeout", "nan", "--", "true"], "timeout=nan")):
+                          (["--nprocs", "0", "--", "true"], "argument --nprocs: 0 must be a positive integer "
+                                                            "(1 or more)"),
+                          (["--nprocs", "1", "--timeout", "nan", "--", "true"],
+                           "argument --timeout: nan must be a finite number > 0")):
         code = main(["launch", *argv])
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("cfp launch: error: ") and message in err
@@ -189,3 +191,43 @@ def test_initialize_refuses_late_or_bad_env(monkeypatch):
     monkeypatch.setenv("CFP_PROCESS_ID", "1")
     with pytest.raises(CfpError, match="after JAX devices were used"):
         maybe_initialize_distributed()
+
+
+TRAIN = ["train", "--model", "llama2", "--num-layers", "4", "--hetero-configs", "[[2,1,1],[4]]"]  # 8 devices
+
+
+@pytest.mark.parametrize("launcher, cmd, message", [
+    (["--nprocs", "3", "--devices-per-proc", "4"], ["cfp"],
+     "the layout uses 8 devices (ids 0-7) but the job has 12, 3 processes x 4 devices each: process(es) [2] "
+     "would hold none of them and sit idle; launch 2 processes (--nprocs 2 --devices-per-proc 4)"),
+    (["--nprocs", "2", "--devices-per-proc", "2"], [sys.executable, "-m", "cfp.cli.main"],
+     "the layout uses device 7 but the job has 4 devices, 2 processes x 2 devices each; launch 4 processes "
+     "(--nprocs 4 --devices-per-proc 2)"),
+    (["--nprocs", "2", "--devices-per-proc", "4"], ["cfp"], None),
+])
+def test_launch_refuses_a_train_layout_that_leaves_a_rank_idle(capsys, monkeypatch, launcher, cmd, message):
+    """Checked before any rank starts: one line, exit 2, naming the layout's devices, the job's and a fix."""
+    import cfp.runtime.launch as rl
+    from cfp.cli.main import main
+    monkeypatch.setattr(rl, "launch", lambda *a, **k: 0)    # a layout that fits goes on to start the ranks
+    code = main(["launch", *launcher, "--", *cmd, *TRAIN])
+    err = capsys.readouterr().err
+    if message is None:
+        assert code == 0 and err == ""
+    else:
+        assert code == 2 and err == f"cfp launch: error: {message}\n"
+
+
+def test_train_rank_refuses_a_job_that_leaves_a_rank_idle(monkeypatch):
+    """The same rule inside each rank (hand-set CFP_* variables, several hosts)."""
+    from cfp.runtime.launch import check_layout_fills_processes
+    check_layout_fills_processes(range(8))                  # no CFP_COORDINATOR: a single process
+    monkeypatch.setenv("CFP_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("CFP_NUM_PROCESSES", "2")
+    monkeypatch.setenv("CFP_DEVICES_PER_PROC", "4")
+    check_layout_fills_processes(range(8))
+    with pytest.raises(ConfigError, match=r"process\(es\) \[1\] would hold none"):
+        check_layout_fills_processes([0, 1, 2])
+    with pytest.raises(ConfigError, match="renumber the layout's devices"):
+        monkeypatch.setenv("CFP_NUM_PROCESSES", "3")
+        check_layout_fills_processes([0, 1, 8, 9])

@@ -34,7 +34,7 @@ def _losses(text):
     return {int(m.group(1)): float(m.group(2)) for m in STEP.finditer(text)}
 
 
-def _in_process(steps, schedule="gpipe", **kw):
+def _in_process(steps, schedule="1f1b", **kw):  # the `cfp train` default
     from cfp.runtime.schedules import ScheduleName
     from cfp.runtime.training import DataSource, TrainOptions, run_training
     layout = HeteroLayout.from_lists("[[2,1,1],[2,1,1]]", "[[1,1,1],[1,1,1]]", [6, 2], [3, 1],

@@ -18,19 +18,26 @@ def _run(capsys, *extra):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--lr", "nan"], "learning_rate=nan is invalid"),
-    (["--lr", "0"], "learning_rate=0.0 is invalid"),
-    (["--weight-decay", "inf"], "weight_decay=inf is invalid"),
-    (["--verify", "--verify-tol", "nan"], "verify_tol=nan is invalid"),
+    (["--lr", "nan"], "argument --lr: nan must be a finite number > 0"),
+    (["--lr", "0"], "argument --lr: 0 must be a finite number > 0"),
+    (["--weight-decay", "inf"], "argument --weight-decay: inf must be a finite number >= 0"),
+    (["--verify", "--verify-tol", "nan"], "argument --verify-tol: nan must be a finite number > 0"),
+    (["--global-batch-size", "-6"], "-6 must be a positive integer (1 or more)"),
+    (["--global-batch-size", "0"], "0 must be a positive integer (1 or more)"),
+    (["--steps", "-1"], "argument --steps: -1 must be a positive integer (1 or more)"),
+    (["--keep-checkpoints", "-1"], "argument --keep-checkpoints: -1 must be an integer >= 0"),
+    (["--seed", "x"], "argument --seed: 'x' is not an integer"),
     (["--checkpoint-every", "1"], "saves nothing without checkpoint_dir (--checkpoint-dir)"),
     (["--checkpoint-dir", "CKPT"], "is unused without checkpoint_every"),
     (["--resume"], "resume (--resume) needs checkpoint_dir"),
     (["--verify-tol", "0.1"], "verify_tol=0.1 (--verify-tol) is unused without verify"),
     (["--data", "synthetic", "--data-path", "x.txt"], "only read with data=files"),
     (["--resume", "--checkpoint-dir", "CKPT/missing"], "resume: no complete checkpoint"),
-    (["--timeline-dir", "FILE/sub"], "timeline_dir='FILE/sub' cannot be created: 'FILE' is a file"),
-    (["--timeline-dir", "FILE"], "timeline_dir='FILE' is not a directory"),
-    (["--checkpoint-dir", "FILE/x", "--checkpoint-every", "1"], "cannot be created: 'FILE' is a file"),
+    (["--timeline-dir", "FILE/sub"], "--timeline-dir='FILE/sub' cannot be created: 'FILE' is a file"),
+    (["--timeline-dir", "FILE"], "--timeline-dir='FILE' is not a directory"),
+    (["--checkpoint-dir", "FILE/x", "--checkpoint-every", "1"], "--checkpoint-dir='FILE/x' cannot be created: "
+                                                                "'FILE' is a file"),
+    (["--stage-plans", "search", "--checkpoint-dir", "FILE/x"], "--checkpoint-dir='FILE/x' cannot be created"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, capsys, extra, message):
     (tmp_path / "FILE").write_text("not a directory")
@@ -86,3 +93,56 @@ def test_resume_refuses_a_corrupt_checkpoint(tmp_path, capsys):
     code, err = _run(capsys, "--resume", "--checkpoint-dir", str(d))
     assert code == 2 and err.count("\n") == 1, err
     assert "cannot be read" in err or "does not match the checksum" in err, err
+
+
+def test_stage_plan_search_keeps_its_plans_under_checkpoint_dir_alone(tmp_path, capsys, monkeypatch):
+    """--stage-plans search with --checkpoint-dir and no --checkpoint-every: the directory reaches the stage-plan
+    step (which saves the plans in DIR/stage_plans) instead of being refused as unused."""
+    import cfp.runtime.stage_plans as sp
+    from cfp.errors import CfpError
+    seen = {}
+
+    def record(options, model, config, layout, tx, checkpoint_dir=None, resume=False, log=print):
+        seen.update(mode=options.mode, checkpoint_dir=checkpoint_dir)
+        raise CfpError("stopped by the test")      # the search itself is tested in test_stage_plans.py
+    monkeypatch.setattr(sp, "plans_for_run", record)
+    code, err = _run(capsys, "--stage-plans", "search", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert code == 2 and "stopped by the test" in err, err
+    assert seen == {"mode": sp.StagePlanMode.SEARCH, "checkpoint_dir": str(tmp_path / "ck")}
+
+
+def test_keep_checkpoints_prunes_through_training_and_resume_continues(tmp_path, capsys):
+    """--keep-checkpoints 2 over 3 saved steps leaves steps 2 and 3; --resume continues from step 3."""
+    from cfp.cli.main import main
+    from cfp.runtime.checkpoint import all_steps
+    d = tmp_path / "ck"
+    base = [a if a != "2" or i != MODEL.index("--steps") + 1 else "3" for i, a in enumerate(MODEL)]
+    args = base + ["--data", "synthetic", "--checkpoint-dir", str(d), "--checkpoint-every", "1",
+                   "--keep-checkpoints", "2"]
+    assert main(args) == 0
+    assert all_steps(d) == [2, 3] and sorted(os.listdir(d)) == ["2", "3"]
+    capsys.readouterr()
+    assert main([a if a != "3" else "4" for a in args] + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {d} step 3" in out and "step 4 loss" in out and "step 3 loss" not in out
+    assert all_steps(d) == [3, 4]
+
+
+def test_cli_defaults_are_the_api_defaults():
+    """One default per shared option: `cfp train`, `cfp plan` and `cfp data train` agree with each other and
+    with TrainOptions / PlannerOptions."""
+    from cfp.cli import common
+    from cfp.cli.main import build_parser
+    from cfp.planner.options import PlannerOptions
+    from cfp.runtime.training import TrainOptions
+    p = build_parser()
+    train = p.parse_args(["train"])
+    plan = p.parse_args(["plan", "--cluster", "c.yaml", "--model", "gpt"])
+    data = p.parse_args(["data", "train", "--model", "gpt", "--input", "stdlib"])
+    assert train.schedule == plan.schedule == TrainOptions.schedule.value == common.DEFAULT_SCHEDULE
+    assert PlannerOptions.__dataclass_fields__["schedule"].default.value == common.DEFAULT_SCHEDULE
+    assert train.steps == data.steps == TrainOptions.steps == common.DEFAULT_STEPS
+    assert train.lr == data.lr == TrainOptions.learning_rate
+    assert train.weight_decay == TrainOptions.weight_decay and train.seed == data.seed == TrainOptions.seed
+    assert train.config == plan.config == data.config == TrainOptions.config_name
+    assert train.keep_checkpoints == TrainOptions.keep_checkpoints

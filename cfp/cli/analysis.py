@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from cfp.cli.common import add_model_options, build_step, check_output_dir, ensure_host_devices
+from cfp.cli.common import add_model_options, build_step, check_output_dir, ensure_host_devices, integer
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("analysis", help="analysis pass: ParallelBlocks and segments of a train step")
+    p = sub.add_parser("analysis", help="show the parallel blocks and segments cfp finds in a model's train step")
     add_model_options(p)
-    p.add_argument("--max-ops", type=int, default=8, help="non-dot operators printed per block (-1: all)")
+    p.add_argument("--max-ops", type=integer, default=8, help="non-dot operators printed per block (-1: all)")
     p.set_defaults(func=run)
 
 

@@ -1,7 +1,9 @@
-"""Options shared by the analysis/profile/search modes, and building the model's train step from them."""
+"""What the commands share: argparse types, the shared options and their defaults, the output-path checker,
+and building a model's train step from the analysis/profile/search options."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from cfp.errors import ConfigError
@@ -24,54 +26,160 @@ def patient_collectives(seconds: int = 600) -> None:
         os.environ["XLA_FLAGS"] = (flags + f" --xla_cpu_collective_call_terminate_timeout_seconds={seconds}").strip()
 
 
-def _int(text: str) -> int:
+# Defaults of the options several commands share (`train`, `plan`, `data`, `profile`/`search`): their one home,
+# stated in the README's "Command line" section. The `add_*` helpers below are the options' one definition.
+DEFAULT_CONFIG = "tiny"
+DEFAULT_SCHEDULE = "1f1b"      # the planner's cost model and the README's runs; GPipe holds all activations
+DEFAULT_STEPS = 5
+DEFAULT_LR = 1e-3
+DEFAULT_WEIGHT_DECAY = 0.01
+DEFAULT_SEED = 0
+DEFAULT_CATALOG_GPU = "A100-SXM-80G"   # where a command needs some GPU of the catalog for its estimates
+DEFAULT_KEEP_CHECKPOINTS = 3
+SCHEDULES = ("gpipe", "1f1b")
+DTYPES = ("float32", "bfloat16")
+
+
+def _number(text: str, kind):
     try:
-        return int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+
+def integer(text: str) -> int:
+    """argparse type: any integer (the same message as the others for a non-integer)."""
+    return _number(text, int)
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer > 0."""
-    v = _int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
+    """argparse type: an integer >= 1 (one message for 0 and for negative values)."""
+    v = _number(text, int)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be a positive integer (1 or more)")
     return v
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    v = _int(text)
+    v = _number(text, int)
     if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must be a non-negative integer")
+        raise argparse.ArgumentTypeError(f"{v} must be an integer >= 0")
     return v
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    v = _number(text, float)
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    v = _number(text, float)
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return v
+
+
+# ----------------------------------------------------------------------------- output paths
+
+
 def check_output_dir(path: str | None, flag: str) -> None:
-    """Fail fast (before any capture or profiling) when directory `path` could not be created or written."""
+    """Fail fast (before any work) when directory `path` could not be created or written: one line naming
+    `flag` and the path."""
     if path:
         files.check_output_dir(path, flag)
 
 
 def check_output_file(path: str | None, flag: str) -> None:
-    """Fail fast when file `path` could not be written (its directory is checked as `check_output_dir`)."""
+    """Fail fast (before any work) when file `path` could not be written."""
     if not path:
         return
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path!r} is a directory; give a file path such as {os.path.join(path, 'plan.json')!r}")
-    check_output_dir(os.path.dirname(os.path.abspath(os.path.expanduser(path))), flag + " directory")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ConfigError(f"{flag} {path!r} exists and is not writable")
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(full):
+        raise ConfigError(f"{flag}={path!r} is a directory; give a file path such as "
+                          f"{os.path.join(path, 'out.json')!r}")
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag}={path!r} cannot be written: {parent!r} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}={path!r} cannot be written: no write permission in {parent!r}")
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise ConfigError(f"{flag}={path!r} exists and is not writable")
+
+
+def check_outputs(args: argparse.Namespace, files_: dict[str, str] | None = None,
+                  dirs: dict[str, str] | None = None) -> None:
+    """The one checker of a command's output paths, run before any work: `files_` and `dirs` map an
+    attribute of `args` to its flag (e.g. {"out": "--out"}); unset ones are skipped."""
+    for attr, flag in (files_ or {}).items():
+        check_output_file(getattr(args, attr, None), flag)
+    for attr, flag in (dirs or {}).items():
+        check_output_dir(getattr(args, attr, None), flag)
+
+
+# ----------------------------------------------------------------------------- shared options
+
+
+def add_model(p: argparse.ArgumentParser, choices=MODEL_NAMES, required: bool = True, help: str = "model family",
+              default: str | None = None) -> None:
+    p.add_argument("--model", required=required, default=default, choices=choices, help=help)
+
+
+def add_config(p: argparse.ArgumentParser, default: str = DEFAULT_CONFIG) -> None:
+    p.add_argument("--config", default=default, help="named config of the model")
+
+
+def add_shape_overrides(p: argparse.ArgumentParser, dtype_help: str = "compute dtype") -> None:
+    """--num-layers, --seq-len and --dtype: overrides of the named config's values."""
+    add_num_layers(p)
+    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default: the config's)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=f"{dtype_help} (default: the config's)")
+
+
+def add_num_layers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-layers", "--num_layer", dest="num_layers", type=positive_int, default=None,
+                   help="number of transformer layers (default: the config's)")
+
+
+def add_schedule(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE, help="pipeline schedule")
+
+
+def add_steps(p: argparse.ArgumentParser, help: str = "training steps") -> None:
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help=help)
+
+
+def add_optimizer(p: argparse.ArgumentParser, weight_decay: bool = True) -> None:
+    p.add_argument("--lr", type=positive_float, default=DEFAULT_LR, help="AdamW learning rate")
+    if weight_decay:
+        p.add_argument("--weight-decay", type=non_negative_float, default=DEFAULT_WEIGHT_DECAY,
+                       help="AdamW weight decay")
+
+
+def add_seed(p: argparse.ArgumentParser, help: str = "random seed of the parameters and data") -> None:
+    p.add_argument("--seed", type=non_negative_int, default=DEFAULT_SEED, help=help)
+
+
+def add_gpu(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
+    p.add_argument("--gpu", default=default, help=help + " (a name of `cfp.hardware.gpus`, e.g. A100-SXM-80G)")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, choices=MODEL_NAMES, help="model family")
-    p.add_argument("--config", default="tiny", help="named config of the model (default: tiny)")
-    p.add_argument("--num-layers", "--num_layer", dest="num_layers", type=positive_int, default=None,
-                   help="number of transformer layers (default: the config's)")
-    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=16)
+    """The options of analysis, profile, search and enum-benchmark: a model's train step on a logical mesh."""
+    add_model(p)
+    add_config(p)
+    add_num_layers(p)
+    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=16,
+                   help="global batch size of the train step")
     p.add_argument("--mesh", default="8", help="logical mesh: N (1-D) or AxB (2-D), e.g. 8 or 2x4")
-    p.add_argument("--dump-dir", default=None, help="directory for the mode's dump files")
+    p.add_argument("--dump-dir", default=None, help="directory for the mode's dump files (default: none)")
 
 
 def build_step(args: argparse.Namespace, abstract: bool = False):

@@ -13,6 +13,7 @@ import argparse
 import json
 import time
 
+from cfp.cli import common
 from cfp.cli.common import ensure_host_devices, patient_collectives, positive_int
 from cfp.models.configs import MODEL_NAMES
 
@@ -33,67 +34,95 @@ def _load(args, max_seq_len):
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("data", help="variable-length data: analyze, schemes, propose, train, bench-planner",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser("data", help="variable-length data: analyze lengths, build schemes, propose "
+                              "strategies, train, time the planner", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION", parser_class=type(p))
+    _analyze_parser(sub)
+    _schemes_parser(sub)
+    _propose_parser(sub)
+    _train_parser(sub)
+    _bench_parser(sub)
+    return p
 
+
+def _analyze_parser(sub) -> None:
     a = sub.add_parser("analyze", help="length histogram, percentiles and padding waste (PNG + JSON)")
     _input_options(a)
-    a.add_argument("--max-seq-len", type=positive_int, default=None)
+    a.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="truncate (or with --split, cut) longer units (default: no limit)")
     a.add_argument("--batch-size", type=positive_int, default=8, help="naive batch size for the waste figure")
     a.add_argument("--out", default="data_analysis", help="output folder (lengths.json, lengths.png)")
-    a.set_defaults(func=run_analyze)
+    a.set_defaults(func=run, action=run_analyze, out_dirs={"out": "--out"})
 
+
+def _schemes_parser(sub) -> None:
     s = sub.add_parser("schemes", help="per <CP,TP,PP>: fitted time a·s²+b·s+c and longest sequence")
-    s.add_argument("--model", required=True, choices=MODEL_NAMES)
-    s.add_argument("--config", default="tiny")
-    s.add_argument("--gpu", default=None, help="estimate with the cost model for this GPU (else measure here)")
+    common.add_model(s)
+    common.add_config(s)
+    common.add_gpu(s, None, "estimate with the cost model of this GPU (default: measure on this machine)")
     s.add_argument("--max-devices", type=positive_int, default=64, help="largest scheme (cost model)")
-    s.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation assumed by the cost model")
+    s.add_argument("--mfu", type=common.positive_float, default=0.5,
+                   help="model FLOPs utilisation assumed by the cost model")
     s.add_argument("--max-seq-len", type=positive_int, default=2048, help="measure: longest sequence considered")
-    s.add_argument("--memory-mb", type=float, default=48.0, help="measure: memory budget per device (MiB)")
-    s.add_argument("--out", default="parallel_scheme_space.json")
-    s.set_defaults(func=run_schemes)
+    s.add_argument("--memory-mb", type=common.positive_float, default=48.0,
+                   help="measure: memory budget per device (MiB)")
+    s.add_argument("--out", default="parallel_scheme_space.json", help="scheme-space JSON to write")
+    s.set_defaults(func=run, action=run_schemes, out_files={"out": "--out"})
 
+
+def _propose_parser(sub) -> None:
     q = sub.add_parser("propose", help="heterogeneous strategies for a length distribution (DP)")
     q.add_argument("--schemes", required=True, help="scheme-space JSON from `cfp data schemes`")
     _input_options(q)
-    q.add_argument("--gpus", type=positive_int, required=True)
-    q.add_argument("--tokens-per-step", type=positive_int, required=True)
-    q.add_argument("--max-seq-len", type=positive_int, default=None, help="default: the schemes' longest")
-    q.add_argument("--out", default="strategies.json")
-    q.set_defaults(func=run_propose)
+    q.add_argument("--gpus", type=positive_int, required=True, help="GPUs the strategy may use")
+    q.add_argument("--tokens-per-step", type=positive_int, required=True, help="tokens in one training step")
+    q.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="truncate longer sequences (default: the schemes' longest)")
+    q.add_argument("--out", default="strategies.json", help="strategy JSON to write")
+    q.set_defaults(func=run, action=run_propose, out_files={"out": "--out"})
 
+
+def _train_parser(sub) -> None:
     t = sub.add_parser("train", help="train with a batching method on this machine's devices")
-    t.add_argument("--model", required=True, choices=("llama2", "gpt", "moe"))
-    t.add_argument("--config", default="tiny")
+    common.add_model(t, choices=("llama2", "gpt", "moe"))
+    common.add_config(t)
     _input_options(t)
-    t.add_argument("--batching-method", type=int, choices=(0, 1, 3, 4), default=4)
-    t.add_argument("--steps", type=positive_int, default=5)
-    t.add_argument("--tokens-per-step", type=positive_int, default=16384)
-    t.add_argument("--max-seq-len", type=positive_int, default=2048)
+    t.add_argument("--batching-method", type=int, choices=(0, 1, 3, 4), default=4,
+                   help="0: pad to the longest, 1: pack, 3: heterogeneous strategy, 4: heterogeneous with "
+                        "fine-grained packing")
+    common.add_steps(t)
+    t.add_argument("--tokens-per-step", type=positive_int, default=16384, help="tokens in one training step")
+    t.add_argument("--max-seq-len", type=positive_int, default=2048, help="longest sequence (longer ones are cut)")
     t.add_argument("--strategies", default=None, help="strategy JSON from `cfp data propose` (methods 3, 4)")
     t.add_argument("--schemes", default="parallel_scheme_space.json",
                    help="scheme-space JSON; measured here and written to this path if it is missing or "
                         "was made for another model/config (default: parallel_scheme_space.json)")
-    t.add_argument("--memory-mb", type=float, default=48.0, help="memory budget per device when measuring")
-    t.add_argument("--ilp-max-sequences", type=int, default=0,
+    t.add_argument("--memory-mb", type=common.positive_float, default=48.0,
+                   help="memory budget per device when measuring (MiB)")
+    t.add_argument("--ilp-max-sequences", type=common.non_negative_int, default=0,
                    help="steps with at most this many sequences also try the dispatch ILP (HiGHS, 0.5 s limit)")
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--seed", type=int, default=0)
-    t.set_defaults(func=run_train)
+    common.add_optimizer(t, weight_decay=False)
+    common.add_seed(t)
+    t.set_defaults(func=run, action=run_train, out_files={"schemes": "--schemes"})
 
+
+def _bench_parser(sub) -> None:
     b = sub.add_parser("bench-planner", help="time the proposal DP and the per-step assignment at scale")
-    b.add_argument("--gpus", type=positive_int, default=1024)
-    b.add_argument("--model", choices=MODEL_NAMES, default="llama2")
-    b.add_argument("--config", default="32B")
-    b.add_argument("--gpu", default="A100-SXM-80G")
-    b.add_argument("--tokens-per-step", type=positive_int, default=1_600_000)
-    b.add_argument("--max-seq-len", type=positive_int, default=32768)
-    b.add_argument("--steps", type=positive_int, default=5)
-    b.add_argument("--seed", type=int, default=0)
-    b.set_defaults(func=run_bench_planner)
-    return p
+    b.add_argument("--gpus", type=positive_int, default=1024, help="GPUs of the simulated cluster")
+    common.add_model(b, required=False, default="llama2")
+    common.add_config(b, default="32B")
+    common.add_gpu(b, common.DEFAULT_CATALOG_GPU, "GPU of the cost model")
+    b.add_argument("--tokens-per-step", type=positive_int, default=1_600_000, help="tokens in one training step")
+    b.add_argument("--max-seq-len", type=positive_int, default=32768, help="longest synthetic sequence")
+    common.add_steps(b, help="timed repetitions of the per-step assignment")
+    common.add_seed(b, help="seed of the synthetic lengths")
+    b.set_defaults(func=run, action=run_bench_planner)
+
+
+def run(args) -> int:
+    """Every action: its output paths are checked before any work, then it runs."""
+    common.check_outputs(args, files_=getattr(args, "out_files", None), dirs=getattr(args, "out_dirs", None))
+    return args.action(args)
 
 
 def run_analyze(args) -> int:
@@ -135,6 +164,7 @@ def run_propose(args) -> int:
     from cfp.data.schemes import SchemeSpace
     space = SchemeSpace.load(args.schemes)
     seqs = _load(args, args.max_seq_len or space.longest)
+    _check_gpus(space, int(max(seqs.lengths)), args.gpus, args.schemes)
     t0 = time.perf_counter()
     st = propose(space, seqs.lengths, args.gpus, args.tokens_per_step)
     dt = time.perf_counter() - t0
@@ -143,6 +173,25 @@ def run_propose(args) -> int:
     print(f"estimated step time: {st.estimated_step_s:.4g} s ({space.source})")
     print(f"proposal time: {dt:.2f} s (measured); wrote {args.out}")
     return 0
+
+
+def _check_gpus(space, longest: int, gpus: int, path: str) -> None:
+    """--gpus must afford a scheme, and a scheme that holds the longest sequence: say which values would do."""
+    from cfp.errors import ConfigError
+    smallest = min(s.devices for s in space.schemes)
+    if gpus < smallest:
+        raise ConfigError(f"--gpus {gpus} is too few: the smallest scheme in {path!r} needs {smallest} GPUs; "
+                          f"give --gpus {smallest} or more")
+    holding = [s for s in space.schemes if s.max_len >= longest]
+    if not holding:
+        raise ConfigError(f"the longest sequence ({longest} tokens) fits no scheme in {path!r} (longest "
+                          f"capacity {space.longest}); give --max-seq-len {space.longest} or less")
+    best = min(holding, key=lambda s: (s.devices, -s.max_len))
+    if gpus < best.devices:
+        cap = max(s.max_len for s in space.schemes if s.devices <= gpus)
+        raise ConfigError(f"--gpus {gpus} is too few for the longest sequence ({longest} tokens): the smallest "
+                          f"scheme that holds it, {best.name}, needs {best.devices} GPUs; give --gpus "
+                          f"{best.devices} or more, or --max-seq-len {cap} or less")
 
 
 def run_train(args) -> int:

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from cfp.cli.common import positive_int
+from cfp.cli import common
 from cfp.errors import ConfigError, InfeasibleError
 
 PLANNED_MODELS = ("gpt", "llama2")
@@ -20,16 +20,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="plan a heterogeneous 3D-parallel layout for a cluster",
                               description=__doc__.splitlines()[0])
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster file (YAML)")
-    p.add_argument("--model", required=True, choices=("gpt", "llama2", "moe", "bert"),
-                   help="model family (the planner's cost model covers the decoders gpt and llama2)")
-    p.add_argument("--config", default="tiny", help="named model config (default: tiny)")
-    p.add_argument("--num-layers", type=positive_int, default=None)
-    p.add_argument("--seq-len", type=positive_int, default=None)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="compute dtype (default: the config's; the paper comparisons use bfloat16)")
-    p.add_argument("--global-batch-size", type=positive_int, default=None,
+    common.add_model(p, choices=("gpt", "llama2", "moe", "bert"),
+                     help="model family (the planner's cost model covers the decoders gpt and llama2)")
+    common.add_config(p)
+    common.add_shape_overrides(p, dtype_help="compute dtype (the paper comparisons use bfloat16)")
+    p.add_argument("--global-batch-size", type=common.positive_int, default=None,
                    help="sequences per step (default: 4 per device)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    common.add_schedule(p)
     p.add_argument("--out", default=None, metavar="FILE", help="write the layout file (JSON) here")
     p.add_argument("--stage-times", default=None, metavar="DIR",
                    help="stage plans saved by `cfp train --stage-plans search` (CHECKPOINT_DIR/stage_plans): "
@@ -121,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from cfp.planner.planner import find_layout
 
     t0 = time.perf_counter()
+    common.check_outputs(args, files_={"out": "--out"})
     if args.model not in PLANNED_MODELS:
         raise ConfigError(f"cfp plan --model {args.model}: the planner's cost model covers the decoder "
                           f"models {' and '.join(PLANNED_MODELS)} (MoE and BERT layouts are written by hand)")

@@ -16,13 +16,13 @@ def _profile_options(p: argparse.ArgumentParser) -> None:
                    help="measure: time on the local devices; estimate: cost model of --gpu")
     p.add_argument("--gpu", default=None, help="catalog GPU for --profiler estimate (e.g. A100-SXM-80G)")
     p.add_argument("--iters", type=positive_int, default=5, help="timed runs per measurement (>= 3)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs before each measurement")
     p.add_argument("--top-k", type=positive_int, default=4, help="fastest and smallest combinations kept per segment")
     p.add_argument("--max-combinations", type=positive_int, default=12,
                    help="combinations profiled per segment kind before pruning by analytic cost")
     p.add_argument("--cache-dir", default=None, help="profile cache directory (default: ~/.cache/cfp/profiles)")
     p.add_argument("--no-cache", action="store_true", help="profile again, ignoring and not writing the cache")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def add_parser(sub) -> None:
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     add_model_options(e)
     e.add_argument("--segment", type=int, default=0, help="segment kind to enumerate (default 0)")
     e.add_argument("--gpu", default="A100-SXM-80G", help="catalog GPU of the cost-model columns")
-    e.add_argument("--iters", type=positive_int, default=3)
+    e.add_argument("--iters", type=positive_int, default=3, help="timed runs per combination")
     e.add_argument("--limit", type=positive_int, default=16, help="at most this many combinations (in order)")
     e.set_defaults(func=run_enum)
 

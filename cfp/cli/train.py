@@ -10,85 +10,82 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    v = _nonneg_int(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError("0 must be a positive integer")
-    return v
+from cfp.cli import common
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "train", help="heterogeneous hybrid 3D-parallel training (per-pipeline batch, per-stage TP)",
+        "train", help="train with a heterogeneous 3D-parallel layout (per-pipeline batch, per-stage TP)",
         description=__doc__.splitlines()[0],
         epilog="Multi-process: cfp launch --nprocs 2 --devices-per-proc 4 -- cfp train ... "
                "(each stage's devices must belong to one process; see cfp.runtime.launch for "
                "multi-host use).")
     p.add_argument("--layout", default=None, metavar="FILE",
-                   help="a layout file from `cfp plan`: sets the model, config and layout flags")
-    p.add_argument("--model", default=None, choices=("llama2", "gpt", "moe", "bert"),
-                   help="model family (required unless --layout)")
-    p.add_argument("--config", default="tiny", help="named model config (default: tiny)")
-    p.add_argument("--num-layers", type=_pos_int, default=None, help="override the config's layers")
-    p.add_argument("--seq-len", type=_pos_int, default=None, help="override the config's seq_len")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="compute dtype (parameters stay float32 master weights)")
+                   help="a layout file from `cfp plan`: sets the model, config, schedule and layout flags")
+    common.add_model(p, choices=("llama2", "gpt", "moe", "bert"), required=False,
+                     help="model family (required unless --layout)")
+    common.add_config(p)
+    common.add_shape_overrides(p, dtype_help="compute dtype; parameters stay float32 master weights")
+    _layout_options(p)
+    common.add_schedule(p)
+    common.add_steps(p)
+    common.add_optimizer(p)
+    common.add_seed(p)
+    p.add_argument("--data", choices=("stdlib", "synthetic", "files"), default=None,
+                   help="stdlib: the Python standard library's sources, byte-level (default; "
+                        "synthetic for bert); files: --data-path; synthetic: random tokens")
+    p.add_argument("--data-path", nargs="+", default=None, help="files or directories for --data files")
+    _checkpoint_options(p)
+    p.add_argument("--timeline-dir", default=None, help="write timeline.json and timeline.png here")
+    p.add_argument("--verify", action="store_true",
+                   help="replay the steps on one device; exit 1 if the error is above tolerance, "
+                        "2 on NaN/Inf")
+    p.add_argument("--verify-tol", type=common.positive_float, default=None,
+                   help="verify tolerance (default 1e-4 for float32, 5e-2 for bfloat16)")
+    _stage_plan_options(p)
+    p.add_argument("--stop-after", type=common.positive_int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+    return p
+
+
+def _layout_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hetero-configs", "--hetero_configs", default=None,
                    help='per pipeline, the TP degree of each stage, e.g. "[[2,1,1],[4]]" (required '
                         'unless --layout)')
     p.add_argument("--layer-partitions", "--layer_partitions", default=None,
                    help='per pipeline, layers per stage (default: split evenly), e.g. "[[2,1,1],[4]]"')
-    p.add_argument("--global-batch-size", "--global_batch_size", type=_pos_int, nargs="+", default=[8],
-                   help="batch rows per pipeline (padded with the last value / cut)")
-    p.add_argument("--chunks", "--micro_batch_num", type=_pos_int, nargs="+", default=[1],
+    p.add_argument("--global-batch-size", "--global_batch_size", type=common.positive_int, nargs="+",
+                   default=[8], help="batch rows per pipeline (padded with the last value / cut)")
+    p.add_argument("--chunks", "--micro_batch_num", type=common.positive_int, nargs="+", default=[1],
                    help="micro-batches per pipeline (padded with the last value / cut)")
     p.add_argument("--devices-id", "--devices_id", default=None,
                    help='per pipeline, per stage, device ids (default: packed), e.g. "[[[0,1],[2]]]"')
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
-    p.add_argument("--steps", type=_pos_int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (finite, > 0)")
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--seed", type=_nonneg_int, default=0)
-    p.add_argument("--data", choices=("stdlib", "synthetic", "files"), default=None,
-                   help="stdlib: the Python standard library's sources, byte-level (default; "
-                        "synthetic for bert); files: --data-path; synthetic: random tokens")
-    p.add_argument("--data-path", nargs="+", default=(), help="files or directories for --data files")
+
+
+def _checkpoint_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None,
-                   help="where --checkpoint-every saves and --resume reads (checksummed checkpoints)")
-    p.add_argument("--checkpoint-every", type=_nonneg_int, default=0,
-                   help="save every K steps (needs --checkpoint-dir)")
+                   help="where --checkpoint-every saves, --resume reads and --stage-plans search keeps its "
+                        "plans (checksummed checkpoints)")
+    p.add_argument("--checkpoint-every", type=common.non_negative_int, default=0,
+                   help="save every K steps (needs --checkpoint-dir; 0: never)")
+    p.add_argument("--keep-checkpoints", type=common.non_negative_int, default=common.DEFAULT_KEEP_CHECKPOINTS,
+                   help="keep the newest N checkpoints, prune older ones (0: keep all)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir; refused if there is "
                         "none, if it is corrupt or if it was written with other model, data or "
                         "optimizer settings (another layout is resharded)")
-    p.add_argument("--timeline-dir", default=None, help="write timeline.json and timeline.png here")
-    p.add_argument("--verify", action="store_true",
-                   help="replay the steps on one device; exit 1 if the error is above tolerance, "
-                        "2 on NaN/Inf")
-    p.add_argument("--verify-tol", type=float, default=None,
-                   help="verify tolerance (default 1e-4 for float32, 5e-2 for bfloat16)")
+
+
+def _stage_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-plans", default="megatron", metavar="megatron|search|DIR",
-                   help="per-stage sharding: Megatron rules (default), a CFP search per stage (saved in "
-                        "CHECKPOINT_DIR/stage_plans), or a directory of saved stage plans")
+                   help="per-stage sharding: Megatron rules, a CFP search per stage (kept in "
+                        "CHECKPOINT_DIR/stage_plans when --checkpoint-dir is given), or a directory of saved "
+                        "stage plans")
     p.add_argument("--stage-memory", default=None, help="per-device memory budget of the stage search, "
                    "e.g. 2GB (default: unbounded)")
     p.add_argument("--stage-profiler", choices=("measure", "estimate"), default="measure",
                    help="stage search: time segments here, or estimate them for --gpu")
-    p.add_argument("--gpu", default=None, help="GPU of the estimate profiler, e.g. A100-SXM-80G")
-    p.add_argument("--stop-after", type=_pos_int, default=None, help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
-    return p
+    common.add_gpu(p, None, "GPU of the stage search's estimate profiler")
 
 
 def _even_partition(hetero: str, num_layers: int) -> list[list[int]]:
@@ -113,39 +110,41 @@ def _stage_plans(args: argparse.Namespace):
                                   profiler=args.stage_profiler, gpu=args.gpu)
 
 
-def run(args: argparse.Namespace) -> int:
-    from cfp.planner.layout_file import train_args_from_layout
-    vars(args).update(train_args_from_layout(args))
-    from cfp.runtime.launch import maybe_initialize_distributed
-    maybe_initialize_distributed()  # before any device use
-    from cfp.cli.common import ensure_host_devices
-    ensure_host_devices(8)
-
+def layout_from_args(args: argparse.Namespace):
+    """(model config, config overrides, HeteroLayout) of the train arguments (a --layout file included)."""
     from cfp.models import get_config
+    from cfp.planner.layout_file import train_args_from_layout
     from cfp.runtime.layout import HeteroLayout
-    from cfp.runtime.schedules import ScheduleName
-    from cfp.runtime.training import DataSource, TrainOptions, run_training
-
-    overrides = {}
-    if args.num_layers:
-        overrides["num_layers"] = args.num_layers
-    if args.seq_len:
-        overrides["seq_len"] = args.seq_len
-    if args.dtype:
-        overrides["dtype"] = args.dtype
+    vars(args).update(train_args_from_layout(args))
+    overrides = {k: v for k, v in (("num_layers", args.num_layers), ("seq_len", args.seq_len),
+                                   ("dtype", args.dtype)) if v}
     config = get_config(args.model, args.config, **overrides)
     partitions = args.layer_partitions or _even_partition(args.hetero_configs, config.num_layers)
     layout = HeteroLayout.from_lists(args.hetero_configs, partitions, args.global_batch_size,
                                      args.chunks, args.devices_id)
+    return config, overrides, layout
+
+
+def run(args: argparse.Namespace) -> int:
+    from cfp.runtime.launch import check_layout_fills_processes, maybe_initialize_distributed
+    config, overrides, layout = layout_from_args(args)
+    check_layout_fills_processes([d for s in layout.stages for d in s.devices])  # no rank left idle
+    common.check_outputs(args, dirs={"timeline_dir": "--timeline-dir", "checkpoint_dir": "--checkpoint-dir"})
+    maybe_initialize_distributed()  # before any device use
+    common.ensure_host_devices(8)
+
+    from cfp.runtime.schedules import ScheduleName
+    from cfp.runtime.training import DataSource, TrainOptions, run_training
+
     data = DataSource(args.data) if args.data else (
         DataSource.SYNTHETIC if args.model == "bert" else DataSource.STDLIB)
     opts = TrainOptions(
         model=args.model, layout=layout, config_name=args.config, overrides=overrides,
         schedule=ScheduleName.parse(args.schedule), steps=args.steps, learning_rate=args.lr,
         weight_decay=args.weight_decay, seed=args.seed, data=data,
-        data_paths=tuple(args.data_path), checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume,
-        timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
+        data_paths=tuple(args.data_path or ()), checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints or None,
+        resume=args.resume, timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
         stop_after=args.stop_after, stage_plans=_stage_plans(args))
     import jax
     from cfp.errors import CfpError

@@ -3,8 +3,10 @@
 Layout: ``<directory>/<step>/`` holding an orbax composite of ``state`` (the pytree, host numpy copies) and
 ``metadata`` (JSON). Atomicity comes from orbax: it writes into ``<step>.orbax-checkpoint-tmp-*`` and only
 renames it to ``<step>`` after ``commit_success.txt`` is written, so a crash mid-write leaves a tmp dir that
-:func:`latest_step` ignores (and the next save deletes). Old checkpoints are retired by an atomic rename
-before deletion, so a crash while pruning never leaves a half-deleted ``<step>`` either.
+:func:`latest_step` ignores (and the next save deletes). Retention (``keep``) is orbax's own: a
+``CheckpointManager`` with a ``LatestN`` preservation policy, whose deleter first renames an old step into
+``<directory>/.cfp-deleting/`` (``todelete_subdir``), so a crash while pruning never leaves a half-deleted
+``<step>`` either; the next save empties that folder.
 
 State is saved as host numpy arrays, so a checkpoint does not remember its shardings and can be restored
 onto any mesh (restore gives numpy; ``jax.device_put`` it onto the new shardings).
@@ -32,7 +34,7 @@ from cfp.errors import ConfigError
 
 COMMIT_FILE = "commit_success.txt"  # written by orbax just before the final rename
 _TMP_MARK = ".orbax-checkpoint-tmp"
-_RETIRED = ".cfp-deleting"
+_RETIRED = ".cfp-deleting"  # a retired step: renamed first, then deleted
 
 
 def _ocp():
@@ -76,25 +78,48 @@ def _local_numpy_registry():
         *type_handler_registry._DEFAULT_TYPE_HANDLERS, (np.ndarray, LocalNumpyHandler()))
 
 
-def _checkpointer():
+def _multiprocessing_options():
     ocp = _ocp()
     pid = jax.process_index()
     # process-local: no barriers with other processes, which may save different state or not at all
-    mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid},
-                                            barrier_sync_key_prefix=f"cfp_ckpt_p{pid}")
+    return ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid},
+                                              barrier_sync_key_prefix=f"cfp_ckpt_p{pid}")
+
+
+def _item_handlers(mp) -> dict:
     # explicit item handlers: the ones orbax would create from the args default to primary_host=0, which
     # makes every other process skip writing (e.g. the JSON metadata)
+    ocp = _ocp()
+    return {"state": ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
+                                                 type_handler_registry=_local_numpy_registry()),
+            "metadata": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+            "checksums": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
+
+
+def _checkpointer():
+    """A synchronous orbax Checkpointer of one step directory (what restore reads with)."""
+    ocp = _ocp()
+    mp = _multiprocessing_options()
     # directories created before the items write: orbax's default creates them in a background thread,
     # and under load the JSON metadata write once found its directory missing (a two-process test)
     handler = ocp.CompositeCheckpointHandler(
         composite_options=ocp.CompositeOptions(
             multiprocessing_options=mp,
             async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False)),
-        state=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
-                                          type_handler_registry=_local_numpy_registry()),
-        metadata=ocp.JsonCheckpointHandler(multiprocessing_options=mp),
-        checksums=ocp.JsonCheckpointHandler(multiprocessing_options=mp))
+        **_item_handlers(mp))
     return ocp.Checkpointer(handler, multiprocessing_options=mp)
+
+
+def _manager(directory: str, keep: int | None):
+    """orbax's CheckpointManager of `directory`: synchronous saves, the newest `keep` steps kept (None: all),
+    old steps renamed into `_RETIRED` before they are deleted."""
+    ocp = _ocp()
+    mp = _multiprocessing_options()
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+        enable_async_checkpointing=False, multiprocessing_options=mp, todelete_subdir=_RETIRED,
+        save_root_metadata=False, lightweight_initialize=True, create=False)  # makedirs above
+    return ocp.CheckpointManager(directory, item_handlers=_item_handlers(mp), options=options)
 
 
 def _path_str(path) -> str:
@@ -142,23 +167,27 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
 
 def _remove_leftovers(d: str) -> None:
-    # tmp dirs of crashed saves and retired dirs of crashed prunes; safe because saves are synchronous
-    # and a directory belongs to one process
+    # tmp dirs of crashed saves, retired dirs of crashed prunes, and step dirs without their commit file
+    # (orbax would count them as steps); safe because saves are synchronous and a directory belongs to
+    # one process
     for name in os.listdir(d):
-        if _TMP_MARK in name or name.endswith(_RETIRED):
-            shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+        path = os.path.join(d, name)
+        if _TMP_MARK in name or _RETIRED in name or (
+                name.isdigit() and os.path.isdir(path) and not os.path.isfile(os.path.join(path, COMMIT_FILE))):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, state: Any, metadata: dict | None = None,
                     keep: int | None = None, overwrite: bool = False) -> str:
     """Atomically save `state` (pytree of arrays) and JSON `metadata` as checkpoint `step`; returns its path.
 
-    keep: how many newest checkpoints to keep (None keeps all). overwrite: replace an existing `step`.
+    keep: how many newest checkpoints to keep (None keeps all); older ones are pruned by orbax's retention.
+    overwrite: replace an existing `step`.
     """
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise ConfigError(f"checkpoint step={step!r} is invalid (must be an integer >= 0)")
-    if keep is not None and (not isinstance(keep, int) or keep < 1):
-        raise ConfigError(f"keep={keep!r} is invalid (must be a positive integer or None)")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise ConfigError(f"keep={keep!r} is invalid (must be a positive integer, or None to keep all)")
     metadata = dict(metadata or {})
     d = os.path.abspath(os.fspath(directory))
     os.makedirs(d, exist_ok=True)
@@ -170,16 +199,14 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: Any, metadat
         _retire(d, int(step))
     host = _to_host(state)
     ocp = _ocp()
-    ckptr = _checkpointer()
+    manager = _manager(d, keep)
     try:
-        ckptr.save(final, args=ocp.args.Composite(state=ocp.args.PyTreeSave(host),
-                                                  metadata=ocp.args.JsonSave(metadata),
-                                                  checksums=ocp.args.JsonSave(checksums(host))))
+        manager.save(int(step), force=True, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(host), metadata=ocp.args.JsonSave(metadata),
+            checksums=ocp.args.JsonSave(checksums(host))))
     finally:
-        ckptr.close()
-    if keep is not None:
-        for old in all_steps(d)[:-keep]:
-            _retire(d, old)
+        manager.close()
+    _remove_leftovers(d)   # the pruned steps orbax renamed into _RETIRED
     return final
 
 

@@ -137,6 +137,44 @@ def maybe_initialize_distributed(init_timeout_s: int = 60, heartbeat_timeout_s: 
     return pid, n
 
 
+def check_layout_fills_processes(device_ids, num_processes: int | None = None,
+                                 devices_per_proc: int | None = None) -> None:
+    """Refuse a multi-process job in which some process holds none of the layout's devices (it would sit
+    idle) or a layout device lies beyond the job's devices. Process p holds the global device ids
+    p*devices_per_proc .. (p+1)*devices_per_proc-1. Without arguments, the job is read from the ``CFP_*``
+    variables (a single-process run passes)."""
+    if num_processes is None:
+        if not os.environ.get(ENV_COORDINATOR):
+            return
+        try:
+            num_processes = int(os.environ[ENV_NUM_PROCESSES])
+            devices_per_proc = int(os.environ.get(ENV_DEVICES_PER_PROC, "1"))
+        except (KeyError, ValueError):
+            return   # maybe_initialize_distributed names the bad variable
+    ids = sorted(set(device_ids))
+    total = num_processes * devices_per_proc
+    job = f"{num_processes} processes x {devices_per_proc} devices each"
+    need = -(-(ids[-1] + 1) // devices_per_proc)   # processes that the highest device id reaches
+    fix = f"launch {need} process{'es' if need > 1 else ''} (--nprocs {need} --devices-per-proc {devices_per_proc})"
+    if ids[-1] >= total:
+        raise ConfigError(f"the layout uses device {ids[-1]} but the job has {total} devices, {job}; " + fix)
+    idle = sorted(set(range(num_processes)) - {d // devices_per_proc for d in ids})
+    if idle:
+        raise ConfigError(f"the layout uses {len(ids)} devices (ids {_ranges(ids)}) but the job has {total}, "
+                          f"{job}: process(es) {idle} would hold none of them and sit idle; "
+                          + (fix if need < num_processes
+                             else "renumber the layout's devices (--devices-id) so every process holds some"))
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
 def _pump(stream, prefix: bytes, out: TextIO, lock: threading.Lock, log) -> None:
     # forward one rank's output line by line, so lines of different ranks never interleave mid-line
     for line in iter(stream.readline, b""):

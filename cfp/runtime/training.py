@@ -31,9 +31,9 @@ def _check_no_ignored_options(o: "TrainOptions") -> None:
          f"checkpoint_every={o.checkpoint_every} (--checkpoint-every) saves nothing without "
          "checkpoint_dir (--checkpoint-dir)"),
         (o.resume and not o.checkpoint_dir, "resume (--resume) needs checkpoint_dir (--checkpoint-dir)"),
-        (o.checkpoint_dir and not (o.checkpoint_every or o.resume),
+        (o.checkpoint_dir and not (o.checkpoint_every or o.resume or _searches_stage_plans(o)),
          f"checkpoint_dir={o.checkpoint_dir!r} (--checkpoint-dir) is unused without checkpoint_every "
-         "(--checkpoint-every K) or resume (--resume)"),
+         "(--checkpoint-every K), resume (--resume) or a stage-plan search (--stage-plans search)"),
         (o.verify_tol is not None and not o.verify,
          f"verify_tol={o.verify_tol} (--verify-tol) is unused without verify (--verify)"),
         (o.data_paths and o.data is not DataSource.FILES,
@@ -43,6 +43,12 @@ def _check_no_ignored_options(o: "TrainOptions") -> None:
     for bad, message in ignored:
         if bad:
             raise ConfigError(message)
+
+
+def _searches_stage_plans(o: "TrainOptions") -> bool:
+    """Whether the run searches stage plans (it keeps them in ``<checkpoint_dir>/stage_plans``)."""
+    from cfp.runtime.stage_plans import StagePlanMode
+    return o.stage_plans is not None and o.stage_plans.mode is StagePlanMode.SEARCH
 
 
 class DataSource(str, enum.Enum):
@@ -57,8 +63,9 @@ class TrainOptions:
     layout: HeteroLayout
     config_name: str = "tiny"
     overrides: dict = field(default_factory=dict)
-    schedule: ScheduleName = ScheduleName.GPIPE
-    steps: int = 3
+    # defaults shared with `cfp train` (cfp/cli/common.py; a test keeps them equal)
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    steps: int = 5
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
     seed: int = 0
@@ -66,6 +73,7 @@ class TrainOptions:
     data_paths: tuple[str, ...] = ()
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
+    keep_checkpoints: Optional[int] = 3   # newest checkpoints kept (orbax retention); None keeps all
     resume: bool = False
     timeline_dir: Optional[str] = None
     verify: bool = False
@@ -88,6 +96,9 @@ class TrainOptions:
                 raise ConfigError(f"{name}={v!r} is invalid (must be a positive integer)")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every} is invalid (must be >= 0)")
+        k = self.keep_checkpoints
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ConfigError(f"keep_checkpoints={k!r} is invalid (must be a positive integer, or None to keep all)")
         _check_no_ignored_options(self)
 
 
@@ -143,10 +154,13 @@ def build_config(opts: TrainOptions):
     return get_config(opts.model, opts.config_name, **opts.overrides)
 
 
-def _check_paths(opts: TrainOptions) -> None:
+def _check_before_work(opts: TrainOptions) -> None:
+    """Output paths, the checkpoint to resume and the processes of the job, before any compile."""
+    from cfp.runtime.launch import check_layout_fills_processes
+    check_layout_fills_processes([d for s in opts.layout.stages for d in s.devices])  # no idle process
     if opts.timeline_dir:
         check_output_dir(opts.timeline_dir, "timeline_dir")
-    if opts.checkpoint_every:
+    if opts.checkpoint_every or (opts.checkpoint_dir and _searches_stage_plans(opts)):
         check_output_dir(opts.checkpoint_dir, "checkpoint_dir")
     if opts.resume:
         from cfp.runtime.checkpoint import latest_step
@@ -159,7 +173,7 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
     """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc."""
     from cfp.runtime.engine import HeteroTrainer, optimizer
     from cfp.runtime.stage_plans import plans_for_run, report_lines, stage_replays
-    _check_paths(opts)
+    _check_before_work(opts)
     config = build_config(opts)
     tx = optimizer(opts.learning_rate, opts.weight_decay)
     plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout, tx, opts.checkpoint_dir,
@@ -265,7 +279,7 @@ def _save(opts, trainer, losses) -> None:
     meta = {"step": step, "settings": checkpoint_settings(opts), "layout": layout_lists(opts.layout),
             "losses": {str(k): v for k, v in losses.items()}}
     save_checkpoint(opts.checkpoint_dir, step, {"params": params, "opt_state": opt_state}, meta,
-                    overwrite=True)
+                    keep=opts.keep_checkpoints, overwrite=True)
 
 
 def _all_events(events, n_max: int) -> np.ndarray:

@@ -31,6 +31,8 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     the `ProfileTable`. Raises InfeasibleError when nothing fits `memory_limit`.
     """
     log = print if verbose else (lambda *_: None)
+    if hasattr(mesh, "devices"):
+        mesh = MeshSpec.auto(mesh)
     popts = ProfileOptions(kind=profiler, gpu=gpu, iters=iters, cache_dir=cache_dir,
                            max_combinations=max_combinations, progress=verbose)
     sopts = SearchOptions(memory_per_device=memory_limit, top_k=top_k, verify=verify, iters=iters,

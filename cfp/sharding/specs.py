@@ -1,8 +1,8 @@
 """A strategy choice made concrete: every block's layout and the shardings of the step's flat inputs/outputs.
 
 With `shard_state` (ZeRO-3 / FSDP on top of the block strategies, per block), the step's state — every input
-that comes back as an output at the same pytree path and shape: parameters and optimizer state — is stored
-sharded over the mesh axes its block leaves it replicated on.
+the step returns updated (`state_pairs`): parameters and optimizer state — is stored sharded over the mesh
+axes its block leaves it replicated on.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Sequence
 from jax.sharding import PartitionSpec
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import BlockLayout, DimAxes
+from cfp.analysis.layout import BlockLayout, DimAxes, shards
 from cfp.errors import ConfigError
 
 
@@ -52,12 +52,98 @@ class StepShardings:
     shard_state: tuple[int, ...] = ()      # blocks whose parameters and optimizer state are stored sharded
 
 
+def state_pairs(graph) -> tuple[tuple[int, int], ...]:
+    """(input position, output position) of every flat input the step returns updated: its state (parameters
+    and optimizer state), found from the program whatever the order of arguments and outputs.
+
+    An output is the new value of the input of the same shape and dtype it is computed from through
+    shape-preserving, non-contracting operators (an optimizer update `p - lr * u`, `b1 * mu + ...`, or the
+    input returned as is); among several, the nearest wins, then the one at the same pytree path. An output
+    at the same pytree path, shape and dtype as an input is its new value too (an update hidden behind an
+    opaque operator). `set_state_pairs` overrides all of this with the user's mapping."""
+    cache = graph.__dict__          # not a field: neither serialised nor compared, like Analysis' layouts
+    if "_state_pairs" not in cache:
+        cache["_state_pairs"] = _found_state_pairs(graph)
+    return cache["_state_pairs"]
+
+
+def set_state_pairs(graph, pairs) -> None:
+    """Name the step's state explicitly: (input position, output position) pairs of equal shape and dtype."""
+    pairs = tuple((int(i), int(o)) for i, o in pairs)
+    for i, o in pairs:
+        if not (0 <= i < len(graph.inputs) and 0 <= o < len(graph.outputs)) or graph.outputs[o] is None:
+            raise ConfigError(f"state pair (input {i}, output {o}) is out of range: the step has "
+                              f"{len(graph.inputs)} flat inputs and {len(graph.outputs)} flat outputs")
+        a, b = graph.tensor(graph.inputs[i]), graph.tensor(graph.outputs[o])
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise ConfigError(f"state input {graph.input_paths[i]} is {a.short()} but the output named as its "
+                              f"new value is {b.short()}")
+    if len({i for i, _ in pairs}) != len(pairs) or len({o for _, o in pairs}) != len(pairs):
+        raise ConfigError("state mapping pairs an input or an output twice")
+    graph.__dict__["_state_pairs"] = pairs
+
+
 def state_inputs(graph) -> tuple[int, ...]:
-    """Positions of the flat inputs that the step returns updated (same pytree path and shape): its state."""
-    outs = {(path, graph.tensor(t).shape) for path, t in zip(graph.output_paths or (), graph.outputs)
-            if t is not None}
-    return tuple(i for i, (path, t) in enumerate(zip(graph.input_paths, graph.inputs))
-                 if (path, graph.tensor(t).shape) in outs)
+    """Positions of the flat inputs that the step returns updated: its state (see `state_pairs`)."""
+    return tuple(sorted(i for i, _ in state_pairs(graph)))
+
+
+def _suffix(path: str) -> str:
+    """A flat path without its leading argument/output index: "[3][0].mu['w']" -> "[0].mu['w']"."""
+    return path.split("]", 1)[1] if path.startswith("[") and "]" in path else path
+
+
+def _sources(graph, out: int) -> dict[int, int]:
+    """Flat input position -> distance, for inputs of the output tensor's shape and dtype it is computed from
+    through shape-preserving, non-contracting operators."""
+    want = graph.tensor(out)
+    found, seen, frontier, depth = {}, {out}, [out], 0
+    while frontier:
+        nxt = []
+        for t in frontier:
+            if t in graph.input_position and graph.tensor(t).dtype == want.dtype:
+                found.setdefault(graph.input_position[t], depth)
+            op = graph.operators[graph.producer[t]] if t in graph.producer else None
+            if op is None or op.is_dot or op.opaque:
+                continue
+            for u in op.inputs:
+                if u is not None and u not in seen and graph.tensor(u).shape == want.shape:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier, depth = nxt, depth + 1
+    return found
+
+
+def _found_state_pairs(graph) -> tuple[tuple[int, int], ...]:
+    in_paths = graph.input_paths
+    out_paths = graph.output_paths or ("",) * len(graph.outputs)
+    pairs: dict[int, int] = {}
+    taken: set[int] = set()
+    by_path = {(p, graph.tensor(t).shape, graph.tensor(t).dtype): i
+               for i, (p, t) in enumerate(zip(in_paths, graph.inputs))}
+    for o, (p, t) in enumerate(zip(out_paths, graph.outputs)):
+        if t is None:
+            continue
+        srcs = _sources(graph, t)
+        ranked = sorted(srcs, key=lambda i: (srcs[i], _suffix(in_paths[i]) != _suffix(p), i))
+        i = next((i for i in ranked if i not in taken), None)
+        if i is None:
+            i = by_path.get((p, graph.tensor(t).shape, graph.tensor(t).dtype))
+            i = None if i in taken else i
+        if i is not None:
+            pairs[o] = i
+            taken.add(i)
+    return tuple(sorted((i, o) for o, i in pairs.items()))
+
+
+def donated_bytes(analysis: Analysis, shardings: "StepShardings") -> int:
+    """Per-device bytes of the state inputs a donating step hands over to its outputs (counted once)."""
+    g, names, shape = analysis.graph, analysis.mesh.axis_names, analysis.mesh.shape
+    total = 0
+    for i, _ in state_pairs(g):
+        t = g.tensor(g.inputs[i])
+        total += t.nbytes // shards(dim_axes(shardings.input_specs[i], names, len(t.shape)), shape)
+    return total
 
 
 def sharded_state_spec(spec: DimAxes, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> DimAxes:
@@ -141,11 +227,9 @@ def resolve(analysis: Analysis, choice: Sequence[int], shard_state=()) -> StepSh
             if owner in sharded:
                 in_dims[i] = sharded_state_spec(in_dims[i], g.tensor(g.inputs[i]).shape, shape)
     inputs = tuple(partition_spec(d, names) for d in in_dims)
-    # An output at the same pytree path and shape as an input (new params and optimizer state of a train
-    # step) leaves with that input's sharding, so the next step starts without resharding.
-    same = {(path, g.tensor(t).shape): spec for path, t, spec in zip(g.input_paths, g.inputs, inputs)}
-    outputs = tuple(
-        PartitionSpec() if t is None else
-        same.get((path, g.tensor(t).shape), partition_spec(first_spec.get(t, ()), names))
-        for path, t in zip(g.output_paths or ("",) * len(g.outputs), g.outputs))
+    # A state output (new params and optimizer state of a train step) leaves with exactly its input's
+    # sharding, so the step chains in a loop without resharding and its buffers can be donated.
+    same = {o: inputs[i] for i, o in state_pairs(g)}
+    outputs = tuple(PartitionSpec() if t is None else same.get(o, partition_spec(first_spec.get(t, ()), names))
+                    for o, t in enumerate(g.outputs))
     return StepShardings(choice, layouts, inputs, outputs, sharded)

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from cfp.analysis.analysis import Analysis
 from cfp.errors import ConfigError
 from cfp.ir.capture import Program
+from cfp.mesh import MeshSpec
 from cfp.sharding.constraints import ConstraintHooks
 from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.hlo import Collective, parse_collectives
@@ -26,6 +27,7 @@ class ShardedStep:
 
     def __init__(self, program: Program, analysis: Analysis, shardings: StepShardings, mesh: jax.sharding.Mesh,
                  plan: Any = None, search: Any = None, profile: Any = None):
+        mesh = MeshSpec.auto(mesh)
         self.program, self.analysis, self.shardings, self.mesh = program, analysis, shardings, mesh
         self.plan, self.search, self.profile = plan, search, profile
         hooks = ConstraintHooks.for_step(analysis, shardings, mesh)

@@ -83,6 +83,32 @@ def set_state_pairs(graph, pairs) -> None:
     graph.__dict__["_state_pairs"] = pairs
 
 
+def mapping_pairs(in_tree, out_tree, mapping) -> tuple[tuple[int, int], ...]:
+    """Flat (input, output) pairs of a user's state mapping {argument index: output index}: argument `a` of
+    the step comes back, leaf for leaf, as element `o` of its output tuple (a lone output is element 0)."""
+    def ranges(tree, lone):
+        kids = [tree] if lone else tree.children()
+        starts = [0]
+        for k in kids:
+            starts.append(starts[-1] + k.num_leaves)
+        return kids, starts
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"state={mapping!r} must map argument indices to output indices, e.g. {{0: 1, 3: 2}}")
+    ins, in_at = ranges(in_tree, False)
+    data = out_tree.node_data()
+    outs, out_at = ranges(out_tree, data is None or data[0] not in (tuple, list))
+    pairs = []
+    for a, o in mapping.items():
+        if not (isinstance(a, int) and 0 <= a < len(ins) and isinstance(o, int) and 0 <= o < len(outs)):
+            raise ConfigError(f"state mapping {a!r}: {o!r} is out of range: the step takes {len(ins)} arguments "
+                              f"and returns {len(outs)} outputs")
+        if ins[a].num_leaves != outs[o].num_leaves:
+            raise ConfigError(f"state mapping {a}: {o}: argument {a} has {ins[a].num_leaves} array leaves, "
+                              f"output {o} has {outs[o].num_leaves}")
+        pairs += [(in_at[a] + k, out_at[o] + k) for k in range(ins[a].num_leaves)]
+    return tuple(pairs)
+
+
 def state_inputs(graph) -> tuple[int, ...]:
     """Positions of the flat inputs that the step returns updated: its state (see `state_pairs`)."""
     return tuple(sorted(i for i, _ in state_pairs(graph)))

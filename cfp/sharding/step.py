@@ -69,8 +69,11 @@ class ShardedStep:
         return self._remats
 
     def shard_args(self, *args):
-        """Place the step's arguments with its input shardings."""
+        """Place the step's arguments with its input shardings (copies, never the callers' buffers: a donating
+        step deletes what it is given)."""
         flat, tree = jax.tree_util.tree_flatten(args)
+        if self.donate:     # a replicated placement can share the caller's buffer (even with may_alias=False)
+            flat = [jax.numpy.array(x, copy=True) for x in flat]
         return jax.tree_util.tree_unflatten(tree, [jax.device_put(x, s) for x, s in zip(flat, self.in_shardings)])
 
     def __call__(self, *args):

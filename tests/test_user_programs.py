@@ -121,3 +121,34 @@ def test_a_searched_plan_slower_than_a_baseline_gives_way_to_it():
     opts = SearchOptions(memory_per_device=60)
     lean = _v((1, 2), (1,), 2.0, 60)
     assert _never_slower_than_baselines(lean, [lean, dp, fsdp], baselines, {(lean.choice, lean.shard_state)}, opts)[:2] == (fsdp, "FSDP")
+
+
+def _micro_batch_problem():
+    """An SGD step that cuts its batch into 4 micro-batches (reshape, then one slice each) and sums their grads."""
+    import jax.numpy as jnp
+    import optax
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    p = {"w1": jax.random.normal(k[0], (32, 64)) * .1, "w2": jax.random.normal(k[1], (64, 32)) * .1}
+    opt = optax.sgd(0.1)
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    def step(p, s, x, y):
+        xs, ys = x.reshape(4, -1, 32), y.reshape(4, -1, 32)
+        grads = [jax.value_and_grad(loss)(p, xs[i], ys[i]) for i in range(4)]
+        g = jax.tree_util.tree_map(lambda *gs: sum(gs), *[g for _, g in grads])
+        u, s = opt.update(g, s, p)
+        return sum(l for l, _ in grads) / 4, optax.apply_updates(p, u), s
+    return step, (p, opt.init(p), jax.random.normal(k[2], (64, 32)), jax.random.normal(k[3], (64, 32)))
+
+
+def test_a_batch_cut_into_micro_batches_is_still_sharded():
+    step_fn, args = _micro_batch_problem()
+    analysis, program = cfp.analysis.analysis.analyze_with_program(step_fn, "2x4", *args)
+    step = cfp.sharding.step.apply_choice(program, analysis, data_parallel_choice(analysis.graph, analysis.blocks))
+    x_pos = len(jax.tree_util.tree_leaves(args[:2]))
+    assert step.shardings.input_specs[x_pos:] == (jax.sharding.PartitionSpec(("x0", "x1")),) * 2
+    got, ref = step(*args), jax.jit(step_fn)(*args)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

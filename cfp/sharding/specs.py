@@ -227,6 +227,37 @@ def state_owners(analysis: Analysis, layouts: Sequence[BlockLayout]) -> dict[int
     return owners
 
 
+# operators that cut a batch into micro-batches without computing on it
+_SPLIT_OPS = {"reshape", "slice", "dynamic_slice", "squeeze", "expand_dims", "convert_element_type", "copy"}
+
+
+def reshaped_batch_spec(graph, tid: int, first_spec: dict, mesh_shape: tuple[int, ...]) -> DimAxes:
+    """The spec of a flat input no block reads directly but whose reshaped or sliced pieces blocks shard (a batch
+    cut into micro-batches inside the step): its leading dim over the mesh axes that shard those pieces, so
+    each device receives its share rather than the whole global batch; () when nothing tells."""
+    shape = graph.tensor(tid).shape
+    axes: list[int] = []
+    seen, frontier = {tid}, [tid]
+    while frontier:
+        nxt = []
+        for t in frontier:
+            for a in (a for dims in first_spec.get(t, ()) for a in dims):
+                if a not in axes:
+                    axes.append(a)
+            for c in graph.consumers.get(t, ()):
+                op = graph.operators[c]
+                if op.primitive in _SPLIT_OPS and op.inputs and op.inputs[0] == t:
+                    nxt += [u for u in op.outputs if u is not None and u not in seen]
+                    seen.update(nxt)
+        frontier = nxt
+    if not shape or not axes:
+        return ()
+    for group in (axes, *([a] for a in sorted(axes, key=lambda a: -mesh_shape[a]))):
+        if shape[0] % math.prod(mesh_shape[a] for a in group) == 0:
+            return (tuple(sorted(group)),) + tuple(() for _ in shape[1:])
+    return ()
+
+
 def resolve(analysis: Analysis, choice: Sequence[int], shard_state=()) -> StepShardings:
     """Compute every block's layout and the flat input/output specs for `choice` (one index per block).
 
@@ -247,6 +278,10 @@ def resolve(analysis: Analysis, choice: Sequence[int], shard_state=()) -> StepSh
         for t, spec in lay.specs:
             first_spec.setdefault(t, spec)
     in_dims = [first_spec.get(t, ()) for t in g.inputs]
+    state = set(state_inputs(g))
+    for i, t in enumerate(g.inputs):
+        if i not in state and not any(in_dims[i]):
+            in_dims[i] = reshaped_batch_spec(g, t, first_spec, shape)
     sharded = state_blocks(shard_state, len(analysis.blocks))
     if sharded:
         for i, owner in state_owners(analysis, layouts).items():

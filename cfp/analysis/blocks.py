@@ -15,7 +15,7 @@ import enum
 import hashlib
 from collections import deque
 
-from cfp.analysis.strategies import (DotStrategy, Loop, LoopKind, batch_loop_order, dot_loops,
+from cfp.analysis.strategies import (DotStrategy, Loop, batch_loop_order, dot_loops,
                                      enumerate_strategies)
 from cfp.ir.graph import OpGraph, Operator
 

@@ -12,7 +12,7 @@ from cfp.analysis.blocks import data_parallel_choice
 from cfp.errors import ConfigError
 from cfp.search.options import SearchOptions
 from cfp.search.search import VerifiedChoice, _never_slower_than_baselines
-from cfp.sharding.specs import mapping_pairs, state_pairs
+from cfp.sharding.specs import mapping_pairs, set_state_pairs, state_pairs
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 3
@@ -82,6 +82,13 @@ def test_state_found_whatever_the_argument_order():
     assert mapping_pairs(program.in_tree, program.out_tree, {0: 1, 3: 2}) == want
     with pytest.raises(ConfigError, match="argument 1 has 1 array leaves"):
         mapping_pairs(program.in_tree, program.out_tree, {1: 1})
+    with pytest.raises(ConfigError, match=r"state mapping 9: 0 is out of range: the step takes 4 arguments"):
+        cfp.autoshard(step_fn, "2x4", params, x, y, opt_state, state={9: 0})
+    with pytest.raises(ConfigError, match=r"state input \[1\] is s32\[16,16\] but the output named"):
+        set_state_pairs(g, [(n_p, 1)])
+    set_state_pairs(g, want[:1])        # the user's mapping replaces the one found
+    assert state_pairs(g) == want[:1]
+    set_state_pairs(g, want)
     # data parallel shards the batch (the vmapped `weight @ x` puts the weight first), never a weight
     step = cfp.sharding.step.apply_choice(program, analysis, data_parallel_choice(g, analysis.blocks))
     specs = step.shardings.input_specs

@@ -96,18 +96,23 @@ def test_state_found_whatever_the_argument_order():
     assert all(specs[i] == jax.sharding.PartitionSpec() for i in range(n_p))
 
 
-def test_explicit_and_auto_meshes_give_the_same_plan():
+def test_explicit_and_auto_meshes_give_the_same_plan(tmp_path):
     mod = _example("equinox_gpt")
     step_fn, args, _ = mod.problem()
-    explicit = _autoshard(step_fn, jax.make_mesh((2, 4), ("data", "model")), args)
-    auto = _autoshard(step_fn, jax.make_mesh((2, 4), ("data", "model"),
-                                             axis_types=(jax.sharding.AxisType.Auto,) * 2), args)
-    mixed = _autoshard(step_fn, jax.make_mesh((2, 4), ("data", "model"), axis_types=(
-        jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto)), args)
-    assert explicit.shardings == auto.shardings == mixed.shardings
+    kinds = jax.sharding.AxisType
+    cache = str(tmp_path)           # the searches share their segment profiles
+    explicit = _autoshard(step_fn, jax.make_mesh((2, 4), ("data", "model")), args, cache_dir=cache, verify=1)
+    auto = _autoshard(step_fn, jax.make_mesh((2, 4), ("data", "model"), axis_types=(kinds.Auto,) * 2), args,
+                      cache_dir=cache, verify=1)
+    assert explicit.shardings == auto.shardings
+    mixed = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kinds.Explicit, kinds.Auto))
+    again = cfp.apply_plan(step_fn, mixed, *args, plan=explicit.plan)
+    assert again.shardings == explicit.shardings
+    np.testing.assert_allclose(float(again(*args)[0]), float(explicit(*args)[0]), rtol=1e-6)
     # a budget FSDP meets is feasible: the search returns a plan within it
     fsdp = next(v for v in explicit.search.verified if v.shard_state)
-    tight = _autoshard(step_fn, jax.make_mesh((2, 4), ("data", "model")), args, memory_limit=fsdp.memory)
+    tight = _autoshard(step_fn, jax.make_mesh((2, 4), ("data", "model")), args, memory_limit=fsdp.memory,
+                       cache_dir=cache)
     assert tight.search.best.memory <= fsdp.memory
 
 

@@ -55,6 +55,9 @@ def _row(label, steps, args, rounds, budget):
             continue
         t, noise = timed[k]
         vs = f", {dp / t:.2f}x data parallel" if dp else ""
+        same = [o for o, p in steps.items() if o != k and o != "cfp" and p is not None
+                and k == "cfp" and p.shardings == s.shardings]
+        vs += f" (the same plan as {same[0]}: timed twice, the gap is noise)" if same else ""
         print(f"    {k:14s} {t * 1e3:8.3f} ms ±{noise * 100:.0f}% (measured), {fmt_bytes(mem)} per device "
               f"(compiled){vs}")
 

@@ -164,3 +164,15 @@ def test_a_batch_cut_into_micro_batches_is_still_sharded():
     got, ref = step(*args), jax.jit(step_fn)(*args)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_budget_counts_donated_state_once():
+    """The bytes the search takes off a donating step are what XLA aliases when it compiles with donation."""
+    from cfp.sharding.specs import donated_bytes
+    mod = _example("equinox_gpt")
+    step_fn, args, _ = mod.problem()
+    analysis, program = cfp.analysis.analysis.analyze_with_program(step_fn, "2x4", *args)
+    choice = data_parallel_choice(analysis.graph, analysis.blocks)
+    step = cfp.sharding.step.apply_choice(program, analysis, choice, shard_state=True, donate=True)
+    aliased = step.compile(*args).memory_analysis().alias_size_in_bytes
+    assert aliased > 0 and donated_bytes(analysis, step.shardings) == aliased

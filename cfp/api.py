@@ -6,6 +6,7 @@ from typing import Callable
 
 from cfp.analysis.analysis import analyze_with_program
 from cfp.mesh import MeshSpec
+from cfp.sharding.specs import mapping_pairs, set_state_pairs
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile
@@ -20,7 +21,8 @@ __all__ = ["autoshard", "load_plan", "apply_plan", "Plan"]
 def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profiler: str = "measure",
               gpu: str | None = None, iters: int = 5, top_k: int = 4, max_combinations: int = 12,
               verify: int = 2, cache_dir: str | None = None, plan_out: str | None = None,
-              shard_state: bool = True, verbose: bool = False) -> ShardedStep:
+              shard_state: bool = True, state: dict | None = None, donate: bool = False,
+              verbose: bool = False) -> ShardedStep:
     """Search the fastest intra-operator plan of `step_fn(*example_args)` on `mesh` within `memory_limit`.
 
     `mesh`: a jax Mesh, a `MeshSpec` or "2x4"; `memory_limit`: per-device bytes or a string like "2GB";
@@ -29,20 +31,31 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     `ShardedStep` (call it like `step_fn`): `.plan` is the `Plan` to save and reapply (`cfp.apply_plan`),
     `.shardings` the applied `StepShardings`, `.search` the `SearchResult` (figures, `report()`), `.profile`
     the `ProfileTable`. Raises InfeasibleError when nothing fits `memory_limit`.
+
+    The step's state (parameters, optimizer state: the inputs it returns updated) is found from the program
+    whatever the order of arguments and outputs; `state` names it instead, as {argument index: index in the
+    step's output tuple}, e.g. {0: 1, 3: 2} for `(params, x, y, opt_state) -> (loss, params, opt_state)`.
+    State outputs leave with their inputs' shardings, so the step chains in a loop; `donate` hands the state
+    inputs' buffers to those outputs (the budget then counts them once). Any jax Mesh works (Explicit, Auto or
+    mixed axis types: the plan is the same).
     """
     log = print if verbose else (lambda *_: None)
+    if hasattr(mesh, "devices"):
+        mesh = MeshSpec.auto(mesh)
     popts = ProfileOptions(kind=profiler, gpu=gpu, iters=iters, cache_dir=cache_dir,
                            max_combinations=max_combinations, progress=verbose)
     sopts = SearchOptions(memory_per_device=memory_limit, top_k=top_k, verify=verify, iters=iters,
-                          shard_state=shard_state)
+                          shard_state=shard_state, donate=donate)
     analysis, program = analyze_with_program(step_fn, MeshSpec.of(mesh), *example_args)
+    if state is not None:
+        set_state_pairs(analysis.graph, mapping_pairs(program.in_tree, program.out_tree, state))
     table = profile(program, analysis, popts, log=log)
     result = search(program, analysis, table, example_args, sopts, log=log,
                     mesh=mesh if hasattr(mesh, "devices") else None)
     step = result.steps.get((result.choice, result.shard_state))   # already compiled while verifying
-    if step is None:
+    if step is None or donate:    # the search timed steps without donation: their arguments are reused
         step = apply_choice(program, analysis, result.choice, mesh if hasattr(mesh, "devices") else None,
-                          shard_state=result.shard_state)
+                            shard_state=result.shard_state, donate=donate)
     b = result.best
     plan = make_plan(analysis, step.shardings, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
                                                 "flops": b.flops, "profiler": str(table.profiler)})

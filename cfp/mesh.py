@@ -57,6 +57,18 @@ class MeshSpec:
             return cls(tuple(mesh.devices.shape), tuple(mesh.axis_names))
         raise ConfigError(f"mesh {mesh!r} is not a MeshSpec, a string like '2x4' or a jax Mesh")
 
+    @staticmethod
+    def auto(mesh):
+        """`mesh` (a jax Mesh of any axis types: Explicit, as `jax.make_mesh` makes by default, Auto, mixed)
+        with every axis Auto over the same devices: cfp places tensors with `with_sharding_constraint`, which
+        only names Auto axes, and the plan depends on the mesh's shape, never on its axis types."""
+        from jax.sharding import AxisType, Mesh
+
+        types = getattr(mesh, "axis_types", None)
+        if types is not None and all(t == AxisType.Auto for t in types):
+            return mesh
+        return Mesh(mesh.devices, tuple(mesh.axis_names), axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
     def __str__(self) -> str:
         return "x".join(map(str, self.shape))
 

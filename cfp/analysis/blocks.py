@@ -15,7 +15,8 @@ import enum
 import hashlib
 from collections import deque
 
-from cfp.analysis.strategies import DotStrategy, Loop, LoopKind, dot_loops, enumerate_strategies
+from cfp.analysis.strategies import (DotStrategy, Loop, batch_loop_order, dot_loops,
+                                     enumerate_strategies)
 from cfp.ir.graph import OpGraph, Operator
 
 _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
@@ -198,14 +199,28 @@ def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
 def data_parallel_choice(graph: OpGraph, blocks) -> tuple[int, ...]:
     """Per block, the strategy sharding one batch-like loop on every mesh axis: the uniform data-parallel choice.
 
-    Candidates in order: the forward dot's batch loops, then its lhs free loops (the first lhs free loop of
-    an MLP dot is the batch); the first that some strategy puts on every mesh axis wins (an expert loop
-    too small for the mesh gives way to the token groups). Blocks with none keep strategy 0."""
+    Candidates in order (`batch_loop_order`): the forward dot's batch loops, then the free loops of its operand
+    that is not a parameter (`parameter_operand`); the first that some strategy puts on every mesh axis wins
+    (an expert loop too small for the mesh gives way to the token groups). Blocks with none keep strategy 0."""
     choice = []
     for b in blocks:
-        loops = loops_of(graph.operators[b.forward.op], graph)
-        order = [i for kind in (LoopKind.BATCH, LoopKind.LHS_FREE) for i, l in enumerate(loops) if l.kind is kind]
+        op = graph.operators[b.forward.op]
+        order = batch_loop_order(loops_of(op, graph), parameter_operand(graph, op))
         pick = next((k for loop in order for k, s in enumerate(b.strategies)
                      if set(s.loop_of_axis) == {loop}), 0)
         choice.append(pick)
     return tuple(choice)
+
+
+def parameter_operand(graph: OpGraph, op: Operator) -> str | None:
+    """"lhs" or "rhs": the dot operand that is a parameter — read (through views) from a flat input the step
+    returns updated, else from a flat input while the other operand is computed — or None when that does not
+    tell them apart."""
+    from cfp.sharding.specs import state_inputs     # deferred: the sharding layer imports the analysis
+    state = {graph.inputs[i] for i in state_inputs(graph)}
+    srcs = [trace_view(graph, t)[0] for t in op.inputs[:2]]
+    for test in (lambda t: t in state, lambda t: t in graph.input_position):
+        hit = [test(t) for t in srcs]
+        if hit[0] != hit[1]:
+            return "lhs" if hit[0] else "rhs"
+    return None

@@ -123,3 +123,12 @@ def enumerate_strategies(loops: tuple[Loop, ...], mesh_shape: tuple[int, ...]) -
     if not out:  # nothing divides: the dot runs replicated (always valid)
         out.append(DotStrategy((None,) * len(mesh_shape)))
     return tuple(out)
+
+
+def batch_loop_order(loops: tuple[Loop, ...], param_operand: str | None) -> list[int]:
+    """Loops that may be a dot's batch, most likely first: its batch loops, then the free loops of the operand
+    that is not a parameter (`param_operand`: "lhs", "rhs" or None when unknown, then the lhs's as an MLP's
+    `x @ w` has it). Which operand is a parameter decides, not operand order: Equinox's vmapped `w @ x` puts
+    the weight first, and its free loop is the layer's output features, not the batch."""
+    free = LoopKind.RHS_FREE if param_operand == "lhs" else LoopKind.LHS_FREE
+    return [i for kind in (LoopKind.BATCH, free) for i, l in enumerate(loops) if l.kind is kind]

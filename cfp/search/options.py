@@ -41,7 +41,8 @@ class SearchOptions:
     plans are compiled and timed whole (the fastest measured one wins; 0 keeps the DP's best unmeasured).
     `link_gbps`: link bandwidth for resharding estimates (None: the GPU's under `estimate`, else measured).
     `shard_state`: under a budget, also consider each candidate with its parameters and optimizer state
-    stored sharded (ZeRO-3) over the axes its strategy replicates them on."""
+    stored sharded (ZeRO-3) over the axes its strategy replicates them on. `donate`: the step donates its state
+    inputs (parameters, optimizer state) to its outputs, so the budget counts those buffers once."""
 
     memory_per_device: int | None = None
     top_k: int = 4
@@ -50,6 +51,7 @@ class SearchOptions:
     warmup: int = 2
     link_gbps: float | None = None
     shard_state: bool = True
+    donate: bool = False
 
     def __post_init__(self):
         if self.memory_per_device is not None:
@@ -58,7 +60,8 @@ class SearchOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
-        if not isinstance(self.shard_state, bool):
-            raise ConfigError(f"shard_state={self.shard_state!r} must be True or False")
+        for name in ("shard_state", "donate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise ConfigError(f"link_gbps={self.link_gbps!r} must be positive")

@@ -20,6 +20,7 @@ from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPSolution, dp_search
 from cfp.search.options import SearchOptions, fmt_bytes
 from cfp.search.state import StateEstimator
+from cfp.sharding.specs import donated_bytes
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.xla.compiled import (compiled_figures, compiled_memory, time_compiled, time_compiled_spread,
                               time_interleaved)
@@ -47,6 +48,9 @@ class SearchResult:
     link_gbps: float
     budget: int | None
     search_time: float
+    # "data parallel" or "FSDP" when that plain layout was faster than every searched plan and so was chosen
+    baseline: str | None = None
+    searched: VerifiedChoice | None = None     # then, the fastest searched plan that lost to it
     # (choice, shard_state) -> compiled ShardedStep
     steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -63,7 +67,16 @@ class SearchResult:
             f"tflops ({how} time): "
             f"{[float(f'{v.flops / 1e12 / v.time:.4g}') if v.time > 0 else 0.0 for v in self.verified]}",
             self.margin_text(),
+            *([self.baseline_text(how)] if self.baseline else []),
         ])
+
+    def baseline_text(self, how: str = "measured") -> str:
+        """Why the plain layout was chosen: the searched plans were slower than it."""
+        s = self.searched
+        lost = (f"the fastest searched plan {list(s.choice)} took {s.time * 1e3:.4g} ms ({how}) vs "
+                f"{self.best.time * 1e3:.4g} ms" if s is not None and s.time != float("inf") else
+                "no searched plan fit the budget")
+        return f"chosen plan is the {self.baseline} baseline: {lost}"
 
     def margin_text(self) -> str:
         """How far the chosen plan is from the runner-up, and whether that is within the measured noise."""
@@ -111,18 +124,48 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     trans = _transitions(analysis, cands, link)
     solutions = _dp_solutions(cost, mem, trans, options, log)
     keys = [_solution_key(sol.picks, analysis.segments, cands) for sol in solutions]
+    own = set(keys)
     if options.verify:
-        solutions, keys = _with_uniform_choices(analysis, uniform, solutions, keys, estimator is not None)
+        solutions, keys = _with_uniform_choices(analysis, uniform, solutions, keys, options.shard_state)
     verified = [_verify_solution(program, analysis, sol, choice, shard, example_args, mesh, steps, options, gpu, log)
                 for sol, (choice, shard) in zip(solutions, keys)]
     if gpu is None and options.verify:
         verified = _retime_side_by_side(verified, steps, example_args, options, log)
     best = _best_fitting(verified, options)
+    baselines = _baselines(analysis, uniform)
+    best, baseline, searched = _never_slower_than_baselines(best, verified, baselines, own, options)
+    if baseline:
+        log(f"chosen plan: the {baseline} baseline, faster than every searched plan side by side")
     if any(v.remats for v in verified):
         log(f"{sum(1 for v in verified if v.remats)} of {len(verified)} verified plans reshard by replicating "
             f"(XLA: involuntary full rematerialization); the search prefers plans without")
     return SearchResult(best.choice, best.shard_state, best, tuple(verified), link, options.memory_per_device,
-                        time.perf_counter() - t0, steps)
+                        time.perf_counter() - t0, baseline=baseline, searched=searched, steps=steps)
+
+
+def _baselines(analysis: Analysis, uniform) -> dict:
+    """(choice, sharded-state blocks) -> name of the plain layouts every search is held to."""
+    return {(tuple(uniform), ()): "data parallel", (tuple(uniform), tuple(range(len(analysis.blocks)))): "FSDP"}
+
+
+def _never_slower_than_baselines(best: VerifiedChoice, verified, baselines: dict, searched: set,
+                                 options: SearchOptions):
+    """(chosen plan, name of the baseline it is or None, fastest searched plan when a baseline won).
+
+    The searched plans are held to the plain layouts: when data parallel or FSDP fits and is faster (side by
+    side, or by the same cost model) than the pick, that baseline is returned instead. Profiles of segments in
+    isolation, the DP's resharding estimates and the memory calibration can all mislead; the whole-step
+    timings of the verification cannot. `searched`: the (choice, sharded state) keys the DP itself proposed."""
+    budget = options.memory_per_device
+    fits = [v for v in verified if v.time != float("inf") and (budget is None or v.memory <= budget)]
+    plain = [v for v in fits if (v.choice, v.shard_state) in baselines]
+    if plain and min(v.time for v in plain) < best.time:
+        best = min(plain, key=lambda v: v.time)
+    key = (best.choice, best.shard_state)
+    if key not in baselines or key in searched:
+        return best, None, None
+    own = [v for v in fits if (v.choice, v.shard_state) in searched]
+    return best, baselines[key], min(own, key=lambda v: v.time) if own else None
 
 
 def _segment_entries(analysis: Analysis, table: ProfileTable, top_k: int) -> list:
@@ -140,13 +183,13 @@ def _segment_entries(analysis: Analysis, table: ProfileTable, top_k: int) -> lis
 def _calibrate(program, analysis, table, uniform, example_args, mesh, options: SearchOptions, steps, log):
     """(memory scale of the summed segment memories, state-sharding estimator or None), both calibrated on
     whole compiles of data parallel (plain, and with every block's state sharded) when verifying."""
-    scale = (_memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log)
+    scale = (_memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log, options.donate)
              if options.verify else 1.0)
     # Under a budget every candidate also exists with its state sharded (ZeRO-3): less memory, more gathering.
     estimator = (StateEstimator(analysis, uniform)
                  if options.memory_per_device is not None and options.shard_state else None)
     if estimator is not None and options.verify and (uniform, ()) in steps:
-        _state_scale(program, analysis, estimator, uniform, example_args, mesh, steps, log)
+        _state_scale(program, analysis, estimator, uniform, example_args, mesh, steps, log, options.donate)
     return scale, estimator
 
 
@@ -280,7 +323,12 @@ def _solution_time(picks, cost, trans) -> float:
     return t + sum(trans[i][picks[i]][picks[i + 1]] for i in range(len(picks) - 1))
 
 
-def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log) -> float:
+def _step_memory(step: ShardedStep, memory: int, donate: bool) -> int:
+    """Per-device bytes of a compiled step; with donation, the state inputs its outputs take over count once."""
+    return memory - donated_bytes(step.analysis, step.shardings) if donate else memory
+
+
+def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log, donate=False) -> float:
     """whole-step memory / sum of segment memories, measured on the data-parallel plan.
 
     Segments profiled alone each count their own peak of temporaries, while the whole step reuses buffers
@@ -296,20 +344,22 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
             return 1.0
         total += entry.memory
     step = steps[(uniform, ())] = apply_choice(program, analysis, uniform, mesh)
-    whole = compiled_memory(step.compile(*example_args))
+    whole = _step_memory(step, compiled_memory(step.compile(*example_args)), donate)
     scale = whole / total if total else 1.0
     log(f"memory calibration: data-parallel plan {fmt_bytes(whole)} whole vs {fmt_bytes(total)} summed over "
         f"segments: segment memories x{scale:.2f}")
     return scale
 
 
-def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_args, mesh, steps, log) -> None:
+def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_args, mesh, steps, log,
+                 donate=False) -> None:
     """Calibrate the state-sharding savings on one whole compile: data parallel with every block's state
     sharded (FSDP) against plain data parallel."""
     every = tuple(range(len(analysis.blocks)))
     step = steps[(uniform, every)] = apply_choice(program, analysis, uniform, mesh, shard_state=every)
-    actual = (compiled_memory(steps[(uniform, ())].compile(*example_args))
-              - compiled_memory(step.compile(*example_args)))
+    plain = steps[(uniform, ())]
+    actual = (_step_memory(plain, compiled_memory(plain.compile(*example_args)), donate)
+              - _step_memory(step, compiled_memory(step.compile(*example_args)), donate))
     est = sum(estimator.segment(seg.blocks, tuple(uniform[b] for b in seg.blocks)).memory
               for seg in analysis.segments)
     if est > 0 and actual > 0:
@@ -325,6 +375,7 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: Se
     budget = options.memory_per_device
     shape = analysis.mesh.shape
     fig = compiled_figures(compiled, shape, collectives=True)
+    fig = dataclasses.replace(fig, memory=_step_memory(step, fig.memory, options.donate))
     noise = None
     if budget is not None and fig.memory > budget:
         t = float("inf")      # does not fit: not worth timing

@@ -10,8 +10,9 @@ from jax.sharding import NamedSharding
 from cfp.analysis.analysis import Analysis
 from cfp.errors import ConfigError
 from cfp.ir.capture import Program
+from cfp.mesh import MeshSpec
 from cfp.sharding.constraints import ConstraintHooks
-from cfp.sharding.specs import StepShardings, resolve
+from cfp.sharding.specs import StepShardings, resolve, state_inputs
 from cfp.xla.hlo import Collective, parse_collectives
 from cfp.xla.log import Rematerialization, capture_log
 
@@ -21,11 +22,14 @@ class ShardedStep:
 
     Results of the passes that made it: `plan` (the `cfp.Plan` to read, `save` and reapply; None for a bare
     `apply_choice`), `search` (the `SearchResult` of `autoshard`, else None) and `profile` (its `ProfileTable`,
-    else None); `with_results` returns a copy carrying them and sharing the compiled program.
+    else None); `with_results` returns a copy carrying them and sharing the compiled program. With `donate`,
+    the state inputs' buffers (`state_inputs`) are handed to the outputs that replace them: a training loop
+    feeds the outputs back in and must not reuse the arguments it passed.
     """
 
     def __init__(self, program: Program, analysis: Analysis, shardings: StepShardings, mesh: jax.sharding.Mesh,
-                 plan: Any = None, search: Any = None, profile: Any = None):
+                 plan: Any = None, search: Any = None, profile: Any = None, donate: bool = False):
+        mesh = MeshSpec.auto(mesh)
         self.program, self.analysis, self.shardings, self.mesh = program, analysis, shardings, mesh
         self.plan, self.search, self.profile = plan, search, profile
         hooks = ConstraintHooks.for_step(analysis, shardings, mesh)
@@ -35,7 +39,9 @@ class ShardedStep:
             return tuple(program.replay(list(flat), on_output=on_output, scope_of=scope_of, on_input=on_input))
         self.in_shardings = tuple(NamedSharding(mesh, s) for s in shardings.input_specs)
         self.out_shardings = tuple(NamedSharding(mesh, s) for s in shardings.output_specs)
-        self._jitted = jax.jit(flat_fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)
+        self.donate = donate
+        self._jitted = jax.jit(flat_fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
+                               donate_argnums=state_inputs(analysis.graph) if donate else ())
         self._compiled = None
         self._remats: tuple[Rematerialization, ...] = ()
 
@@ -63,8 +69,11 @@ class ShardedStep:
         return self._remats
 
     def shard_args(self, *args):
-        """Place the step's arguments with its input shardings."""
+        """Place the step's arguments with its input shardings (copies, never the callers' buffers: a donating
+        step deletes what it is given)."""
         flat, tree = jax.tree_util.tree_flatten(args)
+        if self.donate:     # a replicated placement can share the caller's buffer (even with may_alias=False)
+            flat = [jax.numpy.array(x, copy=True) for x in flat]
         return jax.tree_util.tree_unflatten(tree, [jax.device_put(x, s) for x, s in zip(flat, self.in_shardings)])
 
     def __call__(self, *args):
@@ -80,9 +89,10 @@ class ShardedStep:
 
 
 def apply_choice(program: Program, analysis: Analysis, choice: Sequence[int],
-                 mesh: jax.sharding.Mesh | None = None, shard_state=()) -> ShardedStep:
+                 mesh: jax.sharding.Mesh | None = None, shard_state=(), donate: bool = False) -> ShardedStep:
     """Build the sharded step for `choice` (one strategy index per ParallelBlock); `shard_state` (True, or
-    block indices) stores those blocks' parameters and optimizer state sharded (ZeRO-3), see `resolve`."""
+    block indices) stores those blocks' parameters and optimizer state sharded (ZeRO-3), see `resolve`;
+    `donate` hands the state inputs' buffers to the step's outputs."""
     if mesh is None:
         mesh = analysis.mesh.make()
-    return ShardedStep(program, analysis, resolve(analysis, choice, shard_state), mesh)
+    return ShardedStep(program, analysis, resolve(analysis, choice, shard_state), mesh, donate=donate)

@@ -1,0 +1,105 @@
+"""cfp vs data parallel vs FSDP on the examples' user programs (Equinox, Flax NNX, scanned Linen), measured
+side by side on 8 simulated CPU devices, without a budget and under a budget below data parallel's memory.
+
+    python benchmarks/user_programs.py [--budget-fraction 0.85] [--rounds 10]
+
+Per style: cfp searches (measure profiler) on a 2x4 mesh; data parallel and FSDP are the uniform plans
+(`data_parallel_choice`, and with every block's state sharded); all fitting plans are then timed in turns
+(interleaved rounds), so a burst of load on a shared host lands on all of them alike.
+"""
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+
+import cfp  # noqa: E402
+from cfp.analysis.blocks import data_parallel_choice  # noqa: E402
+from cfp.errors import InfeasibleError  # noqa: E402
+from cfp.search.options import fmt_bytes  # noqa: E402
+from cfp.sharding.step import apply_choice  # noqa: E402
+from cfp.xla.compiled import compiled_memory, time_interleaved  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+STYLES = ("equinox_gpt", "flax_nnx", "scanned_linen")
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _side_by_side(steps: dict, args, rounds: int) -> dict:
+    runs = [(s.compile(*args), lambda s=s: jax.tree_util.tree_leaves(s.shard_args(*args))) for s in steps.values()]
+    return dict(zip(steps, time_interleaved(runs, rounds, 2)))
+
+
+def _row(label, steps, args, rounds, budget):
+    fits = {k: s for k, s in steps.items() if s is not None and
+            (budget is None or compiled_memory(s.compile(*args)) <= budget)}
+    timed = _side_by_side(fits, args, rounds)
+    dp = timed.get("data parallel", (None,))[0]
+    print(f"  {label}:")
+    for k, s in steps.items():
+        if s is None:
+            print(f"    {k:14s} infeasible under the budget")
+            continue
+        mem = compiled_memory(s.compile(*args))
+        if k not in timed:
+            print(f"    {k:14s} does not fit ({fmt_bytes(mem)} per device, compiled)")
+            continue
+        t, noise = timed[k]
+        vs = f", {dp / t:.2f}x data parallel" if dp else ""
+        same = [o for o, p in steps.items() if o != k and o != "cfp" and p is not None
+                and k == "cfp" and p.shardings == s.shardings]
+        vs += f" (the same plan as {same[0]}: timed twice, the gap is noise)" if same else ""
+        print(f"    {k:14s} {t * 1e3:8.3f} ms ±{noise * 100:.0f}% (measured), {fmt_bytes(mem)} per device "
+              f"(compiled){vs}")
+
+
+def bench(name: str, fraction: float, rounds: int) -> None:
+    mod = _example(name)
+    step_fn, args, _ = mod.problem()
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    searched = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=4)
+    program, analysis = searched.program, searched.analysis
+    uniform = data_parallel_choice(analysis.graph, analysis.blocks)
+    dp = apply_choice(program, analysis, uniform, mesh)
+    fsdp = apply_choice(program, analysis, uniform, mesh, shard_state=True)
+    budget = int(fraction * compiled_memory(dp.compile(*args)))
+    print(f"{name}: {len(analysis.blocks)} blocks; cfp plan {list(searched.shardings.choice)}"
+          + (f" (the {searched.search.baseline} baseline)" if searched.search.baseline else ""))
+    _row("no budget", {"cfp": searched, "data parallel": dp, "FSDP": fsdp}, args, rounds, None)
+    try:
+        tight = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=4, memory_limit=budget)
+        if tight.search.baseline:
+            print(f"    cfp under the budget chose the {tight.search.baseline} baseline")
+    except InfeasibleError as e:
+        print(f"    cfp under the budget: {e}")
+        tight = None
+    _row(f"budget {fmt_bytes(budget)} ({fraction:.0%} of data parallel's compiled memory)",
+         {"cfp": tight, "data parallel": dp, "FSDP": fsdp}, args, rounds, budget)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget-fraction", type=float, default=0.85)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--styles", default=",".join(STYLES), help=f"comma-separated subset of {','.join(STYLES)}")
+    a = p.parse_args()
+    styles = [s for s in a.styles.split(",") if s]
+    bad = [s for s in styles if s not in STYLES]
+    if bad or not 0 < a.budget_fraction or a.rounds < 3:
+        raise SystemExit(f"user_programs: styles {bad} must be among {STYLES}, --budget-fraction > 0, --rounds >= 3")
+    print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, mesh 2x4")
+    for name in styles:
+        bench(name, a.budget_fraction, a.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -89,7 +89,7 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys, argv, needle):
 def test_plan_file_carries_estimates_and_old_files_still_load(tmp_path, gpt_view):
     from cfp.search.plan import Plan, load_plan
     est = tuple(f.to_dict() for f in gpt_view.figures)
-    prof = ({"segment_kind": 0, "combo": [0], "time_s": 1e-3, "memory_bytes": 10, "measured": False,
+    prof = ({"segment_kind": 0, "choice": [0], "time_s": 1e-3, "memory_bytes": 10, "measured": False,
              "chosen": True},)
     plan = Plan((8,), ("x",), gpt_view.choice, gpt_view.strategies, ("f",) * 9, {}, (), {"estimates_gpu": "H100-SXM"},
                 (), 2, est, prof)

@@ -100,6 +100,6 @@ def profile_points(table, choice: Sequence[int], analysis: Analysis) -> tuple[di
         seg = firsts.get(kind)
         picked = tuple(choice[b] for b in seg.blocks) if seg is not None else None
         for e in prof.entries:
-            out.append({"segment_kind": kind, "combo": list(e.combo), "time_s": e.time, "memory_bytes": e.memory,
-                        "measured": e.measured is not None, "chosen": tuple(e.combo) == picked})
+            out.append({"segment_kind": kind, "choice": list(e.choice), "time_s": e.time, "memory_bytes": e.memory,
+                        "measured": e.measured is not None, "chosen": tuple(e.choice) == picked})
     return tuple(out)

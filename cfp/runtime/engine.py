@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -124,6 +125,8 @@ class HeteroTrainer:
         self.step_count = 0
         self._initialized = False
         self._orders: dict[tuple, list] = {}
+        self._warmed: set = set()
+        self.warm_s = 0.0     # seconds spent in warm(): compilation kept out of timed steps
         self._build(layout, replays)
 
     def _build(self, layout: HeteroLayout, replays: Optional[dict] = None) -> None:
@@ -250,6 +253,56 @@ class HeteroTrainer:
             summed[k] = functools.reduce(lambda a, b: jax.tree_util.tree_map(np.add, a, b), host)
         grads = collect(self.full_like, first_wins(path_table(summed[k]) for k in sorted(summed)))
         return grads, loss
+
+    def warm(self, batch: Any) -> float:
+        """Run (and discard) one micro-batch of each shape in ``batch`` that this layout's pipelines have
+        not run yet, and the stage updates on a copy of the state, so that a following ``step`` does not
+        compile.  The state is unchanged.  Returns the seconds it took."""
+        t0 = time.perf_counter()
+        mbs = self.micro_batches(batch)
+        todo: list[list[dict]] = [[] for _ in mbs]
+        for p, pipe_mbs in enumerate(mbs):
+            for mb in pipe_mbs:
+                key = (self.layout.pipelines[p].stages, mb["inputs"].shape, "segment_ids" in mb)
+                if key not in self._warmed:
+                    self._warmed.add(key)
+                    todo[p].append(mb)
+        if any(todo):
+            acc, _, order = self._run_schedule(todo)
+            jax.block_until_ready(acc)
+            self._clock.events(order, 0.0)  # drain the watchers
+        if ("update", self.layout) not in self._warmed:
+            self._warmed.add(("update", self.layout))
+            n = len(self.layout.pipelines)
+            for key, prog in self._local.items():
+                copy = jax.tree_util.tree_map(jnp.copy, (self.params[key], self.opt_state[key]))
+                jax.block_until_ready(prog.update(*copy, [prog.zeros()] * n))
+        dt = time.perf_counter() - t0
+        self.warm_s += dt
+        return dt
+
+    def forward_backward(self, batch: Any) -> float:
+        """The step's schedule without the update (accumulated gradients discarded); the loss.  For
+        timing a layout on a micro-batch (the scheme-space fits)."""
+        acc, loss, order = self._run_schedule(self.micro_batches(batch))
+        jax.block_until_ready(acc)
+        self._clock.events(order, 0.0)
+        return loss
+
+    def stage_memory(self, shape: tuple[int, int], packed: bool = True) -> list:
+        """XLA's memory analysis of every local stage's backward program (which recomputes its forward)
+        on micro-batches of ``shape`` [rows, seq]."""
+        out = []
+        for key, prog in self._local.items():
+            pipe = self.layout.pipelines[key[0]]
+            x_like = None if prog.stage.is_first else self._act_shape(
+                pipe.stages[key[1] - 1].key, shape, packed)
+            y_like = None if prog.stage.is_last else self._act_shape(key, shape, packed)
+            fn, args = prog.compile_jobs(shape[0], shape[1], x_like, y_like, 1)[1]
+            tok = jax.ShapeDtypeStruct(tuple(shape), jnp.int32, sharding=prog.rows)
+            kw = {"packed": (tok, tok)} if packed else {}
+            out.append(fn.lower(*args, **kw).compile().memory_analysis())
+        return out
 
     def _run_schedule(self, mbs: list[list[dict]]) -> tuple[dict, float, list]:
         if not self._initialized:

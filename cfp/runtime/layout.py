@@ -128,9 +128,9 @@ class HeteroLayout:
                     f"by chunks={p.chunks}")
             for s in p.stages:
                 if len(s.devices) != s.tp * s.cp:
+                    degree = f"TP degree is {s.tp}" if s.cp == 1 else f"CP x TP degree is {s.cp} x {s.tp}"
                     raise ConfigError(f"devices_id[{p.index}][{s.index}]={list(s.devices)} has "
-                                      f"{len(s.devices)} devices but the stage's CP x TP degree is "
-                                      f"{s.cp} x {s.tp}")
+                                      f"{len(s.devices)} devices but the stage's {degree}")
                 for d in s.devices:
                     if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0:
                         raise ConfigError(f"devices_id[{p.index}][{s.index}] has device id {d!r}; "

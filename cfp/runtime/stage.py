@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -179,7 +180,10 @@ class StageProgram:
 
     # ------------------------------------------------------------------ placement, compiling
     def place_params(self, params: Any) -> Any:
-        return jax.device_put(params, self.shardings)
+        # from a host copy: the update donates the stage's buffers, which must never be the caller's
+        # arrays (device_put onto a replicated sharding reuses the source buffer for its own device's shard)
+        return jax.device_put(jax.tree_util.tree_map(lambda a: np.array(a, copy=True), params),
+                              self.shardings)
 
     def compile_jobs(self, micro_batch_size: int, seq_len: int, x_like: Any, y_like: Any,
                      num_pipelines: int) -> list:

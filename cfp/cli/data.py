@@ -212,16 +212,22 @@ def run_train(args) -> int:
     from cfp.data.batching import get_method
     from cfp.models import get_config, init_params
     from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.schedules import ScheduleName
 
     method = get_method(args.batching_method)
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
     seqs = _load(args, args.max_seq_len)
     params = init_params(args.model, cfg, args.seed)
     candidates = _candidates(args, method, cfg, params, seqs)
+    cap = max(s.max_len for pipes in candidates for s in pipes)
+    if cap < int(seqs.lengths.max()):   # given strategies: no pipeline holds the longest sequences
+        print(f"sequences cut at {cap} tokens, the longest any pipeline of the strategies holds under the "
+              f"scheme fits (--max-seq-len {args.max_seq_len}, --memory-mb {args.memory_mb})")
+        seqs = _load(args, cap)
     for i, pipes in enumerate(candidates):
         print(f"method {method.number} ({method.name}); strategy {i}: {train.describe(pipes)}")
     opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step, args.lr, args.seed,
-                                  args.ilp_max_sequences, args.weight_decay, args.schedule)
+                                  args.ilp_max_sequences, args.weight_decay, ScheduleName.parse(args.schedule))
     layout0 = train.layout_of(candidates[0], cfg.num_layers, jax.device_count())
     trainer = HeteroTrainer(args.model, cfg, layout0, opts.schedule, learning_rate=args.lr,
                             weight_decay=args.weight_decay)

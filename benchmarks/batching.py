@@ -3,7 +3,7 @@
 Runs: methods 0 and 1 on the best single-scheme strategy, methods 3 and 4 on the strategy `cfp data propose`
 finds for the scheme space, and methods 3 and 4 on Hydraulis-notation strategies (`--strategies`, default a
 heterogeneous strategy with a pp=2 pipeline beside pp=1 ones, one with cp=2, and a uniform pp=2 one; each step
-runs the one the fitted costs rate fastest). Steps are interleaved (step k of every run, then step k+1), so a
+runs the one the fitted costs rate fastest; with method 4 also each of them alone). Steps are interleaved (step k of every run, then step k+1), so a
 change in machine load hits all runs alike; compilation is excluded from the timed step (each run's first use
 of a micro-batch shape is compiled by `HeteroTrainer.warm` outside it). Figures are measured. Usage:
     python benchmarks/batching.py [--steps 4] [--tokens-per-step 8192] [--schemes parallel_scheme_space.json]
@@ -59,7 +59,9 @@ def _runs(args, space, data, cfg, params):
         sets = [("proposed" if method.heterogeneous else "uniform",
                  [pick(space, data.lengths, jax.device_count(), args.tokens_per_step).pipelines()])]
         if method.heterogeneous:
-            sets.append(("Hydraulis notation", given))
+            sets.append(("Hydraulis, per step", given))
+        if method.number == 4 and len(given) > 1:   # each given strategy alone, measured whatever the fits say
+            sets += [(f"Hydraulis strategy {i}", [g]) for i, g in enumerate(given)]
         for label, cands in sets:
             opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step)
             trainer = HeteroTrainer(args.model, cfg, train.layout_of(cands[0], cfg.num_layers, jax.device_count()),

@@ -76,20 +76,21 @@ def replay(model_name: str, config: Any, params: Any, opt_state: Any, batches: I
     return losses, jax.tree_util.tree_map(np.asarray, jax.device_get(p))
 
 
-def _sequence_rows(seqs: list) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Each sequence alone in a row from position 0, padded at the end (weight 0), rows grouped by their
-    power-of-two width and padded to a power-of-two row count (few distinct shapes to compile)."""
+def _sequence_rows(seqs: list, tokens: int = 8192) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each sequence alone in a row from position 0, padded at the end (weight 0); rows of one power-of-two
+    width go in chunks of ``tokens // width`` rows (padding rows have weight 0), so each width compiles once."""
     groups: dict[int, list] = {}
     for s in seqs:
         groups.setdefault(max(16, 1 << int(np.ceil(np.log2(s.size - 1)))), []).append(s)
     out = []
     for width, group in sorted(groups.items()):
-        rows = 1 << int(np.ceil(np.log2(len(group))))
-        x, y, w = (np.zeros((rows, width), dt) for dt in (np.int32, np.int32, np.float32))
-        for r, s in enumerate(group):
-            n = s.size - 1
-            x[r, :n], y[r, :n], w[r, :n] = s[:-1], s[1:], 1.0
-        out.append((x, y, w))
+        rows = max(1, tokens // width)
+        for at in range(0, len(group), rows):
+            x, y, w = (np.zeros((rows, width), dt) for dt in (np.int32, np.int32, np.float32))
+            for r, s in enumerate(group[at:at + rows]):
+                n = s.size - 1
+                x[r, :n], y[r, :n], w[r, :n] = s[:-1], s[1:], 1.0
+            out.append((x, y, w))
     return out
 
 

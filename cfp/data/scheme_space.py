@@ -107,6 +107,9 @@ def measure_space(model: str, config_name: str, cfg, params, memory_mb: float,
     import jax
 
     n = num_devices or jax.device_count()
+    lengths = [s for s in lengths if s <= cfg.seq_len]
+    if len(lengths) < 3:   # a short model: its own lengths (the fit needs three)
+        lengths = [cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len]
     out = []
     for shape in (default_shapes(cfg, n) if shapes is None else shapes):
         if shape[0] * shape[1] * shape[2] > n:

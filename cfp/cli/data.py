@@ -240,7 +240,7 @@ def run_train(args) -> int:
     if args.verify:
         err, ok = train.verify_run(opts, seqs, cfg, init_state, res, trainer.state()[0])
         print(f"verify: max relative error {err:.3e} over {len(res.steps)} steps "
-              f"({'ok' if ok else 'ABOVE'} tolerance 1e-4)")
+              f"({'ok' if ok else 'ABOVE'} tolerance {train.verify_tolerance(cfg):g})")
         return 0 if ok else 1
     return 0
 

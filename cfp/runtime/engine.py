@@ -107,7 +107,8 @@ def build_programs(model_name: str, config: Any, layout: HeteroLayout, devices: 
 
 
 class HeteroTrainer:
-    """Holds each local stage's params and optimizer state and runs training steps."""
+    """Holds each local stage's params and optimizer state and runs training steps on its layout (the
+    strategy; ``set_layout`` switches it between steps)."""
 
     def __init__(self, model_name: str, config: Any, layout: HeteroLayout,
                  schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, learning_rate: float = 1e-3,

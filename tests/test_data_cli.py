@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from cfp.cli.main import main
 
 
@@ -78,3 +80,42 @@ def test_propose_names_gpus_and_the_values_that_would_do(tmp_path, capsys):
     assert smallest > 1 and main(argv + ["--gpus", str(smallest - 1)]) == 2
     assert f"--gpus {smallest - 1} is too few: the smallest scheme in {str(space)!r} needs {smallest} GPUs; " \
            f"give --gpus {smallest} or more" in capsys.readouterr().err
+
+
+def test_strategies_notation_parses_and_bad_values_are_named():
+    from cfp.data.train import parse_strategies
+    from cfp.errors import ConfigError
+    assert parse_strategies("[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]") == [[(1, 2, 2), (2, 1, 1), (1, 2, 1)],
+                                                                            [(1, 4, 2)]]
+    assert parse_strategies("[(1,4,2)]") == parse_strategies("(1,4,2)") == [[(1, 4, 2)]]
+    for bad, named in (("[[(1,2)]]", "(1, 2)"), ("[[(0,1,1)]]", "(0, 1, 1)"), ("[]", "non-empty"),
+                       ("[[(1,2,2)], 7]", "strategy 1 7"), ("(1,2", "Hydraulis' notation")):
+        with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+            parse_strategies(bad)
+
+
+@pytest.mark.slow   # ~1-3 min (it measures three schemes); the engine's parts are tested in test_data_train.py
+def test_data_train_runs_hydraulis_strategies_and_verifies(tmp_path, capsys):
+    """`cfp data train --strategies` in Hydraulis' notation (a pp=2 pipeline beside a CP one, and a one-device
+    strategy): the schemes are measured here, every step runs a candidate the log names, and --verify's
+    replay passes."""
+    import re
+
+    import numpy as np
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rng = np.random.default_rng(0)
+    for i, n in enumerate((30, 60, 90, 120, 45, 70, 20, 100, 80, 50, 110, 35)):
+        (docs / f"{i}.txt").write_text("".join(chr(c) for c in rng.integers(97, 123, n)))
+    argv = ["data", "train", "--model", "llama2", "--input", str(docs), "--max-seq-len", "128", "--steps", "2",
+            "--tokens-per-step", "200", "--strategies", "[[(1,2,2),(2,1,1)], [(1,1,1)]]", "--schemes",
+            str(tmp_path / "s.json"), "--verify"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "measured cp1tp2pp2" in out and "measured cp2tp1pp1" in out and "measured cp1tp1pp1" in out
+    assert len(re.findall(r"step \d: strategy [01] \[", out)) == 2
+    assert re.search(r"verify: max relative error \S+ over 2 steps \(ok tolerance", out), out
+    bad = argv[:-5] + ["--strategies", "[[(1,2)]]", "--schemes", str(tmp_path / "s.json")]
+    assert main(bad) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(1, 2)" in err

@@ -5,6 +5,8 @@ train with a batching method, and time the planner at scale.
     cfp data schemes --model llama2 --config 32B --gpu A100-SXM-80G --out parallel_scheme_space.json
     cfp data propose --schemes parallel_scheme_space.json --input stdlib --gpus 64 --tokens-per-step 262144
     cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 5
+    cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 4 --verify \
+        --strategies "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"
     cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 --max-seq-len 32768
 """
 from __future__ import annotations
@@ -93,16 +95,23 @@ def _train_parser(sub) -> None:
     common.add_steps(t)
     t.add_argument("--tokens-per-step", type=positive_int, default=16384, help="tokens in one training step")
     t.add_argument("--max-seq-len", type=positive_int, default=2048, help="longest sequence (longer ones are cut)")
-    t.add_argument("--strategies", default=None, help="strategy JSON from `cfp data propose` (methods 3, 4)")
+    t.add_argument("--strategies", default=None,
+                   help="strategy JSON from `cfp data propose`, or Hydraulis' notation: a list of strategies, "
+                        "each a list of (cp, tp, pp) pipelines, e.g. \"[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]\"; "
+                        "each step runs the one the fitted costs rate fastest (default: proposed here)")
     t.add_argument("--schemes", default="parallel_scheme_space.json",
-                   help="scheme-space JSON; measured here and written to this path if it is missing or "
-                        "was made for another model/config (default: parallel_scheme_space.json)")
+                   help="scheme-space JSON; measured here (the schemes missing from it) and written to this path "
+                        "if it is missing or was made for another model/config (default: parallel_scheme_space.json)")
     t.add_argument("--memory-mb", type=common.positive_float, default=48.0,
                    help="memory budget per device when measuring (MiB)")
     t.add_argument("--ilp-max-sequences", type=common.non_negative_int, default=0,
                    help="steps with at most this many sequences also try the dispatch ILP (HiGHS, 0.5 s limit)")
-    common.add_optimizer(t, weight_decay=False)
+    common.add_schedule(t)
+    common.add_optimizer(t)
     common.add_seed(t)
+    t.add_argument("--verify", action="store_true",
+                   help="replay every step on one device (each sequence alone, reference AdamW) and compare the "
+                        "losses and the final parameters")
     t.set_defaults(func=run, action=run_train, out_files={"schemes": "--schemes"})
 
 
@@ -198,36 +207,64 @@ def run_train(args) -> int:
     ensure_host_devices(8)
     patient_collectives()
     import jax
-    import optax
 
     from cfp.data import train
     from cfp.data.batching import get_method
-    from cfp.data.propose import Strategy
     from cfp.models import get_config, init_params
-    from cfp.runtime.varlen import VarlenTrainer
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.schedules import ScheduleName
 
     method = get_method(args.batching_method)
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
     seqs = _load(args, args.max_seq_len)
     params = init_params(args.model, cfg, args.seed)
-    if args.strategies and method.heterogeneous:
-        strategy = Strategy.load(args.strategies)
-    else:
-        space = _measured_space(args, cfg, params)
-        propose_fn = train.propose if method.heterogeneous else train.uniform_strategy
-        strategy = propose_fn(space, seqs.lengths, jax.device_count(), args.tokens_per_step)
-    print(f"method {method.number} ({method.name}); strategy: {strategy.describe()}")
+    candidates = _candidates(args, method, cfg, params, seqs)
+    cap = max(s.max_len for pipes in candidates for s in pipes)
+    if cap < int(seqs.lengths.max()):   # given strategies: no pipeline holds the longest sequences
+        print(f"sequences cut at {cap} tokens, the longest any pipeline of the strategies holds under the "
+              f"scheme fits (--max-seq-len {args.max_seq_len}, --memory-mb {args.memory_mb})")
+        seqs = _load(args, cap)
+    for i, pipes in enumerate(candidates):
+        print(f"method {method.number} ({method.name}); strategy {i}: {train.describe(pipes)}")
     opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step, args.lr, args.seed,
-                                  args.ilp_max_sequences)
-    trainer = VarlenTrainer(args.model, cfg, params, optax.adamw(args.lr))
-    res = train.run(opts, seqs, trainer, strategy)
+                                  args.ilp_max_sequences, args.weight_decay, ScheduleName.parse(args.schedule))
+    layout0 = train.layout_of(candidates[0], cfg.num_layers, jax.device_count())
+    trainer = HeteroTrainer(args.model, cfg, layout0, opts.schedule, learning_rate=args.lr,
+                            weight_decay=args.weight_decay)
+    trainer.load_state(params, trainer.tx.init(params), 0)
+    init_state = trainer.state()[:2] if args.verify else None
+    res = train.run(opts, seqs, trainer, candidates)
     print(f"non-pad tokens/s: {res.tokens_per_s:.0f}  (measured over {args.steps} steps, "
           f"{res.seconds:.2f} s; compilation {res.compile_s:.1f} s excluded)")
     print(f"padding: {100 * res.padding:.1f}%")
+    if args.verify:
+        err, ok = train.verify_run(opts, seqs, cfg, init_state, res, trainer.state()[0])
+        print(f"verify: max relative error {err:.3e} over {len(res.steps)} steps "
+              f"({'ok' if ok else 'ABOVE'} tolerance {train.verify_tolerance(cfg):g})")
+        return 0 if ok else 1
     return 0
 
 
-def _measured_space(args, cfg, params):
+def _candidates(args, method, cfg, params, seqs) -> list:
+    """The candidate strategies (per pipeline its fitted scheme): given (Hydraulis' notation or a proposal's
+    JSON) or proposed here from the measured scheme space."""
+    import jax
+
+    from cfp.data import train
+    from cfp.data.propose import Strategy
+    given = train.load_strategies(args.strategies) if args.strategies else None
+    if isinstance(given, Strategy):
+        return [given.pipelines()]
+    space = _measured_space(args, cfg, params, train.shapes_of(given) if given else None)
+    if given:
+        return train.with_fits(given, space)
+    propose_fn = train.propose if method.heterogeneous else train.uniform_strategy
+    return [propose_fn(space, seqs.lengths, jax.device_count(), args.tokens_per_step).pipelines()]
+
+
+def _measured_space(args, cfg, params, shapes=None):
+    """The scheme space of --schemes if it was measured for this model/config (and has `shapes`); the schemes
+    it lacks are measured here and the file rewritten."""
     import os
 
     from cfp.data.scheme_space import measure_space
@@ -236,10 +273,18 @@ def _measured_space(args, cfg, params):
         space = SchemeSpace.load(args.schemes)
         if (space.model, space.config) == (args.model, args.config) and space.source.startswith("measured") \
                 and space.longest <= args.max_seq_len:
-            print(f"scheme space from {args.schemes} ({space.source})")
+            have = {(s.cp, s.tp, s.pp) for s in space.schemes}
+            missing = [s for s in (shapes or ()) if s not in have]
+            if not missing:
+                print(f"scheme space from {args.schemes} ({space.source})")
+                return space
+            print(f"measuring schemes {missing} on this machine (added to {args.schemes}) ...")
+            more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print, shapes=missing)
+            space = SchemeSpace(space.model, space.config, space.source, space.schemes + more.schemes)
+            space.save(args.schemes)
             return space
     print(f"measuring the scheme space on this machine (written to {args.schemes} for reuse) ...")
-    space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print)
+    space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print, shapes=shapes)
     space.save(args.schemes)
     return space
 

@@ -1,10 +1,11 @@
 """Building a scheme space: measured on this machine's devices, or estimated for a GPU type.
 
-Measured: for each <CP,TP,1> that the devices and the model's heads allow, one micro-batch of a single
-sequence of length s is compiled and timed (median of `repeats` runs, forward+backward) for several s; time
-and per-device memory (XLA's memory analysis: arguments + outputs + temporaries) get least-squares fits
-a·s²+b·s+c, and max_len is the largest bucket length (a power of two) whose fitted memory is within the
-budget.
+Measured: for each <CP,TP,PP> asked for (by default those the devices and the model's heads allow with
+tp <= 2, and pp 2 for the smallest), one pipeline of the training engine runs a micro-batch of a single
+sequence of length s (median of `repeats` runs, forward+backward through its pp stages) for several s; the
+time per stage (pipeline time / pp) and the per-device memory of the largest stage (XLA's memory analysis:
+arguments + outputs + temporaries) get least-squares fits a·s²+b·s+c, and max_len is the largest bucket
+length (a power of two) whose fitted memory is within the budget.
 
 Estimated (GPU cost model, bf16, flash-style varlen attention): per stage and micro-batch of s tokens
     flops  = 6·P_layer·s·L/pp + 6·h·s²·L/pp  (causal attention: half of 12·h·s² per layer)  [+ LM head on the
@@ -82,50 +83,82 @@ def estimate_space(model: str, config_name: str, cfg, gpu_name: str, max_devices
                        tuple(out))
 
 
-def measure_space(model: str, config_name: str, cfg, params, memory_mb: float,
-                  lengths: Sequence[int] = (256, 512, 1024), repeats: int = 3,
-                  num_devices: int | None = None, log=None) -> SchemeSpace:
-    """Fits from timed runs on this machine's devices (pp = 1; tp <= 2 keeps the CPU measurement short)."""
-    import jax
-
-    from cfp.data.batching import materialize
-    from cfp.runtime.varlen import PipelineMesh, PipelineRunner
-
-    n = num_devices or jax.device_count()
+def default_shapes(cfg, n: int) -> list[tuple[int, int, int]]:
+    """(cp, tp, pp) measured by default on n devices: tp <= 2 (keeps the CPU measurement short), cp x tp a
+    power of two, pp 1 -- and pp 2 for cp x tp <= 2 where the layers split in two."""
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads)
     out = []
-    rng = np.random.default_rng(0)
-    for cp in _divisors(n):
-        for tp in _divisors(n // cp):
-            if cfg.num_heads % tp or kv % tp or tp > 2 or cp * tp not in (1, 2, 4, 8):
-                continue
-            runner = PipelineRunner(model, cfg, PipelineMesh(cp, tp, tuple(range(cp * tp))), params)
-            local = jax.device_put(params, runner.pshard)
-            times, mems = [], []
-            for s in lengths:
-                mb = materialize([rng.integers(0, 256, s + 1).astype(np.uint8)], [0], packed=True)
-                exe = runner.compiled(local, mb["inputs"].shape)
-                ma = exe.memory_analysis()
-                mems.append(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
-                runner.grads(local, [mb])  # warm
-                ts = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(runner.grads(local, [mb]))
-                    ts.append(time.perf_counter() - t0)
-                times.append(float(np.median(ts)))
-            a, b, c = fit_quadratic(lengths, times)
-            ma_, mb_, mc_ = fit_quadratic(lengths, mems)
-            budget = memory_mb * 2 ** 20
-            cands = [x for x in (1 << i for i in range(7, 20)) if x <= cfg.seq_len
-                     and ma_ * x * x + mb_ * x + mc_ <= budget]
-            if not cands:
-                continue
-            out.append(Scheme(cp, tp, 1, a, b, c, max(cands), dense_rows=True))
-            if log:
-                log(f"  measured {out[-1].name}: time {a:.3g}·s² + {b:.3g}·s + {c:.3g} s, max_len {out[-1].max_len}"
-                    f" (memory fit at s={lengths[-1]}: {mems[-1] / 2 ** 20:.1f} MiB)")
+    for pp in (1, 2):
+        for cp in _divisors(n):
+            for tp in _divisors(n // cp):
+                if cfg.num_heads % tp or kv % tp or tp > 2 or cp * tp not in (1, 2, 4, 8):
+                    continue
+                if pp == 1 or (cp * tp <= 2 and cp * tp * pp <= n and cfg.num_layers % pp == 0):
+                    out.append((cp, tp, pp))
+    return out
+
+
+def measure_space(model: str, config_name: str, cfg, params, memory_mb: float,
+                  lengths: Sequence[int] = (256, 512, 1024), repeats: int = 3,
+                  num_devices: int | None = None, log=None,
+                  shapes: Sequence[tuple[int, int, int]] | None = None) -> SchemeSpace:
+    """Fits from timed runs of the training engine on this machine's devices: per (cp, tp, pp) in `shapes`
+    (default `default_shapes`), one pipeline of pp stages runs a packed micro-batch of one sequence."""
+    import jax
+
+    n = num_devices or jax.device_count()
+    lengths = [s for s in lengths if s <= cfg.seq_len]
+    if len(lengths) < 3:   # a short model: its own lengths (the fit needs three)
+        lengths = [cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len]
+    out = []
+    for shape in (default_shapes(cfg, n) if shapes is None else shapes):
+        if shape[0] * shape[1] * shape[2] > n:
+            raise ConfigError(f"scheme (cp, tp, pp) {shape} needs {shape[0] * shape[1] * shape[2]} devices, "
+                              f"only {n} are available")
+        scheme = _measure_scheme(model, cfg, params, shape, lengths, repeats, memory_mb)
+        if scheme is None:
+            continue
+        out.append(scheme)
+        if log:
+            log(f"  measured {scheme.name}: time {scheme.a:.3g}·s² + {scheme.b:.3g}·s + {scheme.c:.3g} s per "
+                f"stage and micro-batch, max_len {scheme.max_len}")
     if not out:
         raise ConfigError(f"no scheme fits {memory_mb} MiB per device; raise --memory-mb")
     return SchemeSpace(model, config_name, f"measured: {jax.devices()[0].platform} x{n}, memory budget "
                        f"{memory_mb} MiB/device", tuple(out))
+
+
+def _measure_scheme(model: str, cfg, params, shape, lengths, repeats: int, memory_mb: float) -> Scheme | None:
+    """One scheme's fits: time per stage = the pipeline's time on one micro-batch / pp (a micro-batch passes
+    the pp stages one after another), memory = the largest stage's backward program (XLA's memory analysis:
+    arguments + outputs + temporaries); None if no length fits the budget."""
+    import jax
+
+    from cfp.data.batching import materialize
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.layout import HeteroLayout
+    cp, tp, pp = shape
+    trainer = HeteroTrainer(model, cfg, HeteroLayout.from_schemes([shape], cfg.num_layers))
+    trainer.load_state(params, trainer.tx.init(params), 0)
+    rng = np.random.default_rng(0)
+    times, mems = [], []
+    for s in lengths:
+        mb = [[materialize([rng.integers(0, 256, s + 1).astype(np.uint8)], [0], packed=True)]]
+        stage_mem = [ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                     for ma in trainer.stage_memory(mb[0][0]["inputs"].shape)]
+        mems.append(max(stage_mem))
+        trainer.forward_backward(mb)  # warm
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(trainer.forward_backward(mb))
+            ts.append(time.perf_counter() - t0)
+        times.append(float(np.median(ts)) / pp)
+    a, b, c = fit_quadratic(lengths, times)
+    ma_, mb_, mc_ = fit_quadratic(lengths, mems)
+    budget = memory_mb * 2 ** 20
+    cands = [x for x in (1 << i for i in range(7, 20)) if x <= cfg.seq_len
+             and ma_ * x * x + mb_ * x + mc_ <= budget]
+    if not cands:
+        return None
+    return Scheme(cp, tp, pp, a, b, c, max(cands), dense_rows=True)

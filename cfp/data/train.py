@@ -1,22 +1,31 @@
-"""`cfp data train`: variable-length training with a batching method on this machine's devices.
+"""`cfp data train`: variable-length training with a batching method on the training engine.
 
-Each step draws sequences (shuffled, seeded by (seed, step)) until `tokens_per_step` real tokens, assigns them
-with the method (cfp.data.batching), and runs the pipelines with cfp.runtime.varlen. Uniform methods (0, 1)
-use the best single-scheme strategy the proposal DP finds for the same scheme space; heterogeneous ones
-(3, 4) use the proposed (or given) heterogeneous strategy.
+A *strategy* is a list of pipelines, each a <CP,TP,PP> scheme with its fitted cost (`Scheme`); it runs as the
+engine's layout `HeteroLayout.from_schemes` (pp stages of cp x tp devices per pipeline). Each step draws
+sequences (shuffled, seeded by (seed, step)) until `tokens_per_step` real tokens, and for every candidate
+strategy assigns them with the batching method (cfp.data.batching: dispatch to pipelines, then packing into
+micro-batches); the step runs the candidate whose fitted pipeline times (micro-batch costs + (pp-1) x the
+slowest micro-batch, the bubble of GPipe and 1F1B alike) rate fastest -- Hydraulis' dynamic strategies -- on
+`cfp.runtime.engine.HeteroTrainer`, switching its layout when the choice changes.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
-from typing import Callable, Optional
+import os
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from cfp.data.batching import METHODS, Method, Packing, assign_step, materialize
+from cfp.data.packing import pipeline_time
 from cfp.data.propose import Strategy, propose
-from cfp.data.schemes import SchemeSpace
+from cfp.data.schemes import Scheme, SchemeSpace
 from cfp.data.sources import Sequences
-from cfp.errors import ConfigError
+from cfp.errors import ConfigError, InfeasibleError
+from cfp.runtime.schedules import ScheduleName
+
+Shape = tuple[int, int, int]   # (cp, tp, pp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +37,8 @@ class DataTrainOptions:
     learning_rate: float = 1e-3
     seed: int = 0
     ilp_max_sequences: int = 0
+    weight_decay: float = 0.01
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
 
     def __post_init__(self):
         if self.method not in METHODS.values():
@@ -35,6 +46,17 @@ class DataTrainOptions:
         for f in ("steps", "tokens_per_step"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"{f}={getattr(self, f)!r} must be a positive integer")
+        if not (self.learning_rate > 0 and self.weight_decay >= 0):
+            raise ConfigError(f"learning_rate={self.learning_rate!r} must be > 0 and weight_decay="
+                              f"{self.weight_decay!r} >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one step ran: the chosen strategy, its sequences (indices into the data) and the estimates."""
+    strategy: int
+    sequences: tuple[int, ...]
+    estimates: tuple[float, ...]    # fitted step time of every candidate (inf: cannot hold the step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +66,7 @@ class DataTrainResult:
     slots: int
     seconds: float           # measured step time, compilation excluded
     compile_s: float
+    steps: tuple[StepRecord, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,6 +75,71 @@ class DataTrainResult:
     @property
     def padding(self) -> float:
         return 1.0 - self.real_tokens / self.slots
+
+
+# ----------------------------------------------------------------------------- strategies
+def parse_strategies(text: str) -> list[list[Shape]]:
+    """Hydraulis' notation: a list of strategies, each a list of (cp, tp, pp) pipelines, e.g.
+    ``"[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"``; one strategy alone (``"[(1,4,2)]"``) is accepted too."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"strategies {text!r} is neither a strategy JSON file nor Hydraulis' notation, "
+                          "e.g. \"[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]\"") from None
+    if isinstance(value, tuple) and len(value) == 3 and all(isinstance(v, int) for v in value):
+        value = [value]
+    if isinstance(value, (list, tuple)) and value and all(_is_shape(v) for v in value):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"strategies {text!r} must be a non-empty list of strategies")
+    out = []
+    for i, st in enumerate(value):
+        if not isinstance(st, (list, tuple)) or not st or not all(_is_shape(p) for p in st):
+            raise ConfigError(f"strategy {i} {st!r} must be a non-empty list of (cp, tp, pp) triples of "
+                              "positive integers")
+        out.append([tuple(int(v) for v in p) for p in st])
+    return out
+
+
+def _is_shape(v) -> bool:
+    return (isinstance(v, (list, tuple)) and len(v) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v))
+
+
+def load_strategies(text: str) -> list[list[Shape]] | Strategy:
+    """`--strategies`: a strategy JSON file written by `cfp data propose`, else Hydraulis' notation."""
+    if os.path.exists(text) or text.endswith(".json"):
+        return Strategy.load(text)
+    return parse_strategies(text)
+
+
+def shapes_of(strategies: Sequence[Sequence[Shape]]) -> list[Shape]:
+    """The distinct (cp, tp, pp) schemes the strategies use, in first-use order."""
+    return list(dict.fromkeys(s for st in strategies for s in st))
+
+
+def with_fits(strategies: Sequence[Sequence[Shape]], space: SchemeSpace) -> list[list[Scheme]]:
+    """Each strategy's pipelines as the space's fitted schemes; ConfigError naming a scheme without a fit."""
+    fits = {(s.cp, s.tp, s.pp): s for s in space.schemes}
+    missing = [s for s in shapes_of(strategies) if s not in fits]
+    if missing:
+        raise ConfigError(f"the scheme space has no fit for (cp, tp, pp) {missing}; it has "
+                          f"{sorted(fits)}")
+    return [[fits[s] for s in st] for st in strategies]
+
+
+def layout_of(pipelines: Sequence[Scheme], num_layers: int, num_devices: int):
+    """The engine layout of a strategy (consecutive devices); ConfigError if it needs too many devices."""
+    from cfp.runtime.layout import HeteroLayout
+    need = sum(s.devices for s in pipelines)
+    if need > num_devices:
+        raise ConfigError(f"strategy {describe(pipelines)} needs {need} devices, only {num_devices} are "
+                          "available")
+    return HeteroLayout.from_schemes([(s.cp, s.tp, s.pp) for s in pipelines], num_layers)
+
+
+def describe(pipelines: Sequence[Scheme]) -> str:
+    return "[" + ", ".join(f"({s.cp},{s.tp},{s.pp})" for s in pipelines) + "]"
 
 
 def uniform_strategy(space: SchemeSpace, lengths, gpus: int, tokens_per_step: int) -> Strategy:
@@ -69,6 +157,7 @@ def uniform_strategy(space: SchemeSpace, lengths, gpus: int, tokens_per_step: in
     return best
 
 
+# ----------------------------------------------------------------------------- one step
 def step_sequences(data: Sequences, step: int, seed: int, tokens_per_step: int) -> np.ndarray:
     """Indices of this step's sequences: a seeded shuffle, cut when the real tokens reach the budget."""
     order = np.random.default_rng([seed, step]).permutation(len(data))
@@ -77,38 +166,83 @@ def step_sequences(data: Sequences, step: int, seed: int, tokens_per_step: int) 
     return order[:min(n, order.size)]
 
 
-def use_strategy(trainer, strategy: Strategy) -> None:
-    """Place the strategy's pipelines on consecutive devices and switch the trainer to them."""
-    from cfp.runtime.varlen import place_pipelines
-    trainer.set_pipelines(place_pipelines([(s.cp, s.tp) for s in strategy.pipelines()], _devices()))
+def plan_step(opts: DataTrainOptions, candidates: Sequence[Sequence[Scheme]], lengths: np.ndarray
+              ) -> tuple[int, list, tuple[float, ...]]:
+    """(chosen candidate, its per-pipeline micro-batches as indices into `lengths`, every candidate's
+    fitted step time): the slowest pipeline's Σ micro-batch cost + (pp-1) x its slowest micro-batch."""
+    plans, est = [], []
+    for pipes in candidates:
+        try:
+            plan = assign_step(opts.method, pipes, lengths, opts.ilp_max_sequences)
+        except InfeasibleError:
+            plans.append(None)
+            est.append(float("inf"))
+            continue
+        plans.append(plan)
+        est.append(max(pipeline_time(s, lengths, mbs) for s, mbs in zip(pipes, plan)))
+    k = int(np.argmin(est))
+    if plans[k] is None:
+        raise InfeasibleError(f"no strategy holds the step's longest sequence ({int(lengths.max())} tokens)")
+    return k, plans[k], tuple(est)
 
 
-def train_step(opts: DataTrainOptions, data: Sequences, trainer, strategy: Strategy, step: int):
-    """Draw, assign, materialise and run one step; (StepStats, number of micro-batches)."""
-    pipes = strategy.pipelines()
+def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, layouts, step: int):
+    """Draw, plan, materialise and run one step; (StepStats, StepRecord, number of micro-batches)."""
     ids = step_sequences(data, step, opts.seed, opts.tokens_per_step)
-    plan = assign_step(opts.method, pipes, data.lengths[ids], opts.ilp_max_sequences)
+    k, plan, est = plan_step(opts, candidates, data.lengths[ids])
+    pipes = candidates[k]
     packed = opts.method.packing is not Packing.PAD
-    mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed, pipes[k].max_len) for mb in p]
-           for k, p in enumerate(plan)]
-    return trainer.step(mbs), sum(len(p) for p in plan)
+    mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed, pipes[p].max_len) for mb in pl]
+           for p, pl in enumerate(plan)]
+    trainer.set_layout(layouts[k])
+    trainer.warm(mbs)                 # compiles new shapes outside the timed step
+    stats = trainer.step(mbs)
+    return stats, StepRecord(k, tuple(int(i) for i in ids), est), sum(len(p) for p in plan)
 
 
-def run(opts: DataTrainOptions, data: Sequences, trainer, strategy: Strategy,
+def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[Sequence[Scheme]],
         log: Optional[Callable[[str], None]] = print) -> DataTrainResult:
-    use_strategy(trainer, strategy)
-    losses, real, slots, secs = [], 0, 0, 0.0
+    """Train `opts.steps` steps, each on the fastest-rated candidate strategy."""
+    n_dev = len(trainer.devices)
+    layouts = [layout_of(p, trainer.config.num_layers, n_dev) for p in candidates]
+    trainer.set_schedule(opts.schedule)
+    losses, records, real, slots, secs, comp = [], [], 0, 0, 0.0, 0.0
     for step in range(opts.steps):
-        st, n_mb = train_step(opts, data, trainer, strategy, step)
+        c0 = trainer.warm_s
+        st, rec, n_mb = train_step(opts, data, trainer, candidates, layouts, step)
+        comp += trainer.warm_s - c0
         losses.append(st.loss)
-        real, slots, secs = real + st.real_tokens, slots + st.padded_tokens, secs + st.seconds
+        records.append(rec)
+        real, slots, secs = real + st.real_tokens, slots + st.tokens, secs + st.seconds
         if log:
-            log(f"step {step + 1}: loss {st.loss:.4f}  {st.real_tokens} tokens in "
-                f"{n_mb} micro-batches  non-pad tokens/s: {st.real_tokens / st.seconds:.0f}  "
-                f"padding: {100 * (1 - st.real_tokens / st.padded_tokens):.1f}%  (measured)")
-    return DataTrainResult(tuple(losses), real, slots, secs, trainer.compile_s)
+            others = "" if len(candidates) == 1 else "  (estimated " + ", ".join(
+                f"{i}: {e:.3g} s" for i, e in enumerate(rec.estimates)) + ")"
+            log(f"step {step + 1}: strategy {rec.strategy} {describe(candidates[rec.strategy])}{others}  "
+                f"loss {st.loss:.4f}  {st.real_tokens} tokens in {n_mb} micro-batches  non-pad tokens/s: "
+                f"{st.real_tokens / st.seconds:.0f}  padding: {100 * (1 - st.real_tokens / st.tokens):.1f}%"
+                "  (measured)")
+    return DataTrainResult(tuple(losses), real, slots, secs, comp, tuple(records))
 
 
-def _devices() -> int:
-    import jax
-    return jax.device_count()
+def verify_tolerance(config) -> float:
+    """`cfp train --verify`'s tolerances: 1e-4 in float32 (measured 3.7e-8 over the 4 steps of the README's
+    example, 1.3e-5 after a step at lr 1e-2 in the tests; a pipeline's tokens dropped is >1e-2), 5e-2 else."""
+    return 1e-4 if config.dtype == "float32" else 5e-2
+
+
+def verify_run(opts: DataTrainOptions, data: Sequences, config, init_state, result: DataTrainResult,
+               final_params, tol: float | None = None) -> tuple[float, bool]:
+    """Replay every step on one device (each sequence alone in its row, `cfp.runtime.verify`); the largest
+    relative error of the losses and the normwise one of the final parameters, and whether it is <= tol
+    (default `verify_tolerance`)."""
+    tol = verify_tolerance(config) if tol is None else tol
+    from cfp.runtime.verify import loss_error, sequence_replay, tree_error
+    if float(getattr(config, "aux_loss_coef", 0.0)):
+        raise ConfigError(f"--verify of variable-length steps needs a dense model (the MoE aux loss of "
+                          f"{opts.model} depends on how sequences are grouped)")
+    steps = [[data.tokens[i] for i in rec.sequences] for rec in result.steps]
+    ref_losses, ref_params = sequence_replay(opts.model, config, init_state[0], init_state[1], steps,
+                                             learning_rate=opts.learning_rate,
+                                             weight_decay=opts.weight_decay)
+    err = max(loss_error(list(result.losses), ref_losses), tree_error(final_params, ref_params))
+    return err, err <= tol

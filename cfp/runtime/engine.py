@@ -1,10 +1,15 @@
-"""The heterogeneous hybrid 3D-parallel training engine (FlashFlex/HexiScale in JAX).
+"""The training engine: heterogeneous hybrid 3D parallelism (FlashFlex/HexiScale) and Hydraulis'
+variable-length strategies in one executor.
 
-``HeteroTrainer.step(batch)`` runs one optimizer step on the global batch (the pipelines' batches
-concatenated in pipeline order):
+A step runs a *strategy*: a ``HeteroLayout`` of pipelines, each a list of stages, each stage its layers
+on a <CP,TP> sub-mesh.  ``HeteroTrainer.step(batch)`` takes either a fixed-length global batch (the
+pipelines' rows concatenated in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or,
+per pipeline, its list of micro-batches (packed variable-length rows with segment ids and restarting
+positions; any count, any shape, none at all):
 
-1. Every pipeline runs its schedule (GPipe / 1F1B) on its own rows, in micro-batches
-   (``dispatch.ScheduleRun``); each stage accumulates its gradient over its micro-batches.
+1. Every pipeline runs its schedule (GPipe / 1F1B) on its micro-batches (``dispatch.ScheduleRun``);
+   each stage accumulates its gradient over its micro-batches.  Every micro-batch's loss term is its
+   token-weighted share of the whole step's loss.
 2. Gradient sync (``dispatch.sync_gradients``): for every stage of every pipeline, each of its
    submodules' gradients is gathered from every pipeline (resharded from that pipeline's stage onto
    this stage's shardings) and summed in pipeline order -- the same elementwise sums everywhere, so
@@ -13,7 +18,8 @@ concatenated in pipeline order):
    A NaN or Inf in the loss, a summed gradient or a new parameter raises ``NumericalError`` naming
    the step and the leaf.
 
-Per-action start/end times are measured by ``timing.StepClock``.
+``set_layout`` switches the strategy between steps: the state is gathered and placed on the new
+layout's stages (a copy, bit-exact).  Per-action start/end times are measured by ``timing.StepClock``.
 """
 from __future__ import annotations
 
@@ -25,12 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from cfp.errors import ConfigError, NumericalError
 from cfp.models import init_params, min_batch_size, stage_modules
-from cfp.runtime.dispatch import ActivationShapes, ScheduleRun, sync_gradients
+from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, check_micro_batches, split_batch,
+                                  sync_gradients)
 from cfp.runtime.layout import HeteroLayout
 from cfp.runtime.schedules import SCHEDULES, ScheduleName, check_schedule, global_order
 from cfp.runtime.stage import StageProgram
@@ -41,10 +49,13 @@ from cfp.runtime.timing import StepClock
 
 @dataclass
 class StepStats:
+    """One step: ``tokens`` the token slots run (padding included), ``real_tokens`` those with a
+    non-zero loss weight."""
     step: int
     loss: float
     seconds: float
     tokens: int
+    real_tokens: int = 0
     events: list[Event] = field(default_factory=list)
 
     def busy(self) -> dict[tuple[int, int], float]:
@@ -96,28 +107,50 @@ def build_programs(model_name: str, config: Any, layout: HeteroLayout, devices: 
 
 
 class HeteroTrainer:
-    """Holds each local stage's params and optimizer state and runs training steps."""
+    """Holds each local stage's params and optimizer state and runs training steps on its layout (the
+    strategy; ``set_layout`` switches it between steps)."""
 
     def __init__(self, model_name: str, config: Any, layout: HeteroLayout,
                  schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, learning_rate: float = 1e-3,
                  weight_decay: float = 0.01, devices: Optional[list] = None,
                  replays: Optional[dict] = None):
-        self.model_name, self.config, self.layout = model_name, config, layout
+        self.model_name, self.config = model_name, config
         self.devices = list(devices) if devices is not None else jax.devices()
-        layout.validate_for(config, len(self.devices))
         self.tx = optimizer(learning_rate, weight_decay)
+        self._tx_key = (float(learning_rate), float(weight_decay))
         self.full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
-        self.programs = build_programs(model_name, config, layout, self.devices, self.tx,
-                                       (float(learning_rate), float(weight_decay)), replays)
-        self.set_schedule(schedule)
+        self.schedule = ScheduleName.parse(schedule)
         self.aux_coef = float(getattr(config, "aux_loss_coef", 0.0))
         self.params: dict[tuple[int, int], Any] = {}
         self.opt_state: dict[tuple[int, int], Any] = {}
         self.step_count = 0
         self._initialized = False
+        self._orders: dict[tuple, list] = {}
+        self._warmed: set = set()
+        self.warm_s = 0.0     # seconds spent in warm(): compilation kept out of timed steps
+        self._build(layout, replays)
+
+    def _build(self, layout: HeteroLayout, replays: Optional[dict] = None) -> None:
+        layout.validate_for(self.config, len(self.devices))
+        self.layout = layout
+        self.programs = build_programs(self.model_name, self.config, layout, self.devices, self.tx,
+                                       self._tx_key, replays)
+        self.set_schedule(self.schedule)
         self._local = {k: pr for k, pr in self.programs.items() if pr.is_local}
         self._clock = StepClock({k: pr.stage.devices for k, pr in self._local.items()})
-        self._act_shape = ActivationShapes(layout, self.programs, config.seq_len)
+        self._act_shape = ActivationShapes(layout, self.programs, self.config.seq_len)
+
+    def set_layout(self, layout: HeteroLayout) -> bool:
+        """Switch to another strategy between steps: the state is gathered from the current stages and
+        placed on the new layout's (values copied, unchanged).  Returns whether the layout changed."""
+        if layout == self.layout:
+            return False
+        state = self.state() if self._initialized else None
+        self.params, self.opt_state = {}, {}
+        self._build(layout)
+        if state is not None:
+            self.load_state(*state)
+        return True
 
     # ------------------------------------------------------------------ state
     def init(self, seed: int = 0) -> "HeteroTrainer":
@@ -168,17 +201,33 @@ class HeteroTrainer:
     def set_schedule(self, schedule: "str | ScheduleName") -> None:
         """Switch GPipe/1F1B; compiled stage programs do not depend on the schedule."""
         self.schedule = ScheduleName.parse(schedule)
-        per_pipe = []
-        for p in self.layout.pipelines:
-            acts = SCHEDULES[self.schedule](p.num_stages, p.chunks)
-            check_schedule(acts, p.chunks)
-            per_pipe.append(acts)
-        self.order = global_order(per_pipe)
+        self.order = self._order([p.chunks for p in self.layout.pipelines])
 
-    def step(self, batch: dict) -> StepStats:
-        """One optimizer step on the global batch ``{"inputs", "targets", "weights"}`` [B_total, S]."""
+    def _order(self, chunks: list[int]) -> list:
+        """The global action order of the pipelines with ``chunks[p]`` micro-batches (cached)."""
+        key = (self.schedule, tuple(p.num_stages for p in self.layout.pipelines), tuple(chunks))
+        if key not in self._orders:
+            per_pipe = []
+            for p, m in zip(self.layout.pipelines, chunks):
+                acts = SCHEDULES[self.schedule](p.num_stages, m)
+                check_schedule(acts, m)
+                per_pipe.append(acts)
+            self._orders[key] = global_order(per_pipe)
+        return self._orders[key]
+
+    def micro_batches(self, batch: Any) -> list[list[dict]]:
+        """Per pipeline its micro-batches: a fixed-length global batch dict is cut by the layout's batch
+        sizes; a list (one list of micro-batch dicts per pipeline) is checked and taken as is."""
+        if isinstance(batch, dict):
+            return split_batch(self.layout, batch)
+        return check_micro_batches(self.layout, batch)
+
+    def step(self, batch: Any) -> StepStats:
+        """One optimizer step on a fixed-length global batch ``{"inputs", "targets", "weights"}``
+        [B_total, S] or on per-pipeline micro-batch lists (see ``micro_batches``)."""
         t_start = time.perf_counter()
-        acc, loss = self._run_schedule(batch)
+        mbs = self.micro_batches(batch)
+        acc, loss, order = self._run_schedule(mbs)
         _check_loss(loss, self.step_count + 1)
         flags = {}
         for key, g in sync_gradients(self.layout, self.programs, acc).items():
@@ -188,14 +237,16 @@ class HeteroTrainer:
         seconds = time.perf_counter() - t_start
         self._check_finite(flags)
         self.step_count += 1
-        rows = self.layout.total_batch_size
-        return StepStats(self.step_count, loss, seconds, rows * self.config.seq_len,
-                         self._clock.events(self.order, t_start))
+        flat = [mb for p in mbs for mb in p]
+        slots = sum(int(mb["inputs"].size) for mb in flat)
+        real = sum(int(np.count_nonzero(mb["weights"])) for mb in flat)
+        return StepStats(self.step_count, loss, seconds, slots, real,
+                         self._clock.events(order, t_start))
 
     def gradients(self, batch: dict) -> tuple[Any, float]:
         """(full gradient tree as numpy, loss) of the global batch at the current parameters."""
-        acc, loss = self._run_schedule(batch)
-        self._clock.events(self.order, 0.0)  # drain the watchers
+        acc, loss, order = self._run_schedule(self.micro_batches(batch))
+        self._clock.events(order, 0.0)  # drain the watchers
         # summed on the host: the same elementwise float32 adds in the same order, no compile
         summed = {}
         for k, parts in sync_gradients(self.layout, self.programs, acc).items():
@@ -204,12 +255,64 @@ class HeteroTrainer:
         grads = collect(self.full_like, first_wins(path_table(summed[k]) for k in sorted(summed)))
         return grads, loss
 
-    def _run_schedule(self, batch: dict) -> tuple[dict, float]:
+    def warm(self, batch: Any) -> float:
+        """Run (and discard) one micro-batch of each shape in ``batch`` that this layout's pipelines have
+        not run yet, and the stage updates on a copy of the state, so that a following ``step`` does not
+        compile.  The state is unchanged.  Returns the seconds it took."""
+        t0 = time.perf_counter()
+        mbs = self.micro_batches(batch)
+        todo: list[list[dict]] = [[] for _ in mbs]
+        for p, pipe_mbs in enumerate(mbs):
+            for mb in pipe_mbs:
+                key = (self.layout.pipelines[p].stages, mb["inputs"].shape, "segment_ids" in mb)
+                if key not in self._warmed:
+                    self._warmed.add(key)
+                    todo[p].append(mb)
+        if any(todo):
+            acc, _, order = self._run_schedule(todo)
+            jax.block_until_ready(acc)
+            self._clock.events(order, 0.0)  # drain the watchers
+        if ("update", self.layout) not in self._warmed:
+            self._warmed.add(("update", self.layout))
+            n = len(self.layout.pipelines)
+            for key, prog in self._local.items():
+                copy = jax.tree_util.tree_map(jnp.copy, (self.params[key], self.opt_state[key]))
+                jax.block_until_ready(prog.update(*copy, [prog.zeros()] * n))
+        dt = time.perf_counter() - t0
+        self.warm_s += dt
+        return dt
+
+    def forward_backward(self, batch: Any) -> float:
+        """The step's schedule without the update (accumulated gradients discarded); the loss.  For
+        timing a layout on a micro-batch (the scheme-space fits)."""
+        acc, loss, order = self._run_schedule(self.micro_batches(batch))
+        jax.block_until_ready(acc)
+        self._clock.events(order, 0.0)
+        return loss
+
+    def stage_memory(self, shape: tuple[int, int], packed: bool = True) -> list:
+        """XLA's memory analysis of every local stage's backward program (which recomputes its forward)
+        on micro-batches of ``shape`` [rows, seq]."""
+        out = []
+        for key, prog in self._local.items():
+            pipe = self.layout.pipelines[key[0]]
+            x_like = None if prog.stage.is_first else self._act_shape(
+                pipe.stages[key[1] - 1].key, shape, packed)
+            y_like = None if prog.stage.is_last else self._act_shape(key, shape, packed)
+            fn, args = prog.compile_jobs(shape[0], shape[1], x_like, y_like, 1)[1]
+            tok = jax.ShapeDtypeStruct(tuple(shape), jnp.int32, sharding=prog.rows)
+            kw = {"packed": (tok, tok)} if packed else {}
+            out.append(fn.lower(*args, **kw).compile().memory_analysis())
+        return out
+
+    def _run_schedule(self, mbs: list[list[dict]]) -> tuple[dict, float, list]:
         if not self._initialized:
             raise ConfigError("HeteroTrainer.step called before init() or load_state()")
-        run = ScheduleRun(self.layout, self.programs, self.params, self.order, self.aux_coef,
+        order = self._order([len(p) for p in mbs])
+        run = ScheduleRun(self.layout, self.programs, self.params, order, self.aux_coef,
                           self._act_shape, self._clock)
-        return run.run(batch)
+        acc, loss = run.run(mbs)
+        return acc, loss, order
 
     def _check_finite(self, flags: dict) -> None:
         """Raise NumericalError naming the first stage leaf whose gradient or new value is not finite."""

@@ -60,7 +60,9 @@ def pad_or_cut(values: Any, n: int, name: str) -> list[int]:
 
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: TP degree ``tp`` over ``devices``, layers ``[layer_start, layer_end)``."""
+    """One pipeline stage: a <CP,TP> sub-mesh of ``cp * tp`` devices (cp-major), layers
+    ``[layer_start, layer_end)``.  ``cp`` > 1 shards the sequence of every micro-batch over the stage's
+    ``cp`` axis (context-parallel attention); a FlashFlex layout is the ``cp = 1`` case."""
     pipeline: int
     index: int
     tp: int
@@ -69,6 +71,7 @@ class Stage:
     devices: tuple[int, ...]
     is_first: bool
     is_last: bool
+    cp: int = 1
 
     @property
     def key(self) -> tuple[int, int]:
@@ -124,9 +127,10 @@ class HeteroLayout:
                     f"pipeline {p.index}: global_batch_size={p.global_batch_size} is not divisible "
                     f"by chunks={p.chunks}")
             for s in p.stages:
-                if len(s.devices) != s.tp:
+                if len(s.devices) != s.tp * s.cp:
+                    degree = f"TP degree is {s.tp}" if s.cp == 1 else f"CP x TP degree is {s.cp} x {s.tp}"
                     raise ConfigError(f"devices_id[{p.index}][{s.index}]={list(s.devices)} has "
-                                      f"{len(s.devices)} devices but the stage's TP degree is {s.tp}")
+                                      f"{len(s.devices)} devices but the stage's {degree}")
                 for d in s.devices:
                     if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0:
                         raise ConfigError(f"devices_id[{p.index}][{s.index}] has device id {d!r}; "
@@ -172,6 +176,34 @@ class HeteroLayout:
                 start += nl
             pipes.append(Pipeline(p, tuple(stages), gbs[p], chk[p]))
         return cls(tuple(pipes))
+
+    @classmethod
+    def from_schemes(cls, schemes: Sequence[tuple[int, int, int]], num_layers: int,
+                     first_device: int = 0) -> "HeteroLayout":
+        """Hydraulis' notation: one pipeline per ``(cp, tp, pp)``, ``pp`` stages of ``cp x tp``
+        consecutive devices each, layers split as evenly as possible (earlier stages take the extra
+        ones).  Batch sizes are nominal (one row, one micro-batch): a step's micro-batches are given
+        to ``HeteroTrainer.step`` per pipeline."""
+        pipes, nxt = [], first_device
+        for p, shape in enumerate(schemes):
+            if not isinstance(shape, (list, tuple)) or len(shape) != 3:
+                raise ConfigError(f"pipeline {p}: {shape!r} is not a (cp, tp, pp) triple")
+            cp, tp, pp = (_pos_int(v, f"pipeline {p} {n}") for v, n in zip(shape, ("cp", "tp", "pp")))
+            if pp > num_layers:
+                raise ConfigError(f"pipeline {p}: pp={pp} exceeds the model's {num_layers} layers")
+            sizes = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
+            stages, start = [], 0
+            for s, n in enumerate(sizes):
+                devs = tuple(range(nxt, nxt + cp * tp))
+                stages.append(Stage(p, s, tp, start, start + n, devs, s == 0, s == pp - 1, cp))
+                start, nxt = start + n, nxt + cp * tp
+            pipes.append(Pipeline(p, tuple(stages), 1, 1))
+        return cls(tuple(pipes))
+
+    @property
+    def schemes(self) -> list[tuple[int, int, int]]:
+        """``(cp, tp, pp)`` of each pipeline (its first stage's degrees)."""
+        return [(p.stages[0].cp, p.stages[0].tp, p.num_stages) for p in self.pipelines]
 
     @staticmethod
     def _devices(tps: list[list[int]], devices_id: Optional[Any]) -> list[list[list[int]]]:
@@ -248,8 +280,8 @@ class HeteroLayout:
     def describe(self) -> str:
         rows = []
         for p in self.pipelines:
-            st = ", ".join(f"tp{s.tp} L{s.layer_start}-{s.layer_end - 1} dev{list(s.devices)}"
-                           for s in p.stages)
+            st = ", ".join(f"{f'cp{s.cp} ' if s.cp > 1 else ''}tp{s.tp} L{s.layer_start}-"
+                           f"{s.layer_end - 1} dev{list(s.devices)}" for s in p.stages)
             rows.append(f"pipeline {p.index}: batch {p.global_batch_size} in {p.chunks} "
                         f"micro-batches; {st}")
         return "\n".join(rows)
@@ -257,10 +289,13 @@ class HeteroLayout:
 
 def layout_lists(layout: HeteroLayout) -> dict[str, Sequence]:
     """The seed's list form of a layout (for checkpoint metadata and logs)."""
-    return {
+    out = {
         "hetero_configs": [[s.tp for s in p.stages] for p in layout.pipelines],
         "layer_partitions": [[s.layer_end - s.layer_start for s in p.stages] for p in layout.pipelines],
         "global_batch_size": [p.global_batch_size for p in layout.pipelines],
         "chunks": [p.chunks for p in layout.pipelines],
         "devices_id": [[list(s.devices) for s in p.stages] for p in layout.pipelines],
     }
+    if any(s.cp > 1 for s in layout.stages):
+        out["context_parallel"] = [[s.cp for s in p.stages] for p in layout.pipelines]
+    return out

@@ -16,11 +16,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from cfp.sharding.rules import path_keys, tensor_spec
 
 TP_AXIS = "tp"
+CP_AXIS = "cp"
 
 
-def stage_mesh(devices: list) -> Mesh:
-    """1-D mesh over a stage's devices; Auto axes so sharding constraints are hints to GSPMD."""
-    return Mesh(np.array(devices), (TP_AXIS,), axis_types=(AxisType.Auto,))
+def stage_mesh(devices: list, cp: int = 1) -> Mesh:
+    """A stage's mesh: 1-D ("tp",) without context parallelism, ("cp", "tp") (cp-major device order)
+    with it; Auto axes so sharding constraints are hints to GSPMD."""
+    if cp == 1:
+        return Mesh(np.array(devices), (TP_AXIS,), axis_types=(AxisType.Auto,))
+    return Mesh(np.array(devices).reshape(cp, -1), (CP_AXIS, TP_AXIS),
+                axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def param_specs(params: Any, tp: int) -> Any:

@@ -12,6 +12,11 @@ A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in t
 * ``update`` -- AdamW (optax) on this stage's parameters; it also returns, per parameter, whether
   its summed gradient and its new value are finite, so NaN/Inf is caught in the step it appears.
 
+Packed variable-length micro-batches pass ``packed=(segment_ids, positions)`` (int32 [R,S]) to every
+program: attention stays inside each segment and positions restart per sequence.  A stage with ``cp`` > 1
+runs on a ("cp", "tp") mesh: tokens, activations, labels and ``packed`` are sharded over ``cp`` on the
+sequence dim and attention is context-parallel (ring) inside the programs.
+
 Under the Megatron rules activations and their gradients enter and leave replicated over the stage's
 ``tp`` axis. Under a searched stage plan the three programs are cut from the analysed stage step
 (``cfp.runtime.stage_replay.StageReplay``) with every block tensor constrained to its searched layout, and
@@ -20,16 +25,19 @@ activations to another stage (``comm.move``) needs no resharding logic of its ow
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cfp.errors import ConfigError
+from cfp.models.attention import ContextParallel, CpMethod, context_parallel
 from cfp.runtime.layout import Stage
-from cfp.runtime.sharding import param_shardings, stage_mesh
+from cfp.runtime.sharding import CP_AXIS, TP_AXIS, param_shardings, stage_mesh
 
 if TYPE_CHECKING:
     from cfp.runtime.stage_replay import StageReplay
@@ -43,8 +51,11 @@ class StageProgram:
                  tx: optax.GradientTransformation, replay: Optional["StageReplay"] = None):
         self.stage = stage
         self.embed, self.layer_mods, self.head = modules
-        self.mesh = stage_mesh(devices)
+        self.mesh = stage_mesh(devices, stage.cp)
         self.repl = NamedSharding(self.mesh, P())
+        # tokens, labels, segment ids and positions: sharded on the sequence dim under CP
+        self.rows = NamedSharding(self.mesh, P(None, CP_AXIS)) if stage.cp > 1 else self.repl
+        self._cp = _context_parallel(self.mesh, stage, modules) if stage.cp > 1 else None
         self.params_like = params_like  # {"params": {name: ShapeDtypeStruct tree}}
         self.tx = tx
         self.replay = replay
@@ -53,11 +64,15 @@ class StageProgram:
             self.shardings = param_shardings(params_like, self.mesh)
             self.grad_shardings = self.shardings
             self.opt_shardings = self._opt_shardings()
-            self.act_in = self.act_out = self.out_sharding = self.g_x_sharding = self.repl
+            self.act_in = self.act_out = self.g_x_sharding = self.rows
+            self.out_sharding = self.repl if stage.is_last else self.rows
             fwd = self.last_forward if stage.is_last else self.forward
             bwd = self._last_backward if stage.is_last else self._backward
             self._apply_update = self._adamw
         else:
+            if stage.cp > 1:
+                raise ConfigError(f"stage {stage.key}: a searched stage plan runs without context "
+                                  f"parallelism (cp={stage.cp})")
             self.shardings = self._named(replay.param_specs())
             self.grad_shardings = self._named(replay.grad_specs())
             self.opt_shardings = self._named(replay.opt_specs())
@@ -70,7 +85,7 @@ class StageProgram:
         out_acc = ((self.grad_shardings, self.repl) if stage.is_first
                    else (self.grad_shardings, self.g_x_sharding, self.repl))
         self.fwd = jax.jit(fwd, out_shardings=(self.out_sharding, self.repl))
-        self.bwd = jax.jit(lambda *a: self._bwd_out(*bwd(*a)), out_shardings=out_acc,
+        self.bwd = jax.jit(lambda *a, **kw: self._bwd_out(*bwd(*a, **kw)), out_shardings=out_acc,
                            donate_argnums=(6 if stage.is_last else 4,))
         self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.grad_shardings)
@@ -83,25 +98,29 @@ class StageProgram:
                                       is_leaf=lambda x: isinstance(x, P))
 
     # ------------------------------------------------------------------ pure stage functions
-    def _body(self, params, x):
+    def _body(self, params, x, packed=None):
         p = params["params"]
         aux = jnp.zeros((), jnp.float32)
-        # module-named scopes, as inside the full model: the CFP analysis cuts segments at them
-        if self.stage.is_first:
-            with jax.named_scope("embed"):
-                x = self.embed.apply({"params": p["embed"]}, x)
-        for i in self.stage.layers:
-            with jax.named_scope(f"layers_{i}"):
-                x, a = self.layer_mods[i].apply({"params": p[f"layers_{i}"]}, x)
-            aux = aux + a
+        kw = {} if packed is None else {"segment_ids": packed[0], "positions": packed[1]}
+        scope = context_parallel(self._cp) if self._cp is not None else contextlib.nullcontext()
+        with scope:
+            # module-named scopes, as inside the full model: the CFP analysis cuts segments at them
+            if self.stage.is_first:
+                with jax.named_scope("embed"):
+                    x = self.embed.apply({"params": p["embed"]}, x,
+                                         **({"positions": packed[1]} if kw else {}))
+            for i in self.stage.layers:
+                with jax.named_scope(f"layers_{i}"):
+                    x, a = self.layer_mods[i].apply({"params": p[f"layers_{i}"]}, x, **kw)
+                aux = aux + a
         return x, aux
 
-    def forward(self, params, x):
+    def forward(self, params, x, packed=None):
         """The un-jitted stage function of a first/middle stage: ``x -> (y, aux)``."""
-        return self._body(params, x)
+        return self._body(params, x, packed)
 
-    def last_forward(self, params, x, targets, weights, total_weight):
-        h, aux = self._body(params, x)
+    def last_forward(self, params, x, targets, weights, total_weight, packed=None):
+        h, aux = self._body(params, x, packed)
         with jax.named_scope("head"):
             logits = self.head.apply({"params": params["params"]["head"]}, h)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
@@ -115,13 +134,13 @@ class StageProgram:
             return out, lambda ct: (pull(ct)[0], None)
         return jax.vjp(fn, params, x)
 
-    def _backward(self, params, x, g_y, aux_ct, acc):
-        _, pull = self.vjp(self._body, params, x)
+    def _backward(self, params, x, g_y, aux_ct, acc, packed=None):
+        _, pull = self.vjp(lambda p, x_: self._body(p, x_, packed), params, x)
         g_p, g_x = pull((g_y, aux_ct.astype(jnp.float32)))
         return _add(acc, g_p), g_x
 
-    def _last_backward(self, params, x, targets, weights, total_weight, aux_ct, acc):
-        fn = lambda p, x_: self.last_forward(p, x_, targets, weights, total_weight)
+    def _last_backward(self, params, x, targets, weights, total_weight, aux_ct, acc, packed=None):
+        fn = lambda p, x_: self.last_forward(p, x_, targets, weights, total_weight, packed)
         _, pull = self.vjp(fn, params, x)
         g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct.astype(jnp.float32)))
         return _add(acc, g_p), g_x
@@ -161,7 +180,10 @@ class StageProgram:
 
     # ------------------------------------------------------------------ placement, compiling
     def place_params(self, params: Any) -> Any:
-        return jax.device_put(params, self.shardings)
+        # from a host copy: the update donates the stage's buffers, which must never be the caller's
+        # arrays (device_put onto a replicated sharding reuses the source buffer for its own device's shard)
+        return jax.device_put(jax.tree_util.tree_map(lambda a: np.array(a, copy=True), params),
+                              self.shardings)
 
     def compile_jobs(self, micro_batch_size: int, seq_len: int, x_like: Any, y_like: Any,
                      num_pipelines: int) -> list:
@@ -173,16 +195,25 @@ class StageProgram:
         params = _with_sharding(self.params_like, self.shardings)
         grads = _with_sharding(self.params_like, self.grad_shardings)
         opt = _with_sharding(jax.eval_shape(self.tx.init, self.params_like), self.opt_shardings)
-        tok = jax.ShapeDtypeStruct((micro_batch_size, seq_len), jnp.int32, sharding=self.repl)
+        tok = jax.ShapeDtypeStruct((micro_batch_size, seq_len), jnp.int32, sharding=self.rows)
         x = tok.update(sharding=self.act_in) if self.stage.is_first else _with_sharding(x_like, self.act_in)
         if self.stage.is_last:
-            w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=self.repl)
+            w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=self.rows)
             jobs = [(self.fwd, (params, x, tok, w, scalar)),
                     (self.bwd, (params, x, tok, w, scalar, scalar, grads))]
         else:
             y = _with_sharding(y_like, self.act_out)
             jobs = [(self.fwd, (params, x)), (self.bwd, (params, x, y, scalar, grads))]
         return jobs + [(self.zeros, ()), (self.update, (params, opt, [grads] * num_pipelines))]
+
+
+def _context_parallel(mesh, stage: Stage, modules: tuple) -> ContextParallel:
+    """Ring attention over the stage's ``cp`` axis; heads stay sharded over ``tp`` when ``tp`` divides
+    both the query and the key/value heads (else attention gathers them)."""
+    cfg = modules[0].config
+    kv = getattr(cfg, "num_kv_heads", cfg.num_heads)
+    heads_ok = stage.tp > 1 and cfg.num_heads % stage.tp == 0 and kv % stage.tp == 0
+    return ContextParallel(mesh, CP_AXIS, CpMethod.RING, TP_AXIS if heads_ok else None)
 
 
 def _with_sharding(like: Any, shardings: Any) -> Any:

@@ -31,7 +31,8 @@ def place_opt_state(opt_state: Any, opt_shardings: Any) -> Any:
     same key paths, so each leaf is looked up by path and placed on the stage's sharding."""
     table = path_table(opt_state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(opt_shardings)
-    leaves = [jax.device_put(table[jax.tree_util.keystr(p)], sh) for p, sh in flat]
+    # from host copies: the update donates these buffers (see StageProgram.place_params)
+    leaves = [jax.device_put(np.array(table[jax.tree_util.keystr(p)], copy=True), sh) for p, sh in flat]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

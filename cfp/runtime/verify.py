@@ -17,6 +17,8 @@ even holds for whole leaves whose exact gradient is zero, e.g. attention key bia
 per-row constant): both runs move them by +-lr per step driven by rounding noise alone, so the verify
 figure is the global normwise error.  For a comparison free of micro-batching's reordering noise,
 ``microbatched_replay`` accumulates the same micro-batches in the same order as the engine.
+``sequence_replay`` is the reference of variable-length steps (``cfp data train --verify``): each
+sequence alone in its row, so packing, dispatch, pipelines and CP are all outside it.
 """
 from __future__ import annotations
 
@@ -71,6 +73,55 @@ def replay(model_name: str, config: Any, params: Any, opt_state: Any, batches: I
     for b in batches:
         p, o, loss = step(p, o, jax.device_put(b, device))
         losses.append(float(loss))
+    return losses, jax.tree_util.tree_map(np.asarray, jax.device_get(p))
+
+
+def _sequence_rows(seqs: list, tokens: int = 8192) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each sequence alone in a row from position 0, padded at the end (weight 0); rows of one power-of-two
+    width go in chunks of ``tokens // width`` rows (padding rows have weight 0), so each width compiles once."""
+    groups: dict[int, list] = {}
+    for s in seqs:
+        groups.setdefault(max(16, 1 << int(np.ceil(np.log2(s.size - 1)))), []).append(s)
+    out = []
+    for width, group in sorted(groups.items()):
+        rows = max(1, tokens // width)
+        for at in range(0, len(group), rows):
+            x, y, w = (np.zeros((rows, width), dt) for dt in (np.int32, np.int32, np.float32))
+            for r, s in enumerate(group[at:at + rows]):
+                n = s.size - 1
+                x[r, :n], y[r, :n], w[r, :n] = s[:-1], s[1:], 1.0
+            out.append((x, y, w))
+    return out
+
+
+def sequence_replay(model_name: str, config: Any, params: Any, opt_state: Any, steps: Iterable[list], *,
+                    learning_rate: float, weight_decay: float, device: Optional[Any] = None):
+    """Reference of variable-length training: per step, every sequence (token array, inputs ``s[:-1]``,
+    targets ``s[1:]``) runs alone through the model (no packing, no pipelines, no CP/TP); the loss is the
+    cross-entropy summed over all real tokens divided by their count, the update AdamW
+    (``reference_optimizer``).  Returns (losses, final params as numpy).  Dense models (no aux loss)."""
+    device = device if device is not None else jax.local_devices()[0]
+    model = build_model(model_name, config)
+
+    def loss_sum(p, x, y, w):
+        logits, _ = model.apply(p, x)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+        return jnp.sum(ce * w)
+
+    grad = jax.jit(jax.value_and_grad(loss_sum))
+    tx = reference_optimizer(learning_rate, weight_decay)
+    update = jax.jit(lambda p, o, g, inv: _apply(tx, p, o, jax.tree_util.tree_map(lambda a: a * inv, g)))
+    p, o = jax.device_put((params, opt_state), device)
+    losses = []
+    for seqs in steps:
+        total, grads = 0.0, None
+        for rows in _sequence_rows(list(seqs)):
+            v, g = grad(p, *jax.device_put(rows, device))
+            total += float(v)
+            grads = g if grads is None else jax.tree_util.tree_map(jnp.add, grads, g)
+        tokens = sum(int(s.size) - 1 for s in seqs)
+        p, o = update(p, o, grads, jnp.float32(1.0 / tokens))
+        losses.append(total / tokens)
     return losses, jax.tree_util.tree_map(np.asarray, jax.device_get(p))
 
 

@@ -3,6 +3,8 @@
 1. Each forward dot opens a block. Differentiation keeps the user frame and module scope of the operation it
    transposes, so a backward dot belongs to the forward dot with the same (scope, source); operand identity
    breaks ties (a weight gradient reads the forward's saved input, a data gradient reads the weight).
+   Under remat (`jax.checkpoint`) the backward pass also recomputes forward dots; a recomputed dot has the
+   forward's key, dimension numbers and operand shapes, and joins its block with the identity loop map.
 2. A re-index *loop map* maps each backward loop onto a forward loop through the operands they share, so one
    strategy index (over the forward dot's strategies) fixes the sharding of every dot in the block.
 3. Every other operator joins the block nearest to it in the dataflow graph (breadth-first from all dots at
@@ -20,11 +22,14 @@ from cfp.analysis.strategies import (DotStrategy, Loop, batch_loop_order, dot_lo
 from cfp.ir.graph import OpGraph, Operator
 
 _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
+# identity on each operand (output k is operand k), re-emitted in front of a differentiated remat
+_BARRIER = "optimization_barrier"
 
 
 class DotRole(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
+    RECOMPUTE = "recompute"      # a forward dot recomputed in the backward pass (remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,12 @@ def trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
     perm = tuple(range(len(graph.tensor(tid).shape)))
     while tid in graph.producer:
         op = graph.operators[graph.producer[tid]]
+        if op.primitive == _BARRIER:
+            src = op.inputs[op.outputs.index(tid)]
+            if src is None:
+                break
+            tid = src
+            continue
         if op.primitive not in _VIEW_OPS or op.inputs[0] is None:
             break
         if op.primitive == "transpose":
@@ -117,6 +128,19 @@ def _loop_map(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None,
     return tuple(loop_map)
 
 
+def _is_recompute(fwd: Operator, bwd: Operator, graph: OpGraph) -> bool:
+    """Whether `bwd` computes what `fwd` computes: same dimension numbers and operand shapes (a backward dot
+    of the same key transposes one operand against the output's cotangent, which changes the contraction)."""
+    shape = lambda t: graph.tensor(t).shape
+    return fwd.dot == bwd.dot and all(shape(f) == shape(b) for f, b in zip(fwd.inputs[:2], bwd.inputs[:2]))
+
+
+def _member(fwd: Operator, bwd: Operator, graph: OpGraph) -> BlockDot:
+    if _is_recompute(fwd, bwd, graph):
+        return BlockDot(bwd.index, DotRole.RECOMPUTE, tuple(range(len(loops_of(fwd, graph)))))
+    return BlockDot(bwd.index, DotRole.BACKWARD, _loop_map(fwd, bwd, graph))
+
+
 def _source_key(op: Operator) -> tuple:
     return (op.scope, op.source)
 
@@ -151,7 +175,7 @@ def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[Par
             lone.append(b)
             continue
         f = cands[-1] if len(cands) > 1 else cands[0]
-        members[f.index].append(BlockDot(b.index, DotRole.BACKWARD, _loop_map(f, b, graph)))
+        members[f.index].append(_member(f, b, graph))
     heads = sorted(forward + lone, key=lambda o: o.index)
     block_of: dict[int, int] = {}
     block_dots: list[list[BlockDot]] = []
@@ -177,7 +201,8 @@ def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[Par
 
 
 def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
-    """Multi-source BFS from the dots over producer/consumer edges; opaque operators are never crossed."""
+    """Multi-source BFS from the dots over producer/consumer edges; opaque operators and remat barriers (which
+    tie together every operand of a layer's backward pass) are never crossed."""
     queue = deque(sorted(block_of, key=lambda i: (block_of[i], i)))
     ops = graph.operators
     while queue:
@@ -191,7 +216,7 @@ def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
             if t is not None:
                 neighbours.extend(graph.consumers.get(t, ()))
         for j in neighbours:
-            if j not in block_of and not ops[j].opaque and not ops[j].is_dot:
+            if j not in block_of and not ops[j].opaque and not ops[j].is_dot and ops[j].primitive != _BARRIER:
                 block_of[j] = block_of[i]
                 queue.append(j)
 

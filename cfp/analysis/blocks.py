@@ -65,23 +65,49 @@ def loops_of(op: Operator, graph: OpGraph) -> tuple[Loop, ...]:
     return dot_loops(graph.tensor(lhs).shape, graph.tensor(rhs).shape, op.dot)
 
 
+def forward_twins(graph: OpGraph) -> dict[int, int]:
+    """Tensor -> the forward tensor holding the same value, for what a remat's barrier passes on and what its
+    recomputation recomputes (empty without remat). Value numbering: a recomputed operator is the twin of the
+    first not yet claimed forward operator with the same primitive, params and (twinned) inputs -- the
+    recomputation replays the forward operators in their order. Computed once per graph."""
+    cached = graph.__dict__.get("_forward_twins")
+    if cached is not None:
+        return cached
+    twin: dict[int, int] = {}
+    claimed: set[int] = set()
+    for op in graph.operators:
+        if op.primitive == _BARRIER:
+            twin.update((o, twin.get(i, i)) for i, o in zip(op.inputs, op.outputs) if i is not None and o is not None)
+            continue
+        if not op.recomputed:
+            continue
+        ins = tuple(None if t is None else twin.get(t, t) for t in op.inputs)
+        anchor = next((t for t in ins if t is not None), None)
+        for c in graph.consumers.get(anchor, ()) if anchor is not None else ():
+            f = graph.operators[c]
+            if (c not in claimed and not f.recomputed and f.primitive == op.primitive and f.inputs == ins
+                    and f.params == op.params and f.dot == op.dot):
+                claimed.add(c)
+                twin.update((a, b) for a, b in zip(op.outputs, f.outputs) if a is not None and b is not None)
+                break
+    graph.__dict__["_forward_twins"] = twin     # not a field: the graph stays frozen and comparable
+    return twin
+
+
 def trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
-    """Follow dtype converts and transposes back to a source tensor: (source, dim of source per dim)."""
+    """Follow dtype converts and transposes back to a source tensor: (source, dim of source per dim).
+    A remat's copies (barrier outputs, recomputed values) are followed to the forward tensor they copy."""
     perm = tuple(range(len(graph.tensor(tid).shape)))
+    twins = forward_twins(graph)
+    tid = twins.get(tid, tid)
     while tid in graph.producer:
         op = graph.operators[graph.producer[tid]]
-        if op.primitive == _BARRIER:
-            src = op.inputs[op.outputs.index(tid)]
-            if src is None:
-                break
-            tid = src
-            continue
         if op.primitive not in _VIEW_OPS or op.inputs[0] is None:
             break
         if op.primitive == "transpose":
             p = [int(x) for x in op.param("permutation").strip("[]").split(",") if x.strip()]
             perm = tuple(p[d] for d in perm)
-        tid = op.inputs[0]
+        tid = twins.get(op.inputs[0], op.inputs[0])
     return tid, perm
 
 
@@ -129,10 +155,10 @@ def _loop_map(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None,
 
 
 def _is_recompute(fwd: Operator, bwd: Operator, graph: OpGraph) -> bool:
-    """Whether `bwd` computes what `fwd` computes: same dimension numbers and operand shapes (a backward dot
-    of the same key transposes one operand against the output's cotangent, which changes the contraction)."""
+    """Whether `bwd` is `fwd` recomputed under remat: same dimension numbers and operand shapes."""
     shape = lambda t: graph.tensor(t).shape
-    return fwd.dot == bwd.dot and all(shape(f) == shape(b) for f, b in zip(fwd.inputs[:2], bwd.inputs[:2]))
+    return bwd.recomputed and fwd.dot == bwd.dot and all(
+        shape(f) == shape(b) for f, b in zip(fwd.inputs[:2], bwd.inputs[:2]))
 
 
 def _member(fwd: Operator, bwd: Operator, graph: OpGraph) -> BlockDot:
@@ -156,6 +182,21 @@ def _fingerprint(fwd: Operator, dots: list[BlockDot], graph: OpGraph) -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
+def _forward_of(b: Operator, by_key: dict[tuple, list[Operator]], graph: OpGraph) -> Operator | None:
+    """The forward dot a backward or recomputed dot `b` belongs to (None: no forward dot has its key)."""
+    twin = forward_twins(graph).get(b.outputs[0])
+    if b.recomputed and twin in graph.producer:      # a recomputed dot: its forward twin, exactly
+        f = graph.operators[graph.producer[twin]]
+        if f.is_dot and not f.backward:
+            return f
+    cands = by_key.get(_source_key(b), [])
+    if len(cands) > 1:
+        sharing = [f for f in cands if _shares_operand(f, b, graph)]
+        cands = sharing or cands
+        # among equals, the latest forward dot before the backward one is the likeliest (reverse order)
+    return cands[-1] if cands else None
+
+
 def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[ParallelBlock, ...], tuple[int, ...]]:
     """Group the graph's operators into ParallelBlocks; returns (blocks, remainder operator indices)."""
     dots = graph.dots
@@ -166,16 +207,11 @@ def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[Par
     members: dict[int, list[BlockDot]] = {f.index: [] for f in forward}
     lone: list[Operator] = []
     for b in (d for d in dots if d.backward):
-        cands = by_key.get(_source_key(b), [])
-        if len(cands) > 1:
-            sharing = [f for f in cands if _shares_operand(f, b, graph)]
-            cands = sharing or cands
-            # among equals, the latest forward dot before the backward one is the likeliest (reverse order)
-        if not cands:
+        f = _forward_of(b, by_key, graph)
+        if f is None:
             lone.append(b)
-            continue
-        f = cands[-1] if len(cands) > 1 else cands[0]
-        members[f.index].append(_member(f, b, graph))
+        else:
+            members[f.index].append(_member(f, b, graph))
     heads = sorted(forward + lone, key=lambda o: o.index)
     block_of: dict[int, int] = {}
     block_dots: list[list[BlockDot]] = []

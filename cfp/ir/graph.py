@@ -57,6 +57,7 @@ class Operator:
     opaque: bool = False     # control flow whose body cfp does not analyse (scan, while, cond, ...)
     dot: DotDims | None = None
     params: tuple[tuple[str, str], ...] = ()
+    recomputed: bool = False  # a forward operation re-run in the backward pass under remat (jax.checkpoint)
 
     @property
     def is_dot(self) -> bool:
@@ -131,7 +132,7 @@ class OpGraph:
             dot = DotDims(**{k: tuple(v) for k, v in o["dot"].items()}) if o.get("dot") else None
             ops.append(Operator(o["index"], o["primitive"], tuple(o["inputs"]), tuple(o["outputs"]),
                                 tuple(o["scope"]), o["source"], o["backward"], o["opaque"], dot,
-                                tuple(tuple(p) for p in o["params"])))
+                                tuple(tuple(p) for p in o["params"]), o.get("recomputed", False)))
         return cls(tensors, tuple(ops), tuple(d["inputs"]), tuple(d["outputs"]), tuple(d["input_paths"]),
                    tuple(d.get("output_paths", ())))
 

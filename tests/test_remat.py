@@ -19,7 +19,7 @@ from cfp.analysis.analysis import analyze_with_program
 from cfp.analysis.blocks import DotRole, data_parallel_choice
 from cfp.ir.capture import capture
 from cfp.profiling.options import ProfileOptions
-from cfp.profiling.profiler import candidate_choices, ranked_combinations
+from cfp.profiling.profiler import beam_width, candidate_choices, ranked_combinations
 from cfp.sharding.step import apply_choice
 
 POLICIES = jax.checkpoint_policies
@@ -213,6 +213,9 @@ def test_ranked_combinations_stays_bounded_on_a_long_chain():
     assert len(got) == 256 and len(set(got)) == 256 and all(len(c) == 104 for c in got)
     assert got[0] == tuple(min(range(3), key=lambda s: cost[(k, s)]) for k in range(104))   # separable: exact
     assert peak < 20e6, peak
+    # the width shrinks only on very long segments, keeping the beam's picks bounded, down to a floor
+    assert beam_width(8192, 104) == 8192 and beam_width(8192, 100_000) * 100_000 <= 1 << 23
+    assert beam_width(8192, 10 ** 9) == 16
 
 
 def test_profiler_candidates_of_a_long_segment_are_bounded():

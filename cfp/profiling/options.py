@@ -51,8 +51,8 @@ class ProfileOptions:
     best by analytic cost including resharding between the blocks are profiled, `max_combinations` in all.
     Those leanest and best are ranked exactly while the product has at most `pool_limit` combinations, and
     by a beam search keeping the `pool_limit` best partial combinations block by block beyond (memory and
-    time linear in the segment's length, never the full product). The rule is printed with every pruned
-    segment.
+    time linear in the segment's length, never the full product; on segments of more than ~1000 blocks the
+    width shrinks so the beam stays within ~8M picks). The rule is printed with every pruned segment.
     """
 
     kind: ProfilerKind = ProfilerKind.MEASURE

@@ -35,6 +35,17 @@ def _count(n: int) -> str:
     return str(n) if n < 10 ** 15 else f"{n:.2e}"   # a 100-block segment has ~3^100
 
 
+# A beam holds width x blocks picks: past this many cells (8 bytes each) the width shrinks, down to
+# _MIN_BEAM, so a segment of any length ranks within a few hundred MB.
+_BEAM_CELLS = 1 << 23
+_MIN_BEAM = 16
+
+
+def beam_width(limit: int, blocks: int) -> int:
+    """The beam width `ranked_combinations` uses for `blocks` lists under `limit` (`ProfileOptions.pool_limit`)."""
+    return min(limit, max(_MIN_BEAM, _BEAM_CELLS // max(1, blocks)))
+
+
 def ranked_combinations(short: Sequence[Sequence[int]], unary: Callable[[int, int], tuple],
                         pairwise: dict[tuple[int, int], Callable[[int, int], tuple]],
                         width: int) -> list[tuple[int, ...]]:
@@ -43,10 +54,11 @@ def ranked_combinations(short: Sequence[Sequence[int]], unary: Callable[[int, in
     floats, compared lexicographically. A beam keeps the `width` best prefixes at each block, so memory and
     time stay linear in the number of blocks (a remat model's unpaired dots once made a 104-block segment
     whose full product, ~3^104, exhausted memory). Exact -- every combination, in score order, ties in
-    enumeration order -- while the product has at most `width` members; beyond, an approximation that still
-    returns `width` combinations."""
+    enumeration order -- while the product has at most `beam_width(width, len(short))` members; beyond, an
+    approximation that returns that many combinations."""
     if not short:
         return [()]
+    width = beam_width(width, len(short))
     m = len(unary(0, short[0][0]))
     earlier: dict[int, list] = {}
     for (i, k), fn in pairwise.items():
@@ -122,7 +134,7 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
     by_memory = sorted(ranked_combinations(short, lambda k, s: (foot[(blocks[k], s)], own[(blocks[k], s)]),
                                            lean_pairs, options.pool_limit),
                        key=lambda c: (sum(foot[(b, s)] for b, s in zip(blocks, c)), cost(c), c))
-    pool_size = math.prod(len(keep) for keep in short)
+    pool_size, width = math.prod(len(keep) for keep in short), beam_width(options.pool_limit, len(short))
     # the data-parallel combination is always profiled: the search calibrates its memory sums on it
     uniform = data_parallel_choice(g, analysis.blocks)
     dp_choice = tuple(uniform[b] for b in segment.blocks)
@@ -130,7 +142,7 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
     rule = (f"pruned: {_count(total)} combinations > max {options.max_combinations}; kept the {options.per_block} best "
             f"strategies per block by analytic cost plus its leanest in memory, then data parallel, the {n_lean} leanest and "
             f"the best by analytic cost incl. resharding of their {_count(pool_size)} combinations"
-            + (f" (ranked by a beam of width {options.pool_limit})" if pool_size > options.pool_limit else "")
+            + (f" (ranked by a beam of width {width})" if pool_size > width else "")
             + f" ({len(choices)} profiled)")
     return choices, rule
 

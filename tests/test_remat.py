@@ -4,6 +4,7 @@ A remat model analyses to its plain twin's blocks and segments (backward and rec
 forward dot), its replay keeps remat's memory saving, the profiler's candidate ranking stays bounded on any
 segment length, and a plan applied to a remat or cond/while step computes what the unsharded step computes.
 """
+import json
 import tracemalloc
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ import cfp
 from cfp.analysis.analysis import analyze_with_program
 from cfp.analysis.blocks import DotRole, data_parallel_choice
 from cfp.ir.capture import capture
+from cfp.ir.graph import OpGraph
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import beam_width, candidate_choices, ranked_combinations
 from cfp.sharding.step import apply_choice
@@ -98,6 +100,12 @@ def test_linen_remat_analyses_like_its_plain_twin(plain_linen, policy, recompute
 
 
 def _mlp_problem(wrap, layers=3, d=32, b=16):
+    """The gradient step of `_mlp_loss`."""
+    loss, args = _mlp_loss(wrap, layers, d, b)
+    return jax.value_and_grad(loss), args
+
+
+def _mlp_loss(wrap, layers=3, d=32, b=16):
     """A residual pure-JAX layer stack (no module scopes: segments come from repeated fingerprints), each
     layer wrapped by `wrap`; two dots on one source line test the tie-break between forward dots."""
     def layer(p, x):
@@ -113,20 +121,30 @@ def _mlp_problem(wrap, layers=3, d=32, b=16):
     k = jax.random.split(jax.random.PRNGKey(0), 2 * layers + 1)
     ps = [{"w1": jax.random.normal(k[2 * i], (d, 2 * d)) * 0.1, "w2": jax.random.normal(k[2 * i + 1], (2 * d, d)) * 0.1}
           for i in range(layers)]
-    return jax.value_and_grad(loss), (ps, jax.random.normal(k[-1], (b, d)))
+    return loss, (ps, jax.random.normal(k[-1], (b, d)))
 
 
 @pytest.mark.parametrize("wrap,recomputes", [
     (jax.checkpoint, True),
     (lambda f: jax.checkpoint(f, prevent_cse=False), True),
+    (lambda f: jax.checkpoint(jax.checkpoint(f)), True),
     (lambda f: jax.checkpoint(f, policy=POLICIES.dots_saveable), False),
     (lambda f: jax.checkpoint(f, policy=POLICIES.everything_saveable), False),
-], ids=["default", "no_prevent_cse", "dots_saveable", "everything_saveable"])
+], ids=["default", "no_prevent_cse", "nested", "dots_saveable", "everything_saveable"])
 def test_jax_checkpoint_per_layer_analyses_like_its_plain_twin(wrap, recomputes):
     plain = cfp.analyze(*_flat(_mlp_problem(lambda f: f)))
     analysis = cfp.analyze(*_flat(_mlp_problem(wrap)))
     assert _structure(analysis) == _structure(plain)
     assert (_recomputed(analysis) > 0) == recomputes
+    assert OpGraph.from_dict(json.loads(analysis.graph.to_json())) == analysis.graph   # `recomputed` kept
+
+
+def test_jax_checkpoint_over_the_whole_loss_analyses_like_its_plain_twin():
+    loss, args = _mlp_loss(lambda f: f)
+    whole = jax.value_and_grad(jax.checkpoint(loss))
+    plain = cfp.analyze(jax.value_and_grad(loss), "2x4", *args)
+    analysis = cfp.analyze(whole, "2x4", *args)
+    assert _structure(analysis) == _structure(plain) and _recomputed(analysis) > 0
 
 
 def _flat(problem, mesh="2x4"):

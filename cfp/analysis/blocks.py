@@ -19,11 +19,9 @@ from collections import deque
 
 from cfp.analysis.strategies import (DotStrategy, Loop, batch_loop_order, dot_loops,
                                      enumerate_strategies)
-from cfp.ir.graph import OpGraph, Operator
+from cfp.ir.graph import BARRIER, OpGraph, Operator
 
 _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
-# identity on each operand (output k is operand k), re-emitted in front of a differentiated remat
-_BARRIER = "optimization_barrier"
 
 
 class DotRole(enum.Enum):
@@ -76,7 +74,7 @@ def forward_twins(graph: OpGraph) -> dict[int, int]:
     twin: dict[int, int] = {}
     claimed: set[int] = set()
     for op in graph.operators:
-        if op.primitive == _BARRIER:
+        if op.primitive == BARRIER:
             twin.update((o, twin.get(i, i)) for i, o in zip(op.inputs, op.outputs) if i is not None and o is not None)
             continue
         if not op.recomputed:
@@ -252,7 +250,7 @@ def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
             if t is not None:
                 neighbours.extend(graph.consumers.get(t, ()))
         for j in neighbours:
-            if j not in block_of and not ops[j].opaque and not ops[j].is_dot and ops[j].primitive != _BARRIER:
+            if j not in block_of and not ops[j].opaque and not ops[j].is_dot and ops[j].primitive != BARRIER:
                 block_of[j] = block_of[i]
                 queue.append(j)
 

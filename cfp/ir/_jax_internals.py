@@ -19,9 +19,9 @@ from jax._src import source_info_util
 # needed (only their primal body runs) and remat's recomputation is already spelt out in the backward pass.
 # Remat's memory saving is kept too: JAX lowers a differentiated remat behind one optimization barrier over
 # its operands (`_remat_lowering`), which stops XLA from merging the recomputation into the forward pass; the
-# flattened program re-emits that barrier as an `optimization_barrier` equation (`REMAT_BARRIER`). Without it
-# a 4-layer remat MLP's gradient replayed with 8.0 MB of temporaries vs 6.0 MB as written (XLA's memory
-# analysis, measured); with it the replay matches (tests/test_remat.py).
+# flattened program re-emits that barrier as an `optimization_barrier` equation (`graph.BARRIER`). Without
+# it a 4-layer remat MLP's gradient (256x256 weights and batch) replayed with 3.15 MB of temporaries vs
+# 1.57 MB as written (XLA's memory analysis, measured); with it the replay matches (tests/test_remat.py).
 # (Older releases' names -- pjit, closed_call, core_call, custom_vjp_call_jaxpr -- no longer exist: jax 0.12
 # aliases closed_call/call to eval_jaxpr. tests/test_capture.py checks that every name here is still emitted.)
 CALL_PRIMITIVES = {
@@ -41,11 +41,8 @@ IDENTITY_PRIMITIVES = frozenset({"name"})
 # jax 0.12's pmap is a jit around a shard_map.
 OPAQUE_PRIMITIVES = frozenset({"scan", "while", "cond", "shard_map", "custom_linear_solve"})
 
-# The primitive of the barrier re-emitted in front of an inlined differentiated remat (an identity on each
-# operand that XLA may not look through), and the scope JAX opens around a remat's recomputation
-# (`ad_checkpoint.transpose_jaxpr`): dropped from scopes so a recomputed operation keeps its forward scope,
-# and recorded as the pseudo-transform `REMAT_TRANSFORM` instead.
-REMAT_BARRIER = "optimization_barrier"
+# The scope JAX opens around a remat's recomputation (`ad_checkpoint.transpose_jaxpr`): dropped from scopes
+# so a recomputed operation keeps its forward scope, and recorded as the pseudo-transform `REMAT_TRANSFORM`.
 _REMAT_SCOPE = "rematted_computation"
 REMAT_TRANSFORM = "remat"
 
@@ -228,8 +225,8 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
 
 
 def _optimization_barrier_p():
-    from jax._src.lax.lax import optimization_barrier_p
-    return optimization_barrier_p
+    """The barrier primitive (an identity on each operand that XLA may not look through)."""
+    return jax.lax.optimization_barrier_p
 
 
 def bind(eqn: FlatEqn, values: Sequence[Any]) -> list:

@@ -43,6 +43,11 @@ class DotDims:
     rhs_batch: tuple[int, ...]
 
 
+# The primitive re-emitted in front of an inlined differentiated remat (cfp/ir/_jax_internals.py): an identity
+# on each operand (output k is operand k) that XLA may not look through.
+BARRIER = "optimization_barrier"
+
+
 @dataclasses.dataclass(frozen=True)
 class Operator:
     """One primitive application. `inputs` holds tensor ids, or None for an inline literal."""

@@ -16,11 +16,10 @@ from jax.sharding import NamedSharding
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.layout import BlockLayout, DimAxes
+from cfp.ir.graph import BARRIER
 from cfp.sharding.reshard import direct_ok, reshard_path
 from cfp.sharding.specs import StepShardings, dim_axes, partition_spec
 
-
-_BARRIER = "optimization_barrier"    # re-emitted in front of a differentiated remat (cfp/ir/_jax_internals.py)
 
 # operators around which a free partitioner tends to pick layouts of its own (sums, scans, gathers, concats)
 _PINNED_PRIMITIVES = frozenset({"add_any", "reduce_sum", "reduce_max", "cumsum", "cumprod", "cummax",
@@ -108,7 +107,7 @@ class ConstraintHooks:
         layout: left free, the partitioner gave its results layouts of their own and then replicated to
         reach the blocks that read them (seen on a rematerialised transformer, 2x4 mesh)."""
         for op in g.operators:
-            if op.primitive != _BARRIER:
+            if op.primitive != BARRIER:
                 continue
             for t_in, t_out in zip(op.inputs, op.outputs):
                 if t_in in produced and t_out is not None:

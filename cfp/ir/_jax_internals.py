@@ -20,8 +20,8 @@ from jax._src import source_info_util
 # Remat's memory saving is kept too: JAX lowers a differentiated remat behind one optimization barrier over
 # its operands (`_remat_lowering`), which stops XLA from merging the recomputation into the forward pass; the
 # flattened program re-emits that barrier as an `optimization_barrier` equation (`graph.BARRIER`). Without
-# it a 4-layer remat MLP's gradient (256x256 weights and batch) replayed with 3.15 MB of temporaries vs
-# 1.57 MB as written (XLA's memory analysis, measured); with it the replay matches (tests/test_remat.py).
+# it a 4-layer remat MLP's gradient (256x256 weights and batch) replayed with 1.57 MB of temporaries vs
+# 0.79 MB as written (XLA's memory analysis, measured); with it the replay matches (tests/test_remat.py).
 # (Older releases' names -- pjit, closed_call, core_call, custom_vjp_call_jaxpr -- no longer exist: jax 0.12
 # aliases closed_call/call to eval_jaxpr. tests/test_capture.py checks that every name here is still emitted.)
 CALL_PRIMITIVES = {

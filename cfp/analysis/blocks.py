@@ -3,6 +3,8 @@
 1. Each forward dot opens a block. Differentiation keeps the user frame and module scope of the operation it
    transposes, so a backward dot belongs to the forward dot with the same (scope, source); operand identity
    breaks ties (a weight gradient reads the forward's saved input, a data gradient reads the weight).
+   Under remat (`jax.checkpoint`) the backward pass also recomputes forward dots; a recomputed dot has the
+   forward's key, dimension numbers and operand shapes, and joins its block with the identity loop map.
 2. A re-index *loop map* maps each backward loop onto a forward loop through the operands they share, so one
    strategy index (over the forward dot's strategies) fixes the sharding of every dot in the block.
 3. Every other operator joins the block nearest to it in the dataflow graph (breadth-first from all dots at
@@ -17,7 +19,7 @@ from collections import deque
 
 from cfp.analysis.strategies import (DotStrategy, Loop, batch_loop_order, dot_loops,
                                      enumerate_strategies)
-from cfp.ir.graph import OpGraph, Operator
+from cfp.ir.graph import BARRIER, OpGraph, Operator
 
 _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
 
@@ -25,6 +27,7 @@ _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "c
 class DotRole(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
+    RECOMPUTE = "recompute"      # a forward dot recomputed in the backward pass (remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +63,41 @@ def loops_of(op: Operator, graph: OpGraph) -> tuple[Loop, ...]:
     return dot_loops(graph.tensor(lhs).shape, graph.tensor(rhs).shape, op.dot)
 
 
+def forward_twins(graph: OpGraph) -> dict[int, int]:
+    """Tensor -> the forward tensor holding the same value, for what a remat's barrier passes on and what its
+    recomputation recomputes (empty without remat). Value numbering: a recomputed operator is the twin of the
+    first not yet claimed forward operator with the same primitive, params and (twinned) inputs -- the
+    recomputation replays the forward operators in their order. Computed once per graph."""
+    cached = graph.__dict__.get("_forward_twins")
+    if cached is not None:
+        return cached
+    twin: dict[int, int] = {}
+    claimed: set[int] = set()
+    for op in graph.operators:
+        if op.primitive == BARRIER:
+            twin.update((o, twin.get(i, i)) for i, o in zip(op.inputs, op.outputs) if i is not None and o is not None)
+            continue
+        if not op.recomputed:
+            continue
+        ins = tuple(None if t is None else twin.get(t, t) for t in op.inputs)
+        anchor = next((t for t in ins if t is not None), None)
+        for c in graph.consumers.get(anchor, ()) if anchor is not None else ():
+            f = graph.operators[c]
+            if (c not in claimed and not f.recomputed and f.primitive == op.primitive and f.inputs == ins
+                    and f.params == op.params and f.dot == op.dot):
+                claimed.add(c)
+                twin.update((a, b) for a, b in zip(op.outputs, f.outputs) if a is not None and b is not None)
+                break
+    graph.__dict__["_forward_twins"] = twin     # not a field: the graph stays frozen and comparable
+    return twin
+
+
 def trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
-    """Follow dtype converts and transposes back to a source tensor: (source, dim of source per dim)."""
+    """Follow dtype converts and transposes back to a source tensor: (source, dim of source per dim).
+    A remat's copies (barrier outputs, recomputed values) are followed to the forward tensor they copy."""
     perm = tuple(range(len(graph.tensor(tid).shape)))
+    twins = forward_twins(graph)
+    tid = twins.get(tid, tid)
     while tid in graph.producer:
         op = graph.operators[graph.producer[tid]]
         if op.primitive not in _VIEW_OPS or op.inputs[0] is None:
@@ -70,7 +105,7 @@ def trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
         if op.primitive == "transpose":
             p = [int(x) for x in op.param("permutation").strip("[]").split(",") if x.strip()]
             perm = tuple(p[d] for d in perm)
-        tid = op.inputs[0]
+        tid = twins.get(op.inputs[0], op.inputs[0])
     return tid, perm
 
 
@@ -117,6 +152,19 @@ def _loop_map(fwd: Operator, bwd: Operator, graph: OpGraph) -> tuple[int | None,
     return tuple(loop_map)
 
 
+def _is_recompute(fwd: Operator, bwd: Operator, graph: OpGraph) -> bool:
+    """Whether `bwd` is `fwd` recomputed under remat: same dimension numbers and operand shapes."""
+    shape = lambda t: graph.tensor(t).shape
+    return bwd.recomputed and fwd.dot == bwd.dot and all(
+        shape(f) == shape(b) for f, b in zip(fwd.inputs[:2], bwd.inputs[:2]))
+
+
+def _member(fwd: Operator, bwd: Operator, graph: OpGraph) -> BlockDot:
+    if _is_recompute(fwd, bwd, graph):
+        return BlockDot(bwd.index, DotRole.RECOMPUTE, tuple(range(len(loops_of(fwd, graph)))))
+    return BlockDot(bwd.index, DotRole.BACKWARD, _loop_map(fwd, bwd, graph))
+
+
 def _source_key(op: Operator) -> tuple:
     return (op.scope, op.source)
 
@@ -132,6 +180,21 @@ def _fingerprint(fwd: Operator, dots: list[BlockDot], graph: OpGraph) -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
+def _forward_of(b: Operator, by_key: dict[tuple, list[Operator]], graph: OpGraph) -> Operator | None:
+    """The forward dot a backward or recomputed dot `b` belongs to (None: no forward dot has its key)."""
+    twin = forward_twins(graph).get(b.outputs[0])
+    if b.recomputed and twin in graph.producer:      # a recomputed dot: its forward twin, exactly
+        f = graph.operators[graph.producer[twin]]
+        if f.is_dot and not f.backward:
+            return f
+    cands = by_key.get(_source_key(b), [])
+    if len(cands) > 1:
+        sharing = [f for f in cands if _shares_operand(f, b, graph)]
+        cands = sharing or cands
+        # among equals, the latest forward dot before the backward one is the likeliest (reverse order)
+    return cands[-1] if cands else None
+
+
 def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[ParallelBlock, ...], tuple[int, ...]]:
     """Group the graph's operators into ParallelBlocks; returns (blocks, remainder operator indices)."""
     dots = graph.dots
@@ -142,16 +205,11 @@ def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[Par
     members: dict[int, list[BlockDot]] = {f.index: [] for f in forward}
     lone: list[Operator] = []
     for b in (d for d in dots if d.backward):
-        cands = by_key.get(_source_key(b), [])
-        if len(cands) > 1:
-            sharing = [f for f in cands if _shares_operand(f, b, graph)]
-            cands = sharing or cands
-            # among equals, the latest forward dot before the backward one is the likeliest (reverse order)
-        if not cands:
+        f = _forward_of(b, by_key, graph)
+        if f is None:
             lone.append(b)
-            continue
-        f = cands[-1] if len(cands) > 1 else cands[0]
-        members[f.index].append(BlockDot(b.index, DotRole.BACKWARD, _loop_map(f, b, graph)))
+        else:
+            members[f.index].append(_member(f, b, graph))
     heads = sorted(forward + lone, key=lambda o: o.index)
     block_of: dict[int, int] = {}
     block_dots: list[list[BlockDot]] = []
@@ -177,7 +235,8 @@ def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[Par
 
 
 def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
-    """Multi-source BFS from the dots over producer/consumer edges; opaque operators are never crossed."""
+    """Multi-source BFS from the dots over producer/consumer edges; opaque operators and remat barriers (which
+    tie together every operand of a layer's backward pass) are never crossed."""
     queue = deque(sorted(block_of, key=lambda i: (block_of[i], i)))
     ops = graph.operators
     while queue:
@@ -191,7 +250,7 @@ def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
             if t is not None:
                 neighbours.extend(graph.consumers.get(t, ()))
         for j in neighbours:
-            if j not in block_of and not ops[j].opaque and not ops[j].is_dot:
+            if j not in block_of and not ops[j].opaque and not ops[j].is_dot and ops[j].primitive != BARRIER:
                 block_of[j] = block_of[i]
                 queue.append(j)
 

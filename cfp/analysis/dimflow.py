@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from cfp.ir.graph import OpGraph, Operator
+from cfp.ir.graph import BARRIER, OpGraph, Operator
 
 # (tensor_a, dim_a, tensor_b, dim_b): dim_a of tensor_a is the same dim as dim_b of tensor_b.
 Link = tuple[int, int, int, int]
@@ -145,6 +145,10 @@ def links(op: Operator, graph: OpGraph) -> list[Link]:
         # the transpose of a slice or concatenate: unpadded dims carry over
         config = _param(op, "padding_config")
         return [(ins[0], d, out, d) for d, cfg in enumerate(config) if not any(cfg)]
+    if name == BARRIER:
+        # an identity on each operand (re-emitted in front of a differentiated remat)
+        return [(t, d, o, d) for t, o in zip(op.inputs, op.outputs) if t is not None and o is not None
+                for d in range(len(graph.tensor(o).shape))]
     if name == "split":
         # one input, several outputs cut along `axis`: every other dim carries over to each piece
         axis = _param(op, "axis")

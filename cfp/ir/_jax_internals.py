@@ -17,9 +17,11 @@ from jax._src import source_info_util
 # Call-like primitives of jax 0.12 and the param holding the jaxpr they evaluate. Inlining them keeps the
 # program's meaning: we are past differentiation, so custom_jvp/custom_vjp/custom_vmap rules are no longer
 # needed (only their primal body runs) and remat's recomputation is already spelt out in the backward pass.
-# Its memory saving is not kept: JAX lowers a differentiated remat behind one optimization barrier over its
-# operands, and inlined without it XLA merges the recomputation into the forward pass (a 4-layer remat MLP's
-# gradient: 8.0 MB of temporaries replayed vs 6.0 MB as written, measured by XLA's memory analysis).
+# Remat's memory saving is kept too: JAX lowers a differentiated remat behind one optimization barrier over
+# its operands (`_remat_lowering`), which stops XLA from merging the recomputation into the forward pass; the
+# flattened program re-emits that barrier as an `optimization_barrier` equation (`graph.BARRIER`). Without
+# it a 4-layer remat MLP's gradient (256x256 weights and batch) replayed with 1.57 MB of temporaries vs
+# 0.79 MB as written (XLA's memory analysis, measured); with it the replay matches (tests/test_remat.py).
 # (Older releases' names -- pjit, closed_call, core_call, custom_vjp_call_jaxpr -- no longer exist: jax 0.12
 # aliases closed_call/call to eval_jaxpr. tests/test_capture.py checks that every name here is still emitted.)
 CALL_PRIMITIVES = {
@@ -38,6 +40,11 @@ IDENTITY_PRIMITIVES = frozenset({"name"})
 # Control flow cfp keeps as one opaque operator (its body is not analysed, but it still runs on replay).
 # jax 0.12's pmap is a jit around a shard_map.
 OPAQUE_PRIMITIVES = frozenset({"scan", "while", "cond", "shard_map", "custom_linear_solve"})
+
+# The scope JAX opens around a remat's recomputation (`ad_checkpoint.transpose_jaxpr`): dropped from scopes
+# so a recomputed operation keeps its forward scope, and recorded as the pseudo-transform `REMAT_TRANSFORM`.
+_REMAT_SCOPE = "rematted_computation"
+REMAT_TRANSFORM = "remat"
 
 
 @dataclasses.dataclass
@@ -85,12 +92,31 @@ def _aval_info(aval) -> tuple[tuple[int, ...], str]:
 
 
 def _name_stack_parts(name_stack) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(scopes, transforms) of a name stack.
+
+    A transform entered after a scope re-enters a context that may restate the open scopes: the transposed
+    remat of `jvp(T)` is named `transpose(jvp(T))/jvp(T)`. Such a restated prefix is dropped, so backward and
+    recomputed operations keep the scope of the forward operation they come from (`T/layers_1/...`)."""
     scopes, transforms = [], []
+    restarts: list[int] = []
+    after_scope = False
     for entry in getattr(name_stack, "stack", ()):
         if isinstance(entry, source_info_util.Transform):
             transforms.append(entry.name)
+            if after_scope:
+                restarts.append(len(scopes))
+            after_scope = False
+        elif entry.name == _REMAT_SCOPE:
+            transforms.append(REMAT_TRANSFORM)
         else:
             scopes.append(entry.name)
+            after_scope = True
+    for r in reversed(restarts):
+        k = 0
+        while k < r and r + k < len(scopes) and scopes[r + k] == scopes[k]:
+            k += 1
+        if k == r:      # the whole open path restated
+            del scopes[r:r + k]
     return tuple(scopes), tuple(transforms)
 
 
@@ -140,6 +166,23 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
         const_values[new_id(v.aval)] = a[1]
         return counter[0]
 
+    def remat_barrier(eqn, sub, ins, scope, trans):
+        """The operands of a differentiated remat passed through one `optimization_barrier` equation, as JAX
+        lowers it (`ad_checkpoint._remat_lowering`); other remats' operands unchanged."""
+        cse = eqn.params.get("prevent_cse", True)
+        cse = (cse,) * len(ins) if isinstance(cse, bool) else tuple(cse)
+        picked = [k for k, (a, keep) in enumerate(zip(ins, cse)) if keep and a[0] == "var"]
+        if not eqn.params.get("differentiated") or not picked:
+            return ins
+        outs = [new_id(sub.invars[k].aval) for k in picked]
+        source, key = _user_source(eqn.source_info)
+        eqns.append(FlatEqn(_optimization_barrier_p(), {}, [ins[k] for k in picked], outs, scope, trans,
+                            source, key))
+        ins = list(ins)
+        for k, o in zip(picked, outs):
+            ins[k] = ("var", o)
+        return ins
+
     def walk(jaxpr, env, outer_scope, outer_transforms):
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
@@ -149,6 +192,8 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
             ins = [atom(env, v) for v in eqn.invars]
             sub = eqn.params.get(CALL_PRIMITIVES[name]) if name in CALL_PRIMITIVES else None
             if isinstance(sub, jex_core.Jaxpr):
+                if name == "remat2":
+                    ins = remat_barrier(eqn, sub, ins, scope, trans)
                 inline(sub, ins, eqn.outvars, env, scope, trans)
                 continue
             if name in IDENTITY_PRIMITIVES:
@@ -177,6 +222,11 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
     walk(jaxpr, env, (), ())
     outvars = [atom(env, v) for v in jaxpr.outvars]
     return TracedProgram(avals, invars, outvars, eqns, in_tree, out_tree, const_values)
+
+
+def _optimization_barrier_p():
+    """The barrier primitive (an identity on each operand that XLA may not look through)."""
+    return jax.lax.optimization_barrier_p
 
 
 def bind(eqn: FlatEqn, values: Sequence[Any]) -> list:

@@ -167,7 +167,8 @@ def capture(fn: Callable, *example_args) -> Program:
             inputs=tuple(a if kind == "var" else None for kind, a in eqn.invars),
             outputs=tuple(eqn.outvars), scope=eqn.scope, source=eqn.source,
             backward="transpose" in eqn.transforms,
-            opaque=name in internals.OPAQUE_PRIMITIVES, dot=dot, params=tuple(params)))
+            opaque=name in internals.OPAQUE_PRIMITIVES, dot=dot, params=tuple(params),
+            recomputed=internals.REMAT_TRANSFORM in eqn.transforms))
     def paths(tree, n):
         leaves = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(tree, list(range(n))))[0]
         return tuple(jax.tree_util.keystr(p) for p, _ in leaves)

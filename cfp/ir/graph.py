@@ -43,6 +43,11 @@ class DotDims:
     rhs_batch: tuple[int, ...]
 
 
+# The primitive re-emitted in front of an inlined differentiated remat (cfp/ir/_jax_internals.py): an identity
+# on each operand (output k is operand k) that XLA may not look through.
+BARRIER = "optimization_barrier"
+
+
 @dataclasses.dataclass(frozen=True)
 class Operator:
     """One primitive application. `inputs` holds tensor ids, or None for an inline literal."""
@@ -57,6 +62,7 @@ class Operator:
     opaque: bool = False     # control flow whose body cfp does not analyse (scan, while, cond, ...)
     dot: DotDims | None = None
     params: tuple[tuple[str, str], ...] = ()
+    recomputed: bool = False  # a forward operation re-run in the backward pass under remat (jax.checkpoint)
 
     @property
     def is_dot(self) -> bool:
@@ -131,7 +137,7 @@ class OpGraph:
             dot = DotDims(**{k: tuple(v) for k, v in o["dot"].items()}) if o.get("dot") else None
             ops.append(Operator(o["index"], o["primitive"], tuple(o["inputs"]), tuple(o["outputs"]),
                                 tuple(o["scope"]), o["source"], o["backward"], o["opaque"], dot,
-                                tuple(tuple(p) for p in o["params"])))
+                                tuple(tuple(p) for p in o["params"]), o.get("recomputed", False)))
         return cls(tensors, tuple(ops), tuple(d["inputs"]), tuple(d["outputs"]), tuple(d["input_paths"]),
                    tuple(d.get("output_paths", ())))
 

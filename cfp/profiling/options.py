@@ -49,7 +49,10 @@ class ProfileOptions:
     strategy in memory; of the product of those short lists, the data-parallel choice (always: the search
     calibrates its memory sums on it), the `max_combinations // 4` leanest by estimated memory and then the
     best by analytic cost including resharding between the blocks are profiled, `max_combinations` in all.
-    The rule is printed with every pruned segment.
+    Those leanest and best are ranked exactly while the product has at most `pool_limit` combinations, and
+    by a beam search keeping the `pool_limit` best partial combinations block by block beyond (memory and
+    time linear in the segment's length, never the full product; on segments of more than ~1000 blocks the
+    width shrinks so the beam stays within ~8M picks). The rule is printed with every pruned segment.
     """
 
     kind: ProfilerKind = ProfilerKind.MEASURE
@@ -59,6 +62,7 @@ class ProfileOptions:
     cache_dir: str | None = None     # None: no cache
     max_combinations: int = 12
     per_block: int = 2
+    pool_limit: int = 8192           # exact ranking up to this many combinations, a beam this wide beyond
     overlap_compile: bool = True     # compile combination i+1 in a thread while combination i runs
     progress: bool = True
 
@@ -77,7 +81,8 @@ class ProfileOptions:
             get_gpu(self.gpu)
         elif self.gpu is not None:
             get_gpu(self.gpu)
-        for name, lo in (("iters", 3), ("warmup", 0), ("max_combinations", 1), ("per_block", 1)):
+        for name, lo in (("iters", 3), ("warmup", 0), ("max_combinations", 1), ("per_block", 1),
+                        ("pool_limit", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import math
 import time
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import data_parallel_choice
@@ -27,6 +29,67 @@ from cfp.profiling.subprogram import SegmentProgram
 from cfp.xla.compiled import compiled_figures, device_kind, time_compiled
 from cfp.profiling.table import (ProfileEntry, ProfileTable, SegmentProfile, cache_key, cache_load,
                                  cache_store)
+
+
+def _count(n: int) -> str:
+    return str(n) if n < 10 ** 15 else f"{n:.2e}"   # a 100-block segment has ~3^100
+
+
+# A beam holds width x blocks picks: past this many cells (8 bytes each) the width shrinks, down to
+# _MIN_BEAM, so a segment of any length ranks within a few hundred MB.
+_BEAM_CELLS = 1 << 23
+_MIN_BEAM = 16
+
+
+def beam_width(limit: int, blocks: int) -> int:
+    """The beam width `ranked_combinations` uses for `blocks` lists under `limit` (`ProfileOptions.pool_limit`)."""
+    return min(limit, max(_MIN_BEAM, _BEAM_CELLS // max(1, blocks)))
+
+
+def ranked_combinations(short: Sequence[Sequence[int]], unary: Callable[[int, int], tuple],
+                        pairwise: dict[tuple[int, int], Callable[[int, int], tuple]],
+                        width: int) -> list[tuple[int, ...]]:
+    """The best combinations (one entry of each list of `short`) under an additive score: `unary(k, s)` for
+    choosing `s` at block k, plus `pairwise[(i, k)](si, sk)` for each listed pair i < k; scores are tuples of
+    floats, compared lexicographically. A beam keeps the `width` best prefixes at each block, so memory and
+    time stay linear in the number of blocks (a remat model's unpaired dots once made a 104-block segment
+    whose full product, ~3^104, exhausted memory). Exact -- every combination, in score order, ties in
+    enumeration order -- while the product has at most `beam_width(width, len(short))` members; beyond, an
+    approximation that returns that many combinations."""
+    if not short:
+        return [()]
+    width = beam_width(width, len(short))
+    m = len(unary(0, short[0][0]))
+    earlier: dict[int, list] = {}
+    for (i, k), fn in pairwise.items():
+        earlier.setdefault(k, []).append((i, fn))
+    picks = np.zeros((1, 0), dtype=np.int64)      # per prefix, the position picked in each short list
+    scores = np.zeros((1, m))
+    for k, cands in enumerate(short):
+        grown_picks, grown_scores = [], []
+        for j, s in enumerate(cands):
+            add = np.tile(np.asarray(unary(k, s), dtype=float), (len(picks), 1))
+            for i, fn in earlier.get(k, ()):
+                table = np.array([fn(si, s) for si in short[i]], dtype=float).reshape(len(short[i]), m)
+                add += table[picks[:, i]]
+            grown_picks.append(np.hstack([picks, np.full((len(picks), 1), j)]))
+            grown_scores.append(scores + add)
+        # enumeration order (prefix-major) for ties, as itertools.product would list them
+        picks = np.stack(grown_picks, axis=1).reshape(-1, k + 1)
+        scores = np.stack(grown_scores, axis=1).reshape(-1, m)
+        keep = np.lexsort(scores.T[::-1])[:width]
+        picks, scores = picks[keep], scores[keep]
+    return [tuple(short[k][int(j)] for k, j in enumerate(row)) for row in picks]
+
+
+def _short_lists(segment: Segment, space, own: dict, foot: dict, per_block: int) -> list[list[int]]:
+    """Per block, its `per_block` best strategies by analytic cost plus its leanest in memory."""
+    short = []
+    for b, n in zip(segment.blocks, space):
+        keep = sorted(range(n), key=lambda s, b=b: (own[(b, s)], s))[:per_block]
+        lean = min(range(n), key=lambda s, b=b: (foot[(b, s)], own[(b, s)], s))
+        short.append(keep + [lean] if lean not in keep else keep)
+    return short
 
 
 def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOptions) -> tuple[list[tuple[int, ...]], str]:
@@ -46,11 +109,7 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
     # activations alike); each block also keeps its leanest strategy so memory-bound budgets have candidates
     foot = {k: sum(g.tensor(t).nbytes // shards(spec, shape) for t, spec in lay.specs)
             for k, lay in layouts.items()}
-    short = []
-    for b, n in zip(segment.blocks, space):
-        keep = sorted(range(n), key=lambda s, b=b: (own[(b, s)], s))[:options.per_block]
-        lean = min(range(n), key=lambda s, b=b: (foot[(b, s)], own[(b, s)], s))
-        short.append(keep + [lean] if lean not in keep else keep)
+    short = _short_lists(segment, space, own, foot, options.per_block)
     specs = {k: lay.spec_of for k, lay in layouts.items()}
     blocks = list(segment.blocks)
     shared = [(i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks))
@@ -58,27 +117,33 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
     link = gpu.link_gbps * 1e9
     pair_cost: dict = {}
 
+    def pair(i, ci, j, cj):
+        key = (i, ci, j, cj)
+        if key not in pair_cost:
+            pair_cost[key] = costmodel.reshard_cost(analysis, specs[(blocks[i], ci)], specs[(blocks[j], cj)], link)
+        return pair_cost[key]
+
     def cost(choice):
-        t = sum(own[(b, s)] for b, s in zip(blocks, choice))
-        for i, j in shared:
-            key = (i, choice[i], j, choice[j])
-            if key not in pair_cost:
-                pair_cost[key] = costmodel.reshard_cost(analysis, specs[(blocks[i], choice[i])],
-                                                        specs[(blocks[j], choice[j])], link)
-            t += pair_cost[key]
-        return t
-    pool = list(itertools.product(*short))
-    by_cost = sorted(pool, key=lambda c: (cost(c), c))
+        return sum(own[(b, s)] for b, s in zip(blocks, choice)) + sum(
+            pair(i, choice[i], j, choice[j]) for i, j in shared)
+    pairs = {(i, j): (lambda si, sj, i=i, j=j: (pair(i, si, j, sj),)) for i, j in shared}
+    lean_pairs = {k: (lambda si, sj, fn=fn: (0.0,) + fn(si, sj)) for k, fn in pairs.items()}
+    by_cost = sorted(ranked_combinations(short, lambda k, s: (own[(blocks[k], s)],), pairs, options.pool_limit),
+                     key=lambda c: (cost(c), c))
     n_lean = max(1, options.max_combinations // 4)
-    by_memory = sorted(pool, key=lambda c: (sum(foot[(b, s)] for b, s in zip(blocks, c)), cost(c), c))
+    by_memory = sorted(ranked_combinations(short, lambda k, s: (foot[(blocks[k], s)], own[(blocks[k], s)]),
+                                           lean_pairs, options.pool_limit),
+                       key=lambda c: (sum(foot[(b, s)] for b, s in zip(blocks, c)), cost(c), c))
+    pool_size, width = math.prod(len(keep) for keep in short), beam_width(options.pool_limit, len(short))
     # the data-parallel combination is always profiled: the search calibrates its memory sums on it
     uniform = data_parallel_choice(g, analysis.blocks)
     dp_choice = tuple(uniform[b] for b in segment.blocks)
     choices = list(dict.fromkeys([dp_choice] + by_memory[:n_lean] + by_cost))[:options.max_combinations]
-    rule = (f"pruned: {total} combinations > max {options.max_combinations}; kept the {options.per_block} best "
+    rule = (f"pruned: {_count(total)} combinations > max {options.max_combinations}; kept the {options.per_block} best "
             f"strategies per block by analytic cost plus its leanest in memory, then data parallel, the {n_lean} leanest and "
-            f"the best by analytic cost incl. resharding of their {len(pool)} combinations "
-            f"({len(choices)} profiled)")
+            f"the best by analytic cost incl. resharding of their {_count(pool_size)} combinations"
+            + (f" (ranked by a beam of width {width})" if pool_size > width else "")
+            + f" ({len(choices)} profiled)")
     return choices, rule
 
 

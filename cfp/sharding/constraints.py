@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.layout import BlockLayout, DimAxes
+from cfp.ir.graph import BARRIER
 from cfp.sharding.reshard import direct_ok, reshard_path
 from cfp.sharding.specs import StepShardings, dim_axes, partition_spec
 
@@ -85,6 +86,7 @@ class ConstraintHooks:
                             if t in pinned[lay.block] and g.producer.get(t) in ops)
         self.out_cons: dict[int, Any] = {}
         self.use_cons: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._pass_through_barriers(g, produced, mesh, names)
         for lay in layouts:
             ops = set(analysis.blocks[lay.block].operators)
             for t, spec in lay.specs:
@@ -99,6 +101,18 @@ class ConstraintHooks:
                 for c in g.consumers.get(t, ()):
                     if c in ops:
                         self.use_cons[(c, t)] = tuple(self._sharding(mesh, names, s) for s in path)
+
+    def _pass_through_barriers(self, g, produced: dict, mesh, names) -> None:
+        """A remat's optimization barrier (an identity per operand, outside every block) keeps each operand's
+        layout: left free, the partitioner gave its results layouts of their own and then replicated to
+        reach the blocks that read them (seen on a rematerialised transformer, 2x4 mesh)."""
+        for op in g.operators:
+            if op.primitive != BARRIER:
+                continue
+            for t_in, t_out in zip(op.inputs, op.outputs):
+                if t_in in produced and t_out is not None:
+                    produced[t_out] = produced[t_in]
+                    self.out_cons[t_out] = self._sharding(mesh, names, produced[t_in])
 
     @classmethod
     def for_step(cls, analysis: Analysis, shardings: StepShardings, mesh: jax.sharding.Mesh) -> "ConstraintHooks":

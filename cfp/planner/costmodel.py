@@ -33,7 +33,7 @@ from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.models.configs import GPTConfig, LlamaConfig
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
-from cfp.runtime.schedules import ScheduleName
+from cfp.runtime.schedules import SCHEDULES, ScheduleName
 
 
 def _memo(fn):
@@ -330,9 +330,7 @@ class CostModel:
 
     def stored_inputs(self, stage_index: int, num_stages: int, chunks: int) -> int:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
-        if self.schedule == ScheduleName.ONE_F_ONE_B:
-            return min(chunks, num_stages - stage_index)
-        return chunks
+        return SCHEDULES[self.schedule].stored_inputs(stage_index, num_stages, chunks)
 
     def stage_flops(self, st: StageLayout, first: bool, last: bool, mb: int) -> tuple[float, float]:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
@@ -426,12 +424,11 @@ class CostModel:
         return self.stage_times.lookup(gpu, StageShape(st.tp, st.layers, first, last, mb))
 
     def pipeline_time(self, stages: tuple[StageEstimate, ...], chunks: int) -> float:
-        """GPipe / non-interleaved 1F1B: fill and drain once through every stage, then chunks-1 times
-        the slowest stage (with its own sends, which are not overlapped with compute)."""
-        fill = sum(s.fwd + s.bwd + 2 * s.send for s in stages)
+        """The schedule's pipeline time (`cfp.runtime.schedules.pipeline_time`) of stages that each take their
+        forward, backward and the sends in and out of them (not overlapped with compute) per micro-batch."""
         prev_send = [0.0] + [s.send for s in stages[:-1]]
-        worst = max(s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send))
-        return fill + (chunks - 1) * worst
+        per_stage = [s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send)]
+        return SCHEDULES[self.schedule].time(per_stage, chunks)
 
     def _pipeline(self, pipe: PipelineLayout, n_pipes: int) -> _PipelineFigures:
         """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ

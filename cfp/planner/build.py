@@ -20,7 +20,7 @@ def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
     m = cm.model
     intra = cm.cluster.machines[st.machine].intra_bandwidth
     ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-    return 4 * cm.layer_seconds(st.machine, st.tp, mb) + 6 * ar
+    return 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces() * ar
 
 
 def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:

@@ -1,19 +1,18 @@
-"""The planner's cost model of one training step of a decoder model on a heterogeneous layout.
+"""The planner's cost model of one training step of a model of the zoo on a heterogeneous layout.
 
-Per layer and per sequence it counts the dots' FLOPs exactly as the model zoo writes them (q/k/v/out
-projections, the two attention einsums, the MLP) plus a small elementwise term, and parameters per
-device under the runtime's Megatron shardings (`cfp.runtime.sharding`: a dimension TP does not divide
-stays replicated). The runtime keeps only each micro-batch's stage input between forward and backward
-and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
+The model's figures -- per-device parameters, each dot's FLOPs and GEMM shape, memory-bound bytes, kept
+activations, the TP all-reduces -- come from `cfp.models.costs.ModelCost`, which describes every model once
+(GPT, Llama-2, GShard MoE, BERT). The runtime keeps only each micro-batch's stage input between forward and
+backward and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
 (recompute + 2x for the gradients) and its activation peak is one micro-batch's whole stage.
 
-Compute time: each dot of a layer (q, k/v, out, the attention einsums, the MLP; the LM head) at its own
-per-device GEMM shape's achievable rate from `cfp.hardware.rates` (the precision from the dtype as JAX
-runs it, the large-GEMM efficiency and its fall-off for thin shapes; shared with the profiling pass's
-estimate), so a high TP degree or a short micro-batch costs more per FLOP; the elementwise FLOPs at the
-large-GEMM rate. MFU is against the dense peaks of that precision.
+Compute time: each dot at its own per-device GEMM shape's achievable rate from `cfp.hardware.rates` (the
+precision from the dtype as JAX runs it, the large-GEMM efficiency and its fall-off for thin shapes; shared
+with the profiling pass's estimate), so a high TP degree or a short micro-batch costs more per FLOP; the
+elementwise and normalisation work (softmax, norms, residuals, activations, the loss, the embedding's dense
+gradient) at the device's memory bandwidth. MFU is against the dense peaks of that precision.
 
-Step time = slowest pipeline (closed form of GPipe / non-interleaved 1F1B: the sum of the stage
+Step time = slowest pipeline (the schedule's `cfp.runtime.schedules.pipeline_time`: the sum of the stage
 times plus (m-1) times the slowest stage, sends included) + gradient sync across pipelines (ring
 all-reduce per layer over the slowest link) + the memory-bound AdamW update. Collectives come from
 `cfp.hardware.collectives.collective_time`. Unlike FlashFlex's model no empirical factors (1.8, 1.1)
@@ -30,7 +29,7 @@ from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
-from cfp.models.configs import GPTConfig, LlamaConfig
+from cfp.models.costs import PARAM_BYTES, ModelCost
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
 from cfp.runtime.schedules import SCHEDULES, ScheduleName
@@ -46,9 +45,6 @@ def _memo(fn):
             table[key] = fn(self, *args)
         return table[key]
     return wrapper
-
-
-PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
 
 
 def achievable_flops(gpu: GpuSpec, precision: Precision) -> float:
@@ -103,136 +99,6 @@ class ClusterLayout:
                 "global_batch_size": [p.batch for p in self.pipelines],
                 "chunks": [p.chunks for p in self.pipelines],
                 "devices_id": [[list(s.devices) for s in p.stages] for p in self.pipelines]}
-
-
-# ----------------------------------------------------------------------------- model figures
-@dataclass(frozen=True)
-class ModelCost:
-    """Per-sequence figures of one decoder config (FLOPs forward, elements, parameter counts)."""
-    config: Any
-
-    def __post_init__(self):
-        object.__setattr__(self, "_memo", {})
-        if not isinstance(self.config, (GPTConfig, LlamaConfig)):
-            raise ConfigError(f"the planner's cost model covers decoder models gpt and llama2, got "
-                              f"{type(self.config).__name__}")
-
-    @property
-    def llama(self) -> bool:
-        return isinstance(self.config, LlamaConfig)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.config.num_kv_heads if self.llama else self.config.num_heads
-
-    @property
-    def act_bytes(self) -> int:
-        return 2 if self.config.dtype == "bfloat16" else 4
-
-    # -- parameters
-    @_memo
-    def layer_params(self, tp: int = 1) -> float:
-        """Parameters of one layer held by one device at TP degree `tp`."""
-        c, h = self.config, self.config.hidden_size
-        kv = self.kv_heads * c.head_dim
-        kv_div = tp if self.kv_heads % tp == 0 else 1
-        if self.llama:
-            return (2 * h * h / tp + 2 * h * kv / kv_div + 3 * h * c.ffn_size / tp + 2 * h)
-        # GPT: biases of column-parallel q/k/v/fc_in are split, out/fc_out biases and LayerNorms not
-        return (4 * h * h + 3 * h + 2 * h * c.ffn_size + c.ffn_size) / tp + 2 * h + 4 * h
-
-    @_memo
-    def embed_params(self, tp: int = 1) -> float:
-        """Per-device embedding parameters: the token table is vocab-parallel where `tp` divides the vocabulary
-        (cfp.sharding.rules), GPT's position table replicated."""
-        c = self.config
-        div = tp if c.vocab_size % tp == 0 else 1
-        return c.vocab_size * c.hidden_size / div + (0 if self.llama else c.seq_len * c.hidden_size)
-
-    @_memo
-    def head_params(self, tp: int = 1) -> float:
-        c = self.config
-        div = tp if c.vocab_size % tp == 0 else 1
-        return c.hidden_size * c.vocab_size / div + (1 if self.llama else 2) * c.hidden_size
-
-    # -- FLOPs per sequence, forward
-    @_memo
-    def layer_dot_flops(self, tp: int = 1) -> float:
-        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
-        kv = self.kv_heads * c.head_dim
-        kv_div = tp if self.kv_heads % tp == 0 else 1
-        mlp = (3 if self.llama else 2) * 2 * s * h * c.ffn_size
-        return (4 * s * h * h + 4 * s * s * h + mlp) / tp + 4 * s * h * kv / kv_div
-
-    @_memo
-    def layer_gemms(self, tp: int, mb: int) -> tuple[tuple[float, tuple[float, float, float]], ...]:
-        """(FLOPs, per-device GEMM shape (m, n, k)) of each dot of one layer's forward on `mb` sequences;
-        the FLOPs sum to `mb * layer_dot_flops(tp)`. A dot's backward GEMMs permute (m, n, k), which
-        `cfp.hardware.rates.gemm_efficiency` treats alike."""
-        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
-        kv = self.kv_heads * c.head_dim / (tp if self.kv_heads % tp == 0 else 1)
-        t, f, d = mb * s, c.ffn_size / tp, c.head_dim
-        heads = mb * c.num_heads / tp          # batched attention GEMMs, one per sequence and head
-        return ((2 * t * h * h / tp, (t, h / tp, h)),            # q
-                (2 * t * h * h / tp, (t, h, h / tp)),            # out
-                (4 * t * h * kv, (t, kv, h)),                    # k and v
-                (2 * heads * s * s * d, (s, s, d)),              # scores
-                (2 * heads * s * s * d, (s, d, s)),              # probabilities x values
-                ((4 if self.llama else 2) * t * h * f, (t, f, h)),   # MLP in (Llama: gate and up)
-                (2 * t * h * f, (t, h, f)))                      # MLP out
-
-    @_memo
-    def head_gemm(self, tp: int, mb: int) -> tuple[float, tuple[float, float, float]]:
-        c, t = self.config, mb * self.config.seq_len
-        v = c.vocab_size / (tp if c.vocab_size % tp == 0 else 1)
-        return 2 * t * c.hidden_size * v, (t, v, c.hidden_size)
-
-    @_memo
-    def layer_elementwise_flops(self, tp: int = 1) -> float:
-        """Softmax (~5 per score), norms and residuals (~10 per hidden element), activation (~5 per
-        MLP element), RoPE (~6 per q/k element): a rough count, small next to the dots."""
-        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
-        rope = 6 * s * (h + self.kv_heads * c.head_dim) if self.llama else 0
-        return (5 * c.num_heads * s * s + 5 * s * c.ffn_size + rope) / tp + 10 * s * h
-
-    @_memo
-    def layer_flops(self, tp: int = 1) -> float:
-        return self.layer_dot_flops(tp) + self.layer_elementwise_flops(tp)
-
-    @_memo
-    def head_flops(self, tp: int = 1) -> float:
-        c, s = self.config, self.config.seq_len
-        div = tp if c.vocab_size % tp == 0 else 1
-        return (2 * s * c.hidden_size * c.vocab_size + 5 * s * c.vocab_size) / div + 10 * s * c.hidden_size
-
-    @_memo
-    def model_flops_per_sequence(self) -> float:
-        """Dot FLOPs of forward + backward without recomputation (the MFU numerator)."""
-        c = self.config
-        return 3 * (c.num_layers * self.layer_dot_flops(1) + 2 * c.seq_len * c.hidden_size * c.vocab_size)
-
-    # -- activation bytes per sequence
-    @_memo
-    def layer_activation_bytes(self, tp: int = 1) -> float:
-        """Bytes one layer's recomputed forward keeps for its backward, per sequence: hidden-size
-        tensors (input, norms, residual), q/k/v/attention output, float32 scores and probabilities,
-        MLP intermediates."""
-        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
-        kv = self.kv_heads * c.head_dim * (1 if self.kv_heads % tp == 0 else tp)
-        mlp_tensors = 4 if self.llama else 2
-        per_token = 5 * h + (2 * h + 2 * kv + mlp_tensors * c.ffn_size) / tp
-        return s * per_token * self.act_bytes + 3 * 4 * c.num_heads * s * s / tp
-
-    @_memo
-    def head_activation_bytes(self, tp: int = 1) -> float:
-        c = self.config
-        div = tp if c.vocab_size % tp == 0 else 1
-        return 3 * 4 * c.seq_len * c.vocab_size / div  # float32 logits, log-softmax, their gradient
-
-    @_memo
-    def boundary_bytes(self) -> float:
-        """Bytes per sequence of the activation (or its gradient) sent between stages."""
-        return self.config.seq_len * self.config.hidden_size * self.act_bytes
 
 
 # ----------------------------------------------------------------------------- estimate
@@ -309,16 +175,26 @@ class CostModel:
     @_memo
     def layer_seconds(self, machine: int, tp: int, mb: int) -> float:
         """Forward compute of one layer on `mb` sequences: each dot at its shape's achievable rate
-        (`cfp.hardware.rates`), the elementwise ops' FLOPs at the large-GEMM rate (small next to the dots)."""
+        (`cfp.hardware.rates`), the elementwise and normalisation work at memory bandwidth (memory-bound)."""
         return (self._dot_seconds(machine, self.model.layer_gemms(tp, mb))
-                + mb * self.model.layer_elementwise_flops(tp) / self.rate(machine))
+                + mb * self.model.layer_elementwise_bytes(tp) / self._mem_bw(machine))
 
     @_memo
     def head_seconds(self, machine: int, tp: int, mb: int) -> float:
         """Forward compute of the LM head (and its loss) on `mb` sequences, like `layer_seconds`."""
         m = self.model
-        gemm = m.head_gemm(tp, mb)
-        return self._dot_seconds(machine, (gemm,)) + (mb * m.head_flops(tp) - gemm[0]) / self.rate(machine)
+        return (self._dot_seconds(machine, m.head_gemms(tp, mb))
+                + mb * m.head_elementwise_bytes(tp) / self._mem_bw(machine))
+
+    @_memo
+    def embed_seconds(self, machine: int, tp: int, mb: int) -> tuple[float, float]:
+        """(forward, backward) of the embedding on `mb` sequences: memory-bound gathers and the dense
+        float32 gradient of the token table."""
+        fwd, bwd = self.model.embed_elementwise_bytes(tp)
+        return mb * fwd / self._mem_bw(machine), bwd / self._mem_bw(machine)
+
+    def _mem_bw(self, machine: int) -> float:
+        return self.cluster.machines[machine].gpu.mem_gbps * 1e9
 
     def precisions(self) -> tuple[Precision, ...]:
         """The arithmetic of the model's dots on each device type used (sorted, distinct)."""
@@ -402,9 +278,10 @@ class CostModel:
         compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb)
                    + (self.head_seconds(st.machine, st.tp, mb) if last else 0.0))
         intra = self.cluster.machines[st.machine].intra_bandwidth
-        ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-        fwd = compute + 2 * st.layers * ar             # one all-reduce after attention, one after MLP
-        bwd = 3 * compute + 4 * st.layers * ar         # recomputed forward + backward (2x)
+        ar = m.layer_all_reduces() * collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+        emb_f, emb_b = self.embed_seconds(st.machine, st.tp, mb) if first else (0.0, 0.0)
+        fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
+        bwd = 3 * compute + emb_f + emb_b + 2 * st.layers * ar   # recomputed forward + backward (2x)
         measured = self._measured(st, first, last, mb)
         if measured is not None:                        # split 1:3 like the modelled compute
             fwd, bwd = measured / 4, 3 * measured / 4

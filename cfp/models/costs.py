@@ -198,12 +198,20 @@ class ModelCost:
     def layer_dot_flops(self, tp: int = 1) -> float:
         return self._m(("ldf", tp), lambda: sum(f for f, _ in self.layer_gemms(tp, 1)))
 
+    def layer_token_flops(self, tp: int = 1) -> float:
+        """Forward dot FLOPs of one layer per token that do not grow with the sequence length: every dot but
+        the attention einsums (projections, MLP or experts, MoE dispatch and combine)."""
+        c, s = self.config, self.config.seq_len
+        attention = 4 * self._heads(tp)[0] * s * s * c.head_dim
+        return (self.layer_dot_flops(tp) - attention) / s
+
     def head_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]:
         t = mb * self.config.seq_len
         return self._m(("hg", tp, mb), lambda: tuple(
             g for p in param_parts(self.config)["head"][0] if (g := _kernel_gemm(p, tp, t)) is not None))
 
     def head_dot_flops(self, tp: int = 1) -> float:
+        """Forward dot FLOPs of the head per sequence (per token: divide by seq_len; they are all linear)."""
         return sum(f for f, _ in self.head_gemms(tp, 1))
 
     # -- memory-bound work, bytes read + written per sequence

@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
@@ -60,6 +62,14 @@ def precision_of(dtype: str, gpu: GpuSpec) -> Precision:
 
 
 # ----------------------------------------------------------------------------- layouts
+def _cached_hash(obj) -> int:
+    h = obj.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(obj, f) for f in obj.__dataclass_fields__))
+        object.__setattr__(obj, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class StageLayout:
     """One stage: its devices (one machine), TP degree = len(devices), number of layers."""
@@ -71,12 +81,18 @@ class StageLayout:
     def tp(self) -> int:
         return len(self.devices)
 
+    def __hash__(self) -> int:      # cached: planning at scale hashes layouts millions of times
+        return _cached_hash(self)
+
 
 @dataclass(frozen=True)
 class PipelineLayout:
     stages: tuple[StageLayout, ...]
     batch: int      # sequences per step
     chunks: int     # micro-batches
+
+    def __hash__(self) -> int:
+        return _cached_hash(self)
 
     @property
     def micro_batch(self) -> int:
@@ -138,7 +154,7 @@ class _PipelineFigures:
     stages: tuple[StageEstimate, ...]
     time: float                     # the pipeline's forward-backward time, seconds
     update: float                   # its slowest stage's optimizer update, seconds
-    layer_tp: tuple[int, ...]       # TP degree per layer
+    layer_tp: np.ndarray            # TP degree per layer
     fits: bool
     peak: float                     # dense peak FLOP/s of its devices
     machines: frozenset
@@ -156,13 +172,17 @@ class CostModel:
     def __post_init__(self):
         object.__setattr__(self, "model", ModelCost(self.config))
         object.__setattr__(self, "_machines", self.cluster.machine_of())
+        ms = self.cluster.machines       # machines of one spec price alike: memo keys use the first's index
+        object.__setattr__(self, "kind", tuple(ms.index(m) for m in ms))
         prec = [precision_of(self.config.dtype, m.gpu) for m in self.cluster.machines]
         object.__setattr__(self, "_precision", prec)
         object.__setattr__(self, "_peak", [m.gpu.peak(p) for m, p in zip(self.cluster.machines, prec)])
         object.__setattr__(self, "_rate", [achievable_flops(m.gpu, p) for m, p in zip(self.cluster.machines, prec)])
+        object.__setattr__(self, "_stored", SCHEDULES[self.schedule].stored_inputs)
         object.__setattr__(self, "_stage_memo", {})
         object.__setattr__(self, "_pipe_memo", {})
         object.__setattr__(self, "_memo", {})
+        object.__setattr__(self, "build_memo", {})     # `cfp.planner.build`'s memo of layer splits
 
     def rate(self, machine: int) -> float:
         """A large GEMM's FLOP/s on `machine`'s devices (their speed, for partitioning)."""
@@ -206,7 +226,7 @@ class CostModel:
 
     def stored_inputs(self, stage_index: int, num_stages: int, chunks: int) -> int:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
-        return SCHEDULES[self.schedule].stored_inputs(stage_index, num_stages, chunks)
+        return self._stored(stage_index, num_stages, chunks)
 
     def stage_flops(self, st: StageLayout, first: bool, last: bool, mb: int) -> tuple[float, float]:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
@@ -237,18 +257,28 @@ class CostModel:
 
     def layer_capacity(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
-        the number of layers); memoised on what the terms depend on (planning at scale asks ~10^6 times)."""
-        n = len(pipe.stages)
-        key = ("layer_capacity", st.machine, st.tp, idx == 0, idx == n - 1,
-               self.stored_inputs(idx, n, pipe.chunks), pipe.micro_batch, n_pipes)
-        if key not in self._memo:
-            cap = self.cluster.machines[st.machine].memory
-            s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
-            # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
-            n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
-            n2 = (cap / (3 + n_pipes) - s0) / s1
-            self._memo[key] = int(math.floor(min(n1, n2) * (1 + 1e-12)))
-        return self._memo[key]
+        the number of layers)."""
+        cap = self.cluster.machines[st.machine].memory
+        s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
+        # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
+        n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
+        n2 = (cap / (3 + n_pipes) - s0) / s1
+        return int(math.floor(min(n1, n2) * (1 + 1e-12)))
+
+    def layer_capacities(self, pipe: PipelineLayout, n_pipes: int) -> list[int]:
+        """`layer_capacity` of every stage of `pipe`, memoised on what it depends on (planning at scale asks
+        ~10^6 times, hence the flat loop)."""
+        stages, memo, kind, stored = pipe.stages, self._memo, self.kind, self._stored
+        n, chunks, mb = len(stages), pipe.chunks, pipe.batch // pipe.chunks
+        out = []
+        for i, st in enumerate(stages):
+            key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == n - 1, stored(i, n, chunks),
+                   mb, n_pipes)
+            cap = memo.get(key)
+            if cap is None:
+                cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes)
+            out.append(cap)
+        return out
 
     def stage_memory(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> float:
         """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
@@ -262,8 +292,9 @@ class CostModel:
                        nxt: StageLayout | None) -> StageEstimate:
         """Memoised on what the figures depend on (not on which devices of the machine)."""
         n = len(pipe.stages)
-        key = (st.machine, st.tp, st.layers, idx == 0, idx == n - 1, self.stored_inputs(idx, n, pipe.chunks),
-               pipe.micro_batch, n_pipes, -1 if nxt is None else nxt.machine)
+        key = (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1,
+               self._stored(idx, n, pipe.chunks), pipe.micro_batch, n_pipes,
+               -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
         memo = self._stage_memo
         if key not in memo:
             memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
@@ -316,16 +347,12 @@ class CostModel:
             st = pipe.stages
             ests = tuple(self.stage_estimate(s, i, pipe, n_pipes, st[i + 1] if i + 1 < len(st) else None)
                          for i, s in enumerate(st))
-            layer_tp = tuple(s.tp for s in st for _ in range(s.layers))
+            layer_tp = np.repeat([len(s.devices) for s in st], [s.layers for s in st])
             memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
                                          layer_tp, all(e.memory <= e.capacity for e in ests),
                                          sum(s.tp * self._peak[s.machine] for s in st),
                                          frozenset(s.machine for s in st))
         return memo[key]
-
-    @_memo
-    def _all_reduce(self, nbytes: float, n: int, bw: float) -> float:
-        return collective_time("all-reduce", nbytes, n, bw)
 
     def dp_time(self, layout: ClusterLayout) -> float:
         """Gradient sync: per layer a ring all-reduce over the pipelines of the largest per-device shard
@@ -334,23 +361,33 @@ class CostModel:
         n = len(layout.pipelines)
         if n == 1:
             return 0.0
-        m = self.model
         figs = [self._pipeline(p, n) for p in layout.pipelines]
         machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
               else self.cluster.machines[next(iter(machines))].intra_bandwidth)
-        prefix = [0.0]
-        for tps in zip(*(f.layer_tp for f in figs)):
-            prefix.append(prefix[-1] + self._all_reduce(m.layer_params(min(tps)) * PARAM_BYTES, n, bw))
+        per_tp, embed, head = self._sync_table(n, bw)
+        layer_tp = np.stack([f.layer_tp for f in figs])
+        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)]))).tolist()
         worst = 0.0
         for p in layout.pipelines:
             layer, last = 0, len(p.stages) - 1
             for i, st in enumerate(p.stages):
-                extra = (m.embed_params() if i == 0 else 0) + (m.head_params(1) if i == last else 0)
-                t = prefix[layer + st.layers] - prefix[layer] + self._all_reduce(extra * PARAM_BYTES, n, bw)
+                t = (prefix[layer + st.layers] - prefix[layer] + (embed if i == 0 else 0.0)
+                     + (head if i == last else 0.0))
                 worst = max(worst, t)
                 layer += st.layers
         return worst
+
+    @_memo
+    def _sync_table(self, n: int, bw: float) -> tuple[np.ndarray, float, float]:
+        """Gradient all-reduce seconds over `n` pipelines at `bw`: of one layer by the TP degree of its
+        shard (index), of the embedding's and of the head's (replicated) gradients."""
+        m = self.model
+        ar = lambda params: collective_time("all-reduce", params * PARAM_BYTES, n, bw)
+        per_tp = np.zeros(max(d.count for d in self.cluster.machines) + 1)
+        for tp in range(1, per_tp.size):
+            per_tp[tp] = ar(m.layer_params(tp))
+        return per_tp, ar(m.embed_params()), ar(m.head_params(1))
 
     def update_time(self, layout: ClusterLayout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;

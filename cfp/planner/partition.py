@@ -11,10 +11,12 @@ share the most bandwidth; with few machines every order of the machines is a can
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from typing import Sequence
 
+import numpy as np
 import pymetis
 
 from cfp.planner.cluster import Cluster
@@ -51,6 +53,21 @@ def _graph(cluster: Cluster, devices: Sequence[int], vweight) -> tuple[list[int]
     return xadj, adjncy, vw, ew
 
 
+@functools.lru_cache(maxsize=4096)
+def _metis(parts: int, xadj: tuple, adjncy: tuple, vw: tuple, ew: tuple) -> tuple[int, ...]:
+    """METIS' membership of a graph (memoised: with its fixed seed METIS gives the same cut of the same
+    graph, and pipelines of like machines give the same graph, which planning at scale cuts hundreds of
+    times)."""
+    _, membership = pymetis.part_graph(parts, xadj=np.asarray(xadj, np.int32), adjncy=np.asarray(adjncy, np.int32),
+                                       vweights=np.asarray(vw, np.int32), eweights=np.asarray(ew, np.int32),
+                                       options=pymetis.Options(**_OPTIONS))
+    return tuple(membership)
+
+
+def _cut(parts: int, graph: tuple[list[int], list[int], list[int], list[int]]) -> tuple[int, ...]:
+    return _metis(parts, *(tuple(x) for x in graph))
+
+
 def _parts(n: int, devices: Sequence[int], membership: Sequence[int]) -> list[list[int]]:
     groups: dict[int, list[int]] = defaultdict(list)
     for d, p in zip(devices, membership):
@@ -66,9 +83,7 @@ def split_pipelines(cluster: Cluster, k: int, rate) -> list[list[int]]:
     if k >= len(devices):
         return [[d] for d in devices]
     scale = 100.0 / min(rate(d) for d in cluster.devices)
-    xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: rate(d) * scale)
-    _, membership = pymetis.part_graph(k, pymetis.CSRAdjacency(xadj, adjncy), vweights=vw, eweights=ew,
-                                       options=pymetis.Options(**_OPTIONS))
+    membership = _cut(k, _graph(cluster, devices, lambda d: rate(d) * scale))
     return sorted(_parts(k, devices, membership), key=lambda g: g[0])
 
 
@@ -136,9 +151,7 @@ def balanced_stages(cluster: Cluster, devices: Sequence[int], parts: int, rate, 
         membership = list(range(len(devices)))
     else:
         scale = 100.0 / min(rate(cluster.devices[d]) for d in devices)
-        xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: rate(d) * scale)
-        _, membership = pymetis.part_graph(parts, pymetis.CSRAdjacency(xadj, adjncy), vweights=vw,
-                                           eweights=ew, options=pymetis.Options(**_OPTIONS))
+        membership = _cut(parts, _graph(cluster, devices, lambda d: rate(d) * scale))
     out = []
     for part in _parts(len(devices), devices, membership):
         by_machine: dict[int, list[int]] = defaultdict(list)

@@ -58,9 +58,9 @@ def _metis(parts: int, xadj: tuple, adjncy: tuple, vw: tuple, ew: tuple) -> tupl
     """METIS' membership of a graph (memoised: with its fixed seed METIS gives the same cut of the same
     graph, and pipelines of like machines give the same graph, which planning at scale cuts hundreds of
     times)."""
-    _, membership = pymetis.part_graph(parts, xadj=np.asarray(xadj, np.int32), adjncy=np.asarray(adjncy, np.int32),
-                                       vweights=np.asarray(vw, np.int32), eweights=np.asarray(ew, np.int32),
-                                       options=pymetis.Options(**_OPTIONS))
+    graph = pymetis.CSRAdjacency(np.asarray(xadj, np.int32), np.asarray(adjncy, np.int32))
+    _, membership = pymetis.part_graph(parts, graph, vweights=np.asarray(vw, np.int32),
+                                       eweights=np.asarray(ew, np.int32), options=pymetis.Options(**_OPTIONS))
     return tuple(membership)
 
 

@@ -54,12 +54,15 @@ class Param:
 def param_parts(config: Any) -> dict[str, tuple[tuple[Param, ...], ...]]:
     """The model's parameters by part: "embed", "layers" (one tuple per layer kind), "head"."""
     import jax
+    import jax.numpy as jnp
 
-    from cfp.models.api import init_params
+    from cfp.models.api import build_model
     from cfp.sharding.rules import path_keys
     kinds = 2 if isinstance(config, MoEConfig) else 1
-    small = dataclasses.replace(config, num_layers=kinds)
-    like = jax.eval_shape(lambda: init_params(model_name_of(config), small, 0))["params"]
+    model = build_model(model_name_of(config), dataclasses.replace(config, num_layers=kinds))
+    # shapes do not depend on the batch: one token per row, as many rows as a MoE group needs
+    tokens = jax.ShapeDtypeStruct((getattr(config, "expert_group_size", 1), 1), jnp.int32)
+    like = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"]
 
     def flat(tree):
         return tuple(Param(path_keys(p), tuple(leaf.shape))

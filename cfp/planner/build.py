@@ -16,11 +16,15 @@ def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[StageL
 
 
 def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
-    """Seconds one layer adds to a stage's forward + backward of one micro-batch."""
-    m = cm.model
-    intra = cm.cluster.machines[st.machine].intra_bandwidth
-    ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-    return 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces() * ar
+    """Seconds one layer adds to a stage's forward + backward of one micro-batch (memoised by machine spec)."""
+    key = ("layer_time", cm.kind[st.machine], len(st.devices), mb)
+    memo = cm.build_memo
+    if key not in memo:
+        m = cm.model
+        intra = cm.cluster.machines[st.machine].intra_bandwidth
+        ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+        memo[key] = 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces() * ar
+    return memo[key]
 
 
 def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:

@@ -214,19 +214,37 @@ def size_orders(sizes: Sequence[int]) -> list[tuple[int, ...]]:
 def order_stages(cluster: Cluster, groups: list[list[int]]) -> list[list[int]]:
     """Greedy chain: start in the machine holding most of the pipeline's groups, then always append the
     group with the most bandwidth to the chain's end (ties: same device type, then lowest id)."""
-    devs = cluster.devices
+    devs, machines = cluster.devices, cluster.machines
     queues: dict[int, list[list[int]]] = defaultdict(list)
     for g in sorted(groups, key=lambda g: g[0]):
         queues[devs[g[0]].machine].append(g)
     # groups of one machine share links and device type, so only each machine's lowest group competes
     start = min(queues, key=lambda m: (-len(queues[m]), queues[m][0][0]))
-    chain = [queues[start].pop(0)]
-    end = start
-    while any(queues.values()):
-        gpu = cluster.machines[end].gpu.name
-        nxt = min((m for m in queues if queues[m]),
-                  key=lambda m: (-cluster.link(end, m), cluster.machines[m].gpu.name != gpu, m, queues[m][0][0]))
-        chain.append(queues[nxt].pop(0))
+    live = sorted(queues)                               # machines with groups left
+    by_gpu: dict[str, list[int]] = defaultdict(list)
+    for m in live:
+        by_gpu[machines[m].gpu.name].append(m)
+    left = {m: len(q) for m, q in queues.items()}
+
+    def take(m: int) -> list[int]:
+        left[m] -= 1
+        if not left[m]:
+            live.remove(m)
+            by_gpu[machines[m].gpu.name].remove(m)
+        return queues[m][len(queues[m]) - left[m] - 1]
+
+    chain, end = [take(start)], start
+    while live:
+        gpu = machines[end].gpu.name
+        # every other machine is one inter-machine link away: the best of them is the lowest of the same
+        # type, else the lowest; the chain's own machine competes with its intra-machine link
+        cands = [m for m in (next((m for m in by_gpu[gpu] if m != end), None),
+                             next((m for m in live if m != end), None)) if m is not None]
+        if left[end]:
+            cands.append(end)
+        nxt = min(cands, key=lambda m: (-cluster.link(end, m), machines[m].gpu.name != gpu, m,
+                                        queues[m][len(queues[m]) - left[m]][0]))
+        chain.append(take(nxt))
         end = nxt
     return chain
 

@@ -21,6 +21,7 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import yaml  # noqa: E402
 
@@ -92,6 +93,30 @@ def _batch(model: str, cfg, rows: int) -> dict:
     return jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, rows, jax.random.PRNGKey(0)))
 
 
+def calibrated_cluster(cluster, repeats: int):
+    """`cluster` with its `cpu` devices and links as measured now (`calibrate_cpu.py`): the host's load
+    changes from hour to hour, so the figures the estimates use are measured beside the steps they predict."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import calibrate_cpu as cal
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    gemm, mem = cal.gemm_rate(mesh, 512, repeats), cal.memory_bandwidth(mesh, 4 << 20, repeats)
+    points = [(n, b, cal.all_reduce_time(n, b, repeats)) for n in (2, 4, 8) for b in (1 << 16, 1 << 20, 1 << 22)]
+    _, link = cal.fit_link(points)
+    print(f"calibrated now (measured): GEMM {gemm / 1e9:.2f} GFLOP/s, memory {mem / 1e9:.2f} GB/s per device, "
+          f"all-reduce bandwidth {link / 1e9:.2f} GB/s", flush=True)
+    machines = []
+    for m in cluster.machines:
+        gpu = dataclasses.replace(m.gpu, tflops=tuple((p, gemm / 1e12) for p, _ in m.gpu.tflops),
+                                  mem_gbps=mem / 1e9, link_gbps=link / 1e9)
+        machines.append(dataclasses.replace(m, gpu=gpu, intra_bandwidth=link))
+    return dataclasses.replace(cluster, machines=tuple(machines), inter_bandwidth=link)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama2")
@@ -99,9 +124,14 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--global-batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="plan and estimate with the cpu figures measured now (calibrate_cpu.py) instead of the "
+                         "catalog's")
     args = ap.parse_args()
     with open(CLUSTER) as f:
         cluster = parse_cluster(yaml.safe_load(f))
+    if args.calibrate:
+        cluster = calibrated_cluster(cluster, 5)
     cfg = get_config(args.model, args.config, num_layers=args.num_layers)
     options = PlannerOptions(global_batch_size=args.global_batch_size)
     cm = CostModel(cfg, cluster, options.schedule)

@@ -58,6 +58,9 @@ class GpuSpec:
     link_gbps: float       # GB/s per direction between two devices of one machine
     link: str
     source: str
+    # the machine's devices share one host's cores (simulated XLA:CPU devices): its throughput is divided
+    # among the busy ones, so a pipeline's idle stages lend theirs to the others
+    shared_host: bool = False
 
     def __post_init__(self):
         table = dict(self.tflops)
@@ -81,10 +84,12 @@ class GpuSpec:
         return self.peak(Precision.BF16 if dtype in ("bfloat16", "float16") else Precision.FP32)
 
 
-def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None) -> GpuSpec:
+def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None,
+         shared_host=False) -> GpuSpec:
     table = {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16 or bf16,
              Precision.FP8: fp8}
-    return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source)
+    return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source,
+                   shared_host)
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
@@ -99,7 +104,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     _gpu("RTX4090", 82.6, 82.6, 165.2, 330.3, 1008.0, 24.0, 32.0, "PCIe Gen4 x16", "AD102"),
     _gpu("L4", 30.3, 60.0, 121.0, 242.5, 300.0, 24.0, 32.0, "PCIe Gen4 x16", "L4"),
     _gpu("V100-SXM2-32G", 15.7, None, None, None, 900.0, 32.0, 150.0, "NVLink 2", "V100", fp16=125.0),
-    _gpu("cpu", 0.0315, None, None, None, 14.0 / 8, 24.0 / 8, 14.0 / 8, "shared host memory", "cpu"),
+    _gpu("cpu", 0.0315, None, None, None, 14.0 / 8, 24.0 / 8, 14.0 / 8, "shared host memory", "cpu",
+         shared_host=True),
 )}
 
 

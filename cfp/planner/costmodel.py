@@ -25,8 +25,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
-
 from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
@@ -129,6 +127,7 @@ class StageEstimate:
     flops_bwd: float
     update: float = 0.0  # seconds of the AdamW update (memory-bound)
     measured: bool = False  # fwd/bwd from a measured stage time (`MeasuredStageTimes`), not the model
+    params: float = 0.0     # parameters per device
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,7 @@ class _PipelineFigures:
     stages: tuple[StageEstimate, ...]
     time: float                     # the pipeline's forward-backward time, seconds
     update: float                   # its slowest stage's optimizer update, seconds
-    layer_tp: np.ndarray            # TP degree per layer
+    layer_tp: tuple[int, ...]       # TP degree per layer
     fits: bool
     peak: float                     # dense peak FLOP/s of its devices
     machines: frozenset
@@ -323,7 +322,8 @@ class CostModel:
         cap = self.cluster.machines[st.machine].memory
         upd = 7 * PARAM_BYTES * self.stage_params(st, first, last) / (
             self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
-        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None)
+        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
+                             self.stage_params(st, first, last))
 
     def _measured(self, st: StageLayout, first: bool, last: bool, mb: int) -> Optional[float]:
         if self.stage_times is None:
@@ -347,7 +347,7 @@ class CostModel:
             st = pipe.stages
             ests = tuple(self.stage_estimate(s, i, pipe, n_pipes, st[i + 1] if i + 1 < len(st) else None)
                          for i, s in enumerate(st))
-            layer_tp = np.repeat([len(s.devices) for s in st], [s.layers for s in st])
+            layer_tp = tuple(len(s.devices) for s in st for _ in range(s.layers))
             memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
                                          layer_tp, all(e.memory <= e.capacity for e in ests),
                                          sum(s.tp * self._peak[s.machine] for s in st),
@@ -355,9 +355,11 @@ class CostModel:
         return memo[key]
 
     def dp_time(self, layout: ClusterLayout) -> float:
-        """Gradient sync: per layer a ring all-reduce over the pipelines of the largest per-device shard
-        among them, over the slowest link; a stage syncs its layers one after another, stages run at
-        once, so the step waits for the slowest stage."""
+        """Gradient sync as the runtime does it (`cfp.runtime.dispatch.sync_gradients`): every stage receives
+        its modules' gradients from every other pipeline, resharded onto its devices -- per layer a gather of
+        the pipelines' pieces (the largest per-device shard among them) over the slowest link the layout spans
+        -- and sums them (memory-bound); a stage syncs its layers one after another, stages at once, so the
+        step waits for the slowest stage (on a shared host: for the host to do them all)."""
         n = len(layout.pipelines)
         if n == 1:
             return 0.0
@@ -365,42 +367,73 @@ class CostModel:
         machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
               else self.cluster.machines[next(iter(machines))].intra_bandwidth)
-        per_tp, embed, head = self._sync_table(n, bw)
-        layer_tp = np.stack([f.layer_tp for f in figs])
-        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)]))).tolist()
-        worst = 0.0
+        sync = lambda params, machine: self._sync_seconds(params, n, bw, self.kind[machine])
+        per_tp = {}
+        prefix = [0.0]
+        machine = next(iter(machines))
+        for tps in zip(*(f.layer_tp for f in figs)):
+            tp = min(tps)
+            if tp not in per_tp:
+                per_tp[tp] = sync(self.model.layer_params(tp), machine)
+            prefix.append(prefix[-1] + per_tp[tp])
+        per_stage = []
         for p in layout.pipelines:
             layer, last = 0, len(p.stages) - 1
             for i, st in enumerate(p.stages):
-                t = (prefix[layer + st.layers] - prefix[layer] + (embed if i == 0 else 0.0)
-                     + (head if i == last else 0.0))
-                worst = max(worst, t)
+                extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last else 0)
+                t = prefix[layer + st.layers] - prefix[layer] + sync(extra, st.machine)
+                per_stage.append((st, t))
                 layer += st.layers
-        return worst
+        return self._concurrent(per_stage)
 
     @_memo
-    def _sync_table(self, n: int, bw: float) -> tuple[np.ndarray, float, float]:
-        """Gradient all-reduce seconds over `n` pipelines at `bw`: of one layer by the TP degree of its
-        shard (index), of the embedding's and of the head's (replicated) gradients."""
-        m = self.model
-        ar = lambda params: collective_time("all-reduce", params * PARAM_BYTES, n, bw)
-        per_tp = np.zeros(max(d.count for d in self.cluster.machines) + 1)
-        for tp in range(1, per_tp.size):
-            per_tp[tp] = ar(m.layer_params(tp))
-        return per_tp, ar(m.embed_params()), ar(m.head_params(1))
+    def _sync_seconds(self, params: float, n: int, bw: float, machine: int) -> float:
+        """Gather `params` float32 from each of `n` pipelines and sum them on `machine`'s devices."""
+        nbytes = params * PARAM_BYTES
+        return collective_time("all-gather", n * nbytes, n, bw) + (n - 1) * 3 * nbytes / self._mem_bw(machine)
+
+    def _concurrent(self, per_stage) -> float:
+        """Seconds for stages that each take `t` at once: the slowest; on a machine whose devices share a host,
+        the host's work (device-seconds over its devices)."""
+        worst, host = 0.0, {}
+        for st, t in per_stage:
+            m = self.cluster.machines[st.machine]
+            if m.gpu.shared_host:
+                host[st.machine] = host.get(st.machine, 0.0) + t * len(st.devices) / m.count
+            else:
+                worst = max(worst, t)
+        return max([worst, *host.values()])
 
     def update_time(self, layout: ClusterLayout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
-        stages update at once, the step waits for the slowest."""
+        stages update at once, the step waits for the slowest (on a shared host: for the host to do them all)."""
         n = len(layout.pipelines)
-        return max(self._pipeline(p, n).update for p in layout.pipelines)
+        return self._concurrent([(st, e.update) for p in layout.pipelines
+                                 for st, e in zip(p.stages, self._pipeline(p, n).stages)])
+
+    def compute_time(self, layout: ClusterLayout, times: tuple[float, ...]) -> float:
+        """The forward-backward part of the step: the slowest pipeline; stages on a shared host (`GpuSpec.
+        shared_host`) lend their bubbles to the others, so their host takes its stages' work over its devices."""
+        n, worst, host = len(layout.pipelines), 0.0, {}
+        for p, t in zip(layout.pipelines, times):
+            shared = True
+            for st, e in zip(p.stages, self._pipeline(p, n).stages):
+                m = self.cluster.machines[st.machine]
+                if m.gpu.shared_host:
+                    busy = p.chunks * (e.fwd + e.bwd) * len(st.devices) / m.count
+                    host[st.machine] = host.get(st.machine, 0.0) + busy
+                else:
+                    shared = False
+            if not shared:
+                worst = max(worst, t)
+        return max([worst, *host.values()])
 
     def estimate(self, layout: ClusterLayout) -> Estimate:
         n = len(layout.pipelines)
         figs = [self._pipeline(p, n) for p in layout.pipelines]
         times = tuple(f.time for f in figs)
-        dp, upd = self.dp_time(layout), max(f.update for f in figs)
-        step = max(times) + dp + upd
+        dp, upd = self.dp_time(layout), self.update_time(layout)
+        step = self.compute_time(layout, times) + dp + upd
         seqs = layout.global_batch
         peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)

@@ -26,7 +26,12 @@ Sources:
             tensor cores: those dtypes run at the FP32 rate); HBM2 900 GB/s; NVLink 300 GB/s total.
   [cpu]     Measured on this project's 2-core machine with 8 simulated XLA:CPU devices: a 1024x1024 float32
             matmul on all 8 devices at once runs at 252 GFLOP/s in total (31.5 per device); a numpy copy moves
-            14 GB/s (read + write). Devices share the cores, so per-device figures hold only when all are busy.
+            14 GB/s (read + write). Devices share the cores (`shared_host`), so per-device figures hold only
+            when all are busy. `benchmarks/calibrate_cpu.py` measures these figures (GEMM rate, memory bandwidth,
+            all-reduce latency and bandwidth over 2/4/8 devices) on the machine at hand; on the shared host at load
+            average 14-24 it measured 3.1-7.8 GFLOP/s per device (512-256 GEMMs), 0.4-0.6 GB/s and 1.6-2.1 GB/s
+            all-reduce bandwidth, so the entry's figures hold for an idle host only;
+            `benchmarks/planner_measured.py --calibrate` plans with the figures measured at the time.
 """
 from __future__ import annotations
 

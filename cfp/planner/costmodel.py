@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
@@ -60,6 +62,15 @@ def precision_of(dtype: str, gpu: GpuSpec) -> Precision:
 
 
 # ----------------------------------------------------------------------------- layouts
+def _host_sums(parts) -> list[float]:
+    """Per shared-host machine, the sum of its (machine, seconds) entries over pipelines (0.0 if none)."""
+    total: dict[int, float] = {}
+    for items in parts:
+        for m, t in items:
+            total[m] = total.get(m, 0.0) + t
+    return list(total.values()) or [0.0]
+
+
 def _cached_hash(obj) -> int:
     h = obj.__dict__.get("_hash")
     if h is None:
@@ -153,10 +164,14 @@ class _PipelineFigures:
     stages: tuple[StageEstimate, ...]
     time: float                     # the pipeline's forward-backward time, seconds
     update: float                   # its slowest stage's optimizer update, seconds
-    layer_tp: tuple[int, ...]       # TP degree per layer
+    layer_tp: np.ndarray            # TP degree per layer
     fits: bool
     peak: float                     # dense peak FLOP/s of its devices
     machines: frozenset
+    share: tuple[float, ...]        # per stage: its devices' share of their host (0: not a shared host)
+    host_busy: tuple[tuple[int, float], ...]    # (shared-host machine, its compute seconds for this pipeline)
+    host_update: tuple[tuple[int, float], ...]  # (shared-host machine, its update seconds for this pipeline)
+    own_update: float               # the slowest update among stages on machines of their own
 
 
 @dataclass(frozen=True)
@@ -347,11 +362,21 @@ class CostModel:
             st = pipe.stages
             ests = tuple(self.stage_estimate(s, i, pipe, n_pipes, st[i + 1] if i + 1 < len(st) else None)
                          for i, s in enumerate(st))
-            layer_tp = tuple(len(s.devices) for s in st for _ in range(s.layers))
+            layer_tp = np.repeat([len(s.devices) for s in st], [s.layers for s in st])
+            ms = self.cluster.machines
+            share = tuple(len(s.devices) / ms[s.machine].count if ms[s.machine].gpu.shared_host else 0.0
+                          for s in st)
+            busy, upd = {}, {}
+            for s, e, f in zip(st, ests, share):
+                if f:
+                    busy[s.machine] = busy.get(s.machine, 0.0) + pipe.chunks * (e.fwd + e.bwd) * f
+                    upd[s.machine] = upd.get(s.machine, 0.0) + e.update * f
+            own = max([e.update for e, f in zip(ests, share) if not f], default=0.0)
             memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
                                          layer_tp, all(e.memory <= e.capacity for e in ests),
                                          sum(s.tp * self._peak[s.machine] for s in st),
-                                         frozenset(s.machine for s in st))
+                                         frozenset(s.machine for s in st), share, tuple(busy.items()),
+                                         tuple(upd.items()), own)
         return memo[key]
 
     def dp_time(self, layout: ClusterLayout) -> float:
@@ -367,24 +392,34 @@ class CostModel:
         machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
               else self.cluster.machines[next(iter(machines))].intra_bandwidth)
-        sync = lambda params, machine: self._sync_seconds(params, n, bw, self.kind[machine])
-        per_tp = {}
-        prefix = [0.0]
         machine = next(iter(machines))
-        for tps in zip(*(f.layer_tp for f in figs)):
-            tp = min(tps)
-            if tp not in per_tp:
-                per_tp[tp] = sync(self.model.layer_params(tp), machine)
-            prefix.append(prefix[-1] + per_tp[tp])
-        per_stage = []
-        for p in layout.pipelines:
+        per_tp = self._sync_table(n, bw, self.kind[machine])
+        layer_tp = np.stack([f.layer_tp for f in figs])
+        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)]))).tolist()
+        sync = lambda params, machine: self._sync_seconds(params, n, bw, self.kind[machine])
+        worst, host = 0.0, {}
+        for p, f in zip(layout.pipelines, figs):
             layer, last = 0, len(p.stages) - 1
-            for i, st in enumerate(p.stages):
-                extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last else 0)
-                t = prefix[layer + st.layers] - prefix[layer] + sync(extra, st.machine)
-                per_stage.append((st, t))
+            for i, (st, share) in enumerate(zip(p.stages, f.share)):
+                t = prefix[layer + st.layers] - prefix[layer]
+                if i == 0 or i == last:
+                    extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last
+                                                                             else 0)
+                    t += sync(extra, st.machine)
+                if share:
+                    host[st.machine] = host.get(st.machine, 0.0) + t * share
+                else:
+                    worst = max(worst, t)
                 layer += st.layers
-        return self._concurrent(per_stage)
+        return max([worst, *host.values()])
+
+    @_memo
+    def _sync_table(self, n: int, bw: float, machine: int) -> np.ndarray:
+        """`_sync_seconds` of one layer's gradients by the TP degree of its shard (the index)."""
+        table = np.zeros(max(m.count for m in self.cluster.machines) + 1)
+        for tp in range(1, table.size):
+            table[tp] = self._sync_seconds(self.model.layer_params(tp), n, bw, machine)
+        return table
 
     @_memo
     def _sync_seconds(self, params: float, n: int, bw: float, machine: int) -> float:
@@ -392,41 +427,21 @@ class CostModel:
         nbytes = params * PARAM_BYTES
         return collective_time("all-gather", n * nbytes, n, bw) + (n - 1) * 3 * nbytes / self._mem_bw(machine)
 
-    def _concurrent(self, per_stage) -> float:
-        """Seconds for stages that each take `t` at once: the slowest; on a machine whose devices share a host,
-        the host's work (device-seconds over its devices)."""
-        worst, host = 0.0, {}
-        for st, t in per_stage:
-            m = self.cluster.machines[st.machine]
-            if m.gpu.shared_host:
-                host[st.machine] = host.get(st.machine, 0.0) + t * len(st.devices) / m.count
-            else:
-                worst = max(worst, t)
-        return max([worst, *host.values()])
-
     def update_time(self, layout: ClusterLayout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
         stages update at once, the step waits for the slowest (on a shared host: for the host to do them all)."""
         n = len(layout.pipelines)
-        return self._concurrent([(st, e.update) for p in layout.pipelines
-                                 for st, e in zip(p.stages, self._pipeline(p, n).stages)])
+        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        return max(max(f.own_update for f in figs), *_host_sums(f.host_update for f in figs))
 
     def compute_time(self, layout: ClusterLayout, times: tuple[float, ...]) -> float:
         """The forward-backward part of the step: the slowest pipeline; stages on a shared host (`GpuSpec.
-        shared_host`) lend their bubbles to the others, so their host takes its stages' work over its devices."""
-        n, worst, host = len(layout.pipelines), 0.0, {}
-        for p, t in zip(layout.pipelines, times):
-            shared = True
-            for st, e in zip(p.stages, self._pipeline(p, n).stages):
-                m = self.cluster.machines[st.machine]
-                if m.gpu.shared_host:
-                    busy = p.chunks * (e.fwd + e.bwd) * len(st.devices) / m.count
-                    host[st.machine] = host.get(st.machine, 0.0) + busy
-                else:
-                    shared = False
-            if not shared:
-                worst = max(worst, t)
-        return max([worst, *host.values()])
+        shared_host`) lend their bubbles to the others, so their host takes its stages' work over its devices
+        (a pipeline wholly on shared hosts is bounded by them only)."""
+        n = len(layout.pipelines)
+        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        worst = max([t for t, f in zip(times, figs) if not all(f.share)], default=0.0)
+        return max(worst, *_host_sums(f.host_busy for f in figs))
 
     def estimate(self, layout: ClusterLayout) -> Estimate:
         n = len(layout.pipelines)

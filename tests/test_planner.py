@@ -245,7 +245,7 @@ def test_layout_file_round_trip_and_train_arguments(tmp_path):
     with pytest.raises(ConfigError, match="conflicts"):
         train_args_from_layout(ns)
     data = json.load(open(path))
-    data["layer_partitions"] = [[1] * len(r) for r in data["layer_partitions"]]
+    data["layer_partitions"][0][0] += 1        # the pipeline's stages no longer hold the model's 4 layers
     json.dump(data, open(path, "w"))
     with pytest.raises(ConfigError):
         load_layout_file(path)

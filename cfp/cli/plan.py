@@ -134,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
         n, total = sum(e.measured for ests in est.stages for e in ests), sum(map(len, est.stages))
         print(f"stage times: {n} of {total} stages priced by times measured on {stage_times.device} "
               f"({args.stage_times})" + ("; the others estimated" if n < total else ""))
-    print(f"estimated step time: {est.step_time:.4f} s (slowest pipeline {max(est.pipeline_time):.4f} s, "
-          f"gradient sync {est.dp_time:.4f} s, update {est.update_time:.4f} s)")
+    compute = est.step_time - est.dp_time - est.update_time
+    shared = any(m.gpu.shared_host for m in cluster.machines)
+    print(f"estimated step time: {est.step_time:.4f} s (compute {compute:.4f} s: slowest pipeline "
+          f"{max(est.pipeline_time):.4f} s" + (", on a shared host its work over its devices" if shared else "")
+          + f"; gradient sync {est.dp_time:.4f} s, update {est.update_time:.4f} s)")
     if args.compare:
         print("\n".join(_compare(cm, options, est)))
     if args.out:

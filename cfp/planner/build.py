@@ -157,8 +157,9 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]]
                  micro_batch: int, signatures: Optional[Sequence[tuple]] = None) -> Optional[ClusterLayout]:
     """`pipes`: per pipeline, candidate stage orders (`signatures`: their `orders_signature`s, if known).
     Each pipeline's order and layer split chosen at an even share of micro-batches (memory checked there),
-    micro-batches split by pipeline time under memory, then each order re-chosen with its layers re-split for the real micro-batch count (the best
-    order depends on it: the first stage stores more inputs, the last holds the head)."""
+    micro-batches split by pipeline time under memory, then each order re-chosen with its layers re-split for
+    the real micro-batch count (the best order depends on it: the first stage stores more inputs, the last
+    holds the head)."""
     k = len(pipes)
     if global_batch % micro_batch or global_batch // micro_batch < k:
         return None

@@ -4,8 +4,8 @@ A schedule maps ``(num_stages, num_microbatches)`` to one ordered action list pe
 is ``(Phase, microbatch)``; its entry in `SCHEDULES` also says how many micro-batch inputs a stage keeps
 between forward and backward and how long a pipeline takes (`pipeline_time`). ``global_order`` merges the
 per-stage lists of several pipelines into a single dependency-respecting order by simulating unit-time ticks,
-which is the order the executor dispatches in (every process of a multi-process run walks the same order, so cross-process transfers
-are issued identically everywhere).
+which is the order the executor dispatches in (every process of a multi-process run walks the same order,
+so cross-process transfers are issued identically everywhere).
 """
 from __future__ import annotations
 

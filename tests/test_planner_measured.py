@@ -72,7 +72,7 @@ def _concrete(args):
 
 
 def _measure_in_turns(programs, rounds: int) -> list[tuple[float, float]]:
-    """(median seconds, relative noise = half the range over the median) of each `(compiled, abstract args)`,
+    """(fastest seconds, relative noise) of each `(compiled, abstract args)`,
     timed in turns so that a busy spell of the shared host falls on every program alike."""
     import time
 
@@ -86,33 +86,39 @@ def _measure_in_turns(programs, rounds: int) -> list[tuple[float, float]]:
             jax.block_until_ready(compiled(*args))
             if r:
                 times[i].append(time.perf_counter() - t0)
-    return [(float(np.median(t)), (max(t) - min(t)) / 2 / float(np.median(t))) for t in times]
+    # the fastest run is the one the other engineers' load disturbed least; noise: how far the next one is
+    return [(min(t), (sorted(t)[1] - min(t)) / min(t)) for t in times]
 
 
 def test_relative_stage_times_match_measured_ones():
-    """The planner's time of a middle TP-1 stage with 4 layers, and with twice the micro-batch, relative to the
-    1-layer stage, against the same ratios measured on this machine's CPU devices (the runtime's compiled
-    forward + backward programs, median of 7 runs in turns). Measured: 3.86x vs 4.0x and 1.82x vs 1.87x (the
-    absolute scale of the `cpu` catalog entry is not checked, nor TP: simulated devices share the host's
-    cores). Bound: 15% for what the model leaves out plus both measurements' noise; a stage time that ignores
-    the layer count or the micro-batch is off by 45% or more."""
+    """The planner's time of compiled stage programs relative to a middle TP-1 stage of 1 layer: a middle stage
+    of 4 layers, of 1 layer at twice the micro-batch, and last stages (layers + LM head and loss, the vocabulary
+    large enough that the head weighs about two layers) of 1 and 4 layers, against the same ratios measured on
+    this machine's CPU devices (the runtime's compiled forward + backward programs, fastest of 7 runs in turns).
+    Ratios, not seconds: the `cpu` catalog entry's absolute scale holds only at the host load it was measured at
+    (`benchmarks/calibrate_cpu.py`), and TP is left out (simulated devices share the host's cores). Bound: 15%
+    for what the model leaves out plus both measurements' noise; a stage time that ignores the layer count, the
+    micro-batch or the head is off by 40% or more on one of the ratios."""
     from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.layout import HeteroLayout
-    cfg = get_config("llama2", "tiny", num_layers=6, seq_len=64, hidden_size=128, ffn_size=256, vocab_size=256)
+    cfg = get_config("llama2", "tiny", num_layers=6, seq_len=64, hidden_size=128, ffn_size=256, vocab_size=2048)
     cm = CostModel(cfg, _cluster(1.75))
     S = lambda d, n: StageLayout(tuple(d), 0, n)
     programs, planned = [], []
     for layers, mb in ((1, 4), (4, 4), (1, 8)):
         trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]],
                                                                        [2 * mb], [2]))
-        programs += [(prog.lower(*args).compile(), args) for prog, args in trainer.compile_jobs((0, 1))[:2]]
         pipe = PipelineLayout((S([0], 1), S([1], layers), S([2], 5 - layers)), 2 * mb, 2)
-        est = cm.stage_estimate(pipe.stages[1], 1, pipe, 1, pipe.stages[2])
-        planned.append(est.fwd + est.bwd)
+        for idx in (1, 2):
+            programs += [(prog.lower(*args).compile(), args) for prog, args in trainer.compile_jobs((0, idx))[:2]]
+            est = cm.stage_estimate(pipe.stages[idx], idx, pipe, 1, pipe.stages[idx + 1] if idx < 2 else None)
+            planned.append(est.fwd + est.bwd)
     res = _measure_in_turns(programs, rounds=7)
-    measured = [res[2 * i][0] + res[2 * i + 1][0] for i in range(3)]
-    noise = [max(res[2 * i][1], res[2 * i + 1][1]) for i in range(3)]
-    for i in (1, 2):
+    measured = [res[2 * i][0] + res[2 * i + 1][0] for i in range(len(planned))]
+    noise = [max(res[2 * i][1], res[2 * i + 1][1]) for i in range(len(planned))]
+    # programs: 0 middle 1L, 1 last 4L+head, 2 middle 4L, 3 last 1L+head, 4 middle 1L mb 8, 5 last 4L+head mb 8
+    for i in (1, 2, 3, 4, 5):
         ratio_m, ratio_p = measured[i] / measured[0], planned[i] / planned[0]
+        print(i, f"planned {ratio_p:.3f}x, measured {ratio_m:.3f}x (noise {noise[i]:.1%}, {noise[0]:.1%})")
         assert abs(ratio_p / ratio_m - 1) <= 0.15 + noise[i] + noise[0], \
             (i, f"planned {ratio_p:.3f}x, measured {ratio_m:.3f}x (noise {noise[i]:.1%}, {noise[0]:.1%})")

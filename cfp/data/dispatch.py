@@ -16,13 +16,14 @@ import numpy as np
 from cfp.data.milp import Milp
 from cfp.data.schemes import Scheme
 from cfp.errors import InfeasibleError
+from cfp.runtime.schedules import pipeline_time
 
 
 def pipeline_estimate(scheme: Scheme, lengths: np.ndarray) -> float:
+    """Each sequence its own micro-batch through pp like stages (`cfp.runtime.schedules.pipeline_time`)."""
     if lengths.size == 0:
         return 0.0
-    cost = scheme.seq_cost(lengths)
-    return float(cost.sum() + (scheme.pp - 1) * cost.max())
+    return pipeline_time([1.0] * scheme.pp, scheme.seq_cost(lengths).tolist())
 
 
 def makespan(pipelines: Sequence[Scheme], lengths, assign) -> float:
@@ -60,6 +61,7 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
                 continue
             load, p = heaps[k][0]
             ck = costs[k][i]
+            # `pipeline_estimate`'s growth: sequences come longest first, so a pipeline's first is its slowest
             t = load + ck if started[p] else load + ck * (1 + bubble[k])
             if t < best:
                 best, best_k = t, k

@@ -16,6 +16,7 @@ import numpy as np
 from cfp.data.milp import Milp
 from cfp.data.schemes import Scheme
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.runtime.schedules import pipeline_time as _schedule_time
 
 MicroBatches = list[list[int]]   # per micro-batch, indices into the pipeline's length list
 
@@ -45,11 +46,10 @@ def pack_fixed(lengths: Sequence[int], max_len: int) -> MicroBatches:
 
 
 def pipeline_time(scheme: Scheme, lengths: np.ndarray, mbs: MicroBatches) -> float:
-    """Σ micro-batch cost + (pp-1)·slowest micro-batch (one stage's view of a pipelined step)."""
+    """Σ micro-batch cost + (pp-1)·slowest micro-batch: `cfp.runtime.schedules.pipeline_time` of pp like stages."""
     if not mbs:
         return 0.0
-    costs = [scheme.mb_cost(lengths[mb]) for mb in mbs]
-    return float(sum(costs) + (scheme.pp - 1) * max(costs))
+    return _schedule_time([1.0] * scheme.pp, [scheme.mb_cost(lengths[mb]) for mb in mbs])
 
 
 def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len: int
@@ -78,7 +78,7 @@ def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len
         t = tokens[j]
         heapq.heappush(heap, (a * (t * t if dense else sq[j]) + b * t + c, j))
     costs = [cost for cost, j in heap if bins[j]]
-    return [mb for mb in bins if mb], sum(costs) + (scheme.pp - 1) * max(costs)
+    return [mb for mb in bins if mb], _schedule_time([1.0] * scheme.pp, costs)
 
 
 def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = None,
@@ -103,7 +103,7 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
             return
         # lower bound of the pipeline time at m (Σ over micro-batches is convex in their tokens)
         work = scheme.a * (total * total / m if scheme.dense_rows else sq) + scheme.b * total + m * scheme.c
-        bound = work + (scheme.pp - 1) * work / m
+        bound = _schedule_time([1.0] * scheme.pp, m) * work / m
         if tried and bound >= min(t for t, _ in tried.values()):
             tried[m] = (np.inf, None)
             return

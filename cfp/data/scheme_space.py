@@ -8,8 +8,10 @@ arguments + outputs + temporaries) get least-squares fits a·s²+b·s+c, and max
 length (a power of two) whose fitted memory is within the budget.
 
 Estimated (GPU cost model, bf16, flash-style varlen attention): per stage and micro-batch of s tokens
-    flops  = 6·P_layer·s·L/pp + 6·h·s²·L/pp  (causal attention: half of 12·h·s² per layer)  [+ LM head on the
-             last stage, 6·V·h·s/pp spread]
+    flops  = 3·F_token·s·L/pp + 6·h·s²·L/pp  (causal attention: half of 12·h·s² per layer)  [+ the head on the
+             last stage, 3·F_head·s/pp spread]
+with F_token a layer's forward dot FLOPs per token and F_head the head's, and the parameter counts of
+`cfp.models.costs.ModelCost` (the figures every pricing pass reads)
     time   = flops / (cp·tp · peak_bf16 · MFU) + TP all-reduces 4·2(tp-1)/tp·s·h·2 B·L/pp / link
              + CP ring 2·2·(cp-1)/cp·s·kv·2 B·L/pp / link  (not overlapped: pessimistic)
     memory = 16 B·params/(tp·pp) + 34·h·s·L/(tp·cp) B  (1F1B keeps ~pp micro-batches on stage 0, each
@@ -42,22 +44,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layer_params(cfg) -> float:
-    h, kv = cfg.hidden_size, getattr(cfg, "num_kv_heads", cfg.num_heads) * cfg.head_dim
-    mlp = (3 if hasattr(cfg, "rope_theta") else 2) * h * cfg.ffn_size
-    return 2 * h * h + 2 * h * kv + mlp
-
-
 def estimate_space(model: str, config_name: str, cfg, gpu_name: str, max_devices: int = 64,
                    mfu: float = DEFAULT_MFU, lengths: Sequence[int] = (1024, 4096, 16384, 65536)) -> SchemeSpace:
     gpu = get_gpu(gpu_name)
     if not 0 < mfu <= 1:
         raise ConfigError(f"mfu={mfu!r} must be in (0, 1]")
-    h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    h, L = cfg.hidden_size, cfg.num_layers
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * cfg.head_dim
     link = gpu.link_gbps * 1e9
     peak = gpu.peak_flops("bfloat16") * mfu
-    p_total = _layer_params(cfg) * L + 2 * V * h
+    from cfp.models.costs import ModelCost
+    cost = ModelCost(cfg)
+    p_total = cost.layer_params(1) * L + cost.embed_params(1) + cost.head_params(1)
+    token_flops, head_flops = cost.layer_token_flops(1), cost.head_dot_flops(1) / cfg.seq_len
     pw2 = [1 << i for i in range(int(math.log2(max_devices)) + 1)]
     out = []
     for cp, tp, pp in itertools.product(pw2, pw2, pw2):
@@ -65,7 +64,7 @@ def estimate_space(model: str, config_name: str, cfg, gpu_name: str, max_devices
             continue
         lpp = L / pp
         s = np.asarray(lengths, np.float64)
-        flops = 6 * _layer_params(cfg) * s * lpp + 6 * h * s * s * lpp + 6 * V * h * s / pp
+        flops = 3 * token_flops * s * lpp + 6 * h * s * s * lpp + 3 * head_flops * s / pp
         t = flops / (cp * tp * peak)
         t += (4 * 2 * (tp - 1) / tp * s * h * 2 * lpp + 4 * (cp - 1) / cp * s * kv * 2 * lpp) / link
         a, b, c = fit_quadratic(s, t + 20e-6 * lpp)   # ~20 µs of launches per layer and micro-batch
@@ -144,8 +143,7 @@ def _measure_scheme(model: str, cfg, params, shape, lengths, repeats: int, memor
     times, mems = [], []
     for s in lengths:
         mb = [[materialize([rng.integers(0, 256, s + 1).astype(np.uint8)], [0], packed=True)]]
-        stage_mem = [ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                     for ma in trainer.stage_memory(mb[0][0]["inputs"].shape)]
+        stage_mem = trainer.stage_memory(mb[0][0]["inputs"].shape)
         mems.append(max(stage_mem))
         trainer.forward_backward(mb)  # warm
         ts = []

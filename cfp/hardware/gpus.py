@@ -26,7 +26,12 @@ Sources:
             tensor cores: those dtypes run at the FP32 rate); HBM2 900 GB/s; NVLink 300 GB/s total.
   [cpu]     Measured on this project's 2-core machine with 8 simulated XLA:CPU devices: a 1024x1024 float32
             matmul on all 8 devices at once runs at 252 GFLOP/s in total (31.5 per device); a numpy copy moves
-            14 GB/s (read + write). Devices share the cores, so per-device figures hold only when all are busy.
+            14 GB/s (read + write). Devices share the cores (`shared_host`), so per-device figures hold only
+            when all are busy. `benchmarks/calibrate_cpu.py` measures these figures (GEMM rate, memory bandwidth,
+            all-reduce latency and bandwidth over 2/4/8 devices) on the machine at hand; on the shared host at load
+            average 14-24 it measured 3.1-7.8 GFLOP/s per device (512-256 GEMMs), 0.4-0.6 GB/s and 1.6-2.1 GB/s
+            all-reduce bandwidth, so the entry's figures hold for an idle host only;
+            `benchmarks/planner_measured.py --calibrate` plans with the figures measured at the time.
 """
 from __future__ import annotations
 
@@ -58,6 +63,9 @@ class GpuSpec:
     link_gbps: float       # GB/s per direction between two devices of one machine
     link: str
     source: str
+    # the machine's devices share one host's cores (simulated XLA:CPU devices): its throughput is divided
+    # among the busy ones, so a pipeline's idle stages lend theirs to the others
+    shared_host: bool = False
 
     def __post_init__(self):
         table = dict(self.tflops)
@@ -81,10 +89,12 @@ class GpuSpec:
         return self.peak(Precision.BF16 if dtype in ("bfloat16", "float16") else Precision.FP32)
 
 
-def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None) -> GpuSpec:
+def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None,
+         shared_host=False) -> GpuSpec:
     table = {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16 or bf16,
              Precision.FP8: fp8}
-    return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source)
+    return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source,
+                   shared_host)
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
@@ -99,7 +109,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     _gpu("RTX4090", 82.6, 82.6, 165.2, 330.3, 1008.0, 24.0, 32.0, "PCIe Gen4 x16", "AD102"),
     _gpu("L4", 30.3, 60.0, 121.0, 242.5, 300.0, 24.0, 32.0, "PCIe Gen4 x16", "L4"),
     _gpu("V100-SXM2-32G", 15.7, None, None, None, 900.0, 32.0, 150.0, "NVLink 2", "V100", fp16=125.0),
-    _gpu("cpu", 0.0315, None, None, None, 14.0 / 8, 24.0 / 8, 14.0 / 8, "shared host memory", "cpu"),
+    _gpu("cpu", 0.0315, None, None, None, 14.0 / 8, 24.0 / 8, 14.0 / 8, "shared host memory", "cpu",
+         shared_host=True),
 )}
 
 

@@ -16,17 +16,21 @@ def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[StageL
 
 
 def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
-    """Seconds one layer adds to a stage's forward + backward of one micro-batch."""
-    m = cm.model
-    intra = cm.cluster.machines[st.machine].intra_bandwidth
-    ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-    return 4 * cm.layer_seconds(st.machine, st.tp, mb) + 6 * ar
+    """Seconds one layer adds to a stage's forward + backward of one micro-batch (memoised by machine spec)."""
+    key = ("layer_time", cm.kind[st.machine], len(st.devices), mb)
+    memo = cm.build_memo
+    if key not in memo:
+        m = cm.model
+        intra = cm.cluster.machines[st.machine].intra_bandwidth
+        ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+        memo[key] = 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces() * ar
+    return memo[key]
 
 
 def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:
     """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
     the number of layers)."""
-    return max(0, min(limit, cm.layer_capacity(pipe.stages[i], i, pipe, n_pipes)))
+    return max(0, min(limit, cm.layer_capacities(pipe, n_pipes)[i]))
 
 
 def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunks: int,
@@ -39,7 +43,7 @@ def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunk
         return None
     mb = batch // chunks
     pipe = PipelineLayout(tuple(stages), batch, chunks)
-    caps = [_max_layers(cm, pipe, i, n_pipes, L) for i in range(len(stages))]
+    caps = [max(0, min(L, c)) for c in cm.layer_capacities(pipe, n_pipes)]
     if min(caps) < 1 or sum(caps) < L:
         return None
     tau = [layer_time(cm, st, mb) for st in stages]
@@ -110,33 +114,59 @@ def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], t
     return c
 
 
+def orders_signature(cm: CostModel, orders: Sequence[Sequence[StageLayout]]) -> tuple:
+    """What the layer splits and times of a pipeline's candidate stage orders depend on: per stage its
+    machine's spec and TP degree, and whether its neighbour is on the same machine (the link); pipelines of
+    like machines share it."""
+    kind = cm.kind
+    return tuple((tuple((kind[st.machine], len(st.devices)) for st in o),
+                  tuple(a.machine == b.machine for a, b in zip(o, o[1:]))) for o in orders)
+
+
 def _best_order(cm: CostModel, orders: Sequence[Sequence[StageLayout]], chunks: int, micro_batch: int,
-                n_pipes: int) -> Optional[tuple[StageLayout, ...]]:
+                n_pipes: int, signature: Optional[tuple] = None) -> Optional[tuple[StageLayout, ...]]:
     """The candidate stage order, with its layers split for `chunks` micro-batches, whose pipeline (and
-    optimizer update) is fastest; None when no order fits."""
+    optimizer update) is fastest; None when no order fits. Memoised by the orders' signature
+    (`orders_signature`): planning at scale builds many pipelines of like machines."""
+    sig = orders_signature(cm, orders) if signature is None else signature
+    key = ("best_order", sig, chunks, micro_batch, n_pipes)
+    memo = cm.build_memo
+    if key not in memo:
+        found = _search_orders(cm, orders, chunks, micro_batch, n_pipes)
+        memo[key] = None if found is None else (found[0], tuple(st.layers for st in found[1]))
+    hit = memo[key]
+    if hit is None:
+        return None
+    return tuple(StageLayout(st.devices, st.machine, n) for st, n in zip(orders[hit[0]], hit[1]))
+
+
+def _search_orders(cm: CostModel, orders: Sequence[Sequence[StageLayout]], chunks: int, micro_batch: int,
+                   n_pipes: int) -> Optional[tuple[int, tuple[StageLayout, ...]]]:
     best, best_t = None, math.inf
-    for stages in orders:
+    for i, stages in enumerate(orders):
         st = split_layers(cm, stages, chunks * micro_batch, chunks, n_pipes)
         if st is not None:
             a, w = pipeline_terms(cm, st, micro_batch)
             t = a + (chunks - 1) * w + cm.update_time(ClusterLayout((PipelineLayout(st, chunks, chunks),)))
             if t < best_t:
-                best, best_t = st, t
+                best, best_t = (i, st), t
     return best
 
 
 def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]], global_batch: int,
-                 micro_batch: int) -> Optional[ClusterLayout]:
-    """`pipes`: per pipeline, candidate stage orders. Each pipeline's order and layer split chosen at an
-    even share of micro-batches (memory checked there), micro-batches split by pipeline time under
-    memory, then each order re-chosen with its layers re-split for the real micro-batch count (the best
-    order depends on it: the first stage stores more inputs, the last holds the head)."""
+                 micro_batch: int, signatures: Optional[Sequence[tuple]] = None) -> Optional[ClusterLayout]:
+    """`pipes`: per pipeline, candidate stage orders (`signatures`: their `orders_signature`s, if known).
+    Each pipeline's order and layer split chosen at an even share of micro-batches (memory checked there),
+    micro-batches split by pipeline time under memory, then each order re-chosen with its layers re-split for
+    the real micro-batch count (the best order depends on it: the first stage stores more inputs, the last
+    holds the head)."""
     k = len(pipes)
     if global_batch % micro_batch or global_batch // micro_batch < k:
         return None
     total = global_batch // micro_batch
     guess = max(1, total // k)
-    first = [_best_order(cm, orders, guess, micro_batch, k) for orders in pipes]
+    sigs = signatures or [orders_signature(cm, orders) for orders in pipes]
+    first = [_best_order(cm, orders, guess, micro_batch, k, sig) for orders, sig in zip(pipes, sigs)]
     if any(st is None for st in first):
         return None
     chunks = allocate_chunks([pipeline_terms(cm, st, micro_batch) for st in first],
@@ -144,8 +174,8 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]]
     if chunks is None:
         return None
     out = []
-    for orders, c in zip(pipes, chunks):
-        st = _best_order(cm, orders, c, micro_batch, k)
+    for orders, sig, c in zip(pipes, sigs, chunks):
+        st = _best_order(cm, orders, c, micro_batch, k, sig)
         if st is None:
             return None
         out.append(PipelineLayout(st, c * micro_batch, c))

@@ -3,8 +3,8 @@
 For every stage of a layout it lowers and compiles the runtime's forward, backward and update programs
 (`cfp.runtime.stage.StageProgram`, abstract arguments, nothing runs) and sets the cost model's figures
 beside XLA's: per-device FLOPs of one micro-batch's forward and backward (`cost_analysis()["flops"]`)
-and the bytes of the backward and update programs (`memory_analysis()`: arguments + outputs + temporaries
-- aliased). The model's backward figure is the params and gradient accumulator, the stage input and its
+and the bytes of the backward and update programs (`cfp.xla.compiled.compiled_memory`: arguments + outputs
++ temporaries - aliased). The model's backward figure is the params and gradient accumulator, the stage input and its
 gradient, and one micro-batch's stage activations; its update figure is params, Adam moments and one
 gradient per pipeline.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cfp.planner.costmodel import PARAM_BYTES, ClusterLayout, CostModel
+from cfp.xla.compiled import compiled_memory
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,6 @@ class StageCheck:
         return {name: (e - c) / c for name, (e, c) in (
             ("flops_fwd", self.flops_fwd), ("flops_bwd", self.flops_bwd),
             ("bytes_bwd", self.bytes_bwd), ("bytes_update", self.bytes_update))}
-
-
-def _program_bytes(compiled) -> float:
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
 
 
 def _model_figures(cm: CostModel, layout: ClusterLayout, p: int, i: int) -> tuple[float, float, float, float]:
@@ -67,5 +62,6 @@ def check_compiled_stages(model_name: str, config: Any, cm: CostModel, layout: C
         fwd, bwd, upd = (f.lower(*a).compile() for f, a in ((fwd, fwd_args), (bwd, bwd_args), (upd, upd_args)))
         ff, fb, mb, mu = _model_figures(cm, layout, p, i)
         out.append(StageCheck((p, i), (ff, fwd.cost_analysis()["flops"]), (fb, bwd.cost_analysis()["flops"]),
-                              (mb, _program_bytes(bwd)), (mu, _program_bytes(upd))))
+                              (mb, compiled_memory(bwd, donated=True)),
+                              (mu, compiled_memory(upd, donated=True))))
     return out

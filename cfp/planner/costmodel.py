@@ -1,19 +1,18 @@
-"""The planner's cost model of one training step of a decoder model on a heterogeneous layout.
+"""The planner's cost model of one training step of a model of the zoo on a heterogeneous layout.
 
-Per layer and per sequence it counts the dots' FLOPs exactly as the model zoo writes them (q/k/v/out
-projections, the two attention einsums, the MLP) plus a small elementwise term, and parameters per
-device under the runtime's Megatron shardings (`cfp.runtime.sharding`: a dimension TP does not divide
-stays replicated). The runtime keeps only each micro-batch's stage input between forward and backward
-and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
+The model's figures -- per-device parameters, each dot's FLOPs and GEMM shape, memory-bound bytes, kept
+activations, the TP all-reduces -- come from `cfp.models.costs.ModelCost`, which describes every model once
+(GPT, Llama-2, GShard MoE, BERT). The runtime keeps only each micro-batch's stage input between forward and
+backward and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
 (recompute + 2x for the gradients) and its activation peak is one micro-batch's whole stage.
 
-Compute time: each dot of a layer (q, k/v, out, the attention einsums, the MLP; the LM head) at its own
-per-device GEMM shape's achievable rate from `cfp.hardware.rates` (the precision from the dtype as JAX
-runs it, the large-GEMM efficiency and its fall-off for thin shapes; shared with the profiling pass's
-estimate), so a high TP degree or a short micro-batch costs more per FLOP; the elementwise FLOPs at the
-large-GEMM rate. MFU is against the dense peaks of that precision.
+Compute time: each dot at its own per-device GEMM shape's achievable rate from `cfp.hardware.rates` (the
+precision from the dtype as JAX runs it, the large-GEMM efficiency and its fall-off for thin shapes; shared
+with the profiling pass's estimate), so a high TP degree or a short micro-batch costs more per FLOP; the
+elementwise and normalisation work (softmax, norms, residuals, activations, the loss, the embedding's dense
+gradient) at the device's memory bandwidth. MFU is against the dense peaks of that precision.
 
-Step time = slowest pipeline (closed form of GPipe / non-interleaved 1F1B: the sum of the stage
+Step time = slowest pipeline (the schedule's `cfp.runtime.schedules.pipeline_time`: the sum of the stage
 times plus (m-1) times the slowest stage, sends included) + gradient sync across pipelines (ring
 all-reduce per layer over the slowest link) + the memory-bound AdamW update. Collectives come from
 `cfp.hardware.collectives.collective_time`. Unlike FlashFlex's model no empirical factors (1.8, 1.1)
@@ -26,14 +25,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
-from cfp.models.configs import GPTConfig, LlamaConfig
+from cfp.models.costs import PARAM_BYTES, ModelCost
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
-from cfp.runtime.schedules import ScheduleName
+from cfp.runtime.schedules import SCHEDULES, ScheduleName
 
 
 def _memo(fn):
@@ -46,9 +47,6 @@ def _memo(fn):
             table[key] = fn(self, *args)
         return table[key]
     return wrapper
-
-
-PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
 
 
 def achievable_flops(gpu: GpuSpec, precision: Precision) -> float:
@@ -64,6 +62,23 @@ def precision_of(dtype: str, gpu: GpuSpec) -> Precision:
 
 
 # ----------------------------------------------------------------------------- layouts
+def _host_sums(parts) -> list[float]:
+    """Per shared-host machine, the sum of its (machine, seconds) entries over pipelines (0.0 if none)."""
+    total: dict[int, float] = {}
+    for items in parts:
+        for m, t in items:
+            total[m] = total.get(m, 0.0) + t
+    return list(total.values()) or [0.0]
+
+
+def _cached_hash(obj) -> int:
+    h = obj.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(obj, f) for f in obj.__dataclass_fields__))
+        object.__setattr__(obj, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class StageLayout:
     """One stage: its devices (one machine), TP degree = len(devices), number of layers."""
@@ -75,12 +90,18 @@ class StageLayout:
     def tp(self) -> int:
         return len(self.devices)
 
+    def __hash__(self) -> int:      # cached: planning at scale hashes layouts millions of times
+        return _cached_hash(self)
+
 
 @dataclass(frozen=True)
 class PipelineLayout:
     stages: tuple[StageLayout, ...]
     batch: int      # sequences per step
     chunks: int     # micro-batches
+
+    def __hash__(self) -> int:
+        return _cached_hash(self)
 
     @property
     def micro_batch(self) -> int:
@@ -105,136 +126,6 @@ class ClusterLayout:
                 "devices_id": [[list(s.devices) for s in p.stages] for p in self.pipelines]}
 
 
-# ----------------------------------------------------------------------------- model figures
-@dataclass(frozen=True)
-class ModelCost:
-    """Per-sequence figures of one decoder config (FLOPs forward, elements, parameter counts)."""
-    config: Any
-
-    def __post_init__(self):
-        object.__setattr__(self, "_memo", {})
-        if not isinstance(self.config, (GPTConfig, LlamaConfig)):
-            raise ConfigError(f"the planner's cost model covers decoder models gpt and llama2, got "
-                              f"{type(self.config).__name__}")
-
-    @property
-    def llama(self) -> bool:
-        return isinstance(self.config, LlamaConfig)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.config.num_kv_heads if self.llama else self.config.num_heads
-
-    @property
-    def act_bytes(self) -> int:
-        return 2 if self.config.dtype == "bfloat16" else 4
-
-    # -- parameters
-    @_memo
-    def layer_params(self, tp: int = 1) -> float:
-        """Parameters of one layer held by one device at TP degree `tp`."""
-        c, h = self.config, self.config.hidden_size
-        kv = self.kv_heads * c.head_dim
-        kv_div = tp if self.kv_heads % tp == 0 else 1
-        if self.llama:
-            return (2 * h * h / tp + 2 * h * kv / kv_div + 3 * h * c.ffn_size / tp + 2 * h)
-        # GPT: biases of column-parallel q/k/v/fc_in are split, out/fc_out biases and LayerNorms not
-        return (4 * h * h + 3 * h + 2 * h * c.ffn_size + c.ffn_size) / tp + 2 * h + 4 * h
-
-    @_memo
-    def embed_params(self, tp: int = 1) -> float:
-        """Per-device embedding parameters: the token table is vocab-parallel where `tp` divides the vocabulary
-        (cfp.sharding.rules), GPT's position table replicated."""
-        c = self.config
-        div = tp if c.vocab_size % tp == 0 else 1
-        return c.vocab_size * c.hidden_size / div + (0 if self.llama else c.seq_len * c.hidden_size)
-
-    @_memo
-    def head_params(self, tp: int = 1) -> float:
-        c = self.config
-        div = tp if c.vocab_size % tp == 0 else 1
-        return c.hidden_size * c.vocab_size / div + (1 if self.llama else 2) * c.hidden_size
-
-    # -- FLOPs per sequence, forward
-    @_memo
-    def layer_dot_flops(self, tp: int = 1) -> float:
-        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
-        kv = self.kv_heads * c.head_dim
-        kv_div = tp if self.kv_heads % tp == 0 else 1
-        mlp = (3 if self.llama else 2) * 2 * s * h * c.ffn_size
-        return (4 * s * h * h + 4 * s * s * h + mlp) / tp + 4 * s * h * kv / kv_div
-
-    @_memo
-    def layer_gemms(self, tp: int, mb: int) -> tuple[tuple[float, tuple[float, float, float]], ...]:
-        """(FLOPs, per-device GEMM shape (m, n, k)) of each dot of one layer's forward on `mb` sequences;
-        the FLOPs sum to `mb * layer_dot_flops(tp)`. A dot's backward GEMMs permute (m, n, k), which
-        `cfp.hardware.rates.gemm_efficiency` treats alike."""
-        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
-        kv = self.kv_heads * c.head_dim / (tp if self.kv_heads % tp == 0 else 1)
-        t, f, d = mb * s, c.ffn_size / tp, c.head_dim
-        heads = mb * c.num_heads / tp          # batched attention GEMMs, one per sequence and head
-        return ((2 * t * h * h / tp, (t, h / tp, h)),            # q
-                (2 * t * h * h / tp, (t, h, h / tp)),            # out
-                (4 * t * h * kv, (t, kv, h)),                    # k and v
-                (2 * heads * s * s * d, (s, s, d)),              # scores
-                (2 * heads * s * s * d, (s, d, s)),              # probabilities x values
-                ((4 if self.llama else 2) * t * h * f, (t, f, h)),   # MLP in (Llama: gate and up)
-                (2 * t * h * f, (t, h, f)))                      # MLP out
-
-    @_memo
-    def head_gemm(self, tp: int, mb: int) -> tuple[float, tuple[float, float, float]]:
-        c, t = self.config, mb * self.config.seq_len
-        v = c.vocab_size / (tp if c.vocab_size % tp == 0 else 1)
-        return 2 * t * c.hidden_size * v, (t, v, c.hidden_size)
-
-    @_memo
-    def layer_elementwise_flops(self, tp: int = 1) -> float:
-        """Softmax (~5 per score), norms and residuals (~10 per hidden element), activation (~5 per
-        MLP element), RoPE (~6 per q/k element): a rough count, small next to the dots."""
-        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
-        rope = 6 * s * (h + self.kv_heads * c.head_dim) if self.llama else 0
-        return (5 * c.num_heads * s * s + 5 * s * c.ffn_size + rope) / tp + 10 * s * h
-
-    @_memo
-    def layer_flops(self, tp: int = 1) -> float:
-        return self.layer_dot_flops(tp) + self.layer_elementwise_flops(tp)
-
-    @_memo
-    def head_flops(self, tp: int = 1) -> float:
-        c, s = self.config, self.config.seq_len
-        div = tp if c.vocab_size % tp == 0 else 1
-        return (2 * s * c.hidden_size * c.vocab_size + 5 * s * c.vocab_size) / div + 10 * s * c.hidden_size
-
-    @_memo
-    def model_flops_per_sequence(self) -> float:
-        """Dot FLOPs of forward + backward without recomputation (the MFU numerator)."""
-        c = self.config
-        return 3 * (c.num_layers * self.layer_dot_flops(1) + 2 * c.seq_len * c.hidden_size * c.vocab_size)
-
-    # -- activation bytes per sequence
-    @_memo
-    def layer_activation_bytes(self, tp: int = 1) -> float:
-        """Bytes one layer's recomputed forward keeps for its backward, per sequence: hidden-size
-        tensors (input, norms, residual), q/k/v/attention output, float32 scores and probabilities,
-        MLP intermediates."""
-        c, s, h = self.config, self.config.seq_len, self.config.hidden_size
-        kv = self.kv_heads * c.head_dim * (1 if self.kv_heads % tp == 0 else tp)
-        mlp_tensors = 4 if self.llama else 2
-        per_token = 5 * h + (2 * h + 2 * kv + mlp_tensors * c.ffn_size) / tp
-        return s * per_token * self.act_bytes + 3 * 4 * c.num_heads * s * s / tp
-
-    @_memo
-    def head_activation_bytes(self, tp: int = 1) -> float:
-        c = self.config
-        div = tp if c.vocab_size % tp == 0 else 1
-        return 3 * 4 * c.seq_len * c.vocab_size / div  # float32 logits, log-softmax, their gradient
-
-    @_memo
-    def boundary_bytes(self) -> float:
-        """Bytes per sequence of the activation (or its gradient) sent between stages."""
-        return self.config.seq_len * self.config.hidden_size * self.act_bytes
-
-
 # ----------------------------------------------------------------------------- estimate
 @dataclass(frozen=True)
 class StageEstimate:
@@ -247,6 +138,7 @@ class StageEstimate:
     flops_bwd: float
     update: float = 0.0  # seconds of the AdamW update (memory-bound)
     measured: bool = False  # fwd/bwd from a measured stage time (`MeasuredStageTimes`), not the model
+    params: float = 0.0     # parameters per device
 
 
 @dataclass(frozen=True)
@@ -272,10 +164,14 @@ class _PipelineFigures:
     stages: tuple[StageEstimate, ...]
     time: float                     # the pipeline's forward-backward time, seconds
     update: float                   # its slowest stage's optimizer update, seconds
-    layer_tp: tuple[int, ...]       # TP degree per layer
+    layer_tp: np.ndarray            # TP degree per layer
     fits: bool
     peak: float                     # dense peak FLOP/s of its devices
     machines: frozenset
+    share: tuple[float, ...]        # per stage: its devices' share of their host (0: not a shared host)
+    host_busy: tuple[tuple[int, float], ...]    # (shared-host machine, its compute seconds for this pipeline)
+    host_update: tuple[tuple[int, float], ...]  # (shared-host machine, its update seconds for this pipeline)
+    own_update: float               # the slowest update among stages on machines of their own
 
 
 @dataclass(frozen=True)
@@ -290,13 +186,17 @@ class CostModel:
     def __post_init__(self):
         object.__setattr__(self, "model", ModelCost(self.config))
         object.__setattr__(self, "_machines", self.cluster.machine_of())
+        ms = self.cluster.machines       # machines of one spec price alike: memo keys use the first's index
+        object.__setattr__(self, "kind", tuple(ms.index(m) for m in ms))
         prec = [precision_of(self.config.dtype, m.gpu) for m in self.cluster.machines]
         object.__setattr__(self, "_precision", prec)
         object.__setattr__(self, "_peak", [m.gpu.peak(p) for m, p in zip(self.cluster.machines, prec)])
         object.__setattr__(self, "_rate", [achievable_flops(m.gpu, p) for m, p in zip(self.cluster.machines, prec)])
+        object.__setattr__(self, "_stored", SCHEDULES[self.schedule].stored_inputs)
         object.__setattr__(self, "_stage_memo", {})
         object.__setattr__(self, "_pipe_memo", {})
         object.__setattr__(self, "_memo", {})
+        object.__setattr__(self, "build_memo", {})     # `cfp.planner.build`'s memo of layer splits
 
     def rate(self, machine: int) -> float:
         """A large GEMM's FLOP/s on `machine`'s devices (their speed, for partitioning)."""
@@ -309,16 +209,26 @@ class CostModel:
     @_memo
     def layer_seconds(self, machine: int, tp: int, mb: int) -> float:
         """Forward compute of one layer on `mb` sequences: each dot at its shape's achievable rate
-        (`cfp.hardware.rates`), the elementwise ops' FLOPs at the large-GEMM rate (small next to the dots)."""
+        (`cfp.hardware.rates`), the elementwise and normalisation work at memory bandwidth (memory-bound)."""
         return (self._dot_seconds(machine, self.model.layer_gemms(tp, mb))
-                + mb * self.model.layer_elementwise_flops(tp) / self.rate(machine))
+                + mb * self.model.layer_elementwise_bytes(tp) / self._mem_bw(machine))
 
     @_memo
     def head_seconds(self, machine: int, tp: int, mb: int) -> float:
         """Forward compute of the LM head (and its loss) on `mb` sequences, like `layer_seconds`."""
         m = self.model
-        gemm = m.head_gemm(tp, mb)
-        return self._dot_seconds(machine, (gemm,)) + (mb * m.head_flops(tp) - gemm[0]) / self.rate(machine)
+        return (self._dot_seconds(machine, m.head_gemms(tp, mb))
+                + mb * m.head_elementwise_bytes(tp) / self._mem_bw(machine))
+
+    @_memo
+    def embed_seconds(self, machine: int, tp: int, mb: int) -> tuple[float, float]:
+        """(forward, backward) of the embedding on `mb` sequences: memory-bound gathers and the dense
+        float32 gradient of the token table."""
+        fwd, bwd = self.model.embed_elementwise_bytes(tp)
+        return mb * fwd / self._mem_bw(machine), bwd / self._mem_bw(machine)
+
+    def _mem_bw(self, machine: int) -> float:
+        return self.cluster.machines[machine].gpu.mem_gbps * 1e9
 
     def precisions(self) -> tuple[Precision, ...]:
         """The arithmetic of the model's dots on each device type used (sorted, distinct)."""
@@ -330,9 +240,7 @@ class CostModel:
 
     def stored_inputs(self, stage_index: int, num_stages: int, chunks: int) -> int:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
-        if self.schedule == ScheduleName.ONE_F_ONE_B:
-            return min(chunks, num_stages - stage_index)
-        return chunks
+        return self._stored(stage_index, num_stages, chunks)
 
     def stage_flops(self, st: StageLayout, first: bool, last: bool, mb: int) -> tuple[float, float]:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
@@ -363,18 +271,28 @@ class CostModel:
 
     def layer_capacity(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
-        the number of layers); memoised on what the terms depend on (planning at scale asks ~10^6 times)."""
-        n = len(pipe.stages)
-        key = ("layer_capacity", st.machine, st.tp, idx == 0, idx == n - 1,
-               self.stored_inputs(idx, n, pipe.chunks), pipe.micro_batch, n_pipes)
-        if key not in self._memo:
-            cap = self.cluster.machines[st.machine].memory
-            s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
-            # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
-            n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
-            n2 = (cap / (3 + n_pipes) - s0) / s1
-            self._memo[key] = int(math.floor(min(n1, n2) * (1 + 1e-12)))
-        return self._memo[key]
+        the number of layers)."""
+        cap = self.cluster.machines[st.machine].memory
+        s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
+        # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
+        n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
+        n2 = (cap / (3 + n_pipes) - s0) / s1
+        return int(math.floor(min(n1, n2) * (1 + 1e-12)))
+
+    def layer_capacities(self, pipe: PipelineLayout, n_pipes: int) -> list[int]:
+        """`layer_capacity` of every stage of `pipe`, memoised on what it depends on (planning at scale asks
+        ~10^6 times, hence the flat loop)."""
+        stages, memo, kind, stored = pipe.stages, self._memo, self.kind, self._stored
+        n, chunks, mb = len(stages), pipe.chunks, pipe.batch // pipe.chunks
+        out = []
+        for i, st in enumerate(stages):
+            key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == n - 1, stored(i, n, chunks),
+                   mb, n_pipes)
+            cap = memo.get(key)
+            if cap is None:
+                cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes)
+            out.append(cap)
+        return out
 
     def stage_memory(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> float:
         """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
@@ -388,8 +306,9 @@ class CostModel:
                        nxt: StageLayout | None) -> StageEstimate:
         """Memoised on what the figures depend on (not on which devices of the machine)."""
         n = len(pipe.stages)
-        key = (st.machine, st.tp, st.layers, idx == 0, idx == n - 1, self.stored_inputs(idx, n, pipe.chunks),
-               pipe.micro_batch, n_pipes, -1 if nxt is None else nxt.machine)
+        key = (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1,
+               self._stored(idx, n, pipe.chunks), pipe.micro_batch, n_pipes,
+               -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
         memo = self._stage_memo
         if key not in memo:
             memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
@@ -404,9 +323,10 @@ class CostModel:
         compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb)
                    + (self.head_seconds(st.machine, st.tp, mb) if last else 0.0))
         intra = self.cluster.machines[st.machine].intra_bandwidth
-        ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-        fwd = compute + 2 * st.layers * ar             # one all-reduce after attention, one after MLP
-        bwd = 3 * compute + 4 * st.layers * ar         # recomputed forward + backward (2x)
+        ar = m.layer_all_reduces() * collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+        emb_f, emb_b = self.embed_seconds(st.machine, st.tp, mb) if first else (0.0, 0.0)
+        fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
+        bwd = 3 * compute + emb_f + emb_b + 2 * st.layers * ar   # recomputed forward + backward (2x)
         measured = self._measured(st, first, last, mb)
         if measured is not None:                        # split 1:3 like the modelled compute
             fwd, bwd = measured / 4, 3 * measured / 4
@@ -417,7 +337,8 @@ class CostModel:
         cap = self.cluster.machines[st.machine].memory
         upd = 7 * PARAM_BYTES * self.stage_params(st, first, last) / (
             self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
-        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None)
+        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
+                             self.stage_params(st, first, last))
 
     def _measured(self, st: StageLayout, first: bool, last: bool, mb: int) -> Optional[float]:
         if self.stage_times is None:
@@ -426,12 +347,11 @@ class CostModel:
         return self.stage_times.lookup(gpu, StageShape(st.tp, st.layers, first, last, mb))
 
     def pipeline_time(self, stages: tuple[StageEstimate, ...], chunks: int) -> float:
-        """GPipe / non-interleaved 1F1B: fill and drain once through every stage, then chunks-1 times
-        the slowest stage (with its own sends, which are not overlapped with compute)."""
-        fill = sum(s.fwd + s.bwd + 2 * s.send for s in stages)
+        """The schedule's pipeline time (`cfp.runtime.schedules.pipeline_time`) of stages that each take their
+        forward, backward and the sends in and out of them (not overlapped with compute) per micro-batch."""
         prev_send = [0.0] + [s.send for s in stages[:-1]]
-        worst = max(s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send))
-        return fill + (chunks - 1) * worst
+        per_stage = [s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send)]
+        return SCHEDULES[self.schedule].time(per_stage, chunks)
 
     def _pipeline(self, pipe: PipelineLayout, n_pipes: int) -> _PipelineFigures:
         """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
@@ -442,54 +362,93 @@ class CostModel:
             st = pipe.stages
             ests = tuple(self.stage_estimate(s, i, pipe, n_pipes, st[i + 1] if i + 1 < len(st) else None)
                          for i, s in enumerate(st))
-            layer_tp = tuple(s.tp for s in st for _ in range(s.layers))
+            layer_tp = np.repeat([len(s.devices) for s in st], [s.layers for s in st])
+            ms = self.cluster.machines
+            share = tuple(len(s.devices) / ms[s.machine].count if ms[s.machine].gpu.shared_host else 0.0
+                          for s in st)
+            busy, upd = {}, {}
+            for s, e, f in zip(st, ests, share):
+                if f:
+                    busy[s.machine] = busy.get(s.machine, 0.0) + pipe.chunks * (e.fwd + e.bwd) * f
+                    upd[s.machine] = upd.get(s.machine, 0.0) + e.update * f
+            own = max([e.update for e, f in zip(ests, share) if not f], default=0.0)
             memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
                                          layer_tp, all(e.memory <= e.capacity for e in ests),
                                          sum(s.tp * self._peak[s.machine] for s in st),
-                                         frozenset(s.machine for s in st))
+                                         frozenset(s.machine for s in st), share, tuple(busy.items()),
+                                         tuple(upd.items()), own)
         return memo[key]
 
-    @_memo
-    def _all_reduce(self, nbytes: float, n: int, bw: float) -> float:
-        return collective_time("all-reduce", nbytes, n, bw)
-
     def dp_time(self, layout: ClusterLayout) -> float:
-        """Gradient sync: per layer a ring all-reduce over the pipelines of the largest per-device shard
-        among them, over the slowest link; a stage syncs its layers one after another, stages run at
-        once, so the step waits for the slowest stage."""
+        """Gradient sync as the runtime does it (`cfp.runtime.dispatch.sync_gradients`): every stage receives
+        its modules' gradients from every other pipeline, resharded onto its devices -- per layer a gather of
+        the pipelines' pieces (the largest per-device shard among them) over the slowest link the layout spans
+        -- and sums them (memory-bound); a stage syncs its layers one after another, stages at once, so the
+        step waits for the slowest stage (on a shared host: for the host to do them all)."""
         n = len(layout.pipelines)
         if n == 1:
             return 0.0
-        m = self.model
         figs = [self._pipeline(p, n) for p in layout.pipelines]
         machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
               else self.cluster.machines[next(iter(machines))].intra_bandwidth)
-        prefix = [0.0]
-        for tps in zip(*(f.layer_tp for f in figs)):
-            prefix.append(prefix[-1] + self._all_reduce(m.layer_params(min(tps)) * PARAM_BYTES, n, bw))
-        worst = 0.0
-        for p in layout.pipelines:
+        machine = next(iter(machines))
+        per_tp = self._sync_table(n, bw, self.kind[machine])
+        layer_tp = np.stack([f.layer_tp for f in figs])
+        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)]))).tolist()
+        sync = lambda params, machine: self._sync_seconds(params, n, bw, self.kind[machine])
+        worst, host = 0.0, {}
+        for p, f in zip(layout.pipelines, figs):
             layer, last = 0, len(p.stages) - 1
-            for i, st in enumerate(p.stages):
-                extra = (m.embed_params() if i == 0 else 0) + (m.head_params(1) if i == last else 0)
-                t = prefix[layer + st.layers] - prefix[layer] + self._all_reduce(extra * PARAM_BYTES, n, bw)
-                worst = max(worst, t)
+            for i, (st, share) in enumerate(zip(p.stages, f.share)):
+                t = prefix[layer + st.layers] - prefix[layer]
+                if i == 0 or i == last:
+                    extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last
+                                                                             else 0)
+                    t += sync(extra, st.machine)
+                if share:
+                    host[st.machine] = host.get(st.machine, 0.0) + t * share
+                else:
+                    worst = max(worst, t)
                 layer += st.layers
-        return worst
+        return max([worst, *host.values()])
+
+    @_memo
+    def _sync_table(self, n: int, bw: float, machine: int) -> np.ndarray:
+        """`_sync_seconds` of one layer's gradients by the TP degree of its shard (the index)."""
+        table = np.zeros(max(m.count for m in self.cluster.machines) + 1)
+        for tp in range(1, table.size):
+            table[tp] = self._sync_seconds(self.model.layer_params(tp), n, bw, machine)
+        return table
+
+    @_memo
+    def _sync_seconds(self, params: float, n: int, bw: float, machine: int) -> float:
+        """Gather `params` float32 from each of `n` pipelines and sum them on `machine`'s devices."""
+        nbytes = params * PARAM_BYTES
+        return collective_time("all-gather", n * nbytes, n, bw) + (n - 1) * 3 * nbytes / self._mem_bw(machine)
 
     def update_time(self, layout: ClusterLayout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
-        stages update at once, the step waits for the slowest."""
+        stages update at once, the step waits for the slowest (on a shared host: for the host to do them all)."""
         n = len(layout.pipelines)
-        return max(self._pipeline(p, n).update for p in layout.pipelines)
+        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        return max(max(f.own_update for f in figs), *_host_sums(f.host_update for f in figs))
+
+    def compute_time(self, layout: ClusterLayout, times: tuple[float, ...]) -> float:
+        """The forward-backward part of the step: the slowest pipeline; stages on a shared host (`GpuSpec.
+        shared_host`) lend their bubbles to the others, so their host takes its stages' work over its devices
+        (a pipeline wholly on shared hosts is bounded by them only)."""
+        n = len(layout.pipelines)
+        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        worst = max([t for t, f in zip(times, figs) if not all(f.share)], default=0.0)
+        return max(worst, *_host_sums(f.host_busy for f in figs))
 
     def estimate(self, layout: ClusterLayout) -> Estimate:
         n = len(layout.pipelines)
         figs = [self._pipeline(p, n) for p in layout.pipelines]
         times = tuple(f.time for f in figs)
-        dp, upd = self.dp_time(layout), max(f.update for f in figs)
-        step = max(times) + dp + upd
+        dp, upd = self.dp_time(layout), self.update_time(layout)
+        step = self.compute_time(layout, times) + dp + upd
         seqs = layout.global_batch
         peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)

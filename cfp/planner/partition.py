@@ -11,10 +11,12 @@ share the most bandwidth; with few machines every order of the machines is a can
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from typing import Sequence
 
+import numpy as np
 import pymetis
 
 from cfp.planner.cluster import Cluster
@@ -51,6 +53,21 @@ def _graph(cluster: Cluster, devices: Sequence[int], vweight) -> tuple[list[int]
     return xadj, adjncy, vw, ew
 
 
+@functools.lru_cache(maxsize=4096)
+def _metis(parts: int, xadj: tuple, adjncy: tuple, vw: tuple, ew: tuple) -> tuple[int, ...]:
+    """METIS' membership of a graph (memoised: with its fixed seed METIS gives the same cut of the same
+    graph, and pipelines of like machines give the same graph, which planning at scale cuts hundreds of
+    times)."""
+    graph = pymetis.CSRAdjacency(np.asarray(xadj, np.int32), np.asarray(adjncy, np.int32))
+    _, membership = pymetis.part_graph(parts, graph, vweights=np.asarray(vw, np.int32),
+                                       eweights=np.asarray(ew, np.int32), options=pymetis.Options(**_OPTIONS))
+    return tuple(membership)
+
+
+def _cut(parts: int, graph: tuple[list[int], list[int], list[int], list[int]]) -> tuple[int, ...]:
+    return _metis(parts, *(tuple(x) for x in graph))
+
+
 def _parts(n: int, devices: Sequence[int], membership: Sequence[int]) -> list[list[int]]:
     groups: dict[int, list[int]] = defaultdict(list)
     for d, p in zip(devices, membership):
@@ -66,9 +83,7 @@ def split_pipelines(cluster: Cluster, k: int, rate) -> list[list[int]]:
     if k >= len(devices):
         return [[d] for d in devices]
     scale = 100.0 / min(rate(d) for d in cluster.devices)
-    xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: rate(d) * scale)
-    _, membership = pymetis.part_graph(k, pymetis.CSRAdjacency(xadj, adjncy), vweights=vw, eweights=ew,
-                                       options=pymetis.Options(**_OPTIONS))
+    membership = _cut(k, _graph(cluster, devices, lambda d: rate(d) * scale))
     return sorted(_parts(k, devices, membership), key=lambda g: g[0])
 
 
@@ -136,9 +151,7 @@ def balanced_stages(cluster: Cluster, devices: Sequence[int], parts: int, rate, 
         membership = list(range(len(devices)))
     else:
         scale = 100.0 / min(rate(cluster.devices[d]) for d in devices)
-        xadj, adjncy, vw, ew = _graph(cluster, devices, lambda d: rate(d) * scale)
-        _, membership = pymetis.part_graph(parts, pymetis.CSRAdjacency(xadj, adjncy), vweights=vw,
-                                           eweights=ew, options=pymetis.Options(**_OPTIONS))
+        membership = _cut(parts, _graph(cluster, devices, lambda d: rate(d) * scale))
     out = []
     for part in _parts(len(devices), devices, membership):
         by_machine: dict[int, list[int]] = defaultdict(list)
@@ -201,19 +214,37 @@ def size_orders(sizes: Sequence[int]) -> list[tuple[int, ...]]:
 def order_stages(cluster: Cluster, groups: list[list[int]]) -> list[list[int]]:
     """Greedy chain: start in the machine holding most of the pipeline's groups, then always append the
     group with the most bandwidth to the chain's end (ties: same device type, then lowest id)."""
-    devs = cluster.devices
+    devs, machines = cluster.devices, cluster.machines
     queues: dict[int, list[list[int]]] = defaultdict(list)
     for g in sorted(groups, key=lambda g: g[0]):
         queues[devs[g[0]].machine].append(g)
     # groups of one machine share links and device type, so only each machine's lowest group competes
     start = min(queues, key=lambda m: (-len(queues[m]), queues[m][0][0]))
-    chain = [queues[start].pop(0)]
-    end = start
-    while any(queues.values()):
-        gpu = cluster.machines[end].gpu.name
-        nxt = min((m for m in queues if queues[m]),
-                  key=lambda m: (-cluster.link(end, m), cluster.machines[m].gpu.name != gpu, m, queues[m][0][0]))
-        chain.append(queues[nxt].pop(0))
+    live = sorted(queues)                               # machines with groups left
+    by_gpu: dict[str, list[int]] = defaultdict(list)
+    for m in live:
+        by_gpu[machines[m].gpu.name].append(m)
+    left = {m: len(q) for m, q in queues.items()}
+
+    def take(m: int) -> list[int]:
+        left[m] -= 1
+        if not left[m]:
+            live.remove(m)
+            by_gpu[machines[m].gpu.name].remove(m)
+        return queues[m][len(queues[m]) - left[m] - 1]
+
+    chain, end = [take(start)], start
+    while live:
+        gpu = machines[end].gpu.name
+        # every other machine is one inter-machine link away: the best of them is the lowest of the same
+        # type, else the lowest; the chain's own machine competes with its intra-machine link
+        cands = [m for m in (next((m for m in by_gpu[gpu] if m != end), None),
+                             next((m for m in live if m != end), None)) if m is not None]
+        if left[end]:
+            cands.append(end)
+        nxt = min(cands, key=lambda m: (-cluster.link(end, m), machines[m].gpu.name != gpu, m,
+                                        queues[m][len(queues[m]) - left[m]][0]))
+        chain.append(take(nxt))
         end = nxt
     return chain
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from cfp.errors import InfeasibleError
-from cfp.planner.build import build_layout, stage_layouts
+from cfp.planner.build import build_layout, orders_signature, stage_layouts
 from cfp.planner.cluster import Cluster
 from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate
 from cfp.planner.options import PlannerOptions
@@ -58,7 +58,7 @@ class _Search:
         self.cm, self.options = cm, options
         self.rate = lambda d: cm.rate(d.machine)
         self._phase1: dict[int, list[list[int]]] = {}
-        self._phase2: dict[tuple, list[list[int]]] = {}
+        self._phase2: dict[tuple, tuple[list, tuple]] = {}
         self._balanced: dict[tuple, list[list[int]]] = {}
         self.count = 0
 
@@ -69,9 +69,10 @@ class _Search:
                                         else split_pipelines(self.cm.cluster, k, self.rate))
         return self._phase1[k, by_type]
 
-    def stages(self, devices: list[int], tp_of, metis: bool) -> list[list[list[int]]]:
-        """Phase 2 and the candidate stage orders of one pipeline (cached: pipelines recur across TP
-        maps); with `metis`, METIS' compute-balanced cut is offered beside one TP degree per type."""
+    def stages(self, devices: list[int], tp_of, metis: bool) -> tuple[list, tuple]:
+        """Phase 2 and the candidate stage orders of one pipeline, as stage layouts with their signature
+        (cached: pipelines recur across TP maps); with `metis`, METIS' compute-balanced cut is offered beside
+        one TP degree per type."""
         cl = self.cm.cluster
         key = (tuple(devices), tuple(tp_of(m) for m in sorted({cl.devices[d].machine for d in devices})), metis)
         if key not in self._phase2:
@@ -82,18 +83,19 @@ class _Search:
                 if parts not in self._balanced:
                     self._balanced[parts] = balanced_stages(cl, devices, parts[1], self.rate, heads)
                 cuts = split_stages(cl, cuts[0], self._balanced[parts])
-            self._phase2[key] = [order for groups in cuts for order in stage_orders(cl, groups)]
+            orders = [stage_layouts(self.cm, o) for groups in cuts for o in stage_orders(cl, groups)]
+            self._phase2[key] = (orders, orders_signature(self.cm, orders))
         return self._phase2[key]
 
     def evaluate(self, k: int, tp: dict[str, int], metis: bool = False, by_type: bool = False
                  ) -> tuple[Optional[ClusterLayout], float]:
         cl = self.cm.cluster
         tp_of = lambda m: tp[cl.machines[m].gpu.name]
-        pipes = [[stage_layouts(self.cm, o) for o in self.stages(g, tp_of, metis)]
-                 for g in self.pipelines(k, by_type)]
+        pipes = [self.stages(g, tp_of, metis) for g in self.pipelines(k, by_type)]
         best, best_t = None, math.inf
         for mb in self.options.micro_batch_sizes:
-            layout = build_layout(self.cm, pipes, self.options.global_batch_size, mb)
+            layout = build_layout(self.cm, [p[0] for p in pipes], self.options.global_batch_size, mb,
+                                  [p[1] for p in pipes])
             if layout is None:
                 continue
             self.count += 1

@@ -45,6 +45,7 @@ from cfp.runtime.stage import StageProgram
 from cfp.runtime.state import collect, first_wins, path_table, place_opt_state, subtree
 from cfp.runtime.timeline import Event
 from cfp.runtime.timing import StepClock
+from cfp.xla.compiled import compiled_memory
 
 
 @dataclass
@@ -291,8 +292,8 @@ class HeteroTrainer:
         return loss
 
     def stage_memory(self, shape: tuple[int, int], packed: bool = True) -> list:
-        """XLA's memory analysis of every local stage's backward program (which recomputes its forward)
-        on micro-batches of ``shape`` [rows, seq]."""
+        """Per-device bytes (`compiled_memory`: arguments + outputs + temporaries) of every local stage's
+        backward program (which recomputes its forward) on micro-batches of ``shape`` [rows, seq]."""
         out = []
         for key, prog in self._local.items():
             pipe = self.layout.pipelines[key[0]]
@@ -302,7 +303,7 @@ class HeteroTrainer:
             fn, args = prog.compile_jobs(shape[0], shape[1], x_like, y_like, 1)[1]
             tok = jax.ShapeDtypeStruct(tuple(shape), jnp.int32, sharding=prog.rows)
             kw = {"packed": (tok, tok)} if packed else {}
-            out.append(fn.lower(*args, **kw).compile().memory_analysis())
+            out.append(compiled_memory(fn.lower(*args, **kw).compile()))
         return out
 
     def _run_schedule(self, mbs: list[list[dict]]) -> tuple[dict, float, list]:

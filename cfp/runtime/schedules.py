@@ -1,15 +1,17 @@
-"""Pipeline schedules as data.
+"""Pipeline schedules as data, with the one pipeline-time formula the planner and the data pass price them by.
 
 A schedule maps ``(num_stages, num_microbatches)`` to one ordered action list per stage; an action
-is ``(Phase, microbatch)``.  ``global_order`` merges the per-stage lists of several pipelines into a
-single dependency-respecting order by simulating unit-time ticks, which is the order the executor
-dispatches in (every process of a multi-process run walks the same order, so cross-process transfers
-are issued identically everywhere).
+is ``(Phase, microbatch)``; its entry in `SCHEDULES` also says how many micro-batch inputs a stage keeps
+between forward and backward and how long a pipeline takes (`pipeline_time`). ``global_order`` merges the
+per-stage lists of several pipelines into a single dependency-respecting order by simulating unit-time ticks,
+which is the order the executor dispatches in (every process of a multi-process run walks the same order,
+so cross-process transfers are issued identically everywhere).
 """
 from __future__ import annotations
 
 import enum
-from typing import Callable, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence, Union
 
 from cfp.errors import ConfigError
 
@@ -60,9 +62,52 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> StageActions:
     return out
 
 
-SCHEDULES: dict[ScheduleName, Callable[[int, int], StageActions]] = {
-    ScheduleName.GPIPE: gpipe,
-    ScheduleName.ONE_F_ONE_B: one_f_one_b,
+def pipeline_time(stage_seconds: Sequence[float], microbatches: Union[Sequence[float], int]) -> float:
+    """Seconds of one pipeline pass under a non-interleaved schedule (GPipe, 1F1B): the longest path through the
+    stage x micro-batch grid whose cell (i, j) takes ``stage_seconds[i] * w[j]``, taken as
+
+        sum_i s_i * max w  +  sum_j w_j * max s  -  max s * max w
+
+    -- exact when every micro-batch costs alike (``microbatches`` an int c, w = 1: the planner's sum of the stage
+    times plus (c-1) times the slowest, FlashFlex/HexiScale) or every stage does (``stage_seconds`` all 1, w the
+    micro-batch costs: Hydraulis' sum of the micro-batches plus (pp-1) times the slowest)."""
+    if not stage_seconds:
+        return 0.0
+    if isinstance(microbatches, int):
+        w_sum, w_max = float(microbatches), 1.0
+    else:
+        if len(microbatches) == 0:
+            return 0.0
+        w_sum, w_max = float(sum(microbatches)), float(max(microbatches))
+    s_max = max(stage_seconds)
+    return sum(stage_seconds) * w_max + (w_sum - w_max) * s_max
+
+
+def _store_all(stage: int, num_stages: int, chunks: int) -> int:
+    return chunks
+
+
+def _store_in_flight(stage: int, num_stages: int, chunks: int) -> int:
+    return min(chunks, num_stages - stage)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One schedule as data: ``actions(num_stages, chunks)`` per stage, ``stored_inputs(stage, num_stages, chunks)``
+    the micro-batch inputs a stage keeps between forward and backward (its activation memory), ``time`` the
+    pipeline-time formula. Calling it gives its actions."""
+    name: ScheduleName
+    actions: Callable[[int, int], StageActions]
+    stored_inputs: Callable[[int, int, int], int]
+    time: Callable[[Sequence[float], Union[Sequence[float], int]], float] = pipeline_time
+
+    def __call__(self, num_stages: int, num_microbatches: int) -> StageActions:
+        return self.actions(num_stages, num_microbatches)
+
+
+SCHEDULES: dict[ScheduleName, Schedule] = {
+    ScheduleName.GPIPE: Schedule(ScheduleName.GPIPE, gpipe, _store_all),
+    ScheduleName.ONE_F_ONE_B: Schedule(ScheduleName.ONE_F_ONE_B, one_f_one_b, _store_in_flight),
 }
 
 

@@ -21,10 +21,12 @@ def device_kind() -> str:
     return f"{d.platform}:{d.device_kind}"
 
 
-def compiled_memory(compiled) -> int:
-    """Per-device bytes of a compiled program: arguments + outputs + temporaries (`memory_analysis()`)."""
+def compiled_memory(compiled, donated: bool = False) -> int:
+    """Per-device bytes of a compiled program: arguments + outputs + temporaries (`memory_analysis()`); with
+    `donated`, less the outputs XLA aliased to donated arguments (counted once, not as argument and output)."""
     m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return int(total - m.alias_size_in_bytes if donated else total)
 
 
 def compiled_cost(compiled) -> dict:

@@ -78,7 +78,8 @@ def _prepare(args):
 
 def _print_table(table, analysis) -> None:
     print(f"profiler: {table.profiler}  device: {table.device_kind}  jax {table.jax_version}  "
-          f"compiles: {table.compiles}  profile time: {table.profile_time:.2f} s")
+          f"compiles: {table.compiles}  from the cache: {len(table.reused)} of {len(table.segments)} segment kinds  "
+          f"profile time: {table.profile_time:.2f} s")
     how = ("measured" if table.profiler.kind is ProfilerKind.MEASURE
            else f"estimated by the {table.profiler.gpu} cost model")
     print(f"time: {how}; memory: compiled on this host (arguments + outputs + temporaries)")

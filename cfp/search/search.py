@@ -15,7 +15,7 @@ from cfp.errors import ConfigError, InfeasibleError
 from cfp.hardware.gpus import GpuSpec, get_gpu
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
-from cfp.profiling.options import ProfilerKind
+from cfp.profiling.options import ProfilerKind, ProfilerSpec
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPSolution, dp_search
 from cfp.search.options import SearchOptions, fmt_bytes
@@ -51,11 +51,20 @@ class SearchResult:
     # "data parallel" or "FSDP" when that plain layout was faster than every searched plan and so was chosen
     baseline: str | None = None
     searched: VerifiedChoice | None = None     # then, the fastest searched plan that lost to it
+    profiler: ProfilerSpec | None = None       # what timed the plans (None: measured)
     # (choice, shard_state) -> compiled ShardedStep
     steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def report(self, how: str = "measured", memory_how: str = "compiled on this host") -> str:
-        """The result's lines; `how` labels the times (measured, or which cost model estimated them)."""
+    @property
+    def time_label(self) -> str:
+        """How the times were obtained: measured, or which cost model estimated them."""
+        if self.profiler is None or self.profiler.kind is ProfilerKind.MEASURE:
+            return "measured"
+        return f"estimated: {self.profiler.gpu} cost model"
+
+    def report(self, how: str | None = None, memory_how: str = "compiled on this host") -> str:
+        """The result's lines; `how` labels the times (default: `time_label`, following the profiler)."""
+        how = how or self.time_label
         b = self.best
         return "\n".join([
             f"searched ParallelBlock Strategies solution: {list(self.choice)}",
@@ -70,8 +79,9 @@ class SearchResult:
             *([self.baseline_text(how)] if self.baseline else []),
         ])
 
-    def baseline_text(self, how: str = "measured") -> str:
+    def baseline_text(self, how: str | None = None) -> str:
         """Why the plain layout was chosen: the searched plans were slower than it."""
+        how = how or self.time_label
         s = self.searched
         lost = (f"the fastest searched plan {list(s.choice)} took {s.time * 1e3:.4g} ms ({how}) vs "
                 f"{self.best.time * 1e3:.4g} ms" if s is not None and s.time != float("inf") else
@@ -140,7 +150,8 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
         log(f"{sum(1 for v in verified if v.remats)} of {len(verified)} verified plans reshard by replicating "
             f"(XLA: involuntary full rematerialization); the search prefers plans without")
     return SearchResult(best.choice, best.shard_state, best, tuple(verified), link, options.memory_per_device,
-                        time.perf_counter() - t0, baseline=baseline, searched=searched, steps=steps)
+                        time.perf_counter() - t0, baseline=baseline, searched=searched, profiler=table.profiler,
+                        steps=steps)
 
 
 def _baselines(analysis: Analysis, uniform) -> dict:

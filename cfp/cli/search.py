@@ -92,8 +92,11 @@ def _print_table(table, analysis) -> None:
 
 def run_profile(args) -> int:
     from cfp.profiling.profiler import profile
+    from cfp.xla.log import quiet_compiles
     popts, _, _, analysis, program = _prepare(args)
-    table = profile(program, analysis, popts)
+    with quiet_compiles() as xla_log:
+        table = profile(program, analysis, popts)
+        xla_log.what = f"{table.compiles} candidate compiles"
     _print_table(table, analysis)
     _dump_table(table, args.dump_dir)
     return 0
@@ -118,11 +121,15 @@ def run_search(args) -> int:
     t0 = time.perf_counter()
     sopts = SearchOptions(memory_per_device=args.memory_per_device, top_k=args.top_k, verify=args.verify,
                           iters=args.iters, warmup=args.warmup, shard_state=args.shard_state)
+    from cfp.xla.log import quiet_compiles
     popts, _, example_args, analysis, program = _prepare(args)
-    table = profile(program, analysis, popts)
-    print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s ({table.compiles} compiles)")
-    _dump_table(table, args.dump_dir)
-    result = search(program, analysis, table, example_args, sopts)
+    with quiet_compiles() as xla_log:
+        table = profile(program, analysis, popts)
+        print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s "
+              f"({table.compiles} compiles)")
+        _dump_table(table, args.dump_dir)
+        result = search(program, analysis, table, example_args, sopts)
+        xla_log.what = f"{table.compiles} profile and {len(result.steps)} whole-step candidate compiles"
     print(result.report(*_labels(args, result)))
     print(_layer_flops_line(args, example_args, result))
     print(f"search time: {result.search_time:.2f} s; total planning time: {time.perf_counter() - t0:.2f} s")

@@ -1,5 +1,8 @@
 """Pipeline timelines: per-(pipeline, stage, micro-batch) forward/backward intervals, bubble statistics, plots.
 
+Every event is a measured interval of positive length (zero-length or reversed ones are refused), and a
+measured bubble below the schedule's theoretical minimum is flagged INVALID (`Timeline.check` raises).
+
 Times are whatever clock the caller uses (seconds from `time.perf_counter` by default in :meth:`Timeline.span`).
 JAX dispatches asynchronously, so to measure a stage's compute, block on its outputs
 (`jax.block_until_ready`) before taking the end time.
@@ -50,6 +53,25 @@ def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
+class MeasurementError(ConfigError):
+    """Timings that cannot be true (a bubble below the schedule's minimum): a bug in how they were taken."""
+
+
+def bubble_is_possible(bubble: float, theory: float) -> bool:
+    """GPipe and 1F1B never idle less than (p - 1) / (m + p - 1) of the time (equal stages reach it; any
+    imbalance adds to it), up to float rounding."""
+    return bubble >= theory - 1e-9
+
+
+def bubble_line(pipeline: int, v: dict) -> str:
+    """One line per pipeline: the measured bubble next to the theoretical one, flagged INVALID when below it."""
+    line = (f"pipeline {pipeline}: bubble measured {v['bubble']:.1%} vs theoretical {v['theoretical_bubble']:.1%} "
+            f"(p={v['stages']}, m={v['microbatches']})")
+    if not v["valid"]:
+        line += " INVALID: below the schedule's minimum, so the timings are wrong (a measuring bug)"
+    return line
+
+
 def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     # overlapping events on one stage (e.g. async overlap) count once: busy is wall time, not summed work
     total, cur_s, cur_e = 0.0, None, None
@@ -81,9 +103,11 @@ class Timeline:
 
     def record(self, pipeline: int, stage: int, microbatch: int, phase: Phase | str,
                start: float, end: float) -> Event:
-        if end < start:
-            raise ConfigError(f"event end={end} is before start={start} "
-                              f"(pipeline {pipeline}, stage {stage}, micro-batch {microbatch})")
+        """Add a measured event; one ending before or when it starts cannot be a measurement and is refused."""
+        if not end > start:
+            what = "before" if end < start else "at"
+            raise ConfigError(f"event end={end} is {what} start={start} (pipeline {pipeline}, stage {stage}, "
+                              f"micro-batch {microbatch}): a zero-length or reversed event is not a measurement")
         ev = Event(int(pipeline), int(stage), int(microbatch), _phase(phase), float(start), float(end))
         self._events.append(ev)
         return ev
@@ -131,13 +155,21 @@ class Timeline:
         return 1.0 - sum(self.busy_time(pipeline).values()) / (p * span)
 
     def summary(self) -> dict[int, dict[str, float]]:
-        """Per pipeline: stages, micro-batches, makespan, measured and theoretical bubble."""
+        """Per pipeline: stages, micro-batches, makespan, measured and theoretical bubble, and `valid`: False
+        when the measured bubble is below the schedule's minimum, which only a measuring bug can give."""
         out = {}
         for q in self.pipelines():
             p, m = len(self.stages(q)), self.num_microbatches(q)
+            bubble, theory = self.bubble_fraction(q), theoretical_bubble(p, m)
             out[q] = {"stages": p, "microbatches": m, "makespan": self.makespan(q),
-                      "bubble": self.bubble_fraction(q), "theoretical_bubble": theoretical_bubble(p, m)}
+                      "bubble": bubble, "theoretical_bubble": theory, "valid": bubble_is_possible(bubble, theory)}
         return out
+
+    def check(self) -> None:
+        """Raise `MeasurementError` when a pipeline's measured bubble is below the schedule's minimum."""
+        for q, v in self.summary().items():
+            if not v["valid"]:
+                raise MeasurementError(bubble_line(q, v))
 
     # ---- persistence ----
     def to_dict(self) -> dict:
@@ -188,8 +220,9 @@ class Timeline:
         ax.set_xlabel(f"time ({unit})")
         ax.set_xlim(0, span * scale)
         sep = "; " if len(self.pipelines()) <= 2 else "\n"
-        stats = sep.join(f"pipe {q}: bubble {v['bubble']:.1%} (theory {v['theoretical_bubble']:.1%}, "
-                          f"p={v['stages']}, m={v['microbatches']})" for q, v in self.summary().items())
+        stats = sep.join(f"pipe {q}: bubble {v['bubble']:.1%}{'' if v['valid'] else ' INVALID'} "
+                          f"(theory {v['theoretical_bubble']:.1%}, p={v['stages']}, m={v['microbatches']})"
+                          for q, v in self.summary().items())
         ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
         ax.legend(handles=[Patch(color=_COLORS[p], label=p.value) for p in Phase], loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), fontsize=8)

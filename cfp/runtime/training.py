@@ -298,15 +298,19 @@ def _all_events(events, n_max: int) -> np.ndarray:
 
 
 def _timeline(opts, events, log, n_max: int) -> dict[int, dict[str, float]]:
-    from cfp.runtime.timeline import Timeline
+    from cfp.runtime.timeline import Timeline, bubble_line
+    rows = _all_events(events, n_max)
+    if len(rows) < n_max:     # StepClock leaves out actions whose start it could not observe
+        log(f"bubble not measured: {n_max - len(rows)} of {n_max} actions of the last step ended before their "
+            f"start could be observed (the host was too busy to watch them); no timeline written")
+        return {}
     tl = Timeline()
-    for row in _all_events(events, n_max):
+    for row in rows:
         tl.record(int(row[0]), int(row[1]), int(row[2]), "fwd" if row[3] == 0 else "bwd",
                   float(row[4]), float(row[5]))
     summary = tl.summary()
     for q, v in summary.items():
-        log(f"pipeline {q}: bubble measured {v['bubble']:.1%} vs theoretical "
-            f"{v['theoretical_bubble']:.1%} (p={v['stages']}, m={v['microbatches']})")
+        log(bubble_line(q, v))
     if opts.timeline_dir and jax.process_index() == 0 and len(tl):
         os.makedirs(opts.timeline_dir, exist_ok=True)
         tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))

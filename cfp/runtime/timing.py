@@ -2,12 +2,12 @@
 
 JAX dispatches asynchronously, so one watcher thread per stage waits, in dispatch order, first on the
 outputs of an action's producers (the previous stage's forward; the next stage's backward and its own
-forward), then on the action's own outputs, taking the time after each wait. An action's start is the later
-of its dispatch and the moment its thread saw its inputs ready (after seeing the stage's previous action
-end); its end is the earliest moment any thread saw its outputs ready (its own thread, or a consumer's
-waiting on them as inputs). So every event is observed, a consumer never starts before its producer ends,
-and an event has positive length. An action whose outputs were already ready when its inputs were seen (its
-thread fell behind) has no measured start: it is left out and counted in `StepClock.unmeasured`.
+forward), then on the action's own outputs, taking the time after each wait. An action's end is the earliest
+moment any thread saw its outputs ready (its own, or a consumer's waiting on them as inputs); its start is
+the latest of the measured instants it waited for: its dispatch, its producers' ends and the end of its
+stage's previous action (XLA runs it as soon as all three hold). A consumer so never starts before its
+producer ends, nothing is clamped, and an action whose measured end is not after its start (the watchers
+fell behind) is left out and counted in `StepClock.unmeasured`.
 """
 from __future__ import annotations
 
@@ -20,10 +20,6 @@ import jax
 
 from cfp.runtime.schedules import Phase
 from cfp.runtime.timeline import Event
-
-
-def _ready(tree) -> bool:
-    return all(x.is_ready() for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "is_ready"))
 
 
 class _Watcher:
@@ -41,9 +37,8 @@ class _Watcher:
             try:
                 jax.block_until_ready(inputs)
                 seen = time.perf_counter()
-                started = not _ready(arr)
                 jax.block_until_ready(arr)
-                span = (seen, time.perf_counter()) if started else None
+                span = (seen, time.perf_counter())
             finally:
                 self.spans[key] = span
                 self.q.task_done()
@@ -68,7 +63,7 @@ class StepClock:
         self._done: dict[tuple, Any] = {}
         self._dispatched: dict[tuple, float] = {}
         self._inputs: dict[tuple, list[tuple]] = {}
-        self.unmeasured = 0      # actions of the last `events` call whose start could not be observed
+        self.unmeasured = 0      # actions of the last `events` call with no measured interval
 
     def dispatched(self, key: tuple[int, int], microbatch: int, phase: Phase, t0: float,
                    done: Any) -> None:
@@ -92,15 +87,21 @@ class StepClock:
             for p in self._inputs.get(k, ()):
                 if v is not None and p in ends:
                     ends[p] = min(ends[p], v[0])
-        dispatched = self._dispatched
+        dispatched, inputs = self._dispatched, self._inputs
         self._done, self._dispatched, self._inputs = {}, {}, {}
-        events, self.unmeasured = [], 0
+        events, self.unmeasured, last_end = [], 0, {}
         for a in order:
-            k = ((a.pipeline, a.stage), a.microbatch, a.phase)
+            key = (a.pipeline, a.stage)
+            k = (key, a.microbatch, a.phase)
             if k not in spans:  # another process's stage
                 continue
-            start = max(dispatched[k], spans[k][0]) if spans[k] is not None else None
-            if start is None or not ends[k] > start:
+            if k not in ends:
+                self.unmeasured += 1
+                continue
+            start = max([dispatched[k], last_end.get(key, dispatched[k])]
+                        + [ends[p] for p in inputs[k] if p in ends])
+            last_end[key] = ends[k]
+            if not ends[k] > start:
                 self.unmeasured += 1
                 continue
             events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, start - t_start, ends[k] - t_start))

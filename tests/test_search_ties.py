@@ -45,3 +45,16 @@ def test_estimates_tie_only_when_equal_and_budget_still_binds():
     assert _best_fitting([lean, fast], SearchOptions(memory_per_device=600)) == lean
     with pytest.raises(InfeasibleError):
         _best_fitting([lean, fast], SearchOptions(memory_per_device=100))
+
+
+def test_a_baseline_chosen_over_a_faster_timed_plan_says_why():
+    """When the tie rule gives a plain layout the win over a searched plan timed faster within the noise,
+    the report says so (it once printed a faster searched plan as if it had lost)."""
+    fast, lean = _v([1, 1], 1.00e-3, 900), _v([0, 0], 1.03e-3, 500)
+    res = SearchResult(lean.choice, (), lean, (fast, lean), 1.0, None, 0.0, baseline="FSDP", searched=fast)
+    assert res.baseline_text() == ("chosen plan is the FSDP baseline: the fastest searched plan [1, 1] took 1 ms "
+                                   "(measured) vs 1.03 ms, within the measured noise; the tie went to the least "
+                                   "memory (500 B vs 900 B per device)")
+    slow = _v([1, 1], 1.2e-3, 900)
+    res = SearchResult(lean.choice, (), lean, (slow, lean), 1.0, None, 0.0, baseline="FSDP", searched=slow)
+    assert res.baseline_text().endswith("took 1.2 ms (measured) vs 1.03 ms")

@@ -80,12 +80,16 @@ class SearchResult:
         ])
 
     def baseline_text(self, how: str | None = None) -> str:
-        """Why the plain layout was chosen: the searched plans were slower than it."""
+        """Why the plain layout was chosen: the searched plans were slower than it, or tied with it within the
+        measured noise (ties go to the least memory, see `_best_fitting`)."""
         how = how or self.time_label
-        s = self.searched
+        s, b = self.searched, self.best
+        if s is None or s.time == float("inf"):
+            return f"chosen plan is the {self.baseline} baseline: no searched plan fit the budget"
         lost = (f"the fastest searched plan {list(s.choice)} took {s.time * 1e3:.4g} ms ({how}) vs "
-                f"{self.best.time * 1e3:.4g} ms" if s is not None and s.time != float("inf") else
-                "no searched plan fit the budget")
+                f"{b.time * 1e3:.4g} ms")
+        if s.time < b.time:
+            lost += f", {_why_not_fastest(b, s)}"
         return f"chosen plan is the {self.baseline} baseline: {lost}"
 
     def margin_text(self) -> str:
@@ -104,6 +108,19 @@ class SearchResult:
         tol = _tie_tolerance(b, r) * 100
         return (f"chosen plan: {b.time * 1e3:.4g} ms measured; runner-up {r.time * 1e3:.4g} ms ({diff:+.1f}%, "
                 f"{'within' if abs(diff) <= tol else 'outside'} measured noise ±{tol:.1f}%)")
+
+
+def _why_not_fastest(chosen: VerifiedChoice, faster: VerifiedChoice) -> str:
+    """Why `_best_fitting` chose `chosen` over the faster-timed `faster`."""
+    if faster.remats and not chosen.remats:
+        return f"but its compile made XLA rematerialize {faster.remats} tensors"
+    if chosen.memory != faster.memory:
+        why = f"the least memory ({fmt_bytes(chosen.memory)} vs {fmt_bytes(faster.memory)} per device)"
+    elif chosen.comm_bytes != faster.comm_bytes:
+        why = f"the least communication ({fmt_bytes(chosen.comm_bytes)} vs {fmt_bytes(faster.comm_bytes)})"
+    else:
+        why = "the smaller choice"
+    return f"within the measured noise; the tie went to {why}"
 
 
 def measure_link_gbps(mesh: jax.sharding.Mesh, nbytes: int = 1 << 22, iters: int = 5) -> float:

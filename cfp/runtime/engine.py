@@ -46,6 +46,7 @@ class StepStats:
     seconds: float
     tokens: int
     events: list[Event] = field(default_factory=list)
+    unmeasured: int = 0      # this process's actions with no measured interval (left out of `events`)
 
     def busy(self) -> dict[tuple[int, int], float]:
         """Seconds each stage spent computing (fwd + bwd) in this step."""
@@ -189,8 +190,8 @@ class HeteroTrainer:
         self._check_finite(flags)
         self.step_count += 1
         rows = self.layout.total_batch_size
-        return StepStats(self.step_count, loss, seconds, rows * self.config.seq_len,
-                         self._clock.events(self.order, t_start))
+        events = self._clock.events(self.order, t_start)
+        return StepStats(self.step_count, loss, seconds, rows * self.config.seq_len, events, self._clock.unmeasured)
 
     def gradients(self, batch: dict) -> tuple[Any, float]:
         """(full gradient tree as numpy, loss) of the global batch at the current parameters."""

@@ -58,3 +58,16 @@ def test_a_baseline_chosen_over_a_faster_timed_plan_says_why():
     slow = _v([1, 1], 1.2e-3, 900)
     res = SearchResult(lean.choice, (), lean, (slow, lean), 1.0, None, 0.0, baseline="FSDP", searched=slow)
     assert res.baseline_text().endswith("took 1.2 ms (measured) vs 1.03 ms")
+
+
+def test_time_label_follows_how_the_times_were_taken():
+    from cfp.profiling.options import ProfilerKind, ProfilerSpec
+    timed, summed = _v([0, 0], 1e-3, 500), _v([0, 0], 1e-3, 500, noise=None)
+    measure, estimate = ProfilerSpec(ProfilerKind.MEASURE), ProfilerSpec(ProfilerKind.ESTIMATE, "H100-SXM")
+    label = lambda v, p: SearchResult(v.choice, (), v, (v,), 1.0, None, 0.0, profiler=p).time_label
+    assert label(timed, measure) == "measured"
+    # verify=0: the DP's sum of measured segment profiles is an estimate of the whole step, never "measured"
+    assert label(summed, measure) == "estimated: segment profiles summed by the DP, not timed whole"
+    assert label(summed, estimate) == "estimated: H100-SXM cost model"
+    assert "measured" not in SearchResult(summed.choice, (), summed, (summed,), 1.0, None, 0.0,
+                                          profiler=measure).report()

@@ -151,7 +151,8 @@ def run_search(args) -> int:
 def _labels(args, result) -> tuple[str, str]:
     """How the printed time and memory were obtained (every figure says measured or estimated)."""
     if args.profiler != "estimate":
-        return "measured on this host", "measured: compiled on this host"
+        how = "measured on this host" if result.time_label == "measured" else result.time_label
+        return how, "measured: compiled on this host"
     from cfp.hardware.gpus import get_gpu
     gpu = get_gpu(args.gpu)
     fits = "fits" if result.best.memory <= gpu.mem_gb * 1e9 else "does NOT fit"

@@ -57,10 +57,13 @@ class SearchResult:
 
     @property
     def time_label(self) -> str:
-        """How the times were obtained: measured, or which cost model estimated them."""
-        if self.profiler is None or self.profiler.kind is ProfilerKind.MEASURE:
-            return "measured"
-        return f"estimated: {self.profiler.gpu} cost model"
+        """How the times were obtained: measured whole, or estimated (by a GPU cost model, or, with no
+        whole-step verification, as the DP's sum of the segments' profiles and estimated resharding)."""
+        if self.profiler is not None and self.profiler.kind is ProfilerKind.ESTIMATE:
+            return f"estimated: {self.profiler.gpu} cost model"
+        if self.best.noise is None:
+            return "estimated: segment profiles summed by the DP, not timed whole"
+        return "measured"
 
     def report(self, how: str | None = None, memory_how: str = "compiled on this host") -> str:
         """The result's lines; `how` labels the times (default: `time_label`, following the profiler)."""
@@ -162,7 +165,8 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     baselines = _baselines(analysis, uniform)
     best, baseline, searched = _never_slower_than_baselines(best, verified, baselines, own, options)
     if baseline:
-        log(f"chosen plan: the {baseline} baseline, faster than every searched plan side by side")
+        log(f"chosen plan: the {baseline} baseline, faster than every searched plan side by side or tied with "
+            f"the fastest within the noise")
     if any(v.remats for v in verified):
         log(f"{sum(1 for v in verified if v.remats)} of {len(verified)} verified plans reshard by replicating "
             f"(XLA: involuntary full rematerialization); the search prefers plans without")
@@ -285,7 +289,7 @@ def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_
     step = steps.get((choice, shard)) or apply_choice(program, analysis, choice, mesh, shard_state=shard)
     steps[(choice, shard)] = step
     v = _verify(step, example_args, choice, shard, sol.time, options, gpu, analysis)
-    log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP {sol.time:.4g} s, whole step "
+    log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP estimate {sol.time:.4g} s, whole step "
         f"({'estimated: ' + gpu.name + ' cost model' if gpu else 'measured'}) "
         f"{'not timed (over the budget)' if v.time == float('inf') else f'{v.time:.4g} s'}, "
         f"{fmt_bytes(v.memory)} per device"

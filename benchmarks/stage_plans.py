@@ -85,15 +85,18 @@ def _run(name: str, args) -> None:
     tps = {}
     for k, ss in stats.items():
         tps[k] = sum(x.tokens for x in ss) / sum(x.seconds for x in ss)
-        busy, whole = {}, [x for x in ss if not x.unmeasured]     # steps whose every action was measured
-        for x in whole:
+        busy, n = {}, {}     # a stage's busy seconds from the steps its every action was measured in
+        for x in ss:
             for key, v in x.busy().items():
-                busy[key] = busy.get(key, 0.0) + v / len(whole)
+                if key not in x.unmeasured:
+                    busy[key], n[key] = busy.get(key, 0.0) + v, n.get(key, 0) + 1
+        busy = {key: v / n[key] for key, v in busy.items()}
         mem = {key: _state_bytes((trainers[k].params[key], trainers[k].opt_state[key]))
                for key in trainers[k].params}
         print(f"{k:9s} tokens/s {tps[k]:,.0f} (measured, {len(ss)} steps); per stage (busy measured over the "
-              f"{len(whole)} steps with every action measured): " + "; ".join(
-            f"p{key[0]}s{key[1]} busy {busy.get(key, 0.0):.4f} s/step, state {mem[key] / 2**20:.2f} MiB/device"
+              f"steps its every action was measured in): " + "; ".join(
+            f"p{key[0]}s{key[1]} busy " + (f"{busy[key]:.4f} s/step" if key in busy else "not measured")
+            + f", state {mem[key] / 2**20:.2f} MiB/device"
             for key in sorted(mem)))
     for p in plans.plans:
         runs = "replicated (same as Megatron's)" if not p.strategies else ("Megatron" if p.megatron else "searched")

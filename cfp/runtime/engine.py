@@ -46,7 +46,7 @@ class StepStats:
     seconds: float
     tokens: int
     events: list[Event] = field(default_factory=list)
-    unmeasured: int = 0      # this process's actions with no measured interval (left out of `events`)
+    unmeasured: tuple = ()   # per action of this process with no measured interval (not in `events`): its stage
 
     def busy(self) -> dict[tuple[int, int], float]:
         """Seconds each stage spent computing (fwd + bwd) in this step."""
@@ -191,7 +191,8 @@ class HeteroTrainer:
         self.step_count += 1
         rows = self.layout.total_batch_size
         events = self._clock.events(self.order, t_start)
-        return StepStats(self.step_count, loss, seconds, rows * self.config.seq_len, events, self._clock.unmeasured)
+        return StepStats(self.step_count, loss, seconds, rows * self.config.seq_len, events,
+                         tuple(self._clock.unmeasured))
 
     def gradients(self, batch: dict) -> tuple[Any, float]:
         """(full gradient tree as numpy, loss) of the global batch at the current parameters."""

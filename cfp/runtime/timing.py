@@ -7,7 +7,7 @@ moment any thread saw its outputs ready (its own, or a consumer's waiting on the
 the latest of the measured instants it waited for: its dispatch, its producers' ends and the end of its
 stage's previous action (XLA runs it as soon as all three hold). A consumer so never starts before its
 producer ends, nothing is clamped, and an action whose measured end is not after its start (the watchers
-fell behind) is left out and counted in `StepClock.unmeasured`.
+fell behind) is left out and its stage listed in `StepClock.unmeasured`.
 """
 from __future__ import annotations
 
@@ -60,10 +60,11 @@ class StepClock:
     def __init__(self, local_stages: dict[tuple[int, int], tuple[int, ...]]):
         """``local_stages``: stage key -> its device ids, for the stages this process runs."""
         self._watchers = {key: _watcher(devs) for key, devs in local_stages.items()}
-        self._done: dict[tuple, Any] = {}
+        self._done: dict[tuple, tuple[Any, int]] = {}     # outputs and how many local consumers still need them
         self._dispatched: dict[tuple, float] = {}
         self._inputs: dict[tuple, list[tuple]] = {}
-        self.unmeasured = 0      # actions of the last `events` call with no measured interval
+        self.unmeasured: list[tuple[int, int]] = []    # per action of the last `events` with no measured
+        # interval, its stage
 
     def dispatched(self, key: tuple[int, int], microbatch: int, phase: Phase, t0: float,
                    done: Any) -> None:
@@ -71,12 +72,20 @@ class StepClock:
         pipeline, stage = key
         if phase is Phase.FWD:
             producers = [((pipeline, stage - 1), microbatch, Phase.FWD)]
+            consumers = int((pipeline, stage + 1) in self._watchers) + 1     # the next stage's fwd, own bwd
         else:
             producers = [((pipeline, stage + 1), microbatch, Phase.BWD), (key, microbatch, Phase.FWD)]
+            consumers = int((pipeline, stage - 1) in self._watchers)
         k = (key, microbatch, phase)
         self._inputs[k] = [p for p in producers if p in self._done]     # another process's: not watched here
-        self._done[k], self._dispatched[k] = done, t0
-        self._watchers[key].q.put(((microbatch, phase), [self._done[p] for p in self._inputs[k]], done))
+        self._dispatched[k] = t0
+        self._watchers[key].q.put(((microbatch, phase), [self._done[p][0] for p in self._inputs[k]], done))
+        for p in self._inputs[k]:       # hold a producer's outputs only until its last local consumer has them
+            arr, left = self._done.pop(p)
+            if left > 1:
+                self._done[p] = (arr, left - 1)
+        if consumers:
+            self._done[k] = (done, consumers)
 
     def events(self, order: list, t_start: float) -> list[Event]:
         """Wait for every watched action and return the Events of those measured, relative to ``t_start``."""
@@ -89,20 +98,20 @@ class StepClock:
                     ends[p] = min(ends[p], v[0])
         dispatched, inputs = self._dispatched, self._inputs
         self._done, self._dispatched, self._inputs = {}, {}, {}
-        events, self.unmeasured, last_end = [], 0, {}
+        events, self.unmeasured, last_end = [], [], {}
         for a in order:
             key = (a.pipeline, a.stage)
             k = (key, a.microbatch, a.phase)
             if k not in spans:  # another process's stage
                 continue
             if k not in ends:
-                self.unmeasured += 1
+                self.unmeasured.append(key)
                 continue
             start = max([dispatched[k], last_end.get(key, dispatched[k])]
                         + [ends[p] for p in inputs[k] if p in ends])
             last_end[key] = ends[k]
             if not ends[k] > start:
-                self.unmeasured += 1
+                self.unmeasured.append(key)
                 continue
             events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, start - t_start, ends[k] - t_start))
         return events

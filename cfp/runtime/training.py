@@ -203,7 +203,7 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
 
 def _train_steps(opts, trainer, data, start, losses, config, log):
     """Steps ``start+1 .. opts.steps`` (checkpointing as asked); returns (result, last events)."""
-    timed, busy_sum, busy_steps, last_events, step = [], {}, 0, None, start
+    timed, busy_sum, busy_steps, last_events, step = [], {}, {}, None, start
     for step in range(start, opts.steps):
         stats = trainer.step(data.batch(step))
         losses[step + 1] = stats.loss
@@ -211,10 +211,9 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
             f"measured ({stats.seconds:.3f} s)")
         if step > start:  # the first step still traces (and warms caches); keep it out of rates
             timed.append(stats)
-            if not stats.unmeasured:      # busy time only from steps whose every action was measured
-                busy_steps += 1
-                for k, v in stats.busy().items():
-                    busy_sum[k] = busy_sum.get(k, 0.0) + v
+            for k, v in stats.busy().items():     # a stage's busy time only from steps it was measured in full
+                if k not in stats.unmeasured:
+                    busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
         if not stats.unmeasured or last_events is None:   # the timeline: the last step measured in full
             last_events = stats.events
         if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
@@ -224,10 +223,11 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
     result = TrainResult(losses, 0.0, {}, {})
     if timed:
         result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
-        result.busy = {k: v / busy_steps for k, v in busy_sum.items()}
+        result.busy = {k: v / busy_steps[k] for k, v in busy_sum.items()}
         log(f"tokens/s {result.tokens_per_s:,.0f} measured (mean over steps {start + 2}..{step + 1})")
-        line = (f"busy per stage (s/step, measured over the {busy_steps} of {len(timed)} steps whose every "
-                f"action was measured): " + ", ".join(f"p{k[0]}s{k[1]} {v:.4f}" for k, v in sorted(result.busy.items())))
+        line = "busy per stage (s/step, measured; mean over the steps each stage's actions were all measured): " + \
+            ", ".join(f"p{k[0]}s{k[1]} {v:.4f} ({busy_steps[k]} of {len(timed)} steps)"
+                      for k, v in sorted(result.busy.items()))
         if jax.process_count() > 1:  # each process measured its own stages
             print(f"{line} (process {jax.process_index()})", flush=True)
         else:

@@ -172,7 +172,7 @@ def _layer_flops_line(args, example_args, result) -> str:
     tokens = args.batch_size * get_config(args.model, args.config).seq_len
     flops = 6 * n_layer * tokens
     t = result.best.time
-    how = "estimated" if args.profiler == "estimate" else "measured"
+    how = "measured" if result.time_label == "measured" else "estimated"
     return (f"layer FLOPs (CFP's TFLOP_COUNT, 6 x {n_layer / 1e6:.4g}M layer params x {tokens} tokens): "
             f"{flops / 1e12:.6g} TFLOP; {flops / 1e12 / t if t > 0 else 0.0:.4g} TFLOP/s on the {how} time")
 

@@ -308,18 +308,19 @@ def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_bat
     marks.append(time.perf_counter())
     quiet = lambda *_: None
     sopts = options.search_options()
+    n_params = len(jax.tree_util.tree_leaves(args[0]))
+    n_act = 2 * n_params + len(jax.tree_util.tree_leaves(args[1]))
+    last = prog.stage.is_last
+    # candidate compiles: the profile, the verified whole steps and the side by side with Megatron
     with quiet_compiles(f"stage p{prog.stage.pipeline}s{prog.stage.index} candidate compiles"):
         table = profile(program, analysis, options.profile_options(), log=quiet)
         marks.append(time.perf_counter())
         result = search(program, analysis, table, args, sopts, log=quiet, mesh=prog.mesh)
-    marks.append(time.perf_counter())
-    n_params = len(jax.tree_util.tree_leaves(args[0]))
-    n_act = 2 * n_params + len(jax.tree_util.tree_leaves(args[1]))
-    last = prog.stage.is_last
-    v, applied, boundary = _pick(analysis, result, prog, x_like, None if last else y_like,
-                                 sopts.memory_per_device, n_act)
-    meg = compare_with_megatron(prog, tx, args, analysis, result, v, applied, boundary, boundary_seconds(
-        prog, P(), P(), x_like, None if last else y_like, result.link_gbps), chunks, options, table.profiler)
+        marks.append(time.perf_counter())
+        v, applied, boundary = _pick(analysis, result, prog, x_like, None if last else y_like,
+                                     sopts.memory_per_device, n_act)
+        meg = compare_with_megatron(prog, tx, args, analysis, result, v, applied, boundary, boundary_seconds(
+            prog, P(), P(), x_like, None if last else y_like, result.link_gbps), chunks, options, table.profiler)
     marks.append(time.perf_counter())
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prog.params_like)[0]]
     st = prog.stage

@@ -165,8 +165,9 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     baselines = _baselines(analysis, uniform)
     best, baseline, searched = _never_slower_than_baselines(best, verified, baselines, own, options)
     if baseline:
-        log(f"chosen plan: the {baseline} baseline, faster than every searched plan side by side or tied with "
-            f"the fastest within the noise")
+        how = f"by the {gpu.name} cost model" if gpu else "measured side by side"
+        log(f"chosen plan: the {baseline} baseline, faster than every searched plan ({how}) or tied with the "
+            f"fastest within the noise")
     if any(v.remats for v in verified):
         log(f"{sum(1 for v in verified if v.remats)} of {len(verified)} verified plans reshard by replicating "
             f"(XLA: involuntary full rematerialization); the search prefers plans without")

@@ -6,7 +6,8 @@ written differently: `{mesh['x'=2,'y'=4], [{'x', 'y'}, {}]}` under Shardy, `{dev
 
 XLA writes its warnings to the process's stderr file descriptor, past Python's `sys.stderr`, so `capture_log`
 points descriptor 2 at a temporary file around a compile and then writes everything it caught back to stderr:
-nothing is hidden, and cfp can read what XLA said about the program it just compiled.
+nothing is hidden, and cfp can read what XLA said about the program it just compiled. Around the many
+candidate compiles of a search, `quiet_compiles` keeps XLA's lines in a file and prints one summary line.
 """
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def quiet_compiles(what: str = "candidate compiles", log_dir: str | None = None)
     """Keep XLA's C++ log off the terminal around candidate compiles: descriptor 2 goes to a temporary file
     in the block; XLA's lines are then kept in a file (in `log_dir`, default the temporary directory) and
     summarised in one line on stderr, while every other line written there goes back to stderr unchanged.
-    Compiles of the chosen program (`ShardedStep.compile`) still report their own rematerializations."""
+    Nested `capture_log` blocks still read XLA's text, so each verified plan keeps its own count
+    (`ShardedStep.rematerializations`)."""
     out = QuietLog(what)
     # held throughout, like `capture_log`: another thread swapping descriptor 2 meanwhile would restore it wrongly
     with _LOCK, tempfile.TemporaryFile() as tmp:

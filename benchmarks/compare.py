@@ -56,6 +56,7 @@ class Row:
         self.name, self.note = name, ""
         self.run = None          # zero-argument callable running one step (blocking)
         self.memory = self.comm = self.plan_time = None
+        self.compiled = None     # the compiled step (to tell rows that run the same sharding)
         self.times: list[float] = []
 
     @property
@@ -76,6 +77,7 @@ def _measure_compiled(row: Row, compiled, call_args, mesh_shape) -> None:
 
     from cfp.xla.hlo import parse_collectives
     from cfp.xla.compiled import compiled_memory
+    row.compiled = compiled
     row.memory = compiled_memory(compiled)
     row.comm = sum(c.bytes for c in parse_collectives(compiled.as_text(), mesh_shape))
     row.run = lambda: jax.block_until_ready(compiled(*call_args))
@@ -177,24 +179,36 @@ def time_rows(rows, iters: int, budget) -> None:
             r.times.append(time.perf_counter() - t0)
 
 
+def _same_as(cfp, rows) -> list:
+    """The rows whose compiled step places every array as cfp's does (a ratio of them would be noise)."""
+    from cfp.sharding.same import same_sharding
+    if cfp is None or cfp.compiled is None:
+        return []
+    return [r for r in rows if r is not cfp and r.compiled is not None and same_sharding(r.compiled, cfp.compiled)]
+
+
 def render(rows, budget) -> str:
     cfp = next((r for r in rows if r.name.startswith("cfp")), None)
     ref = cfp.time if cfp is not None else None
     head = f"{'plan':<14} {'step time':>11} {'vs cfp':>7} {'memory/dev':>18} {'comm/step':>11} {'planning':>9}  note"
     lines = ["all figures measured on this host: step time = median wall time; memory and comm from the compiled "
              "step (memory_analysis, parsed collectives)", head, "-" * len(head)]
+    same = _same_as(cfp, rows)
     for r in rows:
         over = budget is not None and r.memory is not None and r.memory > budget
         t = f"{r.time * 1e3:8.2f} ms" if r.time is not None else "-"
-        ratio = f"{r.time / ref:6.2f}x" if r.time is not None and ref else "-"
+        ratio = "same" if r in same else (f"{r.time / ref:6.2f}x" if r.time is not None and ref else "-")
         mem = f"OOM (needs {_fmt_bytes(r.memory)})" if over else (_fmt_bytes(r.memory) if r.memory is not None else "-")
         comm = _fmt_bytes(r.comm) if r.comm is not None else "-"
         pt = f"{r.plan_time:7.2f} s" if r.plan_time is not None else "-"
         lines.append(f"{r.name[:14]:<14} {t:>11} {ratio:>7} {mem:>18} {comm:>11} {pt:>9}  {r.note}")
     if cfp is not None and cfp.name != "cfp":
         lines.append(cfp.name)   # the fallback label, in full
-    base = [r for r in rows if r is not cfp and r.name != "alpa-ilp" and r.time is not None]
+    base = [r for r in rows if r is not cfp and r.name != "alpa-ilp" and r.time is not None and r not in same]
     alpa = next((r for r in rows if r.name == "alpa-ilp"), None)
+    if same:
+        lines.append(f"cfp's plan is the {' and '.join(r.name for r in same)} sharding (same per-array input and "
+                     f"output shardings): 'same' instead of a ratio, left out of the speedups")
     if ref:
         if base:
             best = min(base, key=lambda r: r.time)
@@ -203,7 +217,8 @@ def render(rows, budget) -> str:
                          + (f"; run-to-run spread +-{100 * max(noise):.0f}%)" if noise else ")"))
         else:
             lines.append("cfp speedup vs best baseline: n/a (no baseline fits)")
-        lines.append(f"cfp speedup vs alpa-ilp: {alpa.time / ref:.2f}" if alpa is not None and alpa.time
+        lines.append("cfp speedup vs alpa-ilp: same sharding" if alpa in same else
+                     f"cfp speedup vs alpa-ilp: {alpa.time / ref:.2f}" if alpa is not None and alpa.time
                      else "cfp speedup vs alpa-ilp: n/a (alpa-ilp has no feasible plan)")
     elif cfp is None:
         lines.append("cfp speedup: n/a (cfp row not run, see --rows)")

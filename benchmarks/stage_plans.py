@@ -85,22 +85,30 @@ def _run(name: str, args) -> None:
     tps = {}
     for k, ss in stats.items():
         tps[k] = sum(x.tokens for x in ss) / sum(x.seconds for x in ss)
-        busy = {}
+        busy, n = {}, {}     # a stage's busy seconds from the steps its every action was measured in
         for x in ss:
             for key, v in x.busy().items():
-                busy[key] = busy.get(key, 0.0) + v / len(ss)
+                if key not in x.unmeasured:
+                    busy[key], n[key] = busy.get(key, 0.0) + v, n.get(key, 0) + 1
+        busy = {key: v / n[key] for key, v in busy.items()}
         mem = {key: _state_bytes((trainers[k].params[key], trainers[k].opt_state[key]))
                for key in trainers[k].params}
-        print(f"{k:9s} tokens/s {tps[k]:,.0f} (measured, {len(ss)} steps); per stage: " + "; ".join(
-            f"p{key[0]}s{key[1]} busy {busy.get(key, 0.0):.4f} s/step, state {mem[key] / 2**20:.2f} MiB/device"
+        print(f"{k:9s} tokens/s {tps[k]:,.0f} (measured, {len(ss)} steps); per stage (busy measured over the "
+              f"steps its every action was measured in): " + "; ".join(
+            f"p{key[0]}s{key[1]} busy " + (f"{busy[key]:.4f} s/step" if key in busy else "not measured")
+            + f", state {mem[key] / 2**20:.2f} MiB/device"
             for key in sorted(mem)))
     for p in plans.plans:
-        runs = "replicated" if not p.strategies else ("Megatron" if p.megatron else "searched")
+        runs = "replicated (same as Megatron's)" if not p.strategies else ("Megatron" if p.megatron else "searched")
         side = (f"; side by side per micro-batch step: searched {p.time * 1e3:.2f} ms, Megatron "
                 f"{p.megatron_time * 1e3:.2f} ms ({'estimated' if p.profiler.startswith('estimate') else 'measured'})"
                 if p.megatron_time else "")
         print(f"  plan p{p.pipeline}s{p.stage} TP {p.tp}: {runs} runs{side}; {p.summary()}")
-    print(f"ratio searched / megatron tokens/s: {tps['searched'] / tps['megatron']:.2f}x (measured)")
+    if all(p.megatron or not p.strategies for p in plans.plans):
+        # both trainers run every stage's Megatron sharding: a ratio would compare a sharding with itself
+        print("ratio searched / megatron tokens/s: same sharding (every stage runs its Megatron sharding)")
+    else:
+        print(f"ratio searched / megatron tokens/s: {tps['searched'] / tps['megatron']:.2f}x (measured)")
 
 
 def main(argv=None) -> int:

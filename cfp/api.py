@@ -14,6 +14,7 @@ from cfp.errors import ConfigError, PlanError
 from cfp.search.plan import Plan, load_plan, make_plan, spec_entries, spec_from_entries
 from cfp.search.search import search
 from cfp.search.options import SearchOptions
+from cfp.xla.log import quiet_compiles
 
 __all__ = ["autoshard", "load_plan", "apply_plan", "Plan"]
 
@@ -49,9 +50,11 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     analysis, program = analyze_with_program(step_fn, MeshSpec.of(mesh), *example_args)
     if state is not None:
         set_state_pairs(analysis.graph, mapping_pairs(program.in_tree, program.out_tree, state))
-    table = profile(program, analysis, popts, log=log)
-    result = search(program, analysis, table, example_args, sopts, log=log,
-                    mesh=mesh if hasattr(mesh, "devices") else None)
+    with quiet_compiles() as xla_log:
+        table = profile(program, analysis, popts, log=log)
+        result = search(program, analysis, table, example_args, sopts, log=log,
+                        mesh=mesh if hasattr(mesh, "devices") else None)
+        xla_log.what = f"{table.compiles} profile and {len(result.steps)} whole-step candidate compiles"
     step = result.steps.get((result.choice, result.shard_state))   # already compiled while verifying
     if step is None or donate:    # the search timed steps without donation: their arguments are reused
         step = apply_choice(program, analysis, result.choice, mesh if hasattr(mesh, "devices") else None,

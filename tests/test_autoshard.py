@@ -30,6 +30,9 @@ def test_plan_matches_single_device(args, tmp_path, profiler, gpu):
     assert "searched ParallelBlock Strategies solution" in res.report()
     # the margin to the runner-up says whether it is measured and, if so, whether it is within the noise
     assert ("measured noise ±" if profiler == "measure" else "ms estimated") in res.report()
+    # every time label follows the profiler: nothing estimated is called measured (nor the reverse)
+    assert ("estimated" not in res.report()) if profiler == "measure" else ("measured" not in res.report())
+    assert f"s per step, {'measured' if profiler == 'measure' else 'estimated: H100-SXM cost model'})" in res.report()
     plan = load_plan(str(out))
     assert plan.choice == step.shardings.choice
     assert set(plan.input_specs) == {"[0]['b1']", "[0]['w1']", "[0]['w2']", "[1]", "[2]"}

@@ -65,3 +65,29 @@ def test_bad_layouts_raise_config_error():
     with pytest.raises(ConfigError, match="valid choices"):
         baseline_shardings("zero-2", args, MeshSpec.parse("8").make())
     assert {b.value for b in Baseline} == {"data-parallel", "fsdp", "megatron-tp", "dp-tp"}
+
+
+def test_same_sharding_tells_layouts_apart_whatever_the_spelling(gpt):
+    """`same_sharding` of compiled steps: a layout is the same as itself and as the same placement spelt
+    another way (P('x', None) vs P('x')), and differs from every other baseline."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from cfp.sharding.same import same_sharding
+    ts, args, _ = gpt
+    m = MeshSpec.parse("2x4").make()
+
+    def compiled(shardings):
+        out = (shardings[0], shardings[1], NamedSharding(m, P()))
+        fn = jax.jit(ts.step, in_shardings=shardings, out_shardings=out)
+        return fn.lower(*jax.device_put(args, shardings)).compile()
+    names = ("data-parallel", "fsdp", "megatron-tp", "dp-tp")
+    shard = {n: baseline_shardings(n, args, m, "gpt") for n in names}
+    comp = {n: compiled(s) for n, s in shard.items()}
+    for a in names:
+        for b in names:
+            assert same_sharding(comp[a], comp[b]) == (a == b), (a, b)
+    # FSDP again, every spec padded with trailing None: the same placement
+    padded = jax.tree_util.tree_map(
+        lambda s, x: NamedSharding(m, P(*s.spec, *([None] * (np.ndim(x) - len(s.spec))))), shard["fsdp"], args,
+        is_leaf=lambda s: isinstance(s, NamedSharding))
+    assert padded != shard["fsdp"] and same_sharding(compiled(padded), comp["fsdp"])

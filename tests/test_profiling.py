@@ -145,3 +145,36 @@ def test_profiler_spec_round_trips_and_rejects_unknown():
     assert ProfilerSpec.parse("measure").kind is ProfilerKind.MEASURE
     with pytest.raises(ConfigError, match="'guess'"):
         ProfilerSpec.parse("guess")
+
+
+def test_cache_never_mixes_models(tmp_path, capsys):
+    """GPT, BERT and Llama-2 profiled into one cache: no segment profile of one model is read back for another
+    (their segment fingerprints collide: GPT's and BERT's layers, GPT's and Llama-2's heads, so a cache keyed on
+    fingerprints gave BERT GPT's layer timings); the same three runs again read every segment back and compile
+    nothing, with the same figures."""
+    import json
+
+    from cfp.cli.main import main
+    cache = tmp_path / "cache"
+
+    def run(model: str) -> dict:
+        dump = tmp_path / model
+        assert main(["profile", "--model", model, "--num-layers", "1", "--batch-size", "8", "--mesh", "2x4",
+                     "--profiler", "estimate", "--gpu", "RTX4090", "--max-combinations", "1", "--no-progress",
+                     "--cache-dir", str(cache), "--dump-dir", str(dump)]) == 0
+        capsys.readouterr()
+        return json.loads((dump / "profile_table.json").read_text())
+
+    models = ("gpt", "bert", "llama2")
+    first, files = {}, 0
+    for m in models:
+        t = first[m] = run(m)
+        kinds = len(t["segments"])
+        assert t["reused"] == [] and t["compiles"] == kinds, (m, t["reused"], t["compiles"])
+        files += kinds
+        assert len(list(cache.iterdir())) == files
+    for m in models:
+        t = run(m)
+        assert t["compiles"] == 0 and t["reused"] == sorted(map(int, t["segments"])), (m, t["reused"])
+        assert t["segments"] == first[m]["segments"]
+    assert len(list(cache.iterdir())) == files

@@ -14,7 +14,7 @@ from cfp.search.options import SearchOptions
 from cfp.search.search import VerifiedChoice, _best_fitting
 from cfp.sharding.reshard import direct_ok, reshard_path, reshard_steps
 from cfp.sharding.specs import partition_spec
-from cfp.xla.log import capture_log, involuntary_rematerializations
+from cfp.xla.log import capture_log, involuntary_rematerializations, quiet_compiles
 
 MESH = MeshSpec.parse("2x4")          # axis 0 of size 2, axis 1 of size 4
 
@@ -76,6 +76,24 @@ def test_capture_log_writes_the_text_back(capfd):
         os.write(2, b"an XLA line\n")
     assert log.text == "an XLA line\n"
     assert "an XLA line" in capfd.readouterr().err       # nothing hidden
+
+
+def test_quiet_compiles_keeps_xla_off_the_terminal_in_one_line(capfd, tmp_path):
+    """Candidate compiles: XLA's warnings go to a file and one summary line; the nested capture still reads them
+    and any other text written to stderr comes back unchanged."""
+    with quiet_compiles(log_dir=str(tmp_path)) as q:
+        found, _ = _compile_moves(((0, 1), ()), [((), (0,))])
+        os.write(2, b"a line of the user's\n")
+        q.what = "1 candidate compile"
+    err = capfd.readouterr().err
+    assert len(found) == 1 and q.remats == 1 and q.lines >= 1
+    assert "Involuntary" not in err and err.splitlines() == [
+        "a line of the user's",
+        f"1 candidate compile printed {q.lines} XLA log lines (1 involuntary full rematerializations); see {q.path}"]
+    assert len(involuntary_rematerializations(open(q.path).read())) == 1
+    with quiet_compiles() as q:          # nothing logged: nothing printed, no file
+        os.write(2, b"plain\n")
+    assert capfd.readouterr().err == "plain\n" and q.path is None and q.lines == 0
 
 
 @pytest.mark.parametrize("source,target", [

@@ -330,6 +330,9 @@ def _check_timeline(tl_dir, summary):
     makespan = max(e for _, e in ev.values()) - min(s for s, _ in ev.values())
     assert summary["bubble"] == pytest.approx(1 - busy / (2 * makespan), abs=1e-6)
     assert summary["theoretical_bubble"] == pytest.approx(1 / 3)
+    # measured events respecting their dependencies never idle less than their own times allow
+    assert summary["valid"] and summary["bubble"] >= summary["minimum_bubble"] - 1e-6
+    assert all(end > start for start, end in ev.values())      # no zero-length (inferred) events
     assert (tl_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 # ----------------------------------------------------------------------------- NaN / Inf

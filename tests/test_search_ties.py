@@ -45,3 +45,29 @@ def test_estimates_tie_only_when_equal_and_budget_still_binds():
     assert _best_fitting([lean, fast], SearchOptions(memory_per_device=600)) == lean
     with pytest.raises(InfeasibleError):
         _best_fitting([lean, fast], SearchOptions(memory_per_device=100))
+
+
+def test_a_baseline_chosen_over_a_faster_timed_plan_says_why():
+    """When the tie rule gives a plain layout the win over a searched plan timed faster within the noise,
+    the report says so (it once printed a faster searched plan as if it had lost)."""
+    fast, lean = _v([1, 1], 1.00e-3, 900), _v([0, 0], 1.03e-3, 500)
+    res = SearchResult(lean.choice, (), lean, (fast, lean), 1.0, None, 0.0, baseline="FSDP", searched=fast)
+    assert res.baseline_text() == ("chosen plan is the FSDP baseline: the fastest searched plan [1, 1] took 1 ms "
+                                   "(measured) vs 1.03 ms, within the measured noise; the tie went to the least "
+                                   "memory (500 B vs 900 B per device)")
+    slow = _v([1, 1], 1.2e-3, 900)
+    res = SearchResult(lean.choice, (), lean, (slow, lean), 1.0, None, 0.0, baseline="FSDP", searched=slow)
+    assert res.baseline_text().endswith("took 1.2 ms (measured) vs 1.03 ms")
+
+
+def test_time_label_follows_how_the_times_were_taken():
+    from cfp.profiling.options import ProfilerKind, ProfilerSpec
+    timed, summed = _v([0, 0], 1e-3, 500), _v([0, 0], 1e-3, 500, noise=None)
+    measure, estimate = ProfilerSpec(ProfilerKind.MEASURE), ProfilerSpec(ProfilerKind.ESTIMATE, "H100-SXM")
+    label = lambda v, p: SearchResult(v.choice, (), v, (v,), 1.0, None, 0.0, profiler=p).time_label
+    assert label(timed, measure) == "measured"
+    # verify=0: the DP's sum of measured segment profiles is an estimate of the whole step, never "measured"
+    assert label(summed, measure) == "estimated: segment profiles summed by the DP, not timed whole"
+    assert label(summed, estimate) == "estimated: H100-SXM cost model"
+    assert "measured" not in SearchResult(summed.choice, (), summed, (summed,), 1.0, None, 0.0,
+                                          profiler=measure).report()

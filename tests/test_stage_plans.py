@@ -201,3 +201,24 @@ def test_search_times_megatron_side_by_side(tmp_path):
     assert "side by side (estimated)" in logs[-1]
     replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
     assert (plan.key in replays) == (not plan.megatron)
+
+
+def test_same_stage_sharding_compares_placements_not_spelling():
+    """A searched stage plan whose parameters, optimizer state and activations are placed as Megatron's is
+    named the Megatron sharding (no side-by-side ratio of a sharding with itself)."""
+    from types import SimpleNamespace
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from cfp.mesh import MeshSpec
+    from cfp.runtime.stage_compare import _same_stage_sharding
+    mesh = MeshSpec.parse("4").make()
+    ax = mesh.axis_names[0]
+
+    def stage(w, act):
+        s = lambda spec: NamedSharding(mesh, spec)
+        return SimpleNamespace(shardings={"w": s(w)}, opt_shardings=({"w": s(w)},), act_in=s(act), act_out=s(act))
+    megatron = stage(P(None, ax), P())
+    assert _same_stage_sharding(stage(P(None, ax), P(None, None, None)), megatron)
+    assert not _same_stage_sharding(stage(P(ax, None), P()), megatron)
+    assert not _same_stage_sharding(stage(P(None, ax), P(ax)), megatron)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from cfp.errors import ConfigError
-from cfp.runtime.timeline import Phase, Timeline, theoretical_bubble
+from cfp.runtime.timeline import MeasurementError, Phase, Timeline, bubble_line, theoretical_bubble
 
 
 def gpipe(tl, p, m, pipeline=0, fwd=1.0, bwd=1.0, t0=0.0):
@@ -37,6 +37,9 @@ def test_theoretical_bubble_and_errors():
         tl.record(0, 0, 0, "sideways", 0, 1)
     with pytest.raises(ConfigError, match="before start"):
         tl.record(0, 0, 0, "fwd", 2, 1)
+    with pytest.raises(ConfigError, match="zero-length or reversed event is not a measurement"):
+        tl.record(0, 1, 0, "bwd", 1.5, 1.5)
+    assert len(tl) == 0
     with pytest.raises(ConfigError, match="pipeline 3 has no events"):
         tl.bubble_fraction(3)
 
@@ -77,3 +80,47 @@ def test_json_roundtrip_and_png(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ConfigError, match="not a cfp timeline"):
         Timeline.load_json(tmp_path / "bad.json")
+
+
+def test_bubble_below_the_schedules_minimum_is_invalid():
+    """An ideal schedule reaches (p-1)/(m+p-1) exactly (valid); stage 1 squeezed in beside stage 0 as if it
+    needed no activation (what inferred starts and ends gave: 22.5% vs 66.7% at p=3, m=1) is flagged INVALID
+    and `check` raises; an unbalanced schedule idles more than the minimum and is valid."""
+    ideal = gpipe(Timeline(), 3, 1)
+    (v,) = ideal.summary().values()
+    assert v["valid"] and v["bubble"] == pytest.approx(2 / 3) == v["minimum_bubble"]
+    assert "INVALID" not in bubble_line(0, v) and "below" not in bubble_line(0, v)
+    ideal.check()
+    bad = Timeline()
+    for s in range(3):                       # every stage busy at once: bubble 0 < 2/3
+        bad.record(0, s, 0, "fwd", 0.0, 1.0)
+        bad.record(0, s, 0, "bwd", 1.0, 2.0)
+    (v,) = bad.summary().values()
+    assert not v["valid"] and v["bubble"] == pytest.approx(0.0) and v["minimum_bubble"] == pytest.approx(2 / 3)
+    assert bubble_line(0, v).endswith("INVALID: below the minimum its measured action times allow (66.7%), so "
+                                      "the timings are wrong (a measuring bug)")
+    with pytest.raises(MeasurementError, match="bubble measured 0.0% vs theoretical 66.7% .p=3, m=1. INVALID"):
+        bad.check()
+    slow = gpipe(Timeline(), 2, 4, fwd=1.0, bwd=3.0)
+    slow.record(0, 1, 9, "fwd", 100.0, 101.0)     # a late straggler on stage 1: more idle time, still valid
+    (v,) = slow.summary().values()
+    assert v["valid"] and v["bubble"] > v["theoretical_bubble"]
+
+
+def test_uneven_action_times_may_idle_less_than_the_equal_time_figure():
+    """(p-1)/(m+p-1) assumes equal action times. 1F1B, p=2, m=2 with stage 0's first forward and last backward
+    nearly free overlaps the rest completely: a bubble near 0 that is a true measurement, not a bug (the
+    critical path through these times equals the makespan), so it is valid and the line says why it is low."""
+    tl, eps = Timeline(), 1e-3
+    tl.record(0, 0, 0, "fwd", 0.0, eps)
+    tl.record(0, 1, 0, "fwd", eps, 1.0)
+    tl.record(0, 0, 1, "fwd", eps, 2.0)
+    tl.record(0, 1, 0, "bwd", 1.0, 2.0)
+    tl.record(0, 1, 1, "fwd", 2.0, 3.0)
+    tl.record(0, 0, 0, "bwd", 2.0, 4.0)
+    tl.record(0, 1, 1, "bwd", 3.0, 4.0)
+    tl.record(0, 0, 1, "bwd", 4.0, 4.0 + eps)
+    (v,) = tl.summary().values()
+    assert v["valid"] and v["bubble"] < 0.01 < v["theoretical_bubble"] == pytest.approx(1 / 3)
+    assert "because the measured action times vary" in bubble_line(0, v)
+    tl.check()

@@ -78,7 +78,8 @@ def _prepare(args):
 
 def _print_table(table, analysis) -> None:
     print(f"profiler: {table.profiler}  device: {table.device_kind}  jax {table.jax_version}  "
-          f"compiles: {table.compiles}  profile time: {table.profile_time:.2f} s")
+          f"compiles: {table.compiles}  from the cache: {len(table.reused)} of {len(table.segments)} segment kinds  "
+          f"profile time: {table.profile_time:.2f} s")
     how = ("measured" if table.profiler.kind is ProfilerKind.MEASURE
            else f"estimated by the {table.profiler.gpu} cost model")
     print(f"time: {how}; memory: compiled on this host (arguments + outputs + temporaries)")
@@ -91,8 +92,11 @@ def _print_table(table, analysis) -> None:
 
 def run_profile(args) -> int:
     from cfp.profiling.profiler import profile
+    from cfp.xla.log import quiet_compiles
     popts, _, _, analysis, program = _prepare(args)
-    table = profile(program, analysis, popts)
+    with quiet_compiles() as xla_log:
+        table = profile(program, analysis, popts)
+        xla_log.what = f"{table.compiles} candidate compiles"
     _print_table(table, analysis)
     _dump_table(table, args.dump_dir)
     return 0
@@ -117,11 +121,15 @@ def run_search(args) -> int:
     t0 = time.perf_counter()
     sopts = SearchOptions(memory_per_device=args.memory_per_device, top_k=args.top_k, verify=args.verify,
                           iters=args.iters, warmup=args.warmup, shard_state=args.shard_state)
+    from cfp.xla.log import quiet_compiles
     popts, _, example_args, analysis, program = _prepare(args)
-    table = profile(program, analysis, popts)
-    print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s ({table.compiles} compiles)")
-    _dump_table(table, args.dump_dir)
-    result = search(program, analysis, table, example_args, sopts)
+    with quiet_compiles() as xla_log:
+        table = profile(program, analysis, popts)
+        print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s "
+              f"({table.compiles} compiles)")
+        _dump_table(table, args.dump_dir)
+        result = search(program, analysis, table, example_args, sopts)
+        xla_log.what = f"{table.compiles} profile and {len(result.steps)} whole-step candidate compiles"
     print(result.report(*_labels(args, result)))
     print(_layer_flops_line(args, example_args, result))
     print(f"search time: {result.search_time:.2f} s; total planning time: {time.perf_counter() - t0:.2f} s")
@@ -143,7 +151,8 @@ def run_search(args) -> int:
 def _labels(args, result) -> tuple[str, str]:
     """How the printed time and memory were obtained (every figure says measured or estimated)."""
     if args.profiler != "estimate":
-        return "measured on this host", "measured: compiled on this host"
+        how = "measured on this host" if result.time_label == "measured" else result.time_label
+        return how, "measured: compiled on this host"
     from cfp.hardware.gpus import get_gpu
     gpu = get_gpu(args.gpu)
     fits = "fits" if result.best.memory <= gpu.mem_gb * 1e9 else "does NOT fit"
@@ -163,7 +172,7 @@ def _layer_flops_line(args, example_args, result) -> str:
     tokens = args.batch_size * get_config(args.model, args.config).seq_len
     flops = 6 * n_layer * tokens
     t = result.best.time
-    how = "estimated" if args.profiler == "estimate" else "measured"
+    how = "measured" if result.time_label == "measured" else "estimated"
     return (f"layer FLOPs (CFP's TFLOP_COUNT, 6 x {n_layer / 1e6:.4g}M layer params x {tokens} tokens): "
             f"{flops / 1e12:.6g} TFLOP; {flops / 1e12 / t if t > 0 else 0.0:.4g} TFLOP/s on the {how} time")
 

@@ -8,6 +8,7 @@ enforces that no other module imports these names.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -251,3 +252,14 @@ def backends_are_initialized() -> bool:
     """Whether JAX has created its backends (after which device-count flags no longer apply)."""
     from jax._src import xla_bridge
     return xla_bridge.backends_are_initialized()
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def eqn_text(eqn: FlatEqn) -> str:
+    """The equation's primitive, every param (sub-jaxprs printed in full) and its literal inputs, object
+    addresses removed: equal text on inputs of equal types is the same computation (the profile cache key)."""
+    params = ", ".join(f"{k}={v}" for k, v in sorted(eqn.params.items()))
+    lits = ", ".join(repr(v) for kind, v in eqn.invars if kind == "lit")
+    return _ADDRESS.sub("", f"{eqn.primitive.name}[{params}]({lits})")

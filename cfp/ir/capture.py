@@ -127,6 +127,11 @@ class Program:
                 stack.extend(a for a in self.graph.operators[i].inputs if a is not None)
         return sorted(ops)
 
+    def operator_text(self, index: int) -> str:
+        """Operator `index`'s primitive, all its params (bodies of control flow included) and literal inputs as
+        text; `graph.operators[index].params` keeps only the simple params."""
+        return internals.eqn_text(self._traced.eqns[index])
+
     def as_function(self, **replay_kwargs) -> Callable:
         """The program as a function of the original (pytree) arguments, returning the original outputs."""
         def fn(*args):

@@ -27,8 +27,8 @@ from cfp.hardware.gpus import get_gpu
 from cfp.profiling.options import ProfileOptions, ProfilerKind, ProfilerSpec
 from cfp.profiling.subprogram import SegmentProgram
 from cfp.xla.compiled import compiled_figures, device_kind, time_compiled
-from cfp.profiling.table import (ProfileEntry, ProfileTable, SegmentProfile, cache_key, cache_load,
-                                 cache_store)
+from cfp.profiling.cachekey import segment_cache_key
+from cfp.profiling.table import ProfileEntry, ProfileTable, SegmentProfile, cache_load, cache_store
 
 
 def _count(n: int) -> str:
@@ -154,16 +154,13 @@ class Profiler:
                  log: Callable[[str], None] = print):
         self.program, self.analysis, self.options, self.log = program, analysis, options, log
         self.compiles = 0
+        self.reused: list[int] = []     # segment kinds read from the cache
         self.mesh = analysis.mesh.make()
         self.gpu = get_gpu(options.gpu) if options.gpu else None
 
     @property
     def spec(self) -> ProfilerSpec:
         return ProfilerSpec(self.options.kind, None if self.options.kind is ProfilerKind.MEASURE else self.gpu.name)
-
-    def _settings(self) -> str:
-        o = self.options
-        return f"{self.spec}|iters={o.iters}|warmup={o.warmup}|max={o.max_combinations}|per={o.per_block}"
 
     def run(self) -> ProfileTable:
         t0 = time.perf_counter()
@@ -174,10 +171,12 @@ class Profiler:
         out: dict[int, SegmentProfile] = {}
         todo = []
         for kind, seg in firsts.items():
-            key = cache_key(seg.fingerprint, self.analysis.mesh.shape, dk, jv, self._settings())
+            key = (segment_cache_key(self.program, self.analysis, seg, self.options, dk)
+                   if self.options.cache_dir else None)
             hit = cache_load(self.options.cache_dir, key)
             if hit is not None and hit.space == self._space(seg):
                 out[kind] = hit
+                self.reused.append(kind)
             else:
                 todo.append((kind, seg, key))
         with self._progress() as progress:
@@ -191,7 +190,7 @@ class Profiler:
                 cache_store(self.options.cache_dir, key, prof)
                 out[kind] = prof
         return ProfileTable(self.analysis.mesh.shape, dk, jv, self.spec, dict(sorted(out.items())),
-                            self.compiles, time.perf_counter() - t0)
+                            self.compiles, time.perf_counter() - t0, tuple(sorted(self.reused)))
 
     def _space(self, seg: Segment) -> tuple[int, ...]:
         return tuple(len(self.analysis.blocks[b].strategies) for b in seg.blocks)

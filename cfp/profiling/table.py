@@ -1,12 +1,12 @@
 """Profile results: one `SegmentProfile` per unique segment kind, cached as versioned JSON.
 
-The cache key is the segment fingerprint, mesh shape, device kind, JAX version and the profiler settings that
-change the numbers, so a second run with the same inputs reads every segment back and compiles nothing.
+The cache key (`cachekey.segment_cache_key`) hashes the segment's whole sub-program, its strategies' layouts,
+the mesh, device kind, profiler settings and versions: a second run with the same inputs reads every segment
+back and compiles nothing, and no other program's segment is ever read back.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -77,6 +77,7 @@ class ProfileTable:
     segments: dict[int, SegmentProfile]   # by segment kind
     compiles: int = 0                 # compilations this table cost (0 when every segment came from the cache)
     profile_time: float = 0.0
+    reused: tuple[int, ...] = ()      # segment kinds read from the profile cache
 
     def to_json(self, **kw) -> str:
         d = dataclasses.asdict(self)
@@ -93,7 +94,7 @@ class ProfileTable:
             raise ConfigError(f"profile table version {d.get('version')!r} is not the supported {TABLE_VERSION}")
         return cls(tuple(d["mesh_shape"]), d["device_kind"], d["jax_version"], ProfilerSpec.parse(d["profiler"]),
                    {int(k): SegmentProfile.from_dict(v) for k, v in d["segments"].items()},
-                   d.get("compiles", 0), d.get("profile_time", 0.0))
+                   d.get("compiles", 0), d.get("profile_time", 0.0), tuple(d.get("reused", ())))
 
 
 def _bad(field: str, what: str, value) -> None:
@@ -134,11 +135,6 @@ def validate_segment_dict(d) -> None:
             _bad(f"entries[{i}].measured", "null or a finite non-negative number", e["measured"])
 
 
-def cache_key(fingerprint: str, mesh_shape, device_kind: str, jax_version: str, settings: str) -> str:
-    text = "|".join([fingerprint, "x".join(map(str, mesh_shape)), device_kind, jax_version, settings])
-    return f"{fingerprint}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
-
-
 def cache_load(cache_dir: str | None, key: str) -> SegmentProfile | None:
     """The cached profile of `key`, or None when absent. A file that is not a valid profile (unreadable, not
     JSON, another version, bad types or negative figures) is never used: it is logged as ignored and the
@@ -153,6 +149,8 @@ def cache_load(cache_dir: str | None, key: str) -> SegmentProfile | None:
             d = json.load(f)
         if not isinstance(d, dict) or d.get("version") != TABLE_VERSION:
             raise ConfigError(f"not a version-{TABLE_VERSION} cache entry")
+        if d.get("key") != key:
+            raise ConfigError(f"the entry was written for key {d.get('key')!r:.40}")
         return SegmentProfile.from_dict(d.get("segment"))
     except (OSError, ValueError) as e:     # ConfigError is a ValueError
         _log.warning("ignoring unreadable or outdated profile cache file %s (%s); profiling the segment again",
@@ -165,5 +163,6 @@ def cache_store(cache_dir: str | None, key: str, seg: SegmentProfile) -> None:
         return
     os.makedirs(cache_dir, exist_ok=True)
     # atomic: a concurrent reader never sees half a file
-    write_json_atomic(os.path.join(cache_dir, key + ".json"), {"version": TABLE_VERSION, "segment": seg.to_dict()},
+    write_json_atomic(os.path.join(cache_dir, key + ".json"), {"version": TABLE_VERSION, "key": key,
+                                                                 "segment": seg.to_dict()},
                       indent=None)

@@ -58,6 +58,7 @@ class StepStats:
     tokens: int
     real_tokens: int = 0
     events: list[Event] = field(default_factory=list)
+    unmeasured: tuple = ()   # per action of this process with no measured interval (not in `events`): its stage
 
     def busy(self) -> dict[tuple[int, int], float]:
         """Seconds each stage spent computing (fwd + bwd) in this step."""
@@ -241,8 +242,8 @@ class HeteroTrainer:
         flat = [mb for p in mbs for mb in p]
         slots = sum(int(mb["inputs"].size) for mb in flat)
         real = sum(int(np.count_nonzero(mb["weights"])) for mb in flat)
-        return StepStats(self.step_count, loss, seconds, slots, real,
-                         self._clock.events(order, t_start))
+        events = self._clock.events(order, t_start)
+        return StepStats(self.step_count, loss, seconds, slots, real, events, tuple(self._clock.unmeasured))
 
     def gradients(self, batch: dict) -> tuple[Any, float]:
         """(full gradient tree as numpy, loss) of the global batch at the current parameters."""

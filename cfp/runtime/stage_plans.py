@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from cfp.xla.log import quiet_compiles
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.files import write_json_atomic
 from cfp.analysis.analysis import analyze_with_program
@@ -155,7 +156,7 @@ class StagePlan:
         if not self.strategies:
             return "replicated (1 device)"
         if self.megatron:
-            return "Megatron sharding (faster than the searched plan side by side)"
+            return "Megatron sharding (the searched plan was slower side by side, or was the Megatron sharding)"
         sharded = sum(1 for _, e in self.params if any(x is not None for x in e))
         fmt = lambda e: "P(" + ", ".join(map(str, e)) + ")"
         return (f"{len(self.choice)} blocks, {len(set(self.strategies))} distinct strategies, "
@@ -306,18 +307,20 @@ def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_bat
     analysis, program, args = analysed_step(prog, tx, model_name, config, micro_batch, x_like, y_like)
     marks.append(time.perf_counter())
     quiet = lambda *_: None
-    table = profile(program, analysis, options.profile_options(), log=quiet)
-    marks.append(time.perf_counter())
     sopts = options.search_options()
-    result = search(program, analysis, table, args, sopts, log=quiet, mesh=prog.mesh)
-    marks.append(time.perf_counter())
     n_params = len(jax.tree_util.tree_leaves(args[0]))
     n_act = 2 * n_params + len(jax.tree_util.tree_leaves(args[1]))
     last = prog.stage.is_last
-    v, applied, boundary = _pick(analysis, result, prog, x_like, None if last else y_like,
-                                 sopts.memory_per_device, n_act)
-    meg = compare_with_megatron(prog, tx, args, analysis, result, v, applied, boundary, boundary_seconds(
-        prog, P(), P(), x_like, None if last else y_like, result.link_gbps), chunks, options, table.profiler)
+    # candidate compiles: the profile, the verified whole steps and the side by side with Megatron
+    with quiet_compiles(f"stage p{prog.stage.pipeline}s{prog.stage.index} candidate compiles"):
+        table = profile(program, analysis, options.profile_options(), log=quiet)
+        marks.append(time.perf_counter())
+        result = search(program, analysis, table, args, sopts, log=quiet, mesh=prog.mesh)
+        marks.append(time.perf_counter())
+        v, applied, boundary = _pick(analysis, result, prog, x_like, None if last else y_like,
+                                     sopts.memory_per_device, n_act)
+        meg = compare_with_megatron(prog, tx, args, analysis, result, v, applied, boundary, boundary_seconds(
+            prog, P(), P(), x_like, None if last else y_like, result.link_gbps), chunks, options, table.profiler)
     marks.append(time.perf_counter())
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prog.params_like)[0]]
     st = prog.stage
@@ -326,8 +329,9 @@ def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_bat
         tuple(analysis.notation(b, c) for b, c in enumerate(v.choice)), tuple(v.shard_state),
         tuple((k, _entries(s)) for k, s in zip(paths, applied.input_specs[:n_params])),
         _entries(applied.input_specs[n_act]), _entries(applied.input_specs[n_act + 1]) if not last else (),
-        meg.searched_time if meg else float(v.time), float(boundary), int(v.memory), str(table.profiler),
-        int(table.compiles), marks[-1] - marks[0], bool(meg and meg.megatron_wins),
+        meg.searched_time if meg and not meg.same_sharding else float(v.time), float(boundary), int(v.memory),
+        str(table.profiler), int(table.compiles), marks[-1] - marks[0],
+        bool(meg and (meg.megatron_wins or meg.same_sharding)),
         meg.megatron_time if meg else 0.0, meg.megatron_boundary if meg else 0.0,
         meg.megatron_memory if meg else 0)
     log(f"stage p{st.pipeline}s{st.index} (TP {st.tp}, {len(analysis.blocks)} blocks, "

@@ -1,5 +1,10 @@
 """Pipeline timelines: per-(pipeline, stage, micro-batch) forward/backward intervals, bubble statistics, plots.
 
+Every event is a measured interval of positive length (zero-length or reversed ones are refused), and a
+measured bubble below the schedule's minimum is flagged INVALID (`Timeline.check` raises): below
+(p-1)/(m+p-1) with equal action times, or in general below what the measured action times allow (the makespan
+cannot be shorter than the schedule's critical path through them).
+
 Times are whatever clock the caller uses (seconds from `time.perf_counter` by default in :meth:`Timeline.span`).
 JAX dispatches asynchronously, so to measure a stage's compute, block on its outputs
 (`jax.block_until_ready`) before taking the end time.
@@ -50,6 +55,55 @@ def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
+class MeasurementError(ConfigError):
+    """Timings that cannot be true (a bubble below the schedule's minimum): a bug in how they were taken."""
+
+
+def critical_path(events: list[Event]) -> float:
+    """The shortest makespan one pipeline's actions could have with their measured durations: the longest path
+    through the schedule's dependencies (a forward after the previous stage's forward of its micro-batch, a
+    backward after the next stage's backward and its own forward, and each stage's actions in turn). `inf`
+    when the events contradict the schedule (a cycle: a stage ran an action before one it depends on)."""
+    by_key = {(e.stage, e.microbatch, e.phase): e for e in events}
+    deps: dict = {k: [] for k in by_key}
+    for st in {e.stage for e in events}:
+        turn = sorted((e for e in events if e.stage == st), key=lambda e: (e.start, e.end))
+        for a, b in zip(turn, turn[1:]):
+            deps[(b.stage, b.microbatch, b.phase)].append((a.stage, a.microbatch, a.phase))
+    for (st, mb, ph) in by_key:
+        want = [(st - 1, mb, Phase.FWD)] if ph is Phase.FWD else [(st + 1, mb, Phase.BWD), (st, mb, Phase.FWD)]
+        deps[(st, mb, ph)] += [d for d in want if d in by_key]
+    finish: dict = {}
+    for k in sorted(by_key, key=lambda k: (by_key[k].start, by_key[k].end)):
+        stack = [k]
+        while stack:                     # iterative depth-first longest path (no recursion limit)
+            top = stack[-1]
+            todo = [d for d in deps[top] if d not in finish]
+            if any(d in stack for d in todo):
+                return float("inf")
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            e = by_key[top]
+            finish[top] = e.duration + max((finish[d] for d in deps[top]), default=0.0)
+    return max(finish.values(), default=0.0)
+
+
+def bubble_line(pipeline: int, v: dict) -> str:
+    """One line per pipeline: the measured bubble next to the theoretical one; INVALID when below the minimum
+    that its own measured action times allow (only a measuring bug gives that)."""
+    line = (f"pipeline {pipeline}: bubble measured {v['bubble']:.1%} vs theoretical {v['theoretical_bubble']:.1%} "
+            f"(p={v['stages']}, m={v['microbatches']})")
+    if not v["valid"]:
+        line += (f" INVALID: below the minimum its measured action times allow ({v['minimum_bubble']:.1%}), so the "
+                 f"timings are wrong (a measuring bug)")
+    elif v["bubble"] < v["theoretical_bubble"] - 1e-9:
+        line += (f"; below the equal-time figure because the measured action times vary (they allow "
+                 f"{v['minimum_bubble']:.1%})")
+    return line
+
+
 def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     # overlapping events on one stage (e.g. async overlap) count once: busy is wall time, not summed work
     total, cur_s, cur_e = 0.0, None, None
@@ -81,9 +135,11 @@ class Timeline:
 
     def record(self, pipeline: int, stage: int, microbatch: int, phase: Phase | str,
                start: float, end: float) -> Event:
-        if end < start:
-            raise ConfigError(f"event end={end} is before start={start} "
-                              f"(pipeline {pipeline}, stage {stage}, micro-batch {microbatch})")
+        """Add a measured event; one ending before or when it starts cannot be a measurement and is refused."""
+        if not end > start:
+            what = "before" if end < start else "at"
+            raise ConfigError(f"event end={end} is {what} start={start} (pipeline {pipeline}, stage {stage}, "
+                              f"micro-batch {microbatch}): a zero-length or reversed event is not a measurement")
         ev = Event(int(pipeline), int(stage), int(microbatch), _phase(phase), float(start), float(end))
         self._events.append(ev)
         return ev
@@ -131,13 +187,27 @@ class Timeline:
         return 1.0 - sum(self.busy_time(pipeline).values()) / (p * span)
 
     def summary(self) -> dict[int, dict[str, float]]:
-        """Per pipeline: stages, micro-batches, makespan, measured and theoretical bubble."""
+        """Per pipeline: stages, micro-batches, makespan, the measured bubble, the theoretical one with equal
+        action times, (p-1)/(m+p-1), and `minimum_bubble`, the least these measured action times allow (the
+        makespan of the schedule's critical path; equal to the theoretical one when the times are equal).
+        `valid` is False when the measured bubble is below that minimum, which only a measuring bug gives."""
         out = {}
         for q in self.pipelines():
             p, m = len(self.stages(q)), self.num_microbatches(q)
-            out[q] = {"stages": p, "microbatches": m, "makespan": self.makespan(q),
-                      "bubble": self.bubble_fraction(q), "theoretical_bubble": theoretical_bubble(p, m)}
+            span, busy = self.makespan(q), sum(self.busy_time(q).values())
+            path = critical_path(self._of(q))
+            least = 1.0 - busy / (p * path) if 0 < path < float("inf") else float("inf")
+            bubble = self.bubble_fraction(q)
+            out[q] = {"stages": p, "microbatches": m, "makespan": span, "bubble": bubble,
+                      "theoretical_bubble": theoretical_bubble(p, m), "minimum_bubble": least,
+                      "valid": span >= path * (1 - 1e-9)}
         return out
+
+    def check(self) -> None:
+        """Raise `MeasurementError` when a pipeline's measured bubble is below the minimum its times allow."""
+        for q, v in self.summary().items():
+            if not v["valid"]:
+                raise MeasurementError(bubble_line(q, v))
 
     # ---- persistence ----
     def to_dict(self) -> dict:
@@ -188,8 +258,9 @@ class Timeline:
         ax.set_xlabel(f"time ({unit})")
         ax.set_xlim(0, span * scale)
         sep = "; " if len(self.pipelines()) <= 2 else "\n"
-        stats = sep.join(f"pipe {q}: bubble {v['bubble']:.1%} (theory {v['theoretical_bubble']:.1%}, "
-                          f"p={v['stages']}, m={v['microbatches']})" for q, v in self.summary().items())
+        stats = sep.join(f"pipe {q}: bubble {v['bubble']:.1%}{'' if v['valid'] else ' INVALID'} "
+                          f"(theory {v['theoretical_bubble']:.1%}, p={v['stages']}, m={v['microbatches']})"
+                          for q, v in self.summary().items())
         ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
         ax.legend(handles=[Patch(color=_COLORS[p], label=p.value) for p in Phase], loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), fontsize=8)

@@ -1,9 +1,13 @@
 """Measured start/end times of a step's dispatched stage computations.
 
-JAX dispatches asynchronously, so one watcher thread per stage waits on each dispatched computation
-and records when it finished.  An action's start is the latest of its dispatch, its stage's previous
-action's end and its producer's end (the previous stage's forward, or the next stage's backward and
-its own forward); an end observed before that start (watcher threads poll independently) is raised to it.
+JAX dispatches asynchronously, so one watcher thread per stage waits, in dispatch order, first on the
+outputs of an action's producers (the previous stage's forward; the next stage's backward and its own
+forward), then on the action's own outputs, taking the time after each wait. An action's end is the earliest
+moment any thread saw its outputs ready (its own, or a consumer's waiting on them as inputs); its start is
+the latest of the measured instants it waited for: its dispatch, its producers' ends and the end of its
+stage's previous action (XLA runs it as soon as all three hold). A consumer so never starts before its
+producer ends, nothing is clamped, and an action whose measured end is not after its start (the watchers
+fell behind) is left out and its stage listed in `StepClock.unmeasured`.
 """
 from __future__ import annotations
 
@@ -19,20 +23,24 @@ from cfp.runtime.timeline import Event
 
 
 class _Watcher:
-    """Waits, in a thread, for a stage's computations to finish and records their end times."""
+    """Waits, in a thread, for a stage's computations to finish and records their observed intervals."""
 
     def __init__(self):
         self.q: queue.Queue = queue.Queue()
-        self.ends: dict[tuple, float] = {}
+        self.spans: dict[tuple, tuple[float, float] | None] = {}
         threading.Thread(target=self._loop, daemon=True).start()
 
     def _loop(self):
         while True:
-            key, arr = self.q.get()
+            key, inputs, arr = self.q.get()
+            span = None
             try:
+                jax.block_until_ready(inputs)
+                seen = time.perf_counter()
                 jax.block_until_ready(arr)
+                span = (seen, time.perf_counter())
             finally:
-                self.ends[key] = time.perf_counter()
+                self.spans[key] = span
                 self.q.task_done()
 
 
@@ -47,48 +55,71 @@ def _watcher(devices: tuple[int, ...]) -> _Watcher:
 
 
 class StepClock:
-    """Dispatch times and watched end times of one step's actions on this process's stages."""
+    """Dispatch times and watched intervals of one step's actions on this process's stages."""
 
     def __init__(self, local_stages: dict[tuple[int, int], tuple[int, ...]]):
         """``local_stages``: stage key -> its device ids, for the stages this process runs."""
         self._watchers = {key: _watcher(devs) for key, devs in local_stages.items()}
+        self._done: dict[tuple, tuple[Any, int]] = {}     # outputs and how many local consumers still need them
         self._dispatched: dict[tuple, float] = {}
+        self._inputs: dict[tuple, list[tuple]] = {}
+        self.unmeasured: list[tuple[int, int]] = []    # per action of the last `events` with no measured
+        # interval, its stage
 
     def dispatched(self, key: tuple[int, int], microbatch: int, phase: Phase, t0: float,
                    done: Any) -> None:
         """Record that the action was dispatched at ``t0``; ``done`` becomes ready when it ends."""
-        self._dispatched[(key, microbatch, phase)] = t0
-        self._watchers[key].q.put(((microbatch, phase), done))
+        pipeline, stage = key
+        if phase is Phase.FWD:
+            producers = [((pipeline, stage - 1), microbatch, Phase.FWD)]
+            consumers = int((pipeline, stage + 1) in self._watchers) + 1     # the next stage's fwd, own bwd
+        else:
+            producers = [((pipeline, stage + 1), microbatch, Phase.BWD), (key, microbatch, Phase.FWD)]
+            consumers = int((pipeline, stage - 1) in self._watchers)
+        k = (key, microbatch, phase)
+        self._inputs[k] = [p for p in producers if p in self._done]     # another process's: not watched here
+        self._dispatched[k] = t0
+        self._watchers[key].q.put(((microbatch, phase), [self._done[p][0] for p in self._inputs[k]], done))
+        for p in self._inputs[k]:       # hold a producer's outputs only until its last local consumer has them
+            arr, left = self._done.pop(p)
+            if left > 1:
+                self._done[p] = (arr, left - 1)
+        if consumers:
+            self._done[k] = (done, consumers)
 
     def events(self, order: list, t_start: float) -> list[Event]:
-        """Wait for every watched action and return its Event, times relative to ``t_start``."""
-        ends = self._collect_ends()
-        dispatched, self._dispatched = self._dispatched, {}
-        events, last_end = [], {}
+        """Wait for every watched action and return the Events of those measured, relative to ``t_start``."""
+        spans = self._collect()
+        # an action's outputs were ready no later than any thread saw them: its own, or a consumer's
+        ends = {k: v[1] for k, v in spans.items() if v is not None}
+        for k, v in spans.items():
+            for p in self._inputs.get(k, ()):
+                if v is not None and p in ends:
+                    ends[p] = min(ends[p], v[0])
+        dispatched, inputs = self._dispatched, self._inputs
+        self._done, self._dispatched, self._inputs = {}, {}, {}
+        events, self.unmeasured, last_end = [], [], {}
         for a in order:
             key = (a.pipeline, a.stage)
             k = (key, a.microbatch, a.phase)
-            if k not in ends:  # another process's stage
+            if k not in spans:  # another process's stage
                 continue
-            deps = [last_end.get(key, t_start), dispatched[k]]
-            if a.phase is Phase.FWD:
-                deps.append(ends.get(((a.pipeline, a.stage - 1), a.microbatch, Phase.FWD), t_start))
-            else:
-                deps.append(ends.get(((a.pipeline, a.stage + 1), a.microbatch, Phase.BWD), t_start))
-                deps.append(ends.get((key, a.microbatch, Phase.FWD), t_start))
-            start = max(deps)
-            # watchers of different stages poll independently, so one may see a consumer finish a little
-            # before another records its producer's end: an action cannot end before it can start
-            ends[k] = max(ends[k], start)
+            if k not in ends:
+                self.unmeasured.append(key)
+                continue
+            start = max([dispatched[k], last_end.get(key, dispatched[k])]
+                        + [ends[p] for p in inputs[k] if p in ends])
             last_end[key] = ends[k]
-            events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, start - t_start,
-                                ends[k] - t_start))
+            if not ends[k] > start:
+                self.unmeasured.append(key)
+                continue
+            events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, start - t_start, ends[k] - t_start))
         return events
 
-    def _collect_ends(self) -> dict[tuple, float]:
+    def _collect(self) -> dict[tuple, tuple[float, float] | None]:
         for w in self._watchers.values():
             w.q.join()
-        ends = {(key, m, ph): t for key, w in self._watchers.items() for (m, ph), t in w.ends.items()}
+        spans = {(key, m, ph): v for key, w in self._watchers.items() for (m, ph), v in w.spans.items()}
         for w in self._watchers.values():
-            w.ends.clear()
-        return ends
+            w.spans.clear()
+        return spans

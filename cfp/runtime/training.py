@@ -203,7 +203,7 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> Trai
 
 def _train_steps(opts, trainer, data, start, losses, config, log):
     """Steps ``start+1 .. opts.steps`` (checkpointing as asked); returns (result, last events)."""
-    timed, busy_sum, last_events, step = [], {}, None, start
+    timed, busy_sum, busy_steps, last_events, step = [], {}, {}, None, start
     for step in range(start, opts.steps):
         stats = trainer.step(data.batch(step))
         losses[step + 1] = stats.loss
@@ -211,9 +211,11 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
             f"measured ({stats.seconds:.3f} s)")
         if step > start:  # the first step still traces (and warms caches); keep it out of rates
             timed.append(stats)
-            for k, v in stats.busy().items():
-                busy_sum[k] = busy_sum.get(k, 0.0) + v
-        last_events = stats.events
+            for k, v in stats.busy().items():     # a stage's busy time only from steps it was measured in full
+                if k not in stats.unmeasured:
+                    busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
+        if not stats.unmeasured or last_events is None:   # the timeline: the last step measured in full
+            last_events = stats.events
         if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
             _save(opts, trainer, losses)
         if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
@@ -221,10 +223,11 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
     result = TrainResult(losses, 0.0, {}, {})
     if timed:
         result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
-        result.busy = {k: v / len(timed) for k, v in busy_sum.items()}
+        result.busy = {k: v / busy_steps[k] for k, v in busy_sum.items()}
         log(f"tokens/s {result.tokens_per_s:,.0f} measured (mean over steps {start + 2}..{step + 1})")
-        line = "busy per stage (s/step, measured): " + ", ".join(
-            f"p{k[0]}s{k[1]} {v:.4f}" for k, v in sorted(result.busy.items()))
+        line = "busy per stage (s/step, measured; mean over the steps each stage's actions were all measured): " + \
+            ", ".join(f"p{k[0]}s{k[1]} {v:.4f} ({busy_steps[k]} of {len(timed)} steps)"
+                      for k, v in sorted(result.busy.items()))
         if jax.process_count() > 1:  # each process measured its own stages
             print(f"{line} (process {jax.process_index()})", flush=True)
         else:
@@ -298,15 +301,20 @@ def _all_events(events, n_max: int) -> np.ndarray:
 
 
 def _timeline(opts, events, log, n_max: int) -> dict[int, dict[str, float]]:
-    from cfp.runtime.timeline import Timeline
+    from cfp.runtime.timeline import Timeline, bubble_line
+    rows = _all_events(events, n_max)
+    if len(rows) < n_max:     # StepClock leaves out actions whose start it could not observe
+        log(f"bubble not measured: no step had every action measured ({n_max - len(rows)} of {n_max} actions of "
+            f"the last step ended no later than they could start as seen: the host was too busy to watch them); "
+            f"no timeline written")
+        return {}
     tl = Timeline()
-    for row in _all_events(events, n_max):
+    for row in rows:
         tl.record(int(row[0]), int(row[1]), int(row[2]), "fwd" if row[3] == 0 else "bwd",
                   float(row[4]), float(row[5]))
     summary = tl.summary()
     for q, v in summary.items():
-        log(f"pipeline {q}: bubble measured {v['bubble']:.1%} vs theoretical "
-            f"{v['theoretical_bubble']:.1%} (p={v['stages']}, m={v['microbatches']})")
+        log(bubble_line(q, v))
     if opts.timeline_dir and jax.process_index() == 0 and len(tl):
         os.makedirs(opts.timeline_dir, exist_ok=True)
         tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))

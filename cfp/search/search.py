@@ -15,7 +15,7 @@ from cfp.errors import ConfigError, InfeasibleError
 from cfp.hardware.gpus import GpuSpec, get_gpu
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
-from cfp.profiling.options import ProfilerKind
+from cfp.profiling.options import ProfilerKind, ProfilerSpec
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPSolution, dp_search
 from cfp.search.options import SearchOptions, fmt_bytes
@@ -51,11 +51,23 @@ class SearchResult:
     # "data parallel" or "FSDP" when that plain layout was faster than every searched plan and so was chosen
     baseline: str | None = None
     searched: VerifiedChoice | None = None     # then, the fastest searched plan that lost to it
+    profiler: ProfilerSpec | None = None       # what timed the plans (None: measured)
     # (choice, shard_state) -> compiled ShardedStep
     steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def report(self, how: str = "measured", memory_how: str = "compiled on this host") -> str:
-        """The result's lines; `how` labels the times (measured, or which cost model estimated them)."""
+    @property
+    def time_label(self) -> str:
+        """How the times were obtained: measured whole, or estimated (by a GPU cost model, or, with no
+        whole-step verification, as the DP's sum of the segments' profiles and estimated resharding)."""
+        if self.profiler is not None and self.profiler.kind is ProfilerKind.ESTIMATE:
+            return f"estimated: {self.profiler.gpu} cost model"
+        if self.best.noise is None:
+            return "estimated: segment profiles summed by the DP, not timed whole"
+        return "measured"
+
+    def report(self, how: str | None = None, memory_how: str = "compiled on this host") -> str:
+        """The result's lines; `how` labels the times (default: `time_label`, following the profiler)."""
+        how = how or self.time_label
         b = self.best
         return "\n".join([
             f"searched ParallelBlock Strategies solution: {list(self.choice)}",
@@ -70,12 +82,17 @@ class SearchResult:
             *([self.baseline_text(how)] if self.baseline else []),
         ])
 
-    def baseline_text(self, how: str = "measured") -> str:
-        """Why the plain layout was chosen: the searched plans were slower than it."""
-        s = self.searched
+    def baseline_text(self, how: str | None = None) -> str:
+        """Why the plain layout was chosen: the searched plans were slower than it, or tied with it within the
+        measured noise (ties go to the least memory, see `_best_fitting`)."""
+        how = how or self.time_label
+        s, b = self.searched, self.best
+        if s is None or s.time == float("inf"):
+            return f"chosen plan is the {self.baseline} baseline: no searched plan fit the budget"
         lost = (f"the fastest searched plan {list(s.choice)} took {s.time * 1e3:.4g} ms ({how}) vs "
-                f"{self.best.time * 1e3:.4g} ms" if s is not None and s.time != float("inf") else
-                "no searched plan fit the budget")
+                f"{b.time * 1e3:.4g} ms")
+        if s.time < b.time:
+            lost += f", {_why_not_fastest(b, s)}"
         return f"chosen plan is the {self.baseline} baseline: {lost}"
 
     def margin_text(self) -> str:
@@ -94,6 +111,19 @@ class SearchResult:
         tol = _tie_tolerance(b, r) * 100
         return (f"chosen plan: {b.time * 1e3:.4g} ms measured; runner-up {r.time * 1e3:.4g} ms ({diff:+.1f}%, "
                 f"{'within' if abs(diff) <= tol else 'outside'} measured noise ±{tol:.1f}%)")
+
+
+def _why_not_fastest(chosen: VerifiedChoice, faster: VerifiedChoice) -> str:
+    """Why `_best_fitting` chose `chosen` over the faster-timed `faster`."""
+    if faster.remats and not chosen.remats:
+        return f"but its compile made XLA rematerialize {faster.remats} tensors"
+    if chosen.memory != faster.memory:
+        why = f"the least memory ({fmt_bytes(chosen.memory)} vs {fmt_bytes(faster.memory)} per device)"
+    elif chosen.comm_bytes != faster.comm_bytes:
+        why = f"the least communication ({fmt_bytes(chosen.comm_bytes)} vs {fmt_bytes(faster.comm_bytes)})"
+    else:
+        why = "the smaller choice"
+    return f"within the measured noise; the tie went to {why}"
 
 
 def measure_link_gbps(mesh: jax.sharding.Mesh, nbytes: int = 1 << 22, iters: int = 5) -> float:
@@ -135,12 +165,15 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     baselines = _baselines(analysis, uniform)
     best, baseline, searched = _never_slower_than_baselines(best, verified, baselines, own, options)
     if baseline:
-        log(f"chosen plan: the {baseline} baseline, faster than every searched plan side by side")
+        how = f"by the {gpu.name} cost model" if gpu else "measured side by side"
+        log(f"chosen plan: the {baseline} baseline, faster than every searched plan ({how}) or tied with the "
+            f"fastest within the noise")
     if any(v.remats for v in verified):
         log(f"{sum(1 for v in verified if v.remats)} of {len(verified)} verified plans reshard by replicating "
             f"(XLA: involuntary full rematerialization); the search prefers plans without")
     return SearchResult(best.choice, best.shard_state, best, tuple(verified), link, options.memory_per_device,
-                        time.perf_counter() - t0, baseline=baseline, searched=searched, steps=steps)
+                        time.perf_counter() - t0, baseline=baseline, searched=searched, profiler=table.profiler,
+                        steps=steps)
 
 
 def _baselines(analysis: Analysis, uniform) -> dict:
@@ -257,7 +290,7 @@ def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_
     step = steps.get((choice, shard)) or apply_choice(program, analysis, choice, mesh, shard_state=shard)
     steps[(choice, shard)] = step
     v = _verify(step, example_args, choice, shard, sol.time, options, gpu, analysis)
-    log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP {sol.time:.4g} s, whole step "
+    log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP estimate {sol.time:.4g} s, whole step "
         f"({'estimated: ' + gpu.name + ' cost model' if gpu else 'measured'}) "
         f"{'not timed (over the budget)' if v.time == float('inf') else f'{v.time:.4g} s'}, "
         f"{fmt_bytes(v.memory)} per device"

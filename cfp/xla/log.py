@@ -6,7 +6,8 @@ written differently: `{mesh['x'=2,'y'=4], [{'x', 'y'}, {}]}` under Shardy, `{dev
 
 XLA writes its warnings to the process's stderr file descriptor, past Python's `sys.stderr`, so `capture_log`
 points descriptor 2 at a temporary file around a compile and then writes everything it caught back to stderr:
-nothing is hidden, and cfp can read what XLA said about the program it just compiled.
+nothing is hidden, and cfp can read what XLA said about the program it just compiled. Around the many
+candidate compiles of a search, `quiet_compiles` keeps XLA's lines in a file and prints one summary line.
 """
 from __future__ import annotations
 
@@ -80,3 +81,64 @@ def capture_log() -> Iterator[XlaLog]:
             if raw:
                 os.write(2, raw)
             log.text = raw.decode(errors="replace")
+
+
+# a line of XLA's C++ log (absl/glog format: severity, date, time, thread, file:line]) or absl's preamble
+_XLA_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]|WARNING: All log messages before absl)")
+
+
+@dataclasses.dataclass
+class QuietLog:
+    """What XLA logged inside a `quiet_compiles` block (filled in when it ends); `what` names the compiles in
+    the summary line (the block may update it, e.g. with their count once known)."""
+
+    what: str = "candidate compiles"
+    lines: int = 0                  # XLA log lines caught
+    remats: int = 0                 # involuntary full rematerializations among them
+    path: str | None = None         # file holding them (None when XLA logged nothing)
+
+    def summary(self) -> str:
+        if not self.lines:
+            return f"{self.what}: XLA logged nothing"
+        return (f"{self.what} printed {self.lines} XLA log lines ({self.remats} involuntary full rematerializations); "
+                f"see {self.path}")
+
+
+def split_xla_lines(text: str) -> tuple[list[str], list[str]]:
+    """(XLA's log lines, every other line) of text written to descriptor 2."""
+    xla, other = [], []
+    for line in text.splitlines():
+        (xla if _XLA_LINE.match(line) else other).append(line)
+    return xla, other
+
+
+@contextlib.contextmanager
+def quiet_compiles(what: str = "candidate compiles", log_dir: str | None = None) -> Iterator[QuietLog]:
+    """Keep XLA's C++ log off the terminal around candidate compiles: descriptor 2 goes to a temporary file
+    in the block; XLA's lines are then kept in a file (in `log_dir`, default the temporary directory) and
+    summarised in one line on stderr, while every other line written there goes back to stderr unchanged.
+    Nested `capture_log` blocks still read XLA's text, so each verified plan keeps its own count
+    (`ShardedStep.rematerializations`)."""
+    out = QuietLog(what)
+    # held throughout, like `capture_log`: another thread swapping descriptor 2 meanwhile would restore it wrongly
+    with _LOCK, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            xla, other = split_xla_lines(tmp.read().decode(errors="replace"))
+            if other:
+                sys.stderr.write("\n".join(other) + "\n")
+            if xla:
+                fd, out.path = tempfile.mkstemp(prefix="cfp_xla_", suffix=".log", dir=log_dir)
+                with os.fdopen(fd, "w") as f:
+                    f.write("\n".join(xla) + "\n")
+                out.lines, out.remats = len(xla), len(involuntary_rematerializations("\n".join(xla)))
+                sys.stderr.write(out.summary() + "\n")
+                sys.stderr.flush()

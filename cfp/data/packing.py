@@ -52,48 +52,76 @@ def pipeline_time(scheme: Scheme, lengths: np.ndarray, mbs: MicroBatches) -> flo
     return float(sum(costs) + (scheme.pp - 1) * max(costs))
 
 
-def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len: int
-         ) -> tuple[MicroBatches, float] | None:
+def _sum_bound(total: float, sq: float, scheme: Scheme, m: int) -> float:
+    """Least Σ micro-batch cost over m used micro-batches of `total` tokens (Σ s² = `sq`): exact for varlen
+    attention, the even split for dense rows (Σ T_j² >= total²/m)."""
+    quad = total * total / m if scheme.dense_rows else sq
+    return scheme.a * quad + scheme.b * total + m * scheme.c
+
+
+def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len: int,
+         stop: float = np.inf) -> tuple[MicroBatches, float] | None:
     """Each sequence (longest first) into the cheapest micro-batch with room; with the pipeline time.
-    None if a sequence does not fit."""
+    None if a sequence does not fit, or once the pipeline time provably reaches `stop` (a count at least as
+    good is known): m <= len(lengths) micro-batches all get used, so the time is at least `_sum_bound` plus
+    (pp-1) x the slowest micro-batch so far, which only grows."""
     heap = [(scheme.c, j) for j in range(m)]    # (cost so far, micro-batch)
     tokens = [0] * m
-    sq = [0.0] * m
+    sq = [0] * m
     bins: MicroBatches = [[] for _ in range(m)]
-    a, b, c, dense = scheme.a, scheme.b, scheme.c, scheme.dense_rows
+    a, b, c, dense, bubble = scheme.a, scheme.b, scheme.c, scheme.dense_rows, scheme.pp - 1
+    limit = np.inf
+    if bubble and stop < np.inf and (a > 0 or b > 0):   # (every micro-batch used needs a > 0 or b > 0)
+        lf = lengths.astype(np.float64)
+        limit = (stop - _sum_bound(float(lf.sum()), float((lf * lf).sum()), scheme, m)) / bubble
+    slowest = c
     lens = lengths.tolist()
     for i in order.tolist():
         s = lens[i]
-        aside = []
-        while heap and tokens[heap[0][1]] + s > max_len:
-            aside.append(heapq.heappop(heap))
-        if not heap:
-            return None
-        _, j = heapq.heappop(heap)
-        for item in aside:
-            heapq.heappush(heap, item)
-        tokens[j] += s
-        sq[j] += s * s
+        j = heap[0][1]
+        room = tokens[j] + s <= max_len
+        if not room:             # rare: set full micro-batches aside until the cheapest one with room is on top
+            aside = []
+            while heap and tokens[heap[0][1]] + s > max_len:
+                aside.append(heapq.heappop(heap))
+            if not heap:
+                return None
+            j = heapq.heappop(heap)[1]
+            for item in aside:
+                heapq.heappush(heap, item)
+        t = tokens[j] + s
+        tokens[j] = t
+        q = sq[j] + s * s
+        sq[j] = q
         bins[j].append(i)
-        t = tokens[j]
-        heapq.heappush(heap, (a * (t * t if dense else sq[j]) + b * t + c, j))
+        cost = a * (t * t if dense else q) + b * t + c
+        if room:
+            heapq.heapreplace(heap, (cost, j))
+        else:
+            heapq.heappush(heap, (cost, j))
+        if cost > slowest:
+            slowest = cost
+            if slowest >= limit:
+                return None
     costs = [cost for cost, j in heap if bins[j]]
-    return [mb for mb in bins if mb], sum(costs) + (scheme.pp - 1) * max(costs)
+    return [mb for mb in bins if mb], sum(costs) + bubble * max(costs)
 
 
 def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = None,
                   extra: int = 20) -> MicroBatches:
     """Fine-grained packing: search m in [⌈tokens/max_len⌉, +extra] (offsets 0,1,2,4,8,16,extra, then
-    halving the gaps around the best count; counts whose lower bound cannot win are skipped) and keep the
-    greedy packing with the least pipeline time."""
+    halving the gaps around the best count) and keep the greedy packing with the least pipeline time.
+    A count is skipped when its lower bound cannot beat the best so far, and a greedy run stops as soon as
+    it provably cannot: the bound is Σ cost + (pp-1)·max(mean micro-batch, longest sequence alone)."""
     lengths = np.asarray(lengths, np.int64)
     max_len = scheme.max_len if max_len is None else max_len
     _check(lengths, max_len)
     if lengths.size == 0:
         return []
     order = np.argsort(-lengths, kind="stable")
-    total = float(lengths.sum())
-    sq = float((lengths.astype(np.float64) ** 2).sum())
+    lf = lengths.astype(np.float64)
+    total, sq = float(lf.sum()), float((lf * lf).sum())
+    alone = scheme.mb_cost(lengths[order[:1]])    # no micro-batch is cheaper than the longest sequence's
     m0 = -(-int(total) // max_len)
     top = min(m0 + extra, lengths.size)
     tried: dict[int, tuple] = {}
@@ -101,13 +129,12 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
     def attempt(m: int):
         if m in tried or not m0 <= m <= top:
             return
-        # lower bound of the pipeline time at m (Σ over micro-batches is convex in their tokens)
-        work = scheme.a * (total * total / m if scheme.dense_rows else sq) + scheme.b * total + m * scheme.c
-        bound = work + (scheme.pp - 1) * work / m
-        if tried and bound >= min(t for t, _ in tried.values()):
+        work = _sum_bound(total, sq, scheme, m)
+        best = min((t for t, _ in tried.values()), default=np.inf)
+        if (scheme.a > 0 or scheme.b > 0) and work + (scheme.pp - 1) * max(work / m, alone) >= best:
             tried[m] = (np.inf, None)
             return
-        found = _lpt(lengths, order, scheme, m, max_len)
+        found = _lpt(lengths, order, scheme, m, max_len, stop=best)
         tried[m] = (np.inf, None) if found is None else (found[1], found[0])
 
     # coarse offsets, then halve the gaps on both sides of the best count found so far

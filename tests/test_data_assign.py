@@ -7,7 +7,7 @@ import pytest
 
 from cfp.data.batching import METHODS, assign_step
 from cfp.data.dispatch import dispatch, dispatch_greedy, dispatch_ilp, makespan
-from cfp.data.packing import _lpt, pack_balanced, pack_fixed, pack_ilp, pipeline_time
+from cfp.data.packing import _lpt, min_count, pack_balanced, pack_fixed, pack_ilp, pipeline_time
 from cfp.data.propose import propose
 from cfp.data.schemes import Scheme, SchemeSpace
 from cfp.errors import InfeasibleError
@@ -168,3 +168,16 @@ def test_dispatch_ilp_honours_its_time_limit_and_falls_back_validly():
     assert makespan(pipes, lens, got) <= greedy
     if found is not None:
         assert makespan(pipes, lens, got) <= makespan(pipes, lens, found)
+
+
+def test_min_count_is_a_lower_bound_sharper_than_tokens():
+    # three sequences over half the limit need three micro-batches although their tokens fit two
+    assert min_count(np.array([6, 6, 6]), 10) == 3
+    # L2's k-threshold term: the 4s cannot share with a 7 (7+4 > 10) and need their own micro-batch
+    assert min_count(np.array([7, 7, 4, 4]), 10) == 3
+    assert min_count(np.array([5, 5, 5, 5]), 10) == 2 and min_count(np.array([], np.int64), 10) == 0
+    rng = np.random.default_rng(6)
+    for _ in range(50):      # never above a packing that exists (first-fit decreasing's)
+        lens = _lengths(rng, int(rng.integers(1, 60)), 1024)
+        ffd = pack_fixed(np.sort(lens)[::-1], 1024)
+        assert -(-int(lens.sum()) // 1024) <= min_count(lens, 1024) <= len(ffd)

@@ -59,6 +59,24 @@ def _sum_bound(total: float, sq: float, scheme: Scheme, m: int) -> float:
     return scheme.a * quad + scheme.b * total + m * scheme.c
 
 
+def min_count(lengths: np.ndarray, max_len: int) -> int:
+    """Martello & Toth's L2 lower bound on the micro-batches of at most `max_len` tokens that can hold
+    `lengths`: for each threshold k <= max_len/2, the sequences longer than max_len-k each need their own
+    micro-batch, those in (max_len/2, max_len-k] too, and those in [k, max_len/2] must fit the room the latter
+    leave or open new ones. Vectorised over every k that is a length (and k=0)."""
+    s = np.sort(np.asarray(lengths, np.int64))
+    if s.size == 0:
+        return 0
+    cum = np.concatenate([[0], np.cumsum(s)])
+    h = int(np.searchsorted(s, max_len // 2, side="right"))      # s[:h]: at most half the limit
+    ks = np.concatenate([[0], np.unique(s[:h])])
+    over = np.searchsorted(s, max_len - ks, side="right")         # s[over:]: longer than max_len - k
+    n2, sum2 = over - h, cum[over] - cum[h]                       # (max_len/2, max_len - k]
+    sum3 = cum[h] - cum[np.searchsorted(s, ks, side="left")]      # [k, max_len/2]
+    spill = np.maximum(0, -(-(sum3 - (n2 * max_len - sum2)) // max_len))
+    return int(max((s.size - over + n2 + spill).max(), -(-int(cum[-1]) // max_len)))
+
+
 def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len: int,
          stop: float = np.inf) -> tuple[MicroBatches, float] | None:
     """Each sequence (longest first) into the cheapest micro-batch with room; with the pipeline time.
@@ -111,8 +129,10 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
                   extra: int = 20) -> MicroBatches:
     """Fine-grained packing: search m in [⌈tokens/max_len⌉, +extra] (offsets 0,1,2,4,8,16,extra, then
     halving the gaps around the best count) and keep the greedy packing with the least pipeline time.
-    A count is skipped when its lower bound cannot beat the best so far, and a greedy run stops as soon as
-    it provably cannot: the bound is Σ cost + (pp-1)·max(mean micro-batch, longest sequence alone)."""
+    A count is skipped when no packing into it exists (`min_count`) or its lower bound cannot beat the best
+    so far, and a greedy run stops as soon as it provably cannot: the bound is
+    Σ cost + (pp-1)·max(mean micro-batch, longest sequence alone), and counts are tried most promising
+    first. Only counts that cannot beat the best are dropped: the result is the unpruned search's (up to ties)."""
     lengths = np.asarray(lengths, np.int64)
     max_len = scheme.max_len if max_len is None else max_len
     _check(lengths, max_len)
@@ -124,22 +144,26 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
     alone = scheme.mb_cost(lengths[order[:1]])    # no micro-batch is cheaper than the longest sequence's
     m0 = -(-int(total) // max_len)
     top = min(m0 + extra, lengths.size)
+    least = min_count(lengths, max_len)           # fewer micro-batches cannot hold the sequences at all
     tried: dict[int, tuple] = {}
 
-    def attempt(m: int):
-        if m in tried or not m0 <= m <= top:
-            return
+    def bound(m: int) -> float:
+        if m < least:
+            return np.inf
+        if scheme.a == 0 and scheme.b == 0:      # degenerate costs: micro-batches may stay empty, no bound
+            return 0.0
         work = _sum_bound(total, sq, scheme, m)
-        best = min((t for t, _ in tried.values()), default=np.inf)
-        if (scheme.a > 0 or scheme.b > 0) and work + (scheme.pp - 1) * max(work / m, alone) >= best:
-            tried[m] = (np.inf, None)
-            return
-        found = _lpt(lengths, order, scheme, m, max_len, stop=best)
-        tried[m] = (np.inf, None) if found is None else (found[1], found[0])
+        return work + (scheme.pp - 1) * max(work / m, alone)
+
+    def attempt(ms) -> None:
+        # most promising count first: a good early best lets the bound skip or stop the others
+        for m in sorted({m for m in ms if m not in tried and m0 <= m <= top}, key=lambda m: (bound(m), m)):
+            best = min((t for t, _ in tried.values()), default=np.inf)
+            found = None if bound(m) >= best else _lpt(lengths, order, scheme, m, max_len, stop=best)
+            tried[m] = (np.inf, None) if found is None else (found[1], found[0])
 
     # coarse offsets, then halve the gaps on both sides of the best count found so far
-    for m in sorted({m0 + d for d in (0, 1, 2, 4, 8, 16, extra)}):
-        attempt(m)
+    attempt(m0 + d for d in (0, 1, 2, 4, 8, 16, extra))
     while True:
         cur = min(tried, key=lambda m: tried[m][0])
         lo = max((m for m in tried if m < cur), default=cur)
@@ -147,8 +171,7 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
         todo = [m for m in ((lo + cur) // 2, (cur + hi) // 2) if m not in tried and m0 <= m <= top]
         if not todo:
             break
-        for m in todo:
-            attempt(m)
+        attempt(todo)
     best_t, best = min(tried.values(), key=lambda v: v[0])
     if best is None:  # first-fit always succeeds when every sequence fits
         best = pack_fixed(lengths, max_len)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cfp.data.batching import METHODS, assign_step
-from cfp.data.dispatch import dispatch, dispatch_greedy, dispatch_ilp, makespan
+from cfp.data.dispatch import dispatch, dispatch_greedy, dispatch_ilp, lower_bound, makespan
 from cfp.data.packing import _lpt, min_count, pack_balanced, pack_fixed, pack_ilp, pipeline_time
 from cfp.data.propose import propose
 from cfp.data.schemes import Scheme, SchemeSpace
@@ -37,6 +37,7 @@ def test_greedy_dispatch_within_factor_of_ilp():
             assert (lens[g == p] <= s.max_len).all() and (lens[opt == p] <= s.max_len).all()
         ratio = makespan(pipes, lens, g) / makespan(pipes, lens, opt)
         assert ratio >= 1 - 1e-9       # the ILP is the optimum
+        assert lower_bound(pipes, lens) <= makespan(pipes, lens, opt) * (1 + 1e-9)
         worst = max(worst, ratio)
         rr = np.array([2 if s > 1024 else i % 2 for i, s in enumerate(lens)])   # a bad heuristic
         rr_worst = max(rr_worst, makespan(pipes, lens, rr) / makespan(pipes, lens, opt))
@@ -164,10 +165,26 @@ def test_dispatch_ilp_honours_its_time_limit_and_falls_back_validly():
     assert got.shape == lens.shape and set(got.tolist()) <= set(range(len(pipes)))
     for p, s in enumerate(pipes):
         assert (lens[got == p] <= s.max_len).all()
-    greedy = makespan(pipes, lens, dispatch_greedy(pipes, lens))
+    g = dispatch_greedy(pipes, lens)
+    greedy = makespan(pipes, lens, g)
     assert makespan(pipes, lens, got) <= greedy
     if found is not None:
         assert makespan(pipes, lens, got) <= makespan(pipes, lens, found)
+    # started from the greedy, the time-limited ILP returns an assignment at least as good
+    seeded, _ = dispatch_ilp(pipes, lens, time_limit=0.1, start=g)
+    assert seeded is not None and makespan(pipes, lens, seeded) <= greedy * (1 + 1e-9)
+
+
+def test_dispatch_skips_the_ilp_when_the_greedy_meets_the_lower_bound(monkeypatch):
+    """One sequence dominates: the greedy's slowest pipeline is that sequence alone, which no assignment
+    beats, so the ILP would not pay and is not built."""
+    import cfp.data.dispatch as d
+
+    lens = np.array([4000, 30, 20, 10])
+    pipes = [SMALL, BIG]
+    assert makespan(pipes, lens, dispatch_greedy(pipes, lens)) == pytest.approx(lower_bound(pipes, lens))
+    monkeypatch.setattr(d, "dispatch_ilp", lambda *a, **k: pytest.fail("ILP built although the greedy is optimal"))
+    assert d.dispatch(pipes, lens, ilp_max_sequences=10).tolist()[0] == 1
 
 
 def test_min_count_is_a_lower_bound_sharper_than_tokens():

@@ -69,9 +69,10 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
     return np.asarray(assign, np.int64)
 
 
-def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0
-                 ) -> tuple[np.ndarray | None, bool]:
-    """HiGHS: minimise the slowest pipeline's estimate. (assignment or None if none in time, optimal)."""
+def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0,
+                 start: np.ndarray | None = None) -> tuple[np.ndarray | None, bool]:
+    """HiGHS: minimise the slowest pipeline's estimate, from the assignment `start` if given.
+    (assignment or None if none in time, proved optimal)."""
     lengths = np.asarray(lengths, np.int64)
     _check_fit(pipelines, lengths)
     n, q = lengths.size, len(pipelines)
@@ -91,19 +92,43 @@ def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0
         for i in range(n):
             p.add_row([cols[i], y0 + j], [cost[i, j], -1.0], -np.inf, 0.0)
         p.add_row(cols + [y0 + j, z], cost[:, j].tolist() + [float(s.pp - 1), -1.0], -np.inf, 0.0)
-    sol, optimal = p.solve(time_limit)
+    sol, optimal = p.solve(time_limit, None if start is None else _columns(pipelines, cost, start))
     if sol is None:
         return None, False
     return np.argmax(sol[:n * q].reshape(n, q), axis=1), optimal
 
 
+def _columns(pipelines: Sequence[Scheme], cost: np.ndarray, assign: np.ndarray) -> np.ndarray:
+    """The ILP's columns (x, y, z) of an assignment, costs in the ILP's units."""
+    n, q = cost.shape
+    x = np.zeros((n, q))
+    x[np.arange(n), assign] = 1.0
+    mine = x * cost
+    y = mine.max(axis=0)
+    z = (mine.sum(axis=0) + np.array([s.pp - 1 for s in pipelines]) * y).max()
+    return np.concatenate([x.ravel(), y, [z]])
+
+
+def lower_bound(pipelines: Sequence[Scheme], lengths) -> float:
+    """No assignment's slowest pipeline is faster: each sequence pays at least pp x its cost on the cheapest
+    pipeline that fits it (Σ cost + (pp-1)·max cost >= pp·cost)."""
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size == 0:
+        return 0.0
+    each = np.stack([np.where(lengths <= s.max_len, s.pp * s.seq_cost(lengths), np.inf) for s in pipelines])
+    return float(each.min(axis=0).max())
+
+
 def dispatch(pipelines: Sequence[Scheme], lengths, ilp_max_sequences: int = 0,
              time_limit: float = 0.5) -> np.ndarray:
-    """Greedy, improved by the ILP (seeded by nothing, limited in time) when the step has at most
-    `ilp_max_sequences` sequences; the better of the two is returned."""
+    """Greedy, improved by the ILP (started from the greedy, limited in time) when the step has at most
+    `ilp_max_sequences` sequences and the greedy is not already provably optimal (at `lower_bound`)."""
     assign = dispatch_greedy(pipelines, lengths)
     if 0 < len(lengths) <= ilp_max_sequences:
-        exact, _ = dispatch_ilp(pipelines, lengths, time_limit)
-        if exact is not None and makespan(pipelines, lengths, exact) < makespan(pipelines, lengths, assign):
+        greedy = makespan(pipelines, lengths, assign)
+        if greedy <= lower_bound(pipelines, lengths) * (1 + 1e-9):
+            return assign
+        exact, _ = dispatch_ilp(pipelines, lengths, time_limit, start=assign)
+        if exact is not None and makespan(pipelines, lengths, exact) < greedy:
             return exact
     return assign

@@ -43,30 +43,31 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
     lengths = np.asarray(lengths, np.int64)
     _check_fit(pipelines, lengths)
     kinds = sorted(set(pipelines), key=lambda s: s.max_len)
-    members = {k: [p for p, s in enumerate(pipelines) if s == k] for k in kinds}
-    heaps = [[(0.0, p) for p in members[k]] for k in kinds]
-    # plain Python numbers: indexing numpy arrays element by element is several times slower
-    costs = [k.seq_cost(lengths).tolist() for k in kinds]
-    caps = [k.max_len for k in kinds]
-    bubble = [k.pp - 1 for k in kinds]
+    heaps = [[(0.0, p) for p, s in enumerate(pipelines) if s == k] for k in kinds]
+    order = np.argsort(-lengths, kind="stable")
+    ordered = lengths[order]
+    # plain Python numbers in processing order: indexing numpy arrays per element is several times slower
+    costs = [k.seq_cost(ordered).tolist() for k in kinds]
+    first = np.searchsorted([k.max_len for k in kinds], ordered).tolist()   # the kinds that fit: first[i]..
+    ks = [range(f, len(kinds)) for f in range(len(kinds))]
+    bubble = [k.pp for k in kinds]     # a pipeline's first (= its longest) sequence also pays the bubble
     started = [False] * len(pipelines)
     assign = [0] * lengths.size
-    lens = lengths.tolist()
-    for i in np.argsort(-lengths, kind="stable").tolist():
-        s = lens[i]
-        best, best_k = np.inf, -1
-        for k in range(len(kinds)):
-            if caps[k] < s:
-                continue
+    replace, inf = heapq.heapreplace, float("inf")
+    for i in range(lengths.size):
+        best, best_k = inf, -1
+        for k in ks[first[i]]:
             load, p = heaps[k][0]
-            ck = costs[k][i]
-            t = load + ck if started[p] else load + ck * (1 + bubble[k])
+            t = load + costs[k][i] if started[p] else load + costs[k][i] * bubble[k]
             if t < best:
                 best, best_k = t, k
-        p = heapq.heapreplace(heaps[best_k], (best, heaps[best_k][0][1]))[1]
+        p = heaps[best_k][0][1]
+        replace(heaps[best_k], (best, p))
         started[p] = True
         assign[i] = p
-    return np.asarray(assign, np.int64)
+    out = np.empty(lengths.size, np.int64)
+    out[order] = assign
+    return out
 
 
 def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0,

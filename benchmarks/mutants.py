@@ -135,6 +135,18 @@ MUTANTS: tuple[Mutant, ...] = (
            'out["positions"][row, sl] = np.arange(at, at + n)',
            ("tests/test_data_packing.py",),
            "positions of a packed row continue across sequences instead of restarting at 0"),
+    Mutant("packing-bound-counts-whole-bubble", "data", "cfp/data/packing.py",
+           "return work + (scheme.pp - 1) * max(work / m, alone)",
+           "return work + scheme.pp * max(work / m, alone)",
+           ("tests/test_data_assign.py",),
+           "the packing search's lower bound charges pp (not pp-1) slowest micro-batches, so it skips counts "
+           "that would have won"),
+    Mutant("min-count-rounds-room-down", "data", "cfp/data/packing.py",
+           "spill = np.maximum(0, -(-(sum3 - (n2 * max_len - sum2)) // max_len))",
+           "spill = np.maximum(0, -(-(sum3 - (n2 * max_len - sum2 - 1)) // max_len))",
+           ("tests/test_data_assign.py",),
+           "the bin lower bound leaves one token less of room beside the long sequences, so it can exceed "
+           "the least micro-batch count and skip feasible counts"),
     Mutant("step-sequences-short", "data", "cfp/data/train.py",
            "n = int(np.searchsorted(np.cumsum(lens), tokens_per_step)) + 1",
            "n = int(np.searchsorted(np.cumsum(lens), tokens_per_step))",

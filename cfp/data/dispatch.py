@@ -4,7 +4,8 @@ A pipeline's estimated time is Σ seq_cost + (pp-1)·seq_cost(longest) (Hydrauli
 it). The greedy takes sequences longest first and gives each to the pipeline whose time grows least to the
 smallest value (LPT on unrelated machines), among pipelines whose scheme fits the sequence; identical
 pipelines of a scheme share one heap so a step costs O(n·K·log P). The HiGHS ILP minimising the slowest
-pipeline is the exact reference and is used for small steps where it finishes within its time limit.
+pipeline is the exact reference; for small steps it starts from the greedy and runs under a time limit
+(never worse than the greedy), unless the greedy already meets `lower_bound` and the ILP cannot pay.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
     costs = [k.seq_cost(ordered).tolist() for k in kinds]
     first = np.searchsorted([k.max_len for k in kinds], ordered).tolist()   # the kinds that fit: first[i]..
     ks = [range(f, len(kinds)) for f in range(len(kinds))]
-    bubble = [k.pp for k in kinds]     # a pipeline's first (= its longest) sequence also pays the bubble
+    depth = [k.pp for k in kinds]   # a pipeline's first (= its longest) sequence also pays the (pp-1) bubble
     started = [False] * len(pipelines)
     assign = [0] * lengths.size
     replace, inf = heapq.heapreplace, float("inf")
@@ -58,7 +59,7 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
         best, best_k = inf, -1
         for k in ks[first[i]]:
             load, p = heaps[k][0]
-            t = load + costs[k][i] if started[p] else load + costs[k][i] * bubble[k]
+            t = load + costs[k][i] if started[p] else load + costs[k][i] * depth[k]
             if t < best:
                 best, best_k = t, k
         p = heaps[best_k][0][1]

@@ -147,6 +147,11 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_data_assign.py",),
            "the bin lower bound leaves one token less of room beside the long sequences, so it can exceed "
            "the least micro-batch count and skip feasible counts"),
+    Mutant("packing-forgets-parked-micro-batches", "data", "cfp/data/packing.py",
+           "costs = [cost for cost, j in heap if bins[j]] + [cost for _, cost, j in parked]",
+           "costs = [cost for cost, j in heap if bins[j]]",
+           ("tests/test_data_assign.py",),
+           "the packing greedy leaves the micro-batches it set aside as full out of the pipeline time it reports"),
     Mutant("step-sequences-short", "data", "cfp/data/train.py",
            "n = int(np.searchsorted(np.cumsum(lens), tokens_per_step)) + 1",
            "n = int(np.searchsorted(np.cumsum(lens), tokens_per_step))",

@@ -218,3 +218,21 @@ def test_step_at_scale_assigns_each_sequence_once_as_well_as_the_unpruned_search
     got = max(pipeline_time(s, lens, plan[p]) for p, s in enumerate(pipes))
     ref = max(_pack_balanced_unpruned(lens[owner == p], s) for p, s in enumerate(pipes))
     assert np.isfinite(got) and np.isfinite(ref) and got <= ref * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_lpt_reports_the_pipeline_time_of_its_micro_batches(dense):
+    """Long-tailed lengths near the limit fill micro-batches, so the greedy sets full ones aside: the time it
+    reports must still be its packing's (every micro-batch counted), and the packing must respect the limit."""
+    rng = np.random.default_rng(8)
+    scheme = Scheme(1, 1, 3, 1e-8, 1e-5, 1e-4, 1024, dense_rows=dense)
+    for _ in range(10):
+        lens = _lengths(rng, 120, 1024)
+        m0 = -(-int(lens.sum()) // 1024)
+        for m in range(m0, min(m0 + 8, lens.size) + 1):
+            found = _lpt(lens, np.argsort(-lens, kind="stable"), scheme, m, 1024)
+            if found is not None:
+                mbs, t = found
+                assert sorted(i for mb in mbs for i in mb) == list(range(lens.size))
+                assert all(lens[mb].sum() <= 1024 for mb in mbs)
+                assert t == pytest.approx(pipeline_time(scheme, lens, mbs), rel=1e-12)

@@ -94,34 +94,33 @@ def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len
         limit = (stop - _sum_bound(float(lf.sum()), float((lf * lf).sum()), scheme, m)) / bubble
     slowest = c
     lens = lengths.tolist()
+    # micro-batches without room for the current sequence wait in `parked` (fullest last); sequences only get
+    # shorter, so each comes back once one fits: O(n log m) where setting them aside per sequence was O(n·m)
+    parked: list[tuple[int, float, int]] = []       # (tokens - max_len = -room, cost, micro-batch)
+    pop, push = heapq.heappop, heapq.heappush
     for i in order.tolist():
         s = lens[i]
+        while parked and -parked[0][0] >= s:
+            _, cost, j = pop(parked)
+            push(heap, (cost, j))
+        while heap and tokens[heap[0][1]] + s > max_len:
+            cost, j = pop(heap)
+            push(parked, (tokens[j] - max_len, cost, j))
+        if not heap:
+            return None
         j = heap[0][1]
-        room = tokens[j] + s <= max_len
-        if not room:             # rare: set full micro-batches aside until the cheapest one with room is on top
-            aside = []
-            while heap and tokens[heap[0][1]] + s > max_len:
-                aside.append(heapq.heappop(heap))
-            if not heap:
-                return None
-            j = heapq.heappop(heap)[1]
-            for item in aside:
-                heapq.heappush(heap, item)
         t = tokens[j] + s
         tokens[j] = t
         q = sq[j] + s * s
         sq[j] = q
         bins[j].append(i)
         cost = a * (t * t if dense else q) + b * t + c
-        if room:
-            heapq.heapreplace(heap, (cost, j))
-        else:
-            heapq.heappush(heap, (cost, j))
+        heapq.heapreplace(heap, (cost, j))
         if cost > slowest:
             slowest = cost
             if slowest >= limit:
                 return None
-    costs = [cost for cost, j in heap if bins[j]]
+    costs = [cost for cost, j in heap if bins[j]] + [cost for _, cost, j in parked]
     return [mb for mb in bins if mb], sum(costs) + bubble * max(costs)
 
 

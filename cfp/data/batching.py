@@ -90,7 +90,8 @@ def assign_step(method: Method, pipelines: Sequence[Scheme], lengths, ilp_max_se
             mbs = pack_fixed(local, scheme.max_len)
         else:
             mbs = pack_balanced(local, scheme)
-        out.append([[int(ids[p][i]) for i in mb] for mb in mbs])
+        glob = ids[p].tolist()    # plain ints: indexing a numpy array per element is several times slower
+        out.append([[glob[i] for i in mb] for mb in mbs])
     return out
 
 

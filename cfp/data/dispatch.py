@@ -4,7 +4,8 @@ A pipeline's estimated time is Σ seq_cost + (pp-1)·seq_cost(longest) (Hydrauli
 it). The greedy takes sequences longest first and gives each to the pipeline whose time grows least to the
 smallest value (LPT on unrelated machines), among pipelines whose scheme fits the sequence; identical
 pipelines of a scheme share one heap so a step costs O(n·K·log P). The HiGHS ILP minimising the slowest
-pipeline is the exact reference and is used for small steps where it finishes within its time limit.
+pipeline is the exact reference; for small steps it starts from the greedy and runs under a time limit
+(never worse than the greedy), unless the greedy already meets `lower_bound` and the ILP cannot pay.
 """
 from __future__ import annotations
 
@@ -44,36 +45,38 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
     lengths = np.asarray(lengths, np.int64)
     _check_fit(pipelines, lengths)
     kinds = sorted(set(pipelines), key=lambda s: s.max_len)
-    members = {k: [p for p, s in enumerate(pipelines) if s == k] for k in kinds}
-    heaps = [[(0.0, p) for p in members[k]] for k in kinds]
-    # plain Python numbers: indexing numpy arrays element by element is several times slower
-    costs = [k.seq_cost(lengths).tolist() for k in kinds]
-    caps = [k.max_len for k in kinds]
-    bubble = [k.pp - 1 for k in kinds]
+    heaps = [[(0.0, p) for p, s in enumerate(pipelines) if s == k] for k in kinds]
+    order = np.argsort(-lengths, kind="stable")
+    ordered = lengths[order]
+    # plain Python numbers in processing order: indexing numpy arrays per element is several times slower
+    costs = [k.seq_cost(ordered).tolist() for k in kinds]
+    first = np.searchsorted([k.max_len for k in kinds], ordered).tolist()   # the kinds that fit: first[i]..
+    ks = [range(f, len(kinds)) for f in range(len(kinds))]
+    depth = [k.pp for k in kinds]   # a pipeline's first (= its longest) sequence also pays the (pp-1) bubble
     started = [False] * len(pipelines)
     assign = [0] * lengths.size
-    lens = lengths.tolist()
-    for i in np.argsort(-lengths, kind="stable").tolist():
-        s = lens[i]
-        best, best_k = np.inf, -1
-        for k in range(len(kinds)):
-            if caps[k] < s:
-                continue
+    replace, inf = heapq.heapreplace, float("inf")
+    for i in range(lengths.size):
+        best, best_k = inf, -1
+        for k in ks[first[i]]:
             load, p = heaps[k][0]
-            ck = costs[k][i]
             # `pipeline_estimate`'s growth: sequences come longest first, so a pipeline's first is its slowest
-            t = load + ck if started[p] else load + ck * (1 + bubble[k])
+            t = load + costs[k][i] if started[p] else load + costs[k][i] * depth[k]
             if t < best:
                 best, best_k = t, k
-        p = heapq.heapreplace(heaps[best_k], (best, heaps[best_k][0][1]))[1]
+        p = heaps[best_k][0][1]
+        replace(heaps[best_k], (best, p))
         started[p] = True
         assign[i] = p
-    return np.asarray(assign, np.int64)
+    out = np.empty(lengths.size, np.int64)
+    out[order] = assign
+    return out
 
 
-def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0
-                 ) -> tuple[np.ndarray | None, bool]:
-    """HiGHS: minimise the slowest pipeline's estimate. (assignment or None if none in time, optimal)."""
+def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0,
+                 start: np.ndarray | None = None) -> tuple[np.ndarray | None, bool]:
+    """HiGHS: minimise the slowest pipeline's estimate, from the assignment `start` if given.
+    (assignment or None if none in time, proved optimal)."""
     lengths = np.asarray(lengths, np.int64)
     _check_fit(pipelines, lengths)
     n, q = lengths.size, len(pipelines)
@@ -93,19 +96,43 @@ def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0
         for i in range(n):
             p.add_row([cols[i], y0 + j], [cost[i, j], -1.0], -np.inf, 0.0)
         p.add_row(cols + [y0 + j, z], cost[:, j].tolist() + [float(s.pp - 1), -1.0], -np.inf, 0.0)
-    sol, optimal = p.solve(time_limit)
+    sol, optimal = p.solve(time_limit, None if start is None else _columns(pipelines, cost, start))
     if sol is None:
         return None, False
     return np.argmax(sol[:n * q].reshape(n, q), axis=1), optimal
 
 
+def _columns(pipelines: Sequence[Scheme], cost: np.ndarray, assign: np.ndarray) -> np.ndarray:
+    """The ILP's columns (x, y, z) of an assignment, costs in the ILP's units."""
+    n, q = cost.shape
+    x = np.zeros((n, q))
+    x[np.arange(n), assign] = 1.0
+    mine = x * cost
+    y = mine.max(axis=0)
+    z = (mine.sum(axis=0) + np.array([s.pp - 1 for s in pipelines]) * y).max()
+    return np.concatenate([x.ravel(), y, [z]])
+
+
+def lower_bound(pipelines: Sequence[Scheme], lengths) -> float:
+    """No assignment's slowest pipeline is faster: each sequence pays at least pp x its cost on the cheapest
+    pipeline that fits it (Σ cost + (pp-1)·max cost >= pp·cost)."""
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size == 0:
+        return 0.0
+    each = np.stack([np.where(lengths <= s.max_len, s.pp * s.seq_cost(lengths), np.inf) for s in pipelines])
+    return float(each.min(axis=0).max())
+
+
 def dispatch(pipelines: Sequence[Scheme], lengths, ilp_max_sequences: int = 0,
              time_limit: float = 0.5) -> np.ndarray:
-    """Greedy, improved by the ILP (seeded by nothing, limited in time) when the step has at most
-    `ilp_max_sequences` sequences; the better of the two is returned."""
+    """Greedy, improved by the ILP (started from the greedy, limited in time) when the step has at most
+    `ilp_max_sequences` sequences and the greedy is not already provably optimal (at `lower_bound`)."""
     assign = dispatch_greedy(pipelines, lengths)
     if 0 < len(lengths) <= ilp_max_sequences:
-        exact, _ = dispatch_ilp(pipelines, lengths, time_limit)
-        if exact is not None and makespan(pipelines, lengths, exact) < makespan(pipelines, lengths, assign):
+        greedy = makespan(pipelines, lengths, assign)
+        if greedy <= lower_bound(pipelines, lengths) * (1 + 1e-9):
+            return assign
+        exact, _ = dispatch_ilp(pipelines, lengths, time_limit, start=assign)
+        if exact is not None and makespan(pipelines, lengths, exact) < greedy:
             return exact
     return assign

@@ -24,8 +24,9 @@ class Milp:
     def add_row(self, cols, vals, lo: float, hi: float) -> None:
         self.rows.append((list(cols), list(vals), lo, hi))
 
-    def solve(self, time_limit: float) -> tuple[np.ndarray | None, bool]:
-        """(column values or None if no solution was found in time, proved optimal)."""
+    def solve(self, time_limit: float, start: np.ndarray | None = None) -> tuple[np.ndarray | None, bool]:
+        """(column values or None if no solution was found in time, proved optimal). `start`: a feasible
+        point (every column) HiGHS starts from, so the result is never worse than it."""
         import highspy
 
         inf = highspy.kHighsInf
@@ -47,6 +48,8 @@ class Milp:
             hi.append(inf if u == np.inf else u)
         h.addRows(len(lo), np.array(lo, float), np.array(hi, float), len(idx), np.array(starts, np.int32),
                   np.array(idx, np.int32), np.array(val, float))
+        if start is not None:
+            h.setSolution(self.num_cols, np.arange(self.num_cols, dtype=np.int32), np.asarray(start, float))
         h.run()
         status = h.getModelStatus()
         sol = np.array(h.getSolution().col_value)

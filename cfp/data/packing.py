@@ -52,67 +52,117 @@ def pipeline_time(scheme: Scheme, lengths: np.ndarray, mbs: MicroBatches) -> flo
     return _schedule_time([1.0] * scheme.pp, [scheme.mb_cost(lengths[mb]) for mb in mbs])
 
 
-def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len: int
-         ) -> tuple[MicroBatches, float] | None:
+def _sum_bound(total: float, sq: float, scheme: Scheme, m: int) -> float:
+    """Least Σ micro-batch cost over m used micro-batches of `total` tokens (Σ s² = `sq`): exact for varlen
+    attention, the even split for dense rows (Σ T_j² >= total²/m)."""
+    quad = total * total / m if scheme.dense_rows else sq
+    return scheme.a * quad + scheme.b * total + m * scheme.c
+
+
+def min_count(lengths: np.ndarray, max_len: int) -> int:
+    """Martello & Toth's L2 lower bound on the micro-batches of at most `max_len` tokens that can hold
+    `lengths`: for each threshold k <= max_len/2, the sequences longer than max_len-k each need their own
+    micro-batch, those in (max_len/2, max_len-k] too, and those in [k, max_len/2] must fit the room the latter
+    leave or open new ones. Vectorised over every k that is a length (and k=0)."""
+    s = np.sort(np.asarray(lengths, np.int64))
+    if s.size == 0:
+        return 0
+    cum = np.concatenate([[0], np.cumsum(s)])
+    h = int(np.searchsorted(s, max_len // 2, side="right"))      # s[:h]: at most half the limit
+    ks = np.concatenate([[0], np.unique(s[:h])])
+    over = np.searchsorted(s, max_len - ks, side="right")         # s[over:]: longer than max_len - k
+    n2, sum2 = over - h, cum[over] - cum[h]                       # (max_len/2, max_len - k]
+    sum3 = cum[h] - cum[np.searchsorted(s, ks, side="left")]      # [k, max_len/2]
+    spill = np.maximum(0, -(-(sum3 - (n2 * max_len - sum2)) // max_len))
+    return int(max((s.size - over + n2 + spill).max(), -(-int(cum[-1]) // max_len)))
+
+
+def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len: int,
+         stop: float = np.inf) -> tuple[MicroBatches, float] | None:
     """Each sequence (longest first) into the cheapest micro-batch with room; with the pipeline time.
-    None if a sequence does not fit."""
+    None if a sequence does not fit, or once the pipeline time provably reaches `stop` (a count at least as
+    good is known): m <= len(lengths) micro-batches all get used, so the time is at least `_sum_bound` plus
+    (pp-1) x the slowest micro-batch so far, which only grows."""
     heap = [(scheme.c, j) for j in range(m)]    # (cost so far, micro-batch)
     tokens = [0] * m
-    sq = [0.0] * m
+    sq = [0] * m
     bins: MicroBatches = [[] for _ in range(m)]
-    a, b, c, dense = scheme.a, scheme.b, scheme.c, scheme.dense_rows
+    a, b, c, dense, bubble = scheme.a, scheme.b, scheme.c, scheme.dense_rows, scheme.pp - 1
+    limit = np.inf
+    if bubble and stop < np.inf and (a > 0 or b > 0):   # (every micro-batch used needs a > 0 or b > 0)
+        lf = lengths.astype(np.float64)
+        limit = (stop - _sum_bound(float(lf.sum()), float((lf * lf).sum()), scheme, m)) / bubble
+    slowest = c
     lens = lengths.tolist()
+    # micro-batches without room for the current sequence wait in `parked` (fullest last); sequences only get
+    # shorter, so each comes back once one fits: O(n log m) where setting them aside per sequence was O(n·m)
+    parked: list[tuple[int, float, int]] = []       # (tokens - max_len = -room, cost, micro-batch)
+    pop, push = heapq.heappop, heapq.heappush
     for i in order.tolist():
         s = lens[i]
-        aside = []
+        while parked and -parked[0][0] >= s:
+            _, cost, j = pop(parked)
+            push(heap, (cost, j))
         while heap and tokens[heap[0][1]] + s > max_len:
-            aside.append(heapq.heappop(heap))
+            cost, j = pop(heap)
+            push(parked, (tokens[j] - max_len, cost, j))
         if not heap:
             return None
-        _, j = heapq.heappop(heap)
-        for item in aside:
-            heapq.heappush(heap, item)
-        tokens[j] += s
-        sq[j] += s * s
+        j = heap[0][1]
+        t = tokens[j] + s
+        tokens[j] = t
+        q = sq[j] + s * s
+        sq[j] = q
         bins[j].append(i)
-        t = tokens[j]
-        heapq.heappush(heap, (a * (t * t if dense else sq[j]) + b * t + c, j))
-    costs = [cost for cost, j in heap if bins[j]]
+        cost = a * (t * t if dense else q) + b * t + c
+        heapq.heapreplace(heap, (cost, j))
+        if cost > slowest:
+            slowest = cost
+            if slowest >= limit:
+                return None
+    costs = [cost for cost, j in heap if bins[j]] + [cost for _, cost, j in parked]
     return [mb for mb in bins if mb], _schedule_time([1.0] * scheme.pp, costs)
 
 
 def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = None,
                   extra: int = 20) -> MicroBatches:
     """Fine-grained packing: search m in [⌈tokens/max_len⌉, +extra] (offsets 0,1,2,4,8,16,extra, then
-    halving the gaps around the best count; counts whose lower bound cannot win are skipped) and keep the
-    greedy packing with the least pipeline time."""
+    halving the gaps around the best count) and keep the greedy packing with the least pipeline time.
+    A count is skipped when no packing into it exists (`min_count`) or its lower bound cannot beat the best
+    so far, and a greedy run stops as soon as it provably cannot: the bound is
+    Σ cost + (pp-1)·max(mean micro-batch, longest sequence alone), and counts are tried most promising
+    first. Only counts that cannot beat the best are dropped: the result is the unpruned search's (up to ties)."""
     lengths = np.asarray(lengths, np.int64)
     max_len = scheme.max_len if max_len is None else max_len
     _check(lengths, max_len)
     if lengths.size == 0:
         return []
     order = np.argsort(-lengths, kind="stable")
-    total = float(lengths.sum())
-    sq = float((lengths.astype(np.float64) ** 2).sum())
+    lf = lengths.astype(np.float64)
+    total, sq = float(lf.sum()), float((lf * lf).sum())
+    alone = scheme.mb_cost(lengths[order[:1]])    # no micro-batch is cheaper than the longest sequence's
     m0 = -(-int(total) // max_len)
     top = min(m0 + extra, lengths.size)
+    least = min_count(lengths, max_len)           # fewer micro-batches cannot hold the sequences at all
     tried: dict[int, tuple] = {}
 
-    def attempt(m: int):
-        if m in tried or not m0 <= m <= top:
-            return
-        # lower bound of the pipeline time at m (Σ over micro-batches is convex in their tokens)
-        work = scheme.a * (total * total / m if scheme.dense_rows else sq) + scheme.b * total + m * scheme.c
-        bound = _schedule_time([1.0] * scheme.pp, m) * work / m
-        if tried and bound >= min(t for t, _ in tried.values()):
-            tried[m] = (np.inf, None)
-            return
-        found = _lpt(lengths, order, scheme, m, max_len)
-        tried[m] = (np.inf, None) if found is None else (found[1], found[0])
+    def bound(m: int) -> float:
+        if m < least:
+            return np.inf
+        if scheme.a == 0 and scheme.b == 0:      # degenerate costs: micro-batches may stay empty, no bound
+            return 0.0
+        work = _sum_bound(total, sq, scheme, m)
+        return work + (scheme.pp - 1) * max(work / m, alone)
+
+    def attempt(ms) -> None:
+        # most promising count first: a good early best lets the bound skip or stop the others
+        for m in sorted({m for m in ms if m not in tried and m0 <= m <= top}, key=lambda m: (bound(m), m)):
+            best = min((t for t, _ in tried.values()), default=np.inf)
+            found = None if bound(m) >= best else _lpt(lengths, order, scheme, m, max_len, stop=best)
+            tried[m] = (np.inf, None) if found is None else (found[1], found[0])
 
     # coarse offsets, then halve the gaps on both sides of the best count found so far
-    for m in sorted({m0 + d for d in (0, 1, 2, 4, 8, 16, extra)}):
-        attempt(m)
+    attempt(m0 + d for d in (0, 1, 2, 4, 8, 16, extra))
     while True:
         cur = min(tried, key=lambda m: tried[m][0])
         lo = max((m for m in tried if m < cur), default=cur)
@@ -120,8 +170,7 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
         todo = [m for m in ((lo + cur) // 2, (cur + hi) // 2) if m not in tried and m0 <= m <= top]
         if not todo:
             break
-        for m in todo:
-            attempt(m)
+        attempt(todo)
     best_t, best = min(tried.values(), key=lambda v: v[0])
     if best is None:  # first-fit always succeeds when every sequence fits
         best = pack_fixed(lengths, max_len)

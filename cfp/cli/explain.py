@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
 
 def _views(paths, gpu):
     from cfp.cli.common import ensure_host_devices
-    ensure_host_devices()           # golden records rebuild their analysis on the simulated devices
+    ensure_host_devices()           # `--gpu` re-estimates rebuild the analysis on the simulated devices
     from cfp.hardware.gpus import get_gpu
     from cfp.report.explain import load_view
     if gpu is not None:

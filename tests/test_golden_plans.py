@@ -4,8 +4,9 @@ ordinary saved `Plan`s, apply to their steps, and are the optimum of an exhausti
 The reference is independent of the search's DP and of how it assembles its cost rows: it enumerates every
 combination of the profiled strategy combinations of every segment and prices each as the sum of the segment
 times plus the resharding between consecutive segments (`costmodel.reshard_cost` on the layouts both sides give
-each shared tensor). The golden choice must reach that minimum, so a search that dropped the resharding term,
-or pruned the optimum away, fails here.
+each shared tensor). The golden choice must reach that minimum, and the search run again on the same table must
+pick it and price it at the reference's figure (the golden plans' heads reshard from the layers' layout, so a
+search that dropped the resharding term prices them low and fails here, as does one that pruned the optimum).
 """
 import importlib.util
 import itertools
@@ -90,6 +91,14 @@ def test_golden_plan_is_the_exhaustive_optimum(case):
     assert golden.choice in times, f"golden choice {golden.choice} is not a combination of profiled entries"
     assert golden.choice in optima, (f"golden plan {golden.choice} takes {times[golden.choice]:.6g} s, the "
                                      f"exhaustive optimum {sorted(optima)} {best:.6g} s")
+    assert golden.metrics["dp_time"] == pytest.approx(best, rel=1e-9)
+    # the search itself, on the same table, under the golden settings (no whole-step verification)
+    from cfp.search.options import SearchOptions
+    from cfp.search.search import search
+    result = search(program, analysis, table, args, SearchOptions(verify=0), log=lambda *_: None)
+    assert result.choice == golden.choice and result.shard_state == golden.shard_state == ()
+    assert result.best.dp_time == pytest.approx(best, rel=1e-9), (
+        f"the search prices its plan at {result.best.dp_time:.9g} s, the reference at {best:.9g} s")
 
 
 def test_wide_vocabulary_head_is_vocabulary_parallel():

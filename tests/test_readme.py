@@ -91,7 +91,7 @@ COMMANDS: dict[str, Run | Skip] = {
     ".venv/bin/cfp plan --cluster examples/clusters/paper-llama2-b.yaml --model llama2 --config 13B --dtype "
     "bfloat16 --compare": Run("plan"),
     ".venv/bin/cfp plan --cluster examples/clusters/local.yaml --model llama2 --num-layers 4 --out l.json": Run(
-        "plan", (), ("l.json",)),
+        "plan", (("--num-layers 4", "--num-layers 2"),), ("l.json",)),
     ".venv/bin/cfp train --layout l.json --steps 3 --verify": Run("plan", (("--steps 3", "--steps 1"),)),
     # Variable-length data
     ".venv/bin/cfp data analyze --input stdlib --max-seq-len 2048 --out runs/lengths": Run(

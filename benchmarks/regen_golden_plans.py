@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/regen_golden_plans.py            # rewrite all
     .venv/bin/python benchmarks/regen_golden_plans.py --check    # compare only; exit 1 on a difference
+    .venv/bin/python benchmarks/regen_golden_plans.py --check --only gpt_8    # some cases
 
 Each golden file is the `Plan` that `cfp.autoshard(..., profiler="estimate", verify=0)` returns, saved with
 `Plan.save` exactly as `cfp search --plan-out` saves one (per-block estimates, profile points, and the model's
@@ -61,10 +62,14 @@ def path_for(model: str, mesh: str, variant: str = "") -> Path:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="compare with the files instead of rewriting them")
+    names = [path_for(*c).stem for c in CASES]
+    p.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=f"only these cases: {', '.join(names)}")
     args = p.parse_args()
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
     status = 0
     for model, mesh, variant in CASES:
+        if args.only and path_for(model, mesh, variant).stem not in args.only:
+            continue
         plan = golden_plan(model, mesh, variant)
         path = path_for(model, mesh, variant)
         if args.check:

@@ -35,6 +35,7 @@ class Run:
     group: str                                  # commands of a group share one directory, in README order
     subs: tuple[tuple[str, str], ...] = ()      # (README text, shrunk text); each must occur in the command
     expect: tuple[str, ...] = ()                # files the command must leave behind (relative to its directory)
+    exit_code: int = 0                          # a README example of a one-line error exits 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,52 @@ COMMANDS: dict[str, Run | Skip] = {
                                                                         "--tokens-per-step 100000"))),
 }
 
+_NAME = "names a command in prose; its runnable forms are the fenced commands, run above"
+_TEMPLATE = "a template with placeholders ({}); its concrete form is a fenced command, run above"
+# inline `code` in the prose that starts like a command (see `inline_commands`): the same rule, one table
+INLINE: dict[str, Run | Skip] = {
+    "cfp explain": Skip(_NAME), "cfp diff": Skip(_NAME), "cfp plan": Skip(_NAME), "cfp data": Skip(_NAME),
+    "cfp launch": Skip(_NAME), "cfp search --plan-out": Skip(_NAME), "cfp data schemes": Skip(_NAME),
+    "cfp train --stage-plans search": Skip(_NAME), "cfp plan --stage-times": Skip(_NAME),
+    "make demo": COMMANDS["make demo"], "make test": COMMANDS["make test"],
+    "make PY=/path/to/python3.12 test": Skip("`make test` with another interpreter: CI runs `make test`"),
+    'pip install -e ".[test]"': Skip("the install `make test` (so CI) does"),
+    "bash .ci/run": Skip("CI itself, which runs this suite"),
+    "XLA_FLAGS=--xla_cpu_max_isa=AVX2 bash .ci/run": Skip("CI itself under an ISA cap: a release check, 10 min"),
+    "XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 bash .ci/run": Skip("CI itself under an ISA cap: a release check, 10 min"),
+    "cfp --help": Run("cli"),
+    "cfp COMMAND --help": Skip(_TEMPLATE.format("COMMAND")),
+    "cfp --version": Run("cli"),
+    "cfp explain plan.json": Run("search"),
+    "cfp explain PLAN.json [--gpu G] [--plot FILE.png]": Skip(_TEMPLATE.format("PLAN.json, G, FILE.png")),
+    "cfp diff A.json B.json": Skip(_TEMPLATE.format("A.json, B.json")),
+    "benchmarks/regen_golden_plans.py [--check]": Run("golden", (("benchmarks/", "python benchmarks/"),
+                                                                 (" [--check]", " --check --only gpt_8"))),
+    ".venv/bin/python benchmarks/validate_costmodel.py": Run("costmodel"),
+    "cfp launch --coordinator HOST0:PORT --num-processes N --first-rank R": Skip(
+        _TEMPLATE.format("HOST0:PORT, N, R") + "; multi-host, one command per host"),
+    "cfp train ... --stage-plans megatron|search|DIR": Skip(_TEMPLATE.format("..., megatron|search|DIR")),
+    "cfp plan --stage-times <checkpoint-dir>/stage_plans": Skip(_TEMPLATE.format("<checkpoint-dir>")),
+    "benchmarks/planner_optimality.py --first 200 --seeds 300": Run(
+        "planner_optimality", (("benchmarks/", "python benchmarks/"), ("--seeds 300", "--seeds 2"))),
+    "benchmarks/batching.py --steps 3 --schemes ps.json": Run(
+        "data", (("benchmarks/", "python benchmarks/"), ("--steps 3", "--steps 1"),
+                 ("ps.json", "parallel_scheme_space.json"))),
+    "cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 --max-seq-len 32768":
+        Skip("the fenced `cfp data bench-planner` command of \"Variable-length data\", run above, shrunk"),
+    "benchmarks/compare.py --num-layers 2 --mesh 8 --iters 10 --override ...": Skip(
+        _TEMPLATE.format("--override ...: one row's field override per run")),
+    'cfp train --model llama2 --num-layers 4 --hetero-configs "[[2,2]]" --layer-partitions "[[2,2]]" '
+    '--global-batch-size 4 --chunks 2 --stage-plans search --checkpoint-dir /tmp/sp': Run(
+        "stage_plans", (("--num-layers 4", "--num-layers 2"), ('"[[2,2]]" --global', '"[[1,1]]" --global'),
+                        ("/tmp/sp", "sp --steps 1"))),
+    "cfp plan --cluster examples/clusters/local.yaml --model llama2 --num-layers 4 --global-batch-size 4 "
+    "--stage-times /tmp/sp/stage_plans": Run("stage_plans", (("--num-layers 4", "--num-layers 2"),
+                                                             ("/tmp/sp", "sp"))),
+    "cfp plan --model moe": Run("cli", (("--model moe", "--cluster examples/clusters/local.yaml --model moe"),),
+                                exit_code=2),
+}
+
 # shell-fenced blocks that are pictures, not commands, by their first line
 NOT_COMMANDS = {
     "step_fn, example args, mesh": "the package diagram of \"How the package is built\"",
@@ -147,6 +194,27 @@ def readme_commands(markdown: str) -> list[str]:
     return cmds
 
 
+INLINE_STARTS = (".venv/bin/", "cfp ", "python ", "PYTHONPATH=", "bash ", "make ", "XLA_FLAGS=", "benchmarks/", "pip ")
+
+
+def inline_commands(markdown: str) -> list[str]:
+    """Inline `code` of the prose (fenced blocks removed) that starts like a command and has an argument."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    out = []
+    for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", prose):
+        span = " ".join(span.split())
+        if span.startswith(INLINE_STARTS) and " " in span and span not in out:
+            out.append(span)
+    return out
+
+
+def all_commands(markdown: str) -> list[tuple[str, Run | Skip | None]]:
+    """(command, how the suite runs it or None) of every fenced and inline README command, in README order
+    within each kind."""
+    return ([(c, COMMANDS.get(c)) for c in readme_commands(markdown)]
+            + [(c, INLINE.get(c)) for c in inline_commands(markdown)])
+
+
 def shrunk(cmd: str, run: Run) -> str:
     for old, new in run.subs:
         assert old in cmd, f"substitution {old!r} no longer applies to README command {cmd!r}"
@@ -161,13 +229,13 @@ def test_blocks_and_commands_are_found():
 
 
 def test_every_readme_command_is_run_or_skipped_with_a_reason():
-    cmds = readme_commands(README.read_text())
-    unknown = [c for c in cmds if c not in COMMANDS]
-    assert not unknown, ("README commands neither run nor skipped (add them to COMMANDS in tests/test_readme.py, "
-                         f"shrunk, or with a reason): {unknown}")
-    stale = [c for c in COMMANDS if c not in cmds]
-    assert not stale, f"COMMANDS lists commands the README no longer has: {stale}"
-    for c, how in COMMANDS.items():
+    md = README.read_text()
+    unknown = [c for c, how in all_commands(md) if how is None]
+    assert not unknown, ("README commands neither run nor skipped (add them to COMMANDS or INLINE in "
+                         f"tests/test_readme.py, shrunk, or with a reason): {unknown}")
+    stale = [c for c in COMMANDS if c not in readme_commands(md)] + [c for c in INLINE if c not in inline_commands(md)]
+    assert not stale, f"tests/test_readme.py lists commands the README no longer has: {stale}"
+    for c, how in list(COMMANDS.items()) + list(INLINE.items()):
         if isinstance(how, Skip):
             assert len(how.reason) > 20, f"skip of {c!r} needs a written reason"
         else:
@@ -182,31 +250,35 @@ def _workdir(tmp: Path) -> dict:
     (tmp / ".ci").symlink_to(ROOT / ".ci")
     venv = tmp / ".venv" / "bin"
     venv.mkdir(parents=True)
-    (venv / "python").symlink_to(sys.executable)
+    # wrappers, not links: a link to a virtual environment's python outside it loses the environment
+    for name, args in (("python", ""), ("cfp", " -m cfp.cli.main")):
+        (venv / name).write_text(f'#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)}{args} "$@"\n')
+        (venv / name).chmod(0o755)
     cfp = venv / "cfp"
-    cfp.write_text(f'#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)} -m cfp.cli.main "$@"\n')
-    cfp.chmod(0o755)
     env = dict(os.environ, PATH=f"{venv}:{os.environ['PATH']}", PYTHONPATH=str(ROOT), CFP=str(cfp),
                XDG_CACHE_HOME=str(tmp / "cache"), MPLBACKEND="Agg")
     return env
 
 
-GROUPS = sorted({how.group for how in COMMANDS.values() if isinstance(how, Run)})
+GROUPS = sorted({how.group for how in list(COMMANDS.values()) + list(INLINE.values()) if isinstance(how, Run)})
 
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_readme_commands_run(group, tmp_path):
     env = _workdir(tmp_path)
-    cmds = [c for c in readme_commands(README.read_text())
-            if isinstance(COMMANDS.get(c), Run) and COMMANDS[c].group == group]
+    cmds = [(c, how) for c, how in all_commands(README.read_text()) if isinstance(how, Run) and how.group == group]
     assert cmds, f"group {group} has no README command"
-    for c in cmds:
-        run = COMMANDS[c]
+    for c, run in cmds:
         cmd = shrunk(c, run)
+        if cmd.startswith("cfp "):          # prose names the installed `cfp`: the .venv's, as `make` installs it
+            cmd = ".venv/bin/" + cmd
         r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=600)
-        assert r.returncode == 0, (f"README command failed (exit {r.returncode}): {c}\nran: {cmd}\n"
-                                   f"stdout tail:\n{r.stdout[-3000:]}\nstderr tail:\n{r.stderr[-3000:]}")
+        assert r.returncode == run.exit_code, (
+            f"README command exited {r.returncode}, not {run.exit_code}: {c}\nran: {cmd}\n"
+            f"stdout tail:\n{r.stdout[-3000:]}\nstderr tail:\n{r.stderr[-3000:]}")
+        if run.exit_code:
+            assert len(r.stderr.strip().splitlines()) == 1, f"{cmd!r}: not one line:\n{r.stderr}"
         for path in run.expect:
             assert (tmp_path / path).exists(), f"{cmd!r} left no {path}"
 

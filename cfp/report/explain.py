@@ -59,7 +59,8 @@ def explain_text(view: PlanView) -> str:
     lines = [f"plan {view.path}: {len(view.choice)} blocks"
              + "".join(f", {k} {v}" for k, v in view.meta.items() if k in ("model", "mesh", "config", "profiler"))]
     if not view.figures:
-        lines.append("this plan file carries no per-block estimates (saved by an older cfp); strategies only:")
+        lines.append("this plan file carries no per-block estimates (an older cfp, or a plan made from a bare "
+                     "choice); strategies only:")
         lines += [f"  {b:>4}  {s}" for b, s in enumerate(view.strategies)]
         return "\n".join(lines)
     lines.append(ESTIMATE_NOTE.format(gpu=view.gpu))

@@ -47,7 +47,7 @@ class Plan:
     # (`cfp.report.figures.BlockFigures.to_dict`) and every profiled combination's time and memory
     estimates: tuple[dict, ...] = ()
     profile: tuple[dict, ...] = ()
-    # how many strategies each block has: a choice outside them is refused on load (version 3 on)
+    # how many strategies each block has (empty: unknown): a choice outside them is refused on load
     num_strategies: tuple[int, ...] = ()
 
     @property
@@ -170,12 +170,11 @@ def validate_plan_dict(d, where: str = "plan") -> None:
 
 
 def _check_num_strategies(d: dict, where: str, choice: list) -> None:
-    """Version 3 files carry each block's strategy count, and the choice must lie within it."""
-    if "num_strategies" not in d:
-        if d["version"] >= 3:
-            raise PlanError(f"{where}: missing field 'num_strategies'")
+    """Plans saved after a search (version 3 on) carry each block's strategy count, and the choice must lie
+    within it; an empty or missing list (older files, a `Plan` built by hand) means unknown."""
+    n = d.get("num_strategies", [])
+    if n == []:
         return
-    n = d["num_strategies"]
     if not isinstance(n, list) or len(n) != len(choice) or not all(_is_int(x, 1) for x in n):
         _fail(where, "num_strategies", f"a list of {len(choice)} positive integers (one per block)", n)
     check_choice_range(choice, n, where)

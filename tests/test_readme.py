@@ -19,6 +19,7 @@ import dataclasses
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -245,7 +246,9 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
 def _workdir(tmp: Path) -> dict:
     """Links to the repository's folders, `.venv/bin/{cfp,python}` = this interpreter; the environment."""
     for entry in ROOT.iterdir():
-        if entry.name not in (".git", ".venv", "runs", "dump") and not entry.name.startswith("."):
+        if entry.name == "cfp_test":        # its scripts write dumps next to themselves: a copy, not a link
+            shutil.copytree(entry, tmp / entry.name, ignore=shutil.ignore_patterns("debug_*"))
+        elif entry.name not in (".git", ".venv", "runs", "dump") and not entry.name.startswith("."):
             (tmp / entry.name).symlink_to(entry)
     (tmp / ".ci").symlink_to(ROOT / ".ci")
     venv = tmp / ".venv" / "bin"

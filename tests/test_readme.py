@@ -88,7 +88,7 @@ COMMANDS: dict[str, Run | Skip] = {
     '"[[[0,1],[4],[2]],[[5,6],[3],[7]]]" --global-batch-size 6 2 --chunks 3 1': Run(
         "launch", (("--chunks 3 1", "--chunks 3 1 --steps 1"),)),
     ".venv/bin/python examples/hetero_train.py --steps 6": Run(
-        "hetero", (("--steps 6", "--steps 1 --out hetero"),)),
+        "hetero", (("--steps 6", "--steps 1 --out hetero --layouts 1"),)),   # the one it verifies
     # Planning a layout for a mixed cluster
     ".venv/bin/cfp plan --cluster examples/clusters/paper-llama2-b.yaml --model llama2 --config 13B --dtype "
     "bfloat16 --compare": Run("plan"),

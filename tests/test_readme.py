@@ -56,10 +56,10 @@ COMMANDS: dict[str, Run | Skip] = {
     'pip install -e ".[cuda12]"': Skip("needs an NVIDIA GPU and CUDA 12 wheels; no GPU was lent to this project"),
     'pip install -e ".[cuda13]"': Skip("needs an NVIDIA GPU and CUDA 13 wheels; no GPU was lent to this project"),
     # Your own programs
-    "PYTHONPATH=$PWD python examples/flax_nnx.py": Run("nnx", ((".py", ".py --steps 2"),), ("nnx_plan.json",)),
-    "PYTHONPATH=$PWD python examples/scanned_linen.py": Run("linen", ((".py", ".py --steps 2"),),
+    "PYTHONPATH=$PWD python examples/flax_nnx.py": Run("nnx", ((".py", ".py --steps 2 --profiler estimate"),), ("nnx_plan.json",)),
+    "PYTHONPATH=$PWD python examples/scanned_linen.py": Run("linen", ((".py", ".py --steps 2 --profiler estimate"),),
                                                             ("scanned_plan.json",)),
-    "PYTHONPATH=$PWD python examples/equinox_gpt.py": Run("equinox", ((".py", ".py --steps 2"),),
+    "PYTHONPATH=$PWD python examples/equinox_gpt.py": Run("equinox", ((".py", ".py --steps 2 --profiler estimate"),),
                                                           ("equinox_plan.json",)),
     "PYTHONPATH=$PWD python benchmarks/user_programs.py": Run(
         "user_programs", ((".py", ".py --styles flax_nnx --rounds 3"),)),

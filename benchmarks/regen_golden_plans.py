@@ -50,8 +50,8 @@ def golden_plan(model: str, mesh: str, variant: str = "") -> cfp.Plan:
     ts, args = golden_args(model, variant)
     step = cfp.autoshard(ts.step, mesh, *args, profiler="estimate", gpu=s["gpu"],
                          max_combinations=s["max_combinations"], verify=0)
-    metrics = {**step.plan.metrics, "mesh": mesh, "config": s["config"], "golden_settings": dict(s, **VARIANTS[variant]),
-               **model_metrics(model, ts.config, s["batch_size"])}
+    metrics = {**step.plan.metrics, "mesh": mesh, "config": s["config"],
+               "golden_settings": dict(s, **VARIANTS[variant]), **model_metrics(model, ts.config, s["batch_size"])}
     return dataclasses.replace(step.plan, metrics=metrics)
 
 

@@ -7,8 +7,11 @@ a documented path unnoticed.
 * Every command of a shell block (``` with no language, or sh/bash/shell) is listed in `COMMANDS`: either
   `Run` (with the substitutions that shrink it: fewer layers and steps, fewer profiled combinations; each
   must apply, so a changed README command fails here until the table is looked at again) or `Skip` with a written
-  reason. A command in neither fails the test, and so does a table entry the README no longer has.
-* Commands run with bash from a temporary directory holding links to the repository's folders and a
+  reason. A command in neither fails the test, and so does a table entry the README no longer has. Inline
+  `code` of the prose that starts like a command (`cfp ...`, `.venv/bin/...`, `benchmarks/...`, `make ...`)
+  is held to the same rule by `INLINE` (command names and templates with placeholders are skips).
+* Commands run with bash from a temporary directory holding links to the repository's folders (a copy of
+  `cfp_test/`, whose scripts write next to themselves) and a
   `.venv/bin/` whose `cfp` and `python` are this interpreter, so `.venv/bin/cfp ...`, `python ...` and
   `cfp_test/...` lines run verbatim; outputs (plan.json, l.json, runs/...) land in the temporary directory.
   Commands of one `group` share that directory, in README order (a search's plan.json feeds explain).
@@ -45,6 +48,7 @@ class Skip:
 
 
 _SMALL_SEARCH = (("--num-layers 2 --batch-size 16", "--num-layers 1 --batch-size 8"),)
+_EXAMPLE = ((".py", ".py --steps 2 --profiler estimate"),)
 
 COMMANDS: dict[str, Run | Skip] = {
     # Quickstart
@@ -56,11 +60,10 @@ COMMANDS: dict[str, Run | Skip] = {
     'pip install -e ".[cuda12]"': Skip("needs an NVIDIA GPU and CUDA 12 wheels; no GPU was lent to this project"),
     'pip install -e ".[cuda13]"': Skip("needs an NVIDIA GPU and CUDA 13 wheels; no GPU was lent to this project"),
     # Your own programs
-    "PYTHONPATH=$PWD python examples/flax_nnx.py": Run("nnx", ((".py", ".py --steps 2 --profiler estimate"),), ("nnx_plan.json",)),
-    "PYTHONPATH=$PWD python examples/scanned_linen.py": Run("linen", ((".py", ".py --steps 2 --profiler estimate"),),
-                                                            ("scanned_plan.json",)),
-    "PYTHONPATH=$PWD python examples/equinox_gpt.py": Run("equinox", ((".py", ".py --steps 2 --profiler estimate"),),
-                                                          ("equinox_plan.json",)),
+    # (examples: the estimate profiler; tests/test_user_programs.py checks their training against unsharded runs)
+    "PYTHONPATH=$PWD python examples/flax_nnx.py": Run("nnx", _EXAMPLE, ("nnx_plan.json",)),
+    "PYTHONPATH=$PWD python examples/scanned_linen.py": Run("linen", _EXAMPLE, ("scanned_plan.json",)),
+    "PYTHONPATH=$PWD python examples/equinox_gpt.py": Run("equinox", _EXAMPLE, ("equinox_plan.json",)),
     "PYTHONPATH=$PWD python benchmarks/user_programs.py": Run(
         "user_programs", ((".py", ".py --styles flax_nnx --rounds 3"),)),
     # The CFP passes from the shell

@@ -109,7 +109,7 @@ COMMANDS: dict[str, Run | Skip] = {
         "data", (("--steps 3", "--steps 1"),)),
     ".venv/bin/cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 "
     "--max-seq-len 32768": Run("data", (("--gpus 1024", "--gpus 64"), ("--tokens-per-step 1600000",
-                                                                        "--tokens-per-step 100000"))),
+                                                                        "--tokens-per-step 100000 --steps 1"))),
 }
 
 _NAME = "names a command in prose; its runnable forms are the fenced commands, run above"

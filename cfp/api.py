@@ -13,6 +13,7 @@ from cfp.profiling.profiler import profile
 from cfp.errors import ConfigError, PlanError
 from cfp.search.plan import Plan, load_plan, make_plan, spec_entries, spec_from_entries
 from cfp.search.search import search
+from cfp.report.estimates import with_estimates
 from cfp.search.options import SearchOptions
 from cfp.xla.log import quiet_compiles
 
@@ -62,6 +63,8 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     b = result.best
     plan = make_plan(analysis, step.shardings, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
                                                 "flops": b.flops, "profiler": str(table.profiler)})
+    # the same Plan `cfp search --plan-out` writes: per-block estimates and profile points for `cfp explain`
+    plan = with_estimates(plan, analysis, table, gpu)
     if plan_out:
         plan.save(plan_out)
     return step.with_results(plan=plan, search=result, profile=table)

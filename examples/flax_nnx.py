@@ -80,11 +80,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--plan", default="nnx_plan.json", help="where to save the plan")
+    p.add_argument("--profiler", choices=("measure", "estimate"), default="measure",
+                   help="measure: time plans on these devices; estimate: the A100-SXM-80G cost model (quick)")
     a = p.parse_args()
     train_step, args, _ = problem()
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    step = cfp.autoshard(train_step, mesh, *args, donate=True, plan_out=a.plan, iters=3, max_combinations=4)
-    print(step.search.report())
+    step = cfp.autoshard(train_step, mesh, *args, donate=True, plan_out=a.plan, iters=3, max_combinations=4,
+                         profiler=a.profiler, gpu="A100-SXM-80G" if a.profiler == "estimate" else None)
+    print(step.search.report(*(("estimated: A100-SXM-80G cost model", "compiled on this host")
+                               if a.profiler == "estimate" else ())))
     print(f"plan saved to {a.plan}")
     losses, _ = train(step, step.shard_args(*args), a.steps)
     print("losses (measured):", " ".join(f"{v:.4f}" for v in losses))

@@ -3,7 +3,7 @@
 Runs a few layouts of a tiny Llama-2 on byte-level Python-stdlib text, prints tokens/s and the measured
 vs theoretical pipeline bubble, checks one layout against a single device, and writes a timeline.
 
-    python examples/hetero_train.py [--steps 6] [--out /tmp/hetero]
+    python examples/hetero_train.py [--steps 6] [--out /tmp/hetero] [--layouts 1 3]
 
 The same from the command line::
 
@@ -47,6 +47,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     ap.add_argument("--out", default="/tmp/cfp-hetero")
+    ap.add_argument("--layouts", type=int, nargs="+", default=list(range(len(LAYOUTS))),
+                    choices=range(len(LAYOUTS)), metavar="I", help="run only these layouts (0-based; default all)")
     args = ap.parse_args()
 
     from cfp.runtime.layout import HeteroLayout
@@ -55,6 +57,8 @@ def main() -> int:
 
     rows = []
     for i, (name, tps, parts, gbs, chunks) in enumerate(LAYOUTS):
+        if i not in args.layouts:
+            continue
         layout = HeteroLayout.from_lists(tps, parts, gbs, chunks)
         opts = TrainOptions(model="llama2", layout=layout, overrides=dict(num_layers=8, seq_len=64),
                             schedule=ScheduleName(args.schedule), steps=args.steps,

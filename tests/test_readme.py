@@ -1,64 +1,315 @@
-"""README.md's Python examples run as written.
+"""Every command and code block of README.md runs, shrunk where needed, so a renamed field or option cannot break
+a documented path unnoticed.
 
-Contract for README authors: every ```python block of README.md runs, in order, in ONE shared namespace
-(a later block may use names an earlier one defined), with the current directory a fresh temporary one.
-Before the first block, this prelude defines (and nothing else):
-
-    step_fn              the optax AdamW train step of a 1-layer tiny GPT: (params, opt_state, batch) ->
-                         (params, opt_state, loss)
-    params, opt_state    its initialised parameters and optimizer state
-    batch                a batch of 8 sequences
-
-on 8 simulated CPU devices. Blocks should use only `import cfp` names and stay quick on this model (e.g.
-`profiler="estimate"` for searches); a block that raises fails the test with the block's first line.
-Blocks whose first line is `# not run` are skipped (e.g. ones needing a real GPU cluster).
+* Every ```python block runs, in order, in ONE shared namespace (a later block may use names an earlier one
+  defined), exactly as written, in a fresh temporary directory, in a fresh interpreter without the suite's
+  XLA_FLAGS: the README's own first block must set up the devices and the step it uses.
+* Every command of a shell block (``` with no language, or sh/bash/shell) is listed in `COMMANDS`: either
+  `Run` (with the substitutions that shrink it: fewer layers and steps, fewer profiled combinations; each
+  must apply, so a changed README command fails here until the table is looked at again) or `Skip` with a written
+  reason. A command in neither fails the test, and so does a table entry the README no longer has. Inline
+  `code` of the prose that starts like a command (`cfp ...`, `.venv/bin/...`, `benchmarks/...`, `make ...`)
+  is held to the same rule by `INLINE` (command names and templates with placeholders are skips).
+* Commands run with bash from a temporary directory holding links to the repository's folders (a copy of
+  `cfp_test/`, whose scripts write next to themselves) and a
+  `.venv/bin/` whose `cfp` and `python` are this interpreter, so `.venv/bin/cfp ...`, `python ...` and
+  `cfp_test/...` lines run verbatim; outputs (plan.json, l.json, runs/...) land in the temporary directory.
+  Commands of one `group` share that directory, in README order (a search's plan.json feeds explain).
 """
+from __future__ import annotations
+
+import dataclasses
+import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SHELL_LANGS = {"", "sh", "bash", "shell"}
 
-PRELUDE = """
-import jax
-from cfp.models import get_config, train_step as _train_step
-_ts = _train_step("gpt", get_config("gpt", "tiny", num_layers=1))
-step_fn = _ts.step
-params, opt_state = jax.jit(_ts.init)(jax.random.PRNGKey(0))
-batch = _ts.make_batch(8, jax.random.PRNGKey(1))
-"""
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    group: str                                  # commands of a group share one directory, in README order
+    subs: tuple[tuple[str, str], ...] = ()      # (README text, shrunk text); each must occur in the command
+    expect: tuple[str, ...] = ()                # files the command must leave behind (relative to its directory)
+    exit_code: int = 0                          # a README example of a one-line error exits 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    reason: str
+
+
+_SMALL_SEARCH = (("--num-layers 2 --batch-size 16", "--num-layers 1 --batch-size 8"),)
+_EXAMPLE = ((".py", ".py --steps 2 --profiler estimate"),)
+
+COMMANDS: dict[str, Run | Skip] = {
+    # Quickstart
+    "make demo": Skip("`bash .ci/run` runs `make demo` after the suite (.ci/run); the demo times three "
+                      "plans side by side and takes about a minute"),
+    "make test": Skip("this suite itself: `make test` is what `bash .ci/run` runs"),
+    # Install
+    "pip install -e .": Skip("installs cfp: `make test` (so CI) installs it with `pip install -e \".[test]\"`"),
+    'pip install -e ".[cuda12]"': Skip("needs an NVIDIA GPU and CUDA 12 wheels; no GPU was lent to this project"),
+    'pip install -e ".[cuda13]"': Skip("needs an NVIDIA GPU and CUDA 13 wheels; no GPU was lent to this project"),
+    # Your own programs
+    # (examples: the estimate profiler; tests/test_user_programs.py checks their training against unsharded runs)
+    "PYTHONPATH=$PWD python examples/flax_nnx.py": Run("nnx", _EXAMPLE, ("nnx_plan.json",)),
+    "PYTHONPATH=$PWD python examples/scanned_linen.py": Run("linen", _EXAMPLE, ("scanned_plan.json",)),
+    "PYTHONPATH=$PWD python examples/equinox_gpt.py": Run("equinox", _EXAMPLE, ("equinox_plan.json",)),
+    "PYTHONPATH=$PWD python benchmarks/user_programs.py": Run(
+        "user_programs", ((".py", ".py --styles flax_nnx --rounds 3"),)),
+    # The CFP passes from the shell
+    ".venv/bin/cfp analysis --model gpt --num-layers 4 --batch-size 64 --mesh 2x4 --dump-dir dump/": Run(
+        "analysis", (("--num-layers 4 --batch-size 64", "--num-layers 2 --batch-size 16"),),
+        ("dump/parallel_blocks.txt", "dump/strategy_map.txt", "dump/analysis.json")),
+    "cfp_test/moe/moe_test.sh --num_layer 4 --batch_size 64 --mode analysis": Run(
+        "analysis", (("--num_layer 4 --batch_size 64", "--num_layer 2 --batch_size 16"),)),
+    ".venv/bin/cfp profile --model gpt --num-layers 2 --batch-size 16 --mesh 2x4": Run(
+        "search", _SMALL_SEARCH + (("--mesh 2x4", "--mesh 2x4 --max-combinations 2 --iters 3 --no-progress"),)),
+    ".venv/bin/cfp search --model gpt --num-layers 2 --batch-size 16 --mesh 2x4 --profiler estimate --gpu "
+    "A100-PCIe-40G --memory-per-device 2GB --plan-out plan.json": Run(
+        "search", _SMALL_SEARCH + (("--profiler estimate", "--profiler estimate --max-combinations 2 --verify 1 "
+                                                           "--no-progress"),), ("plan.json",)),
+    ".venv/bin/cfp explain plan.json --plot plan.png": Run("search", (), ("plan.png",)),
+    ".venv/bin/cfp diff tests/golden/plans/gpt_8.json tests/golden/plans/gpt_8_wide_vocab.json": Run("search"),
+    "cfp_test/scripts/llama2_functionality_check.sh": Run(
+        "functionality", (("check.sh", "check.sh --num_layer 1 --batch_size 8"),)),
+    # Heterogeneous 3D-parallel training
+    '.venv/bin/cfp train --model llama2 --num-layers 4 --hetero-configs "[[2,1,1],[4]]" --layer-partitions '
+    '"[[2,1,1],[4]]" --global-batch-size 6 2 --chunks 3 1 --schedule 1f1b --steps 5 --verify --timeline-dir /tmp/tl':
+        Run("hetero", (("--steps 5", "--steps 2"), ("/tmp/tl", "tl")), ("tl",)),
+    '.venv/bin/cfp launch --nprocs 2 --devices-per-proc 4 -- .venv/bin/cfp train --model llama2 --num-layers 3 '
+    '--hetero-configs "[[2,1,1],[2,1,1]]" --layer-partitions "[[1,1,1],[1,1,1]]" --devices-id '
+    '"[[[0,1],[4],[2]],[[5,6],[3],[7]]]" --global-batch-size 6 2 --chunks 3 1': Run(
+        "launch", (("--chunks 3 1", "--chunks 3 1 --steps 1"),)),
+    ".venv/bin/python examples/hetero_train.py --steps 6": Run(
+        "hetero", (("--steps 6", "--steps 1 --out hetero --layouts 1"),)),   # the one it verifies
+    # Planning a layout for a mixed cluster
+    ".venv/bin/cfp plan --cluster examples/clusters/paper-llama2-b.yaml --model llama2 --config 13B --dtype "
+    "bfloat16 --compare": Run("plan"),
+    ".venv/bin/cfp plan --cluster examples/clusters/local.yaml --model llama2 --num-layers 4 --out l.json": Run(
+        "plan", (("--num-layers 4", "--num-layers 2"),), ("l.json",)),
+    ".venv/bin/cfp train --layout l.json --steps 3 --verify": Run("plan", (("--steps 3", "--steps 1"),)),
+    # Variable-length data
+    ".venv/bin/cfp data analyze --input stdlib --max-seq-len 2048 --out runs/lengths": Run(
+        "data", (), ("runs/lengths",)),
+    ".venv/bin/cfp data schemes --model llama2 --config tiny --out parallel_scheme_space.json": Run(
+        "data", (), ("parallel_scheme_space.json",)),
+    ".venv/bin/cfp data propose --schemes parallel_scheme_space.json --input stdlib --gpus 8 --tokens-per-step 8192":
+        Run("data"),
+    ".venv/bin/cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 3": Run(
+        "data", (("--steps 3", "--steps 1"),)),
+    ".venv/bin/cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 "
+    "--max-seq-len 32768": Run("data", (("--gpus 1024", "--gpus 64"), ("--tokens-per-step 1600000",
+                                                                        "--tokens-per-step 100000 --steps 1"))),
+}
+
+_NAME = "names a command in prose; its runnable forms are the fenced commands, run above"
+_TEMPLATE = "a template with placeholders ({}); its concrete form is a fenced command, run above"
+# inline `code` in the prose that starts like a command (see `inline_commands`): the same rule, one table
+INLINE: dict[str, Run | Skip] = {
+    "cfp explain": Skip(_NAME), "cfp diff": Skip(_NAME), "cfp plan": Skip(_NAME), "cfp data": Skip(_NAME),
+    "cfp launch": Skip(_NAME), "cfp search --plan-out": Skip(_NAME), "cfp data schemes": Skip(_NAME),
+    "cfp train --stage-plans search": Skip(_NAME), "cfp plan --stage-times": Skip(_NAME),
+    "make demo": COMMANDS["make demo"], "make test": COMMANDS["make test"],
+    "make PY=/path/to/python3.12 test": Skip("`make test` with another interpreter: CI runs `make test`"),
+    'pip install -e ".[test]"': Skip("the install `make test` (so CI) does"),
+    "bash .ci/run": Skip("CI itself, which runs this suite"),
+    "XLA_FLAGS=--xla_cpu_max_isa=AVX2 bash .ci/run": Skip("CI itself under an ISA cap: a release check, 10 min"),
+    "XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 bash .ci/run": Skip("CI itself under an ISA cap: a release check, 10 min"),
+    "cfp --help": Run("cli"),
+    "cfp COMMAND --help": Skip(_TEMPLATE.format("COMMAND")),
+    "cfp --version": Run("cli"),
+    "cfp explain plan.json": Run("search"),
+    "cfp explain PLAN.json [--gpu G] [--plot FILE.png]": Skip(_TEMPLATE.format("PLAN.json, G, FILE.png")),
+    "cfp diff A.json B.json": Skip(_TEMPLATE.format("A.json, B.json")),
+    "benchmarks/regen_golden_plans.py [--check]": Run("golden", (("benchmarks/", "python benchmarks/"),
+                                                                 (" [--check]", " --check --only gpt_8"))),
+    ".venv/bin/python benchmarks/validate_costmodel.py": Run("costmodel"),
+    "cfp launch --coordinator HOST0:PORT --num-processes N --first-rank R": Skip(
+        _TEMPLATE.format("HOST0:PORT, N, R") + "; multi-host, one command per host"),
+    "cfp train ... --stage-plans megatron|search|DIR": Skip(_TEMPLATE.format("..., megatron|search|DIR")),
+    "cfp plan --stage-times <checkpoint-dir>/stage_plans": Skip(_TEMPLATE.format("<checkpoint-dir>")),
+    "benchmarks/planner_optimality.py --first 200 --seeds 300": Run(
+        "planner_optimality", (("benchmarks/", "python benchmarks/"), ("--seeds 300", "--seeds 2"))),
+    "benchmarks/batching.py --steps 3 --schemes ps.json": Run(
+        "data", (("benchmarks/", "python benchmarks/"), ("--steps 3", "--steps 1"),
+                 ("ps.json", "parallel_scheme_space.json"))),
+    "cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 --max-seq-len 32768":
+        Skip("the fenced `cfp data bench-planner` command of \"Variable-length data\", run above, shrunk"),
+    "benchmarks/compare.py --num-layers 2 --mesh 8 --iters 10 --override ...": Skip(
+        _TEMPLATE.format("--override ...: one row's field override per run")),
+    'cfp train --model llama2 --num-layers 4 --hetero-configs "[[2,2]]" --layer-partitions "[[2,2]]" '
+    '--global-batch-size 4 --chunks 2 --stage-plans search --checkpoint-dir /tmp/sp': Run(
+        "stage_plans", (("--num-layers 4", "--num-layers 2"), ('"[[2,2]]" --global', '"[[1,1]]" --global'),
+                        ("/tmp/sp", "sp --steps 1"))),
+    "cfp plan --cluster examples/clusters/local.yaml --model llama2 --num-layers 4 --global-batch-size 4 "
+    "--stage-times /tmp/sp/stage_plans": Run("stage_plans", (("--num-layers 4", "--num-layers 2"),
+                                                             ("/tmp/sp", "sp"))),
+    "cfp plan --model moe": Run("cli", (("--model moe", "--cluster examples/clusters/local.yaml --model moe"),),
+                                exit_code=2),
+}
+
+# shell-fenced blocks that are pictures, not commands, by their first line
+NOT_COMMANDS = {
+    "step_fn, example args, mesh": "the package diagram of \"How the package is built\"",
+    "cfp/            the package": "the folder list of \"Layout\"",
+}
+
+
+def fenced_blocks(markdown: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", markdown, flags=re.S | re.M)
 
 
 def python_blocks(markdown: str) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.S | re.M)
+    return [body for lang, body in fenced_blocks(markdown) if lang == "python"]
 
 
-def run_python_blocks(markdown: str) -> int:
-    """Run the blocks as the contract says; returns how many ran."""
-    namespace: dict = {"__name__": "__readme__"}
-    exec(compile(PRELUDE, "<readme prelude>", "exec"), namespace)
-    ran = 0
-    for i, block in enumerate(python_blocks(markdown)):
-        if block.startswith("# not run"):
+def shell_commands(body: str) -> list[str]:
+    """A shell block's commands: continuation lines joined, comments and blank lines dropped, spaces
+    normalised (the README aligns its comments)."""
+    joined = re.sub(r"\\\n\s*", " ", body)
+    out = []
+    for line in joined.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line and not line.startswith("#"):
+            out.append(" ".join(line.split()))
+    return out
+
+
+def readme_commands(markdown: str) -> list[str]:
+    cmds = []
+    for lang, body in fenced_blocks(markdown):
+        if lang not in SHELL_LANGS:
             continue
-        try:
-            exec(compile(block, f"<README.md python block {i}>", "exec"), namespace)
-        except Exception as e:
-            raise AssertionError(f"README python block {i} ({block.splitlines()[0]!r}) raised "
-                                 f"{type(e).__name__}: {e}") from e
-        ran += 1
-    return ran
+        first = body.strip().splitlines()[0] if body.strip() else ""
+        if any(first.startswith(k) for k in NOT_COMMANDS):
+            continue
+        cmds += shell_commands(body)
+    return cmds
 
 
-def test_python_blocks_are_found():
-    assert python_blocks("x\n```python\na = 1\n```\n```bash\nls\n```\n```python\nb = a\n```\n") == \
-        ["a = 1\n", "b = a\n"]
+INLINE_STARTS = (".venv/bin/", "cfp ", "python ", "PYTHONPATH=", "bash ", "make ", "XLA_FLAGS=", "benchmarks/", "pip ")
 
 
-def test_readme_python_blocks_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def inline_commands(markdown: str) -> list[str]:
+    """Inline `code` of the prose (fenced blocks removed) that starts like a command and has an argument."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    out = []
+    for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", prose):
+        span = " ".join(span.split())
+        if span.startswith(INLINE_STARTS) and " " in span and span not in out:
+            out.append(span)
+    return out
+
+
+def all_commands(markdown: str) -> list[tuple[str, Run | Skip | None]]:
+    """(command, how the suite runs it or None) of every fenced and inline README command, in README order
+    within each kind."""
+    return ([(c, COMMANDS.get(c)) for c in readme_commands(markdown)]
+            + [(c, INLINE.get(c)) for c in inline_commands(markdown)])
+
+
+def shrunk(cmd: str, run: Run) -> str:
+    for old, new in run.subs:
+        assert old in cmd, f"substitution {old!r} no longer applies to README command {cmd!r}"
+        cmd = cmd.replace(old, new, 1)
+    return cmd
+
+
+def test_blocks_and_commands_are_found():
+    md = "x\n```python\na = 1\n```\n```\nls -l \\\n   dir  # list\n\n# c\nmake  x\n```\n```python\nb = a\n```\n"
+    assert python_blocks(md) == ["a = 1\n", "b = a\n"]
+    assert readme_commands(md) == ["ls -l dir", "make x"]
+
+
+def test_every_readme_command_is_run_or_skipped_with_a_reason():
+    md = README.read_text()
+    unknown = [c for c, how in all_commands(md) if how is None]
+    assert not unknown, ("README commands neither run nor skipped (add them to COMMANDS or INLINE in "
+                         f"tests/test_readme.py, shrunk, or with a reason): {unknown}")
+    stale = [c for c in COMMANDS if c not in readme_commands(md)] + [c for c in INLINE if c not in inline_commands(md)]
+    assert not stale, f"tests/test_readme.py lists commands the README no longer has: {stale}"
+    for c, how in list(COMMANDS.items()) + list(INLINE.items()):
+        if isinstance(how, Skip):
+            assert len(how.reason) > 20, f"skip of {c!r} needs a written reason"
+        else:
+            shrunk(c, how)
+
+
+def _workdir(tmp: Path) -> dict:
+    """Links to the repository's folders, `.venv/bin/{cfp,python}` = this interpreter; the environment."""
+    for entry in ROOT.iterdir():
+        if entry.name == "cfp_test":        # its scripts write dumps next to themselves: a copy, not a link
+            shutil.copytree(entry, tmp / entry.name, ignore=shutil.ignore_patterns("debug_*"))
+        elif entry.name not in (".git", ".venv", "runs", "dump") and not entry.name.startswith("."):
+            (tmp / entry.name).symlink_to(entry)
+    (tmp / ".ci").symlink_to(ROOT / ".ci")
+    venv = tmp / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    # wrappers, not links: a link to a virtual environment's python outside it loses the environment
+    for name, args in (("python", ""), ("cfp", " -m cfp.cli.main")):
+        (venv / name).write_text(f'#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)}{args} "$@"\n')
+        (venv / name).chmod(0o755)
+    cfp = venv / "cfp"
+    env = dict(os.environ, PATH=f"{venv}:{os.environ['PATH']}", PYTHONPATH=str(ROOT), CFP=str(cfp),
+               XDG_CACHE_HOME=str(tmp / "cache"), MPLBACKEND="Agg")
+    return env
+
+
+GROUPS = sorted({how.group for how in list(COMMANDS.values()) + list(INLINE.values()) if isinstance(how, Run)})
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_readme_commands_run(group, tmp_path):
+    env = _workdir(tmp_path)
+    cmds = [(c, how) for c, how in all_commands(README.read_text()) if isinstance(how, Run) and how.group == group]
+    assert cmds, f"group {group} has no README command"
+    for c, run in cmds:
+        cmd = shrunk(c, run)
+        if cmd.startswith("cfp "):          # prose names the installed `cfp`: the .venv's, as `make` installs it
+            cmd = ".venv/bin/" + cmd
+        r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == run.exit_code, (
+            f"README command exited {r.returncode}, not {run.exit_code}: {c}\nran: {cmd}\n"
+            f"stdout tail:\n{r.stdout[-3000:]}\nstderr tail:\n{r.stderr[-3000:]}")
+        if run.exit_code:
+            assert len(r.stderr.strip().splitlines()) == 1, f"{cmd!r}: not one line:\n{r.stderr}"
+        for path in run.expect:
+            assert (tmp_path / path).exists(), f"{cmd!r} left no {path}"
+
+
+PYTHON_RUNNER = """
+import sys
+blocks = {blocks!r}
+ns = {{"__name__": "__main__"}}
+for i, block in enumerate(blocks):
+    try:
+        exec(compile(block, f"<README.md python block {{i}}>", "exec"), ns)
+    except BaseException as e:
+        print(f"README python block {{i}} ({{block.splitlines()[0]!r}}) raised {{type(e).__name__}}: {{e}}",
+              file=sys.stderr)
+        raise
+"""
+
+
+def test_readme_python_blocks_run_as_written(tmp_path):
+    """As a newcomer runs them: a fresh interpreter, no XLA_FLAGS from the suite, nothing predefined."""
     blocks = python_blocks(README.read_text())
-    if not blocks:
-        pytest.skip("README.md has no python block")
-    assert run_python_blocks(README.read_text()) >= 1
+    assert blocks, "README.md has no python block"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-c", PYTHON_RUNNER.format(blocks=blocks)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-4000:]}"
+    assert (tmp_path / "plan.json").exists()

@@ -8,6 +8,7 @@ import os
 
 from cfp.errors import ConfigError
 from cfp import files
+from cfp.hardware.gpus import DEFAULT_GPU
 from cfp.models.configs import MODEL_NAMES
 
 
@@ -34,7 +35,7 @@ DEFAULT_STEPS = 5
 DEFAULT_LR = 1e-3
 DEFAULT_WEIGHT_DECAY = 0.01
 DEFAULT_SEED = 0
-DEFAULT_CATALOG_GPU = "A100-SXM-80G"   # where a command needs some GPU of the catalog for its estimates
+DEFAULT_CATALOG_GPU = DEFAULT_GPU     # where a command needs some GPU of the catalog for its estimates
 DEFAULT_KEEP_CHECKPOINTS = 3
 SCHEDULES = ("gpipe", "1f1b")
 DTYPES = ("float32", "bfloat16")
@@ -182,6 +183,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump-dir", default=None, help="directory for the mode's dump files (default: none)")
 
 
+def model_config(args: argparse.Namespace):
+    """The model config the options name: `--config` with `--num-layers` (and compare.py's typed overrides)."""
+    from cfp.models import get_config
+    overrides = dict(getattr(args, "overrides", None) or {})     # typed field overrides (compare.py --override)
+    if args.num_layers:
+        overrides["num_layers"] = args.num_layers
+    return get_config(args.model, args.config, **overrides)
+
+
 def build_step(args: argparse.Namespace, abstract: bool = False):
     """(step_fn, example_args, mesh_spec) of the model's optax AdamW train step on the requested mesh.
 
@@ -190,17 +200,13 @@ def build_step(args: argparse.Namespace, abstract: bool = False):
     import jax
 
     from cfp.mesh import MeshSpec
-    from cfp.models import get_config, train_step
+    from cfp.models import train_step
 
     mesh = MeshSpec.parse(args.mesh, num_devices=jax.device_count())
     if args.batch_size % mesh.size:
         raise ConfigError(f"batch size {args.batch_size} cannot be split over mesh {args.mesh} ({mesh.size} "
                           f"devices); use a multiple of {mesh.size}")
-    overrides = dict(getattr(args, "overrides", None) or {})     # typed field overrides (compare.py --override)
-    if args.num_layers:
-        overrides["num_layers"] = args.num_layers
-    config = get_config(args.model, args.config, **overrides)
-    ts = train_step(args.model, config)
+    ts = train_step(args.model, model_config(args))
     # eager Flax init runs op by op (slow); one compiled call is fast, and analysis needs no values at all
     params, opt_state = (jax.eval_shape(ts.init, jax.random.PRNGKey(0)) if abstract
                          else jax.jit(ts.init)(jax.random.PRNGKey(0)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def add_parser(sub) -> None:
     e = sub.add_parser("explain", help="per block: scope, strategy, estimated compute/comm/memory, runner-up")
-    e.add_argument("plan", help="plan file (cfp search --plan-out, or a golden plan record)")
+    e.add_argument("plan", help="plan file (cfp search --plan-out, autoshard(plan_out=...), a golden plan)")
     e.add_argument("--gpu", default=None, help="catalog GPU of the estimates (default: the plan's)")
     e.add_argument("--plot", default=None, help="also draw the plan to this PNG file")
     e.set_defaults(func=run_explain)
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
 
 def _views(paths, gpu):
     from cfp.cli.common import ensure_host_devices
-    ensure_host_devices()           # golden records rebuild their analysis on the simulated devices
+    ensure_host_devices()           # `--gpu` re-estimates rebuild the analysis on the simulated devices
     from cfp.hardware.gpus import get_gpu
     from cfp.report.explain import load_view
     if gpu is not None:
@@ -26,7 +26,9 @@ def _views(paths, gpu):
 
 
 def run_explain(args) -> int:
+    from cfp.cli.common import check_output_file
     from cfp.report.explain import explain_text
+    check_output_file(args.plot, "--plot")      # before any loading or re-estimating
     (view,) = _views([args.plan], args.gpu)
     print(explain_text(view))
     if args.plot:

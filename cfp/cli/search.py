@@ -5,8 +5,8 @@ import argparse
 import itertools
 import time
 
-from cfp.cli.common import (add_model_options, build_step, check_output_dir, check_output_file, ensure_host_devices,
-                            positive_int)
+from cfp.cli.common import (DEFAULT_CATALOG_GPU, add_model_options, build_step, check_output_dir, check_output_file,
+                            ensure_host_devices, model_config, positive_int)
 from cfp.errors import ConfigError
 from cfp.profiling.options import ProfilerKind
 
@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
     e = sub.add_parser("enum-benchmark", help="every strategy combination of one segment: comm, compute, time, memory")
     add_model_options(e)
     e.add_argument("--segment", type=int, default=0, help="segment kind to enumerate (default 0)")
-    e.add_argument("--gpu", default="A100-SXM-80G", help="catalog GPU of the cost-model columns")
+    e.add_argument("--gpu", default=DEFAULT_CATALOG_GPU, help="catalog GPU of the cost-model columns")
     e.add_argument("--iters", type=positive_int, default=3, help="timed runs per combination")
     e.add_argument("--limit", type=positive_int, default=16, help="at most this many combinations (in order)")
     e.set_defaults(func=run_enum)
@@ -134,16 +134,14 @@ def run_search(args) -> int:
     print(_layer_flops_line(args, example_args, result))
     print(f"search time: {result.search_time:.2f} s; total planning time: {time.perf_counter() - t0:.2f} s")
     if args.plan_out:
-        from cfp.hardware.gpus import get_gpu
-        from cfp.report.figures import plan_figures, profile_points
-        applied = resolve(analysis, result.choice, result.shard_state)
+        from cfp.report.estimates import model_metrics, with_estimates
         b = result.best
-        gpu = get_gpu(args.gpu or "A100-SXM-80G")
-        figures = tuple(f.to_dict() for f in plan_figures(analysis, result.choice, gpu))
-        make_plan(analysis, applied, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory, "flops": b.flops,
-                                      "profiler": str(table.profiler), "estimates_gpu": gpu.name,
-                                      "model": args.model, "config": args.config, "mesh": args.mesh},
-                  figures, profile_points(table, result.choice, analysis)).save(args.plan_out)
+        metrics = {"time": b.time, "dp_time": b.dp_time, "memory": b.memory, "flops": b.flops,
+                   "profiler": str(table.profiler), "config": args.config, "mesh": args.mesh,
+                   **model_metrics(args.model, model_config(args), args.batch_size)}
+        plan = make_plan(analysis, resolve(analysis, result.choice, result.shard_state), metrics)
+        # estimates on the searched GPU, else the catalog default (labelled in the plan and by `cfp explain`)
+        with_estimates(plan, analysis, table, args.gpu or DEFAULT_CATALOG_GPU).save(args.plan_out)
         print(f"wrote {args.plan_out}")
     return 0
 

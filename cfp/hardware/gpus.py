@@ -114,6 +114,11 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
 )}
 
 
+# The catalog GPU of estimates where the user names none (`cfp search --plan-out`, `autoshard`'s saved plans,
+# `cfp data bench-planner`); the CLI's shared defaults (`cfp/cli/common.py`) take it from here.
+DEFAULT_GPU = "A100-SXM-80G"
+
+
 def _norm(name: str) -> str:
     return "".join(ch for ch in name.lower() if ch.isalnum())
 

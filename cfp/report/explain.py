@@ -1,16 +1,16 @@
-"""Read a plan: load a plan file (a saved `Plan` or a golden plan record), print it per block, diff two plans.
+"""Read a plan: load a plan file (a saved `Plan`), print it per block, diff two plans.
 
-A saved `Plan` from `cfp search` carries its per-block estimates (`Plan.estimates`) and profile points. An older
-plan file has neither: it is printed with its strategies only. A golden plan record (tests/golden/plans/) names its
-model, mesh and settings, so its analysis is rebuilt (shapes only, no values) and its figures computed.
+A `Plan` saved by `cfp search --plan-out`, `cfp.autoshard(plan_out=...)` or `Plan.save` after a search carries
+its per-block estimates (`Plan.estimates`) and profile points. A plan file without them (older cfp, or a plan
+made from a bare choice) is printed with its strategies only.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from cfp.errors import ConfigError
+from cfp.hardware.gpus import get_gpu
 from cfp.report.figures import BlockFigures, plan_figures
 
 ESTIMATE_NOTE = ("all figures are cost-model estimates ({gpu}), per device and step: compute = dots at the "
@@ -31,67 +31,24 @@ class PlanView:
     meta: dict[str, Any]
 
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read plan file {path!r}: {e.strerror}") from None
-    try:
-        d = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"plan file {path!r} is not valid JSON: {e}") from None
-    if not isinstance(d, dict) or "choice" not in d or "strategies" not in d:
-        raise ConfigError(f"plan file {path!r} is not a cfp plan (no 'choice' and 'strategies')")
-    return d
-
-
-_SEARCH_SETTINGS = ("config", "batch_size", "gpu", "max_combinations", "memory_per_device")
-
-
-def _golden_figures(d: dict, gpu_name: str | None) -> tuple[tuple[BlockFigures, ...], str]:
-    import jax
-
-    from cfp.analysis.analysis import analyze_with_program
-    from cfp.hardware.gpus import get_gpu
-    from cfp.mesh import MeshSpec
-    from cfp.models import get_config, train_step
-    s = d["settings"]
-    gpu = get_gpu(gpu_name or s.get("gpu") or "A100-SXM-80G")
-    # every other setting of a golden case is a config field (num_layers, vocab_size, ...)
-    overrides = {k: v for k, v in s.items() if k not in _SEARCH_SETTINGS}
-    ts = train_step(d["model"], get_config(d["model"], s.get("config", "tiny"), **overrides))
-    params, opt = jax.eval_shape(ts.init, jax.random.PRNGKey(0))
-    batch = ts.make_batch(int(s["batch_size"]), jax.random.PRNGKey(1))
-    mesh = MeshSpec.parse(str(d["mesh"]), num_devices=jax.device_count())
-    analysis, _ = analyze_with_program(ts.step, mesh, params, opt, batch)
-    choice = tuple(int(c) for c in d["choice"])
-    if len(choice) != len(analysis.blocks):
-        raise ConfigError(f"golden plan has {len(choice)} blocks, the rebuilt model {len(analysis.blocks)}")
-    return plan_figures(analysis, choice, gpu), gpu.name
-
-
 def load_view(path: str, gpu: str | None = None) -> PlanView:
-    """Load a plan file for reading (raises ConfigError naming the file on any problem)."""
-    d = _read_json(path)
-    try:
-        choice = tuple(int(c) for c in d["choice"])
-        strategies = tuple(str(s) for s in d["strategies"])
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"plan file {path!r} has a malformed choice or strategies: {e}") from None
-    if len(choice) != len(strategies):
-        raise ConfigError(f"plan file {path!r}: {len(choice)} choices but {len(strategies)} strategies")
-    if "block_fingerprints" in d:           # a saved Plan
-        from cfp.search.plan import load_plan
-        plan = load_plan(path)
+    """Load a plan file for reading: the `Plan` that `cfp search --plan-out`, `Plan.save` and the golden plans
+    write, validated by `cfp.load_plan` (a bad field, or a choice outside a block's strategies, raises
+    `PlanError` naming the file and the field)."""
+    from cfp.search.plan import load_plan
+    plan = load_plan(path)
+    saved_gpu = plan.metrics.get("estimates_gpu")
+    if gpu is not None and (not plan.estimates or get_gpu(gpu).name != saved_gpu):
+        # figures for another GPU are computed, never relabelled: rebuild the analysis from the plan's model
+        from cfp.report.estimates import rebuild_analysis
+        figures = plan_figures(rebuild_analysis(plan, f"plan file {path!r}"), plan.choice, get_gpu(gpu))
+        saved_gpu = get_gpu(gpu).name
+    else:
         figures = tuple(BlockFigures.from_dict(e) for e in plan.estimates)
-        used = gpu or plan.metrics.get("estimates_gpu")
-        return PlanView(path, choice, strategies, figures, tuple(plan.profile), used, dict(plan.metrics))
-    if "model" in d and "settings" in d:    # a golden plan record
-        figures, used = _golden_figures(d, gpu)
-        return PlanView(path, choice, strategies, figures, (), used,
-                        {"model": d["model"], "mesh": d["mesh"], **d["settings"]})
-    raise ConfigError(f"plan file {path!r} is neither a saved plan nor a golden plan record")
+    if figures and len(figures) != len(plan.choice):
+        raise ConfigError(f"plan file {path!r}: {len(figures)} block estimates for {len(plan.choice)} blocks")
+    meta = {"mesh": "x".join(map(str, plan.mesh_shape)), **plan.metrics}
+    return PlanView(path, plan.choice, plan.strategies, figures, tuple(plan.profile), saved_gpu, meta)
 
 
 def _ms(s: float) -> str:
@@ -102,7 +59,8 @@ def explain_text(view: PlanView) -> str:
     lines = [f"plan {view.path}: {len(view.choice)} blocks"
              + "".join(f", {k} {v}" for k, v in view.meta.items() if k in ("model", "mesh", "config", "profiler"))]
     if not view.figures:
-        lines.append("this plan file carries no per-block estimates (saved by an older cfp); strategies only:")
+        lines.append("this plan file carries no per-block estimates (an older cfp, or a plan made from a bare "
+                     "choice); strategies only:")
         lines += [f"  {b:>4}  {s}" for b, s in enumerate(view.strategies)]
         return "\n".join(lines)
     lines.append(ESTIMATE_NOTE.format(gpu=view.gpu))

@@ -25,7 +25,7 @@ def spec_from_entries(entries: list) -> PartitionSpec:
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
 
 
-PLAN_VERSION = 2     # 2 added `shard_state`; version 1 files load with none
+PLAN_VERSION = 3     # 2 added `shard_state`, 3 `num_strategies`; older files load without them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,8 @@ class Plan:
     # (`cfp.report.figures.BlockFigures.to_dict`) and every profiled combination's time and memory
     estimates: tuple[dict, ...] = ()
     profile: tuple[dict, ...] = ()
+    # how many strategies each block has (empty: unknown): a choice outside them is refused on load
+    num_strategies: tuple[int, ...] = ()
 
     @property
     def mesh(self) -> MeshSpec:
@@ -74,7 +76,7 @@ class Plan:
         return cls(tuple(d["mesh_shape"]), tuple(d["axis_names"]), tuple(d["choice"]), tuple(d["strategies"]),
                    tuple(d["block_fingerprints"]), dict(d["input_specs"]), tuple(d["output_specs"]),
                    dict(d["metrics"]), tuple(d.get("shard_state", ())), PLAN_VERSION,
-                   tuple(d.get("estimates", ())), tuple(d.get("profile", ())))
+                   tuple(d.get("estimates", ())), tuple(d.get("profile", ())), tuple(d.get("num_strategies", ())))
 
 
 def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None = None,
@@ -85,7 +87,18 @@ def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None =
                 tuple(b.fingerprint for b in analysis.blocks),
                 {path: spec_entries(s) for path, s in zip(g.input_paths, applied.input_specs)},
                 tuple(spec_entries(s) for s in applied.output_specs), dict(metrics or {}), applied.shard_state,
-                PLAN_VERSION, tuple(estimates), tuple(profile))
+                PLAN_VERSION, tuple(estimates), tuple(profile), tuple(len(b.strategies) for b in analysis.blocks))
+
+
+def check_choice_range(choice, num_strategies, where: str = "plan") -> None:
+    """Every block's strategy index must name one of its strategies; raises `PlanError` naming the first
+    block that does not (a hand-edited choice would otherwise fail deep inside with an index error)."""
+    if len(choice) != len(num_strategies):
+        raise PlanError(f"{where}: the choice has {len(choice)} entries, the step {len(num_strategies)} blocks")
+    for b, (c, n) in enumerate(zip(choice, num_strategies)):
+        if not 0 <= c < n:
+            raise PlanError(f"{where}: block {b}'s strategy {c} is out of range: it has {n} strategies "
+                            f"(0..{n - 1})")
 
 
 def load_plan(path: str) -> Plan:
@@ -119,7 +132,7 @@ def validate_plan_dict(d, where: str = "plan") -> None:
     """Types, ranges and mesh consistency of a plan's JSON content; raises `PlanError` naming the field."""
     if not isinstance(d, dict):
         raise PlanError(f"{where} must be a JSON object of a cfp plan, got {type(d).__name__}")
-    if d.get("version") not in (1, PLAN_VERSION):
+    if not _is_int(d.get("version"), 1) or d["version"] > PLAN_VERSION:
         _fail(where, "version", f"one of the supported 1..{PLAN_VERSION}", d.get("version"))
     for key in ("mesh_shape", "axis_names", "choice", "strategies", "block_fingerprints", "input_specs",
                 "output_specs", "metrics"):
@@ -149,7 +162,19 @@ def validate_plan_dict(d, where: str = "plan") -> None:
     shard = d.get("shard_state", [])
     if not isinstance(shard, list) or not all(_is_int(b, 0) and b < len(choice) for b in shard):
         _fail(where, "shard_state", f"a list of block indices in 0..{len(choice) - 1}", shard)
+    _check_num_strategies(d, where, choice)
     for key in ("estimates", "profile"):     # optional figures for `cfp explain` (cfp.report)
         value = d.get(key, [])
         if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
             _fail(where, key, "a list of objects", value)
+
+
+def _check_num_strategies(d: dict, where: str, choice: list) -> None:
+    """Plans saved after a search (version 3 on) carry each block's strategy count, and the choice must lie
+    within it; an empty or missing list (older files, a `Plan` built by hand) means unknown."""
+    n = d.get("num_strategies", [])
+    if n == []:
+        return
+    if not isinstance(n, list) or len(n) != len(choice) or not all(_is_int(x, 1) for x in n):
+        _fail(where, "num_strategies", f"a list of {len(choice)} positive integers (one per block)", n)
+    check_choice_range(choice, n, where)

@@ -197,14 +197,16 @@ def _candidate_rows(segs, entries, estimator: StateEstimator | None, scale: floa
     """Per segment: its candidates (profile entry, state sharded?), their times and their memories."""
     cands, cost, mem = [], [], []
     for seg, ents in zip(segs, entries):
-        row = [(e, False, 0.0, int(e.memory * scale)) for e in ents]
+        # a loop body's segment was profiled for one iteration: it runs (and its weights are stacked) `repeat`
+        # times; the state estimate already counts the stacked state whole
+        row = [(e, False, 0.0, int(e.memory * scale * seg.repeat)) for e in ents]
         if estimator is not None:
             for e in ents:
                 sv = estimator.segment(seg.blocks, e.choice)
                 if sv.memory > 0:
-                    row.append((e, True, sv.time(link * 1e9), max(int(e.memory * scale) - sv.memory, 0)))
+                    row.append((e, True, sv.time(link * 1e9), max(int(e.memory * scale * seg.repeat) - sv.memory, 0)))
         cands.append([(e, z) for e, z, _, _ in row])
-        cost.append([e.time + extra for e, _, extra, _ in row])
+        cost.append([e.time * seg.repeat + extra for e, _, extra, _ in row])
         mem.append([m for _, _, _, m in row])
     return cands, cost, mem
 
@@ -342,7 +344,7 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
             log(f"memory calibration skipped: segment kind {seg.kind} has no profile of the data-parallel "
                 f"choice {list(choice)}; segment memories are summed unscaled")
             return 1.0
-        total += entry.memory
+        total += entry.memory * seg.repeat
     step = steps[(uniform, ())] = apply_choice(program, analysis, uniform, mesh)
     whole = _step_memory(step, compiled_memory(step.compile(*example_args)), donate)
     scale = whole / total if total else 1.0

@@ -36,8 +36,8 @@ CALL_PRIMITIVES = {
 IDENTITY_PRIMITIVES = frozenset({"name"})
 
 # Control flow cfp keeps as one opaque operator (its body is not analysed, but it still runs on replay).
-# jax 0.12's pmap is a jit around a shard_map. `scan` is seen through (`ScanRegion`) unless `trace` is told not to.
-OPAQUE_PRIMITIVES = frozenset({"scan", "while", "cond", "shard_map", "custom_linear_solve"})
+# jax 0.12's pmap is a jit around a shard_map. `scan` is seen through instead (`ScanRegion`).
+OPAQUE_PRIMITIVES = frozenset({"while", "cond", "shard_map", "custom_linear_solve"})
 SCAN_PRIMITIVE = "scan"
 
 
@@ -115,24 +115,22 @@ class TracedProgram:
     loops: list = dataclasses.field(default_factory=list)   # list[ScanRegion], by index
 
 
-def trace(fn: Callable, *args, see_through_scans: bool = True) -> TracedProgram:
-    """Trace `fn(*args)` to a jaxpr and flatten it (scans seen through unless `see_through_scans` is False)."""
+def trace(fn: Callable, *args) -> TracedProgram:
+    """Trace `fn(*args)` to a jaxpr and flatten it."""
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
 
     def flat_fn(*flat):
         return fn(*jax.tree_util.tree_unflatten(in_tree, flat))
 
     jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
-    return _flatten(jaxpr, in_tree, jax.tree_util.tree_structure(out_shape), see_through_scans)
+    return _flatten(jaxpr, in_tree, jax.tree_util.tree_structure(out_shape))
 
 
 def _scan_counts(params: dict) -> tuple[int, int]:
-    """(consts, carry) operand counts of a scan equation: jax 0.12 keeps them in flat trees `ft_in`/`ft_out`
-    (consts, carry, xs) and (carry, ys); older releases in `num_consts`/`num_carry`."""
-    if "ft_in" in params:
-        consts, carry, _ = params["ft_in"].unpack()
-        return len(consts), len(carry)
-    return int(params["num_consts"]), int(params["num_carry"])
+    """(consts, carry) operand counts of a scan equation: jax 0.12 keeps them in the flat tree `ft_in`
+    (consts, carry, xs) where older releases had `num_consts` and `num_carry`."""
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _aval_info(aval) -> tuple[tuple[int, ...], str]:
@@ -159,7 +157,7 @@ def _user_source(source_info) -> tuple[str, tuple]:
             (frame.file_name, frame.start_line, frame.start_column))
 
 
-def _flatten(jaxpr, in_tree, out_tree, see_through_scans: bool = True) -> TracedProgram:
+def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
     """Global ids for every value of `jaxpr` (a jax 0.12 Jaxpr, its consts attached), call-likes inlined,
     scans spelt out as `ScanRegion`s (ports, body once, ports)."""
     avals: dict[int, tuple] = {}
@@ -243,7 +241,7 @@ def _flatten(jaxpr, in_tree, out_tree, see_through_scans: bool = True) -> Traced
             if isinstance(sub, jex_core.Jaxpr):
                 inline(sub, ins, eqn.outvars, env, scope, trans, loop)
                 continue
-            if name == SCAN_PRIMITIVE and see_through_scans:
+            if name == SCAN_PRIMITIVE:
                 scan_region(eqn, ins, env, scope, trans, loop)
                 continue
             if name in IDENTITY_PRIMITIVES:

@@ -54,7 +54,7 @@ class Operator:
     scope: tuple[str, ...]
     source: str
     backward: bool           # produced by differentiation (a `transpose` transform in its name stack)
-    opaque: bool = False     # control flow whose body cfp does not analyse (scan, while, cond, ...)
+    opaque: bool = False     # control flow whose body cfp does not analyse (while, cond, shard_map, ...)
     dot: DotDims | None = None
     params: tuple[tuple[str, str], ...] = ()
     loop: int | None = None  # the innermost ScanLoop whose body holds it (None: top level, and its ports)

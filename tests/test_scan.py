@@ -257,3 +257,48 @@ def test_whole_step_flops_count_every_iteration_of_the_loop(scanned):
     twin_flops = compiled_figures(twin_step.compile(*twin_args), a.mesh.shape).flops
     assert flops < 0.8 * twin_flops and extra_t > 0
     assert abs(flops + extra_flops - twin_flops) / twin_flops < 0.05, (flops, extra_flops, twin_flops)
+
+
+def test_nnx_scan_over_vmapped_layers_is_seen_through():
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.down = nnx.Linear(DIM, 4 * DIM, rngs=rngs), nnx.Linear(4 * DIM, DIM, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(nnx.gelu(self.up(x)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Layer(rngs)
+            self.layers, self.head = make(rngs), nnx.Linear(DIM, 8, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x, layer):
+                return layer(x)
+            return self.head(body(x, self.layers))
+
+    graphdef, params = nnx.split(Net(nnx.Rngs(0)))
+    opt = optax.adam(1e-2)
+
+    def step(params, opt_state, x, y):
+        l, g = jax.value_and_grad(lambda p: jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2))(params)
+        u, opt_state = opt.update(g, opt_state, params)
+        return l, optax.apply_updates(params, u), opt_state
+    k = jax.random.split(jax.random.PRNGKey(1))
+    args = (params, opt.init(params), jax.random.normal(k[0], (BATCH, DIM)), jax.random.normal(k[1], (BATCH, 8)))
+    a, program = analyze_with_program(step, "2x4", *args)
+    assert [s.repeat for s in a.segments] == [LAYERS, 1] and not a.graph.opaque_operators
+    sharded = apply_choice(program, a, dp_tp_choice(a), shard_state=True)
+    stacked = [i for i, p in enumerate(a.graph.input_paths) if "layers" in p]
+    assert len(stacked) == 3 * 4 and all(sharded.shardings.input_specs[i][0] is None for i in stacked)
+    ref = _train(jax.jit(step), args)
+    got = _train(sharded, sharded.shard_args(*args))
+    np.testing.assert_allclose(got[0], ref[0], rtol=LOSS_RTOL)
+    for x, y in zip(jax.tree_util.tree_leaves(got[1:]), jax.tree_util.tree_leaves(ref[1:])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=PARAM_ATOL, rtol=0)

@@ -302,3 +302,16 @@ def test_nnx_scan_over_vmapped_layers_is_seen_through():
     np.testing.assert_allclose(got[0], ref[0], rtol=LOSS_RTOL)
     for x, y in zip(jax.tree_util.tree_leaves(got[1:]), jax.tree_util.tree_leaves(ref[1:])):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=PARAM_ATOL, rtol=0)
+
+
+def test_part_of_a_scanned_step_replays_with_its_whole_loop(scanned):
+    """`replay_part` (the pipeline stages' entry) computes an output behind a scan by running the loop whole."""
+    step_fn, args, _, program = scanned
+    flat = jax.tree_util.tree_leaves(args)
+    ref = jax.tree_util.tree_leaves(jax.jit(step_fn)(*args))
+    last = len(program.graph.outputs) - 1      # a stacked parameter's Adam moment: behind both scans
+    assert "layers" in program.graph.output_paths[last]
+    for outs in ([0], [last]):
+        got = program.replay_part(dict(enumerate(flat)), outs)
+        for g, o in zip(got, outs):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(ref[o]), rtol=1e-5, atol=1e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import deque
 
+from cfp.analysis import dimflow
 from cfp.ir.graph import SCAN_PORTS, OpGraph, Operator
 
 
@@ -26,14 +27,14 @@ def port_view(op: Operator, perm: tuple[int, ...]) -> tuple[int, ...] | None:
 
 
 def allowed_loops(graph: OpGraph, block_dots) -> list[set]:
-    """Per block (its dots' operator indices or BlockDots), the loops its operators may lie in: the top level
+    """Per block (its `BlockDot`s), the loops its operators may lie in: the top level
     and every loop around one of its dots. A block at top level thus never claims a body's operators, while a
     body's block reaches out to the stacked parameters and their optimizer update."""
     out = []
     for dots in block_dots:
         allowed: set = {None}
         for d in dots:
-            allowed.update(graph.loop_chain(graph.operators[getattr(d, "op", d)].loop))
+            allowed.update(graph.loop_chain(graph.operators[d.op].loop))
         out.append(allowed)
     return out
 
@@ -45,7 +46,6 @@ def stacked_dims(graph: OpGraph) -> dict[int, frozenset[int]]:
     cache = graph.__dict__
     if "_stacked_dims" in cache:
         return cache["_stacked_dims"]
-    from cfp.analysis import dimflow     # deferred: dimflow is the only other analysis module needed
     seeds = []
     for op in graph.operators:
         if op.primitive in SCAN_PORTS:

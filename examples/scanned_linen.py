@@ -3,9 +3,11 @@ chained training loop with optax Adam.
 
     python examples/scanned_linen.py [--steps 5] [--plan scanned_plan.json]
 
-Large JAX models scan over stacked layers to keep compile time flat with depth. The step is the usual
-`(params, opt_state, x, y) -> (loss, params, opt_state)`; its state outputs keep their inputs' shardings,
-so the loop feeds them back in, donated.
+Large JAX models scan over stacked layers to keep compile time flat with depth. cfp sees through the scan:
+the body's blocks are one segment, profiled once whatever the depth, the plan's constraints are applied
+inside the loop, and the stacked parameters (and their Adam moments) keep the layer dim whole. The step is
+the usual `(params, opt_state, x, y) -> (loss, params, opt_state)`; its state outputs keep their inputs'
+shardings, so the loop feeds them back in, donated.
 """
 import argparse
 import os

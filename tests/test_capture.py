@@ -132,15 +132,19 @@ def test_graph_is_serialisable_and_consistent(args):
     assert g.input_paths == ("[0]", "[1]", "[2]")
 
 
-def test_scan_is_reported_not_dropped():
+def test_scan_is_seen_through_and_while_is_reported_not_dropped():
     def f(x):
         y, _ = jax.lax.scan(lambda c, _: (jnp.sin(c) * 2.0, None), x, None, length=3)
-        return (y @ x.T).sum()
+        z = jax.lax.while_loop(lambda c: c.sum() < 100.0, lambda c: c * 2.0, y)
+        return (z @ x.T).sum()
 
     x = jnp.ones((4, 4))
     prog = capture(f, x)
-    opaque = prog.graph.opaque_operators
-    assert [op.primitive for op in opaque] == ["scan"]
+    assert [op.primitive for op in prog.graph.opaque_operators] == ["while"]
+    (loop,) = prog.graph.loops
+    assert loop.length == 3
+    body = [prog.graph.operators[i].primitive for i in loop.body]
+    assert "sin" in body and all(prog.graph.operators[i].loop == 0 for i in loop.body)
     np.testing.assert_allclose(prog.as_function()(x), f(x), rtol=1e-6)
 
 

@@ -98,7 +98,7 @@ class Analysis:
             tuple(DotStrategy(tuple(s["loop_of_axis"])) for s in b["strategies"]),
             b["fingerprint"], tuple(b["scope"])) for b in d["blocks"])
         segs = tuple(Segment(s["index"], s["start"], s["stop"], s["kind"], tuple(s["mapped_to"]),
-                             s["fingerprint"]) for s in d["segments"])
+                             s["fingerprint"], s.get("loop"), s.get("repeat", 1)) for s in d["segments"])
         mesh = MeshSpec(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["axis_names"]))
         return cls(mesh, OpGraph.from_dict(d["graph"]), blocks, tuple(d["remainder"]), segs,
                    d["analysis_time"], d["version"])

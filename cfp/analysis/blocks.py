@@ -19,7 +19,8 @@ from collections import deque
 
 from cfp.analysis.strategies import (DotStrategy, Loop, batch_loop_order, dot_loops,
                                      enumerate_strategies)
-from cfp.ir.graph import BARRIER, OpGraph, Operator
+from cfp.analysis.loops import allowed_loops, port_view
+from cfp.ir.graph import BARRIER, SCAN_PORTS, OpGraph, Operator
 
 _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
 
@@ -93,13 +94,21 @@ def forward_twins(graph: OpGraph) -> dict[int, int]:
 
 
 def trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:
-    """Follow dtype converts and transposes back to a source tensor: (source, dim of source per dim).
+    """Follow dtype converts, transposes and scan ports back to a source tensor: (source, dim of source per
+    dim). Through a stacked port (xs in, ys out) the dims shift by the leading iteration dim, so a backward
+    scan body's saved activation or weight slice leads to the forward body's tensor or the stacked weight.
     A remat's copies (barrier outputs, recomputed values) are followed to the forward tensor they copy."""
     perm = tuple(range(len(graph.tensor(tid).shape)))
     twins = forward_twins(graph)
     tid = twins.get(tid, tid)
     while tid in graph.producer:
         op = graph.operators[graph.producer[tid]]
+        if op.primitive in SCAN_PORTS:
+            shifted = port_view(op, perm)
+            if shifted is None:
+                break
+            perm, tid = shifted, twins.get(op.inputs[0], op.inputs[0])
+            continue
         if op.primitive not in _VIEW_OPS or op.inputs[0] is None:
             break
         if op.primitive == "transpose":
@@ -219,7 +228,7 @@ def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[Par
         block_dots.append(ds)
         for d in ds:
             block_of[d.op] = bi
-    _attach(graph, block_of)
+    _attach(graph, block_of, allowed_loops(graph, block_dots))
     blocks = []
     ops_of: dict[int, list[int]] = {}
     for op_index, bi in block_of.items():
@@ -234,9 +243,10 @@ def build_blocks(graph: OpGraph, mesh_shape: tuple[int, ...]) -> tuple[tuple[Par
     return tuple(blocks), remainder
 
 
-def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
+def _attach(graph: OpGraph, block_of: dict[int, int], allowed: list[set] | None = None) -> None:
     """Multi-source BFS from the dots over producer/consumer edges; opaque operators and remat barriers (which
-    tie together every operand of a layer's backward pass) are never crossed."""
+    tie together every operand of a layer's backward pass) are never crossed, and a block enters no scan body
+    but those of its own dots (`allowed`: per block, the loops it may reach)."""
     queue = deque(sorted(block_of, key=lambda i: (block_of[i], i)))
     ops = graph.operators
     while queue:
@@ -250,7 +260,8 @@ def _attach(graph: OpGraph, block_of: dict[int, int]) -> None:
             if t is not None:
                 neighbours.extend(graph.consumers.get(t, ()))
         for j in neighbours:
-            if j not in block_of and not ops[j].opaque and not ops[j].is_dot and ops[j].primitive != BARRIER:
+            if (j not in block_of and not ops[j].opaque and not ops[j].is_dot and ops[j].primitive != BARRIER
+                    and (allowed is None or ops[j].loop in allowed[block_of[i]])):
                 block_of[j] = block_of[i]
                 queue.append(j)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from cfp.ir.graph import BARRIER, OpGraph, Operator
+from cfp.ir.graph import BARRIER, SCAN_PORTS, OpGraph, Operator
 
 # (tensor_a, dim_a, tensor_b, dim_b): dim_a of tensor_a is the same dim as dim_b of tensor_b.
 Link = tuple[int, int, int, int]
@@ -99,9 +99,23 @@ def _scatter_links(op: Operator, graph: OpGraph) -> list[Link]:
     return result
 
 
+def _port_links(op: Operator, graph: OpGraph) -> list[Link]:
+    """A scan port links its operand and result dim for dim; a stacked one (xs in, ys out) shifts by the
+    leading iteration dim, which stays unlinked: no strategy inside the body can shard it."""
+    t, out = op.inputs[0], op.outputs[0]
+    if t is None or out is None:
+        return []
+    role = _param(op, "role")
+    shift_in, shift_out = (1, 0) if role == "xs" else (0, 1) if role == "ys" else (0, 0)
+    rank = len(graph.tensor(t).shape) - shift_in
+    return [(t, d + shift_in, out, d + shift_out) for d in range(rank)]
+
+
 def links(op: Operator, graph: OpGraph) -> list[Link]:
     """Dim links between an operator's tensor inputs and its output (every output of a `split`); dots are
     handled by strategies."""
+    if op.primitive in SCAN_PORTS:
+        return _port_links(op, graph)
     if op.is_dot or op.opaque or op.primitive in _NO_LINKS or not op.outputs or op.outputs[0] is None:
         return []
     out = op.outputs[0]

@@ -39,6 +39,7 @@ def parallel_blocks_text(analysis: Analysis, max_ops_per_block: int | None = 12)
 
 def segments_text(analysis: Analysis) -> str:
     return "\n".join(f"ParallelBlocks sequence: ({s.start}, {s.stop}) mapped to  {s.mapped_to}"
+                     + (f"  (scan body: runs {s.repeat} times per step)" if s.repeat > 1 else "")
                      for s in analysis.segments)
 
 
@@ -68,7 +69,8 @@ def summary_text(analysis: Analysis) -> str:
     g = analysis.graph
     covered = sum(len(b.operators) for b in analysis.blocks)
     return (f"operators: {len(g.operators)}  dots: {len(g.dots)}  ParallelBlocks: {len(analysis.blocks)}  "
-            f"in blocks: {covered}  remainder: {len(analysis.remainder)}  opaque: {len(g.opaque_operators)}\n"
+            f"in blocks: {covered}  remainder: {len(analysis.remainder)}  opaque: {len(g.opaque_operators)}"
+            + (f"  scans seen through: {len(g.loops)}" if g.loops else "") + "\n"
             f"segments: {len(analysis.segments)}  unique segments: {analysis.num_unique_segments}  "
             f"search space: {list(analysis.search_space)}")
 

@@ -25,6 +25,8 @@ class Segment:
     kind: int
     mapped_to: tuple[int, int]   # (start, stop) of the first segment of the same kind
     fingerprint: str
+    loop: int | None = None      # the scan whose body holds its blocks' forward dots (None: top level)
+    repeat: int = 1              # how many times it runs per step (the trip counts of the loops around it)
 
     @property
     def blocks(self) -> range:
@@ -108,8 +110,23 @@ def _segment_fingerprint(graph: OpGraph, blocks: tuple[ParallelBlock, ...], star
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
+def _split_at_loops(groups: list[tuple[int, int]], loop_of: list[int | None]) -> list[tuple[int, int]]:
+    """Cut groups where the loop around the blocks' forward dots changes: a scan body is a segment of its own
+    (profiled once per iteration, counted `repeat` times)."""
+    out = []
+    for s, e in groups:
+        start = s
+        for i in range(s + 1, e + 1):
+            if i == e or loop_of[i] != loop_of[start]:
+                out.append((start, i))
+                start = i
+    return out
+
+
 def find_segments(graph: OpGraph, blocks: tuple[ParallelBlock, ...]) -> tuple[Segment, ...]:
     groups = _scope_groups(blocks) or _tandem_groups([b.fingerprint for b in blocks])
+    loop_of = [graph.operators[b.forward.op].loop for b in blocks]
+    groups = _split_at_loops(groups, loop_of)
     kinds: dict[str, tuple[int, tuple[int, int]]] = {}
     out = []
     for i, (s, e) in enumerate(groups):
@@ -117,5 +134,5 @@ def find_segments(graph: OpGraph, blocks: tuple[ParallelBlock, ...]) -> tuple[Se
         if fp not in kinds:
             kinds[fp] = (len(kinds), (s, e))
         kind, first = kinds[fp]
-        out.append(Segment(i, s, e, kind, first, fp))
+        out.append(Segment(i, s, e, kind, first, fp, loop_of[s], graph.repeat(blocks[s].forward.op)))
     return tuple(out)

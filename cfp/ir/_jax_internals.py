@@ -39,8 +39,9 @@ CALL_PRIMITIVES = {
 IDENTITY_PRIMITIVES = frozenset({"name"})
 
 # Control flow cfp keeps as one opaque operator (its body is not analysed, but it still runs on replay).
-# jax 0.12's pmap is a jit around a shard_map.
-OPAQUE_PRIMITIVES = frozenset({"scan", "while", "cond", "shard_map", "custom_linear_solve"})
+# jax 0.12's pmap is a jit around a shard_map. `scan` is seen through instead (`ScanRegion`).
+OPAQUE_PRIMITIVES = frozenset({"while", "cond", "shard_map", "custom_linear_solve"})
+SCAN_PRIMITIVE = "scan"
 
 # The scope JAX opens around a remat's recomputation (`ad_checkpoint.transpose_jaxpr`): dropped from scopes
 # so a recomputed operation keeps its forward scope, and recorded as the pseudo-transform `REMAT_TRANSFORM`.
@@ -60,6 +61,52 @@ class FlatEqn:
     transforms: tuple[str, ...]  # e.g. ("jvp",) forward, ("jvp", "transpose") backward
     source: str               # "file:line (function)" of the user frame, "" when unknown
     source_key: tuple         # (file, line, column) for matching forward/backward equations
+    loop: int | None = None   # the innermost `ScanRegion` whose body holds the equation (None: top level)
+
+
+class ScanPort:
+    """A pseudo-primitive at the boundary of a seen-through `lax.scan`: `scan_enter` gives one body input
+    (role const, carry or xs) from the scan's operand, `scan_exit` one result (role carry or ys) from the
+    body's output. Replay runs the whole region as a `jax.lax.scan`; bound alone (a loop body's segment
+    profiled without its loop) a port computes one iteration's view: the first slice of xs, ys broadcast."""
+
+    multiple_results = False
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def bind(self, x, *, role: str, loop: int, length: int):
+        if role == "xs":
+            return jax.lax.index_in_dim(x, 0, keepdims=False)
+        if role == "ys":
+            return jax.lax.broadcast(x, (length,))
+        return x
+
+    def __repr__(self):
+        return self.name
+
+
+SCAN_ENTER, SCAN_EXIT = ScanPort("scan_enter"), ScanPort("scan_exit")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanRegion:
+    """A `lax.scan` seen through: equations [start, stop) are its enter ports, its body [body_start, body_stop)
+    and its exit ports; `parent` is the region whose body holds it (None: top level)."""
+
+    index: int
+    parent: int | None
+    length: int
+    reverse: bool
+    unroll: Any
+    num_consts: int
+    num_carry: int
+    enters: tuple[int, ...]   # equation index of the enter port of each body input (consts, carry, xs)
+    exits: tuple[int, ...]    # equation index of the exit port of each result (carry, ys)
+    start: int
+    body_start: int
+    body_stop: int
+    stop: int
 
 
 @dataclasses.dataclass
@@ -73,6 +120,7 @@ class TracedProgram:
     in_tree: Any
     out_tree: Any
     const_values: dict        # global id -> concrete value of closed-over constants
+    loops: list = dataclasses.field(default_factory=list)   # list[ScanRegion], by index
 
 
 def trace(fn: Callable, *args) -> TracedProgram:
@@ -84,6 +132,13 @@ def trace(fn: Callable, *args) -> TracedProgram:
 
     jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
     return _flatten(jaxpr, in_tree, jax.tree_util.tree_structure(out_shape))
+
+
+def _scan_counts(params: dict) -> tuple[int, int]:
+    """(consts, carry) operand counts of a scan equation: jax 0.12 keeps them in the flat tree `ft_in`
+    (consts, carry, xs) where older releases had `num_consts` and `num_carry`."""
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _aval_info(aval) -> tuple[tuple[int, ...], str]:
@@ -130,10 +185,12 @@ def _user_source(source_info) -> tuple[str, tuple]:
 
 
 def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
-    """Global ids for every value of `jaxpr` (a jax 0.12 Jaxpr, its consts attached), call-likes inlined."""
+    """Global ids for every value of `jaxpr` (a jax 0.12 Jaxpr, its consts attached), call-likes inlined,
+    scans spelt out as `ScanRegion`s (ports, body once, ports)."""
     avals: dict[int, tuple] = {}
     const_values: dict[int, Any] = {}
     eqns: list[FlatEqn] = []
+    loops: list[ScanRegion | None] = []
     counter = [0]
 
     def new_id(aval) -> int:
@@ -146,16 +203,20 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
             return ("lit", a.val)
         return ("var", env[a])
 
-    def inline(sub, ins, outvars, env, scope, trans):
-        """Walk the called jaxpr `sub` with its inputs bound to the caller's operands `ins`."""
+    def consts_of(sub) -> dict:
         inner_env = {}
         for v, c in zip(sub.constvars, sub.consts):
             inner_env[v] = new_id(v.aval)
             const_values[inner_env[v]] = c
+        return inner_env
+
+    def inline(sub, ins, outvars, env, scope, trans, loop):
+        """Walk the called jaxpr `sub` with its inputs bound to the caller's operands `ins`."""
+        inner_env = consts_of(sub)
         # custom_jvp/vjp carry extra leading const operands for their rule functions only
         for v, a in zip(sub.invars, ins[len(ins) - len(sub.invars):]):
             inner_env[v] = bound(v, a)
-        walk(sub, inner_env, scope, trans)
+        walk(sub, inner_env, scope, trans, loop)
         for outer_v, inner_v in zip(outvars, sub.outvars):
             if not isinstance(outer_v, jex_core.DropVar):
                 env[outer_v] = bound(outer_v, atom(inner_env, inner_v))
@@ -167,7 +228,7 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
         const_values[new_id(v.aval)] = a[1]
         return counter[0]
 
-    def remat_barrier(eqn, sub, ins, scope, trans):
+    def remat_barrier(eqn, sub, ins, scope, trans, loop):
         """The operands of a differentiated remat passed through one `optimization_barrier` equation, as JAX
         lowers it (`ad_checkpoint._remat_lowering`); other remats' operands unchanged."""
         cse = eqn.params.get("prevent_cse", True)
@@ -178,13 +239,42 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
         outs = [new_id(sub.invars[k].aval) for k in picked]
         source, key = _user_source(eqn.source_info)
         eqns.append(FlatEqn(_optimization_barrier_p(), {}, [ins[k] for k in picked], outs, scope, trans,
-                            source, key))
+                            source, key, loop))
         ins = list(ins)
         for k, o in zip(picked, outs):
             ins[k] = ("var", o)
         return ins
 
-    def walk(jaxpr, env, outer_scope, outer_transforms):
+    def scan_region(eqn, ins, env, scope, trans, parent):
+        """Spell a scan out: an enter port per body input, the body walked once, an exit port per result."""
+        body, p = eqn.params["jaxpr"], eqn.params
+        nc, nk = _scan_counts(p)
+        index = len(loops)
+        loops.append(None)
+        source, key = _user_source(eqn.source_info)
+        port = dict(loop=index, length=int(p["length"]))
+        inner_env = consts_of(body)
+        start, enters = len(eqns), []
+        for k, (v, a) in enumerate(zip(body.invars, ins)):
+            inner_env[v] = new_id(v.aval)
+            role = "const" if k < nc else "carry" if k < nc + nk else "xs"
+            enters.append(len(eqns))
+            eqns.append(FlatEqn(SCAN_ENTER, dict(port, role=role), [a], [inner_env[v]], scope, trans, source, key,
+                                parent))
+        body_start = len(eqns)
+        walk(body, inner_env, scope, trans, index)
+        body_stop, exits = len(eqns), []
+        for k, (outer_v, inner_v) in enumerate(zip(eqn.outvars, body.outvars)):
+            out = None
+            if not isinstance(outer_v, jex_core.DropVar):
+                out = env[outer_v] = new_id(outer_v.aval)
+            exits.append(len(eqns))
+            eqns.append(FlatEqn(SCAN_EXIT, dict(port, role="carry" if k < nk else "ys"), [atom(inner_env, inner_v)],
+                                [out], scope, trans, source, key, parent))
+        loops[index] = ScanRegion(index, parent, int(p["length"]), bool(p["reverse"]), p.get("unroll", 1), nc, nk,
+                                  tuple(enters), tuple(exits), start, body_start, body_stop, len(eqns))
+
+    def walk(jaxpr, env, outer_scope, outer_transforms, loop=None):
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             scopes, transforms = _name_stack_parts(eqn.source_info.name_stack)
@@ -194,8 +284,11 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
             sub = eqn.params.get(CALL_PRIMITIVES[name]) if name in CALL_PRIMITIVES else None
             if isinstance(sub, jex_core.Jaxpr):
                 if name == "remat2":
-                    ins = remat_barrier(eqn, sub, ins, scope, trans)
-                inline(sub, ins, eqn.outvars, env, scope, trans)
+                    ins = remat_barrier(eqn, sub, ins, scope, trans, loop)
+                inline(sub, ins, eqn.outvars, env, scope, trans, loop)
+                continue
+            if name == SCAN_PRIMITIVE:
+                scan_region(eqn, ins, env, scope, trans, loop)
                 continue
             if name in IDENTITY_PRIMITIVES:
                 for outer_v, a in zip(eqn.outvars, ins):
@@ -210,7 +303,7 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
                     env[v] = new_id(v.aval)
                     outs.append(env[v])
             source, key = _user_source(eqn.source_info)
-            eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs, scope, trans, source, key))
+            eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs, scope, trans, source, key, loop))
 
     env: dict = {}
     for v, c in zip(jaxpr.constvars, jaxpr.consts):
@@ -222,7 +315,7 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
         invars.append(env[v])
     walk(jaxpr, env, (), ())
     outvars = [atom(env, v) for v in jaxpr.outvars]
-    return TracedProgram(avals, invars, outvars, eqns, in_tree, out_tree, const_values)
+    return TracedProgram(avals, invars, outvars, eqns, in_tree, out_tree, const_values, loops)
 
 
 def _optimization_barrier_p():

@@ -9,7 +9,7 @@ import jax
 
 from cfp.errors import CaptureError
 from cfp.ir import _jax_internals as internals
-from cfp.ir.graph import DotDims, OpGraph, Operator, Tensor
+from cfp.ir.graph import DotDims, OpGraph, Operator, ScanLoop, Tensor
 
 
 def _param_value(v: Any) -> str | None:
@@ -68,25 +68,96 @@ class Program:
 
     def evaluate(self, values: dict[int, Any], ops, on_output=None, scope_of=None, on_input=None) -> dict:
         """Evaluate operators `ops` (indices, in program order) given the tensors in `values`; returns all
-        tensors known afterwards (constants included). Hooks as in `replay`; used to run one segment alone."""
-        t = self._traced
-        env: dict[int, Any] = dict(t.const_values)
+        tensors known afterwards (constants included). Hooks as in `replay`; used to run one segment alone.
+
+        A seen-through scan whose operators are all in `ops` runs as a `jax.lax.scan` (the hooks apply inside
+        its body); operators of a loop body given without their loop run once, as one iteration."""
+        env: dict[int, Any] = dict(self._traced.const_values)
         env.update(values)
-        for i in ops:
-            eqn = t.eqns[i]
-            vals = [env[a] if kind == "var" else a for kind, a in eqn.invars]
-            if on_input:
-                vals = [on_input(i, a, v) if kind == "var" else v for (kind, a), v in zip(eqn.invars, vals)]
-            scope = scope_of(i) if scope_of else None
-            if scope:
-                with internals.named_scope(scope):
-                    outs = internals.bind(eqn, vals)
-            else:
-                outs = internals.bind(eqn, vals)
-            for tid, val in zip(eqn.outvars, outs):
-                if tid is not None:
-                    env[tid] = on_output(i, tid, val) if on_output else val
+        self._run(env, list(ops), _Hooks(on_output, scope_of, on_input))
         return env
+
+    def _run(self, env: dict, ops: list[int], hooks: "_Hooks") -> None:
+        wanted, whole = set(ops), {}
+        k = 0
+        while k < len(ops):
+            region = self._whole_region(ops[k], wanted, whole)
+            if region is None:
+                self._bind(env, ops[k], hooks)
+                k += 1
+                continue
+            self._run_scan(env, region, hooks)
+            while k < len(ops) and ops[k] < region.stop:
+                k += 1
+
+    def _whole_region(self, i: int, wanted: set, memo: dict):
+        """The outermost scan region holding operator `i` (its ports included) whose every operator is wanted."""
+        for r in reversed(self._regions_of(i)):
+            if r.index not in memo:
+                memo[r.index] = all(j in wanted for j in range(r.start, r.stop))
+            if memo[r.index]:
+                return r
+        return None
+
+    def _regions_of(self, i: int) -> list:
+        """The scan regions whose span [start, stop) holds operator `i`, innermost first."""
+        loops, eqn = self._traced.loops, self._traced.eqns[i]
+        out = [loops[eqn.params["loop"]]] if self._is_port(i) else []
+        lp = eqn.loop
+        while lp is not None:
+            out.append(loops[lp])
+            lp = loops[lp].parent
+        return out
+
+    def _is_port(self, i: int) -> bool:
+        return isinstance(self._traced.eqns[i].primitive, internals.ScanPort)
+
+    def _bind(self, env: dict, i: int, hooks: "_Hooks") -> None:
+        eqn = self._traced.eqns[i]
+        vals = [env[a] if kind == "var" else a for kind, a in eqn.invars]
+        if hooks.on_input:
+            vals = [hooks.on_input(i, a, v) if kind == "var" else v for (kind, a), v in zip(eqn.invars, vals)]
+        scope = hooks.scope_of(i) if hooks.scope_of else None
+        if scope:
+            with internals.named_scope(scope):
+                outs = internals.bind(eqn, vals)
+        else:
+            outs = internals.bind(eqn, vals)
+        for tid, val in zip(eqn.outvars, outs):
+            if tid is not None:
+                env[tid] = hooks.on_output(i, tid, val) if hooks.on_output else val
+
+    def _port_value(self, env: dict, i: int, hooks: "_Hooks"):
+        kind, a = self._traced.eqns[i].invars[0]
+        if kind != "var":
+            return a
+        return hooks.on_input(i, a, env[a]) if hooks.on_input else env[a]
+
+    def _set_port(self, env: dict, i: int, value, hooks: "_Hooks") -> None:
+        tid = self._traced.eqns[i].outvars[0]
+        if tid is not None:
+            env[tid] = hooks.on_output(i, tid, value) if hooks.on_output else value
+
+    def _run_scan(self, env: dict, region, hooks: "_Hooks") -> None:
+        """Run a seen-through scan as `jax.lax.scan`, its body replayed (with the hooks) inside the loop."""
+        t = self._traced
+        vals = [self._port_value(env, e, hooks) for e in region.enters]
+        nc, nk = region.num_consts, region.num_carry
+        consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+        body_ops = list(range(region.body_start, region.body_stop))
+
+        def body(carry, x):
+            benv = dict(t.const_values)
+            for e, v in zip(region.enters, (*consts, *carry, *x)):
+                self._set_port(benv, e, v, hooks)
+            self._run(benv, body_ops, hooks)
+            outs = [self._port_value(benv, e, hooks) for e in region.exits]
+            return tuple(outs[:nk]), tuple(outs[nk:])
+
+        carry, ys = jax.lax.scan(body, tuple(init), tuple(xs), length=region.length, reverse=region.reverse,
+                                 unroll=region.unroll)
+        for e, v in zip(region.exits, (*carry, *ys)):
+            self._set_port(env, e, v, hooks)
 
     def replay_part(self, inputs: dict[int, Any], outputs, given: dict[int, Any] | None = None,
                     on_output=None, scope_of=None, on_input=None) -> list:
@@ -122,9 +193,12 @@ class Program:
                                        f"({self.graph.input_paths[pos] if pos is not None else tid}), "
                                        "which was not given")
                 continue
-            if i not in ops:
-                ops.add(i)
-                stack.extend(a for a in self.graph.operators[i].inputs if a is not None)
+            # an operator of a scan brings the whole outermost region around it: the loop runs whole
+            regions = self._regions_of(i)
+            for j in range(regions[-1].start, regions[-1].stop) if regions else (i,):
+                if j not in ops:
+                    ops.add(j)
+                    stack.extend(a for a in self.graph.operators[j].inputs if a is not None)
         return sorted(ops)
 
     def operator_text(self, index: int) -> str:
@@ -142,11 +216,20 @@ class Program:
         return fn
 
 
+class _Hooks:
+    """The replay hooks of one evaluation (see `Program.replay`)."""
+
+    def __init__(self, on_output, scope_of, on_input):
+        self.on_output, self.scope_of, self.on_input = on_output, scope_of, on_input
+
+
 def capture(fn: Callable, *example_args) -> Program:
     """Trace `fn(*example_args)` (e.g. a whole train step) into a flat `Program`.
 
-    Nested jit, jaxpr calls, custom_jvp/custom_vjp and remat calls are inlined; control flow cfp cannot see through
-    (scan, while, cond, shard_map) stays as one opaque operator listed in `graph.opaque_operators`.
+    Nested jit, jaxpr calls, custom_jvp/custom_vjp and remat calls are inlined; a `lax.scan` (`nn.scan`,
+    `nnx.scan`, a loop over micro-batches) is seen through: its body's operators appear once, between enter
+    and exit ports, and `graph.loops` describes it. Control flow cfp cannot see through (while, cond,
+    shard_map) stays as one opaque operator listed in `graph.opaque_operators`.
     """
     try:
         traced = internals.trace(fn, *example_args)
@@ -173,12 +256,13 @@ def capture(fn: Callable, *example_args) -> Program:
             outputs=tuple(eqn.outvars), scope=eqn.scope, source=eqn.source,
             backward="transpose" in eqn.transforms,
             opaque=name in internals.OPAQUE_PRIMITIVES, dot=dot, params=tuple(params),
-            recomputed=internals.REMAT_TRANSFORM in eqn.transforms))
+            recomputed=internals.REMAT_TRANSFORM in eqn.transforms, loop=eqn.loop))
     def paths(tree, n):
         leaves = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(tree, list(range(n))))[0]
         return tuple(jax.tree_util.keystr(p) for p, _ in leaves)
 
     outs = tuple(a if kind == "var" else None for kind, a in traced.outvars)
+    loops = tuple(ScanLoop(r.index, r.parent, r.length, r.enters, r.exits, r.start, r.stop) for r in traced.loops)
     graph = OpGraph(tuple(tensors), tuple(ops), tuple(traced.invars), outs,
-                    paths(traced.in_tree, len(traced.invars)), paths(traced.out_tree, len(outs)))
+                    paths(traced.in_tree, len(traced.invars)), paths(traced.out_tree, len(outs)), loops)
     return Program(traced, graph)

@@ -59,10 +59,11 @@ class Operator:
     scope: tuple[str, ...]
     source: str
     backward: bool           # produced by differentiation (a `transpose` transform in its name stack)
-    opaque: bool = False     # control flow whose body cfp does not analyse (scan, while, cond, ...)
+    opaque: bool = False     # control flow whose body cfp does not analyse (while, cond, shard_map, ...)
     dot: DotDims | None = None
     params: tuple[tuple[str, str], ...] = ()
     recomputed: bool = False  # a forward operation re-run in the backward pass under remat (jax.checkpoint)
+    loop: int | None = None  # the innermost ScanLoop whose body holds it (None: top level, and its ports)
 
     @property
     def is_dot(self) -> bool:
@@ -82,6 +83,29 @@ class Operator:
         return f"{self.index} {self.primitive} {outs} = ({ins}){extra}  [{'/'.join(self.scope)}]"
 
 
+SCAN_PORTS = frozenset({"scan_enter", "scan_exit"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanLoop:
+    """A `lax.scan` seen through. Operators [start, stop) are its enter ports (one per body input: param
+    `role` const, carry or xs), its body, run `length` times, and its exit ports (one per result: carry or
+    ys); the stacked (xs, ys) leading dim is the iteration's and exists outside the body only."""
+
+    index: int
+    parent: int | None
+    length: int
+    enters: tuple[int, ...]
+    exits: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def body(self) -> range:
+        return range(self.enters[-1] + 1 if self.enters else self.start,
+                     self.exits[0] if self.exits else self.stop)
+
+
 @dataclasses.dataclass(frozen=True)
 class OpGraph:
     """A flat operator graph of a traced step: every operator with inputs, outputs and origin."""
@@ -92,6 +116,22 @@ class OpGraph:
     outputs: tuple[int | None, ...]
     input_paths: tuple[str, ...]
     output_paths: tuple[str, ...] = ()
+    loops: tuple[ScanLoop, ...] = ()
+
+    def loop_chain(self, loop: int | None) -> tuple[int, ...]:
+        """`loop` and the loops around it, innermost first (empty at top level)."""
+        chain = []
+        while loop is not None:
+            chain.append(loop)
+            loop = self.loops[loop].parent
+        return tuple(chain)
+
+    def repeat(self, op: int) -> int:
+        """How many times operator `op` runs per step: the product of the trip counts of the loops around it."""
+        n = 1
+        for lp in self.loop_chain(self.operators[op].loop):
+            n *= self.loops[lp].length
+        return n
 
     @functools.cached_property
     def _tensor_index(self) -> dict[int, Tensor]:
@@ -137,9 +177,11 @@ class OpGraph:
             dot = DotDims(**{k: tuple(v) for k, v in o["dot"].items()}) if o.get("dot") else None
             ops.append(Operator(o["index"], o["primitive"], tuple(o["inputs"]), tuple(o["outputs"]),
                                 tuple(o["scope"]), o["source"], o["backward"], o["opaque"], dot,
-                                tuple(tuple(p) for p in o["params"]), o.get("recomputed", False)))
+                                tuple(tuple(p) for p in o["params"]), o.get("recomputed", False), o.get("loop")))
+        loops = tuple(ScanLoop(lp["index"], lp["parent"], lp["length"], tuple(lp["enters"]), tuple(lp["exits"]),
+                               lp["start"], lp["stop"]) for lp in d.get("loops", ()))
         return cls(tensors, tuple(ops), tuple(d["inputs"]), tuple(d["outputs"]), tuple(d["input_paths"]),
-                   tuple(d.get("output_paths", ())))
+                   tuple(d.get("output_paths", ())), loops)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from cfp.analysis.analysis import Analysis
+from cfp.analysis.loops import outer_source
 from cfp.sharding.constraints import ConstraintHooks
 from cfp.sharding.specs import partition_spec
 from cfp.analysis.layout import BlockLayout, shards
@@ -32,8 +33,12 @@ class SegmentIO:
 
 
 def segment_io(analysis: Analysis, segment: Segment) -> SegmentIO:
+    """A loop body's segment keeps the operators run `repeat` times per step (one iteration of its scans,
+    forward and backward): its stacked parameters' optimizer update outside the loop is left out, as every
+    segment leaves out the remainder."""
     g = analysis.graph
-    ops = sorted(o for b in segment.blocks for o in analysis.blocks[b].operators)
+    ops = sorted(o for b in segment.blocks for o in analysis.blocks[b].operators
+                 if g.repeat(o) == segment.repeat)
     opset = set(ops)
     produced = {t for o in ops for t in g.operators[o].outputs if t is not None}
     inputs: list[int] = []
@@ -71,11 +76,12 @@ class SegmentProgram:
                                   for t in io.inputs)
         self.out_shardings = tuple(NamedSharding(mesh, partition_spec(first_spec.get(t, ()), names))
                                    for t in io.outputs)
-        # Activations produced by another segment are that segment's outputs: count them there only.
+        # Activations produced by another segment are that segment's outputs: count them there only (a loop
+        # body's slice of a step input, e.g. one layer's weights, is the step's own)
         flat_inputs = set(g.inputs)
         self.borrowed_bytes = sum(
             g.tensor(t).nbytes // max(1, shards(first_spec.get(t, ()), analysis.mesh.shape))
-            for t in io.inputs if t not in flat_inputs)
+            for t in io.inputs if outer_source(g, t) not in flat_inputs)
         in_ids, out_ids, ops = io.inputs, io.outputs, io.ops
 
         def fn(*vals):

@@ -18,6 +18,7 @@ from cfp.profiling import costmodel
 from cfp.profiling.options import ProfilerKind, ProfilerSpec
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPSolution, dp_search
+from cfp.search.loops import LoopBodies
 from cfp.search.options import SearchOptions, fmt_bytes
 from cfp.search.state import StateEstimator
 from cfp.sharding.specs import donated_bytes
@@ -157,8 +158,9 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     own = set(keys)
     if options.verify:
         solutions, keys = _with_uniform_choices(analysis, uniform, solutions, keys, options.shard_state)
-    verified = [_verify_solution(program, analysis, sol, choice, shard, example_args, mesh, steps, options, gpu, log)
-                for sol, (choice, shard) in zip(solutions, keys)]
+    loops = LoopBodies(program, analysis, table, gpu, mesh) if analysis.graph.loops else None
+    verified = [_verify_solution(program, analysis, sol, choice, shard, example_args, mesh, steps, options, gpu, log,
+                                 loops) for sol, (choice, shard) in zip(solutions, keys)]
     if gpu is None and options.verify:
         verified = _retime_side_by_side(verified, steps, example_args, options, log)
     best = _best_fitting(verified, options)
@@ -230,14 +232,16 @@ def _candidate_rows(segs, entries, estimator: StateEstimator | None, scale: floa
     """Per segment: its candidates (profile entry, state sharded?), their times and their memories."""
     cands, cost, mem = [], [], []
     for seg, ents in zip(segs, entries):
-        row = [(e, False, 0.0, int(e.memory * scale)) for e in ents]
+        # a loop body's segment was profiled for one iteration: it runs (and its weights are stacked) `repeat`
+        # times; the state estimate already counts the stacked state whole
+        row = [(e, False, 0.0, int(e.memory * scale * seg.repeat)) for e in ents]
         if estimator is not None:
             for e in ents:
                 sv = estimator.segment(seg.blocks, e.choice)
                 if sv.memory > 0:
-                    row.append((e, True, sv.time(link * 1e9), max(int(e.memory * scale) - sv.memory, 0)))
+                    row.append((e, True, sv.time(link * 1e9), max(int(e.memory * scale * seg.repeat) - sv.memory, 0)))
         cands.append([(e, z) for e, z, _, _ in row])
-        cost.append([e.time + extra for e, _, extra, _ in row])
+        cost.append([e.time * seg.repeat + extra for e, _, extra, _ in row])
         mem.append([m for _, _, _, m in row])
     return cands, cost, mem
 
@@ -283,13 +287,13 @@ def _with_uniform_choices(analysis: Analysis, uniform, solutions, keys, shard_st
 
 
 def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_args, mesh, steps,
-                     options: SearchOptions, gpu: GpuSpec | None, log) -> VerifiedChoice:
+                     options: SearchOptions, gpu: GpuSpec | None, log, loops=None) -> VerifiedChoice:
     """Compile (and unless `verify` is 0, time or estimate) one choice whole."""
     if options.verify == 0:
         return VerifiedChoice(choice, shard, sol.time, sol.time, sol.memory, 0.0)
     step = steps.get((choice, shard)) or apply_choice(program, analysis, choice, mesh, shard_state=shard)
     steps[(choice, shard)] = step
-    v = _verify(step, example_args, choice, shard, sol.time, options, gpu, analysis)
+    v = _verify(step, example_args, choice, shard, sol.time, options, gpu, analysis, loops)
     log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP estimate {sol.time:.4g} s, whole step "
         f"({'estimated: ' + gpu.name + ' cost model' if gpu else 'measured'}) "
         f"{'not timed (over the budget)' if v.time == float('inf') else f'{v.time:.4g} s'}, "
@@ -375,7 +379,7 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
             log(f"memory calibration skipped: segment kind {seg.kind} has no profile of the data-parallel "
                 f"choice {list(choice)}; segment memories are summed unscaled")
             return 1.0
-        total += entry.memory
+        total += entry.memory * seg.repeat
     step = steps[(uniform, ())] = apply_choice(program, analysis, uniform, mesh)
     whole = _step_memory(step, compiled_memory(step.compile(*example_args)), donate)
     scale = whole / total if total else 1.0
@@ -402,7 +406,9 @@ def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_
 
 
 def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: SearchOptions,
-            gpu: GpuSpec | None, analysis: Analysis) -> VerifiedChoice:
+            gpu: GpuSpec | None, analysis: Analysis, loops: LoopBodies | None = None) -> VerifiedChoice:
+    """One choice's whole-step figures: measured or estimated time, compiled memory, FLOPs (with `loops`, the
+    loop bodies' iterations that XLA's figures count once are added)."""
     compiled = step.compile(*example_args)
     remats = len(step.rematerializations(*example_args))
     budget = options.memory_per_device
@@ -418,5 +424,9 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: Se
     else:
         dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
         t = costmodel.estimated_time(fig, shape, gpu, dtype, costmodel.dots_rate(analysis, enumerate(choice), gpu))
+    extra_t, extra_flops = loops.extra(choice) if loops is not None else (0.0, 0.0)
+    if gpu is not None:
+        t += extra_t
+    fig = dataclasses.replace(fig, flops=fig.flops + extra_flops)
     return VerifiedChoice(tuple(choice), tuple(shard), dp_time, t, fig.memory, fig.flops * analysis.mesh.size,
                           noise, sum(c.bytes for c in fig.collectives), remats)

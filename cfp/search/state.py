@@ -17,6 +17,7 @@ import dataclasses
 from cfp.analysis.analysis import Analysis
 from cfp.sharding.specs import sharded_state_spec, state_owners
 from cfp.analysis.blocks import trace_view
+from cfp.analysis.loops import stacked_dims
 from cfp.analysis.layout import BlockLayout, shards
 
 
@@ -57,7 +58,7 @@ class StateEstimator:
             for t in self.owned.get(block, ()):
                 shape = g.tensor(t).shape
                 spec = spec_of.get(t) or tuple(() for _ in shape)
-                zero = sharded_state_spec(spec, shape, mesh)
+                zero = sharded_state_spec(spec, shape, mesh, stacked_dims(g).get(t, frozenset()))
                 before = g.tensor(t).nbytes // shards(spec, mesh)
                 after = g.tensor(t).nbytes // shards(zero, mesh)
                 memory += before - after

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.layout import BlockLayout, DimAxes, shards
+from cfp.analysis.loops import stacked_dims
 from cfp.errors import ConfigError
 
 
@@ -172,9 +173,11 @@ def donated_bytes(analysis: Analysis, shardings: "StepShardings") -> int:
     return total
 
 
-def sharded_state_spec(spec: DimAxes, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> DimAxes:
+def sharded_state_spec(spec: DimAxes, shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                       whole: frozenset[int] = frozenset()) -> DimAxes:
     """`spec` with the mesh axes it leaves free added where they divide: all of them on the largest dim that
-    takes them, else each (largest first) on the largest dim that still divides."""
+    takes them, else each (largest first) on the largest dim that still divides; never on the dims `whole`
+    (a scan's stacked layer dim: each iteration reads one layer's slice, which every device needs)."""
     spec = tuple(tuple(a) for a in spec) if spec else tuple(() for _ in shape)
     free = [a for a in range(len(mesh_shape)) if not any(a in axes for axes in spec)]
     if not free or not shape:
@@ -185,7 +188,8 @@ def sharded_state_spec(spec: DimAxes, shape: tuple[int, ...], mesh_shape: tuple[
 
     for group in (free, *([a] for a in sorted(free, key=lambda a: -mesh_shape[a]))):
         n = math.prod(mesh_shape[a] for a in group)
-        dims = sorted((d for d in range(len(shape)) if left(d, spec) % n == 0), key=lambda d: (-left(d, spec), d))
+        dims = sorted((d for d in range(len(shape)) if left(d, spec) % n == 0 and d not in whole),
+                      key=lambda d: (-left(d, spec), d))
         if dims:
             spec = tuple(axes + tuple(group) if d == dims[0] else axes for d, axes in enumerate(spec))
             if len(group) == len(free):
@@ -284,9 +288,11 @@ def resolve(analysis: Analysis, choice: Sequence[int], shard_state=()) -> StepSh
             in_dims[i] = reshaped_batch_spec(g, t, first_spec, shape)
     sharded = state_blocks(shard_state, len(analysis.blocks))
     if sharded:
+        stacked = stacked_dims(g)
         for i, owner in state_owners(analysis, layouts).items():
             if owner in sharded:
-                in_dims[i] = sharded_state_spec(in_dims[i], g.tensor(g.inputs[i]).shape, shape)
+                in_dims[i] = sharded_state_spec(in_dims[i], g.tensor(g.inputs[i]).shape, shape,
+                                                stacked.get(g.inputs[i], frozenset()))
     inputs = tuple(partition_spec(d, names) for d in in_dims)
     # A state output (new params and optimizer state of a train step) leaves with exactly its input's
     # sharding, so the step chains in a loop without resharding and its buffers can be donated.

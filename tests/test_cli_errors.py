@@ -25,10 +25,13 @@ def a_file(tmp_path):
                                        ("profile", "--cache-dir"), ("search", "--plan-out"),
                                        ("search", "--cache-dir"), ("enum-benchmark", "--dump-dir")])
 def test_output_path_under_a_regular_file_fails_fast(capsys, a_file, monkeypatch, mode, flag):
+    # import every module first: one first imported under the patch would bind the fake for good
+    import cfp.cli.analysis as analysis
     import cfp.cli.common as common
-    monkeypatch.setattr(common, "build_step", lambda *a, **k: pytest.fail("work started before the path check"))
-    monkeypatch.setattr("cfp.cli.search.build_step", common.build_step)
-    monkeypatch.setattr("cfp.cli.analysis.build_step", common.build_step)
+    import cfp.cli.search as search
+    fake = lambda *a, **k: pytest.fail("work started before the path check")  # noqa: E731
+    for module in (common, search, analysis):
+        monkeypatch.setattr(module, "build_step", fake)
     target = str(a_file / "sub" / ("plan.json" if flag == "--plan-out" else "d"))
     code, err = _run(capsys, [mode, "--model", "gpt", flag, target])
     assert code == 2 and err.count("\n") == 1 and flag in err and str(a_file) in err, err

@@ -2,6 +2,8 @@ PY ?= $(shell scripts/find-python.sh)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# two pytest workers: compiles dominate the suite and run one per core (tests/conftest.py)
+TEST_JOBS ?= 2
 
 .PHONY: demo test test-all install clean
 
@@ -18,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -12,6 +12,9 @@ os.environ["XLA_FLAGS"] = (
     + ("" if os.environ.get(DEFAULT_OPT_ENV) == "1" else " " + O0_FLAG)
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# a fresh profile cache per test process (pytest workers included): no test reads another run's entries
+import tempfile  # noqa: E402
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="cfp-test-cache-")
 
 
 # ---- shared problems of the API/plan/search tests (tiny, so every test using them stays within seconds) ----

@@ -4,8 +4,9 @@ pipelines and the TP degree of each device type.
 
 Search: for every pipeline count, phase 1's METIS cut (`split_pipelines`), then TP maps (uniform degrees,
 then coordinate descent over types). The best map of every count is tried again with phase 2's
-compute-balanced METIS stage cut offered and on phase 1's equal-mix cut (`split_by_type`); the three best counts, the two best other maps and the best
-equal-mix layout are refined (`refine`) and the fastest estimate wins."""
+compute-balanced METIS stage cut offered and on phase 1's equal-mix cut (`split_by_type`); the three
+best counts, the two best other maps and the best equal-mix layout are refined (`refine`) and the
+fastest estimate wins."""
 from __future__ import annotations
 
 import math

@@ -126,6 +126,8 @@ INLINE: dict[str, Run | Skip] = {
     "PYTHONPATH=$PWD python benchmarks/planner_scale.py": Skip(
         "plans 64, 256 and 1024 GPUs (about 10 s of CPU each on a loaded host): a benchmark, whose planner "
         "tests/test_planner.py checks on small clusters"),
+    "PYTHONPATH=$PWD .venv/bin/python benchmarks/mutants.py": Skip(
+        "injects each bug into a copy of the repository and runs its tests: about 15 minutes, a release check"),
     "make test-readme": Skip("this file's README-command tests: `bash .ci/run` runs them after `make test`"),
     "make PY=/path/to/python3.12 test": Skip("`make test` with another interpreter: CI runs `make test`"),
     'pip install -e ".[test]"': Skip("the install `make test` (so CI) does"),

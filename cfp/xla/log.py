@@ -63,24 +63,36 @@ def involuntary_rematerializations(text: str) -> tuple[Rematerialization, ...]:
 
 
 @contextlib.contextmanager
-def capture_log() -> Iterator[XlaLog]:
-    """Catch what is written to descriptor 2 inside the block (XLA's log), then write it back to stderr."""
-    log = XlaLog()
+def _descriptor_2_caught(caught: list[bytes]) -> Iterator[None]:
+    """Descriptor 2 goes to a temporary file inside the block; its bytes are appended to `caught` once the
+    descriptor is back. The lock is held throughout: another thread swapping descriptor 2 meanwhile would
+    restore it wrongly."""
     with _LOCK, tempfile.TemporaryFile() as tmp:
         sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(tmp.fileno(), 2)
         try:
-            yield log
+            yield
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             tmp.seek(0)
-            raw = tmp.read()
-            if raw:
-                os.write(2, raw)
-            log.text = raw.decode(errors="replace")
+            caught.append(tmp.read())
+
+
+@contextlib.contextmanager
+def capture_log() -> Iterator[XlaLog]:
+    """Catch what is written to descriptor 2 inside the block (XLA's log), then write it back to stderr."""
+    log, caught = XlaLog(), []
+    with _LOCK:     # (re-entrant) until the text is written back, as no other thread may swap descriptor 2
+        try:
+            with _descriptor_2_caught(caught):
+                yield log
+        finally:
+            if caught[0]:
+                os.write(2, caught[0])
+            log.text = caught[0].decode(errors="replace")
 
 
 # a line of XLA's C++ log (absl/glog format: severity, date, time, thread, file:line]) or absl's preamble
@@ -119,20 +131,13 @@ def quiet_compiles(what: str = "candidate compiles", log_dir: str | None = None)
     summarised in one line on stderr, while every other line written there goes back to stderr unchanged.
     Nested `capture_log` blocks still read XLA's text, so each verified plan keeps its own count
     (`ShardedStep.rematerializations`)."""
-    out = QuietLog(what)
-    # held throughout, like `capture_log`: another thread swapping descriptor 2 meanwhile would restore it wrongly
-    with _LOCK, tempfile.TemporaryFile() as tmp:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
+    out, caught = QuietLog(what), []
+    with _LOCK:     # (re-entrant) until the lines are written back, as in `capture_log`
         try:
-            yield out
+            with _descriptor_2_caught(caught):
+                yield out
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            xla, other = split_xla_lines(tmp.read().decode(errors="replace"))
+            xla, other = split_xla_lines(caught[0].decode(errors="replace"))
             if other:
                 sys.stderr.write("\n".join(other) + "\n")
             if xla:

@@ -105,11 +105,15 @@ def _kernel_gemm(p: Param, tp: int, tokens: float) -> Gemm | None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelCost:
-    """Per-sequence figures of one model config (FLOPs forward, bytes, parameter counts) at TP degree `tp`."""
+    """Per-sequence figures of one model config (FLOPs forward, bytes, parameter counts) at TP degree `tp`.
+    `fused_attention`: the attention scores never reach memory (flash attention), as cfp's models do not."""
     config: Any
+    fused_attention: bool = False
 
     def __post_init__(self):
         model_name_of(self.config)
+        if not isinstance(self.fused_attention, bool):
+            raise ConfigError(f"fused_attention={self.fused_attention!r} must be True or False")
         object.__setattr__(self, "_memo", {})
 
     def _m(self, key, fn):
@@ -227,7 +231,7 @@ class ModelCost:
     def _layer_elementwise_bytes(self, tp: int) -> float:
         c, s, ab = self.config, self.config.seq_len, self.act_bytes
         heads, kv = self._heads(tp)
-        base = 4 * 4 * heads * s * s + 12 * s * c.hidden_size * ab
+        base = self._score_bytes(heads, 4) + 12 * s * c.hidden_size * ab
         if self.llama:
             base += 3 * s * self._ffn(tp) * ab + 3 * s * (heads + kv) * c.head_dim * ab
         else:
@@ -240,6 +244,10 @@ class ModelCost:
         dense = base
         moe = base - 2 * s * self._ffn(tp) * ab + routing + experts
         return (dense + moe) / 2
+
+    def _score_bytes(self, heads: float, passes: int) -> float:
+        """Bytes of `passes` float32 tensors of attention scores per sequence (none when fused)."""
+        return 0.0 if self.fused_attention else passes * 4 * heads * self.config.seq_len ** 2
 
     def layer_elementwise_flops(self, tp: int = 1) -> float:
         """Softmax (~5 per score), norms and residuals (~10 per hidden element), activation (~5 per MLP
@@ -288,7 +296,7 @@ class ModelCost:
         c, s, h, ab = self.config, self.config.seq_len, self.config.hidden_size, self.act_bytes
         heads, kv = self._heads(tp)
         mlp_tensors = 4 if self.llama else 2
-        attn = s * (5 * h + (heads + 2 * kv + heads) * c.head_dim) * ab + 3 * 4 * heads * s * s
+        attn = s * (5 * h + (heads + 2 * kv + heads) * c.head_dim) * ab + self._score_bytes(heads, 3)
         dense = attn + s * mlp_tensors * self._ffn(tp) * ab
         if not self.moe:
             return dense

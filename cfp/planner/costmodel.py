@@ -17,6 +17,11 @@ times plus (m-1) times the slowest stage, sends included) + gradient sync across
 all-reduce per layer over the slowest link) + the memory-bound AdamW update. Collectives come from
 `cfp.hardware.collectives.collective_time`. Unlike FlashFlex's model no empirical factors (1.8, 1.1)
 are applied: they were fitted to its testbed and nothing here can re-fit them.
+
+`features` (`cfp.planner.step_features.StepFeatures`) says how the step runs; its default is cfp's runtime as
+above. Other values price other systems' runs through the same figures: no recomputation (backward 2x the
+forward, every in-flight micro-batch's activations kept), fused attention, an all-reduce or FSDP sync (and
+sharded state), data-parallel traffic overlapped with compute.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.models.costs import PARAM_BYTES, ModelCost
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
+from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, collective_sync_seconds
 from cfp.runtime.schedules import SCHEDULES, ScheduleName
 
 
@@ -177,14 +183,16 @@ class _PipelineFigures:
 @dataclass(frozen=True)
 class CostModel:
     """Estimates a `ClusterLayout` of `config` on `cluster` with `schedule`; stages whose shape and device
-    `stage_times` has measured are priced by the measured time (their TP collectives included in it)."""
+    `stage_times` has measured are priced by the measured time (their TP collectives included in it);
+    `features`: how the step runs (default: cfp's runtime)."""
     config: Any
     cluster: Cluster
     schedule: ScheduleName = ScheduleName.GPIPE
     stage_times: Optional[MeasuredStageTimes] = None
+    features: StepFeatures = CFP_RUNTIME
 
     def __post_init__(self):
-        object.__setattr__(self, "model", ModelCost(self.config))
+        object.__setattr__(self, "model", ModelCost(self.config, self.features.fused_attention))
         object.__setattr__(self, "_machines", self.cluster.machine_of())
         ms = self.cluster.machines       # machines of one spec price alike: memo keys use the first's index
         object.__setattr__(self, "kind", tuple(ms.index(m) for m in ms))
@@ -246,7 +254,7 @@ class CostModel:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
         m = self.model
         f = mb * (st.layers * m.layer_flops(st.tp) + (m.head_flops(st.tp) if last else 0.0))
-        return f, 3 * f
+        return f, self.features.backward_passes * f
 
     def stage_params(self, st: StageLayout, first: bool, last: bool) -> float:
         m = self.model
@@ -259,24 +267,26 @@ class CostModel:
         bytes per device (P pipelines), see `stage_memory`."""
         m, n = self.model, len(pipe.stages)
         first, last = idx == 0, idx == n - 1
-        s0 = PARAM_BYTES * ((m.embed_params(st.tp) if first else 0.0) + (m.head_params(st.tp) if last else 0.0))
-        s1 = PARAM_BYTES * m.layer_params(st.tp)
+        share = PARAM_BYTES * self.features.state_share(n_pipes)
+        s0 = share * ((m.embed_params(st.tp) if first else 0.0) + (m.head_params(st.tp) if last else 0.0))
+        s1 = share * m.layer_params(st.tp)
         mb = pipe.micro_batch
-        inputs = self.stored_inputs(idx, n, pipe.chunks) * mb * (
+        stored = self.stored_inputs(idx, n, pipe.chunks)
+        inputs = stored * mb * (
             m.config.seq_len * 4 if first else m.boundary_bytes())
         # the embedding's gradient is built densely (float32) before it joins the accumulator
         a0 = (inputs + (mb * m.head_activation_bytes(st.tp) if last else 0.0)
               + (PARAM_BYTES * m.embed_params(st.tp) if first else 0.0))
-        return s0, s1, a0, mb * m.layer_activation_bytes(st.tp)
+        return s0, s1, a0, self.features.stored_activations(stored) * mb * m.layer_activation_bytes(st.tp)
 
     def layer_capacity(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
         the number of layers)."""
         cap = self.cluster.machines[st.machine].memory
         s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
-        # 4(s0 + n s1) + a0 + n a1 <= cap  and  (3 + P)(s0 + n s1) <= cap
+        # 4(s0 + n s1) + a0 + n a1 <= cap  and  (4 + G)(s0 + n s1) <= cap, G = P - 1 gathered copies
         n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
-        n2 = (cap / (3 + n_pipes) - s0) / s1
+        n2 = (cap / (4 + self.features.gathered_copies(n_pipes)) - s0) / s1
         return int(math.floor(min(n1, n2) * (1 + 1e-12)))
 
     def layer_capacities(self, pipe: PipelineLayout, n_pipes: int) -> list[int]:
@@ -300,7 +310,7 @@ class CostModel:
         gradients received from the other pipelines at the update."""
         s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
         params = s0 + st.layers * s1
-        return 4 * params + max(a0 + st.layers * a1, (n_pipes - 1) * params)
+        return 4 * params + max(a0 + st.layers * a1, self.features.gathered_copies(n_pipes) * params)
 
     def stage_estimate(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int,
                        nxt: StageLayout | None) -> StageEstimate:
@@ -326,7 +336,8 @@ class CostModel:
         ar = m.layer_all_reduces() * collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
         emb_f, emb_b = self.embed_seconds(st.machine, st.tp, mb) if first else (0.0, 0.0)
         fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
-        bwd = 3 * compute + emb_f + emb_b + 2 * st.layers * ar   # recomputed forward + backward (2x)
+        k = self.features.backward_passes                        # (recomputed forward +) backward (2x)
+        bwd = k * compute + (k - 2) * emb_f + emb_b + (k - 1) * st.layers * ar
         measured = self._measured(st, first, last, mb)
         if measured is not None:                        # split 1:3 like the modelled compute
             fwd, bwd = measured / 4, 3 * measured / 4
@@ -335,7 +346,7 @@ class CostModel:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
         mem = self.stage_memory(st, idx, pipe, n_pipes)
         cap = self.cluster.machines[st.machine].memory
-        upd = 7 * PARAM_BYTES * self.stage_params(st, first, last) / (
+        upd = 7 * PARAM_BYTES * self.stage_params(st, first, last) * self.features.state_share(n_pipes) / (
             self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
         return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
                              self.stage_params(st, first, last))
@@ -388,6 +399,8 @@ class CostModel:
         n = len(layout.pipelines)
         if n == 1:
             return 0.0
+        if self.features.grad_sync is not GradSync.GATHER:
+            return self._collective_sync_time(layout)
         figs = [self._pipeline(p, n) for p in layout.pipelines]
         machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
@@ -412,6 +425,21 @@ class CostModel:
                     worst = max(worst, t)
                 layer += st.layers
         return max([worst, *host.values()])
+
+    def _collective_sync_time(self, layout: ClusterLayout) -> float:
+        """An all-reduce or sharded sync (`StepFeatures.grad_sync`): every stage's collectives across the
+        pipelines over the slowest link the layout spans, stages at once; the step waits for the slowest."""
+        n = len(layout.pipelines)
+        machines = {s.machine for p in layout.pipelines for s in p.stages}
+        bw = (self.cluster.inter_bandwidth if len(machines) > 1
+              else self.cluster.machines[next(iter(machines))].intra_bandwidth)
+        worst = 0.0
+        for p in layout.pipelines:
+            for i, st in enumerate(p.stages):
+                params = self.stage_params(st, i == 0, i == len(p.stages) - 1)
+                worst = max(worst, collective_sync_seconds(self.features, params, n, p.chunks,
+                                                           self.model.act_bytes, bw))
+        return worst
 
     @_memo
     def _sync_table(self, n: int, bw: float, machine: int) -> np.ndarray:
@@ -448,7 +476,7 @@ class CostModel:
         figs = [self._pipeline(p, n) for p in layout.pipelines]
         times = tuple(f.time for f in figs)
         dp, upd = self.dp_time(layout), self.update_time(layout)
-        step = self.compute_time(layout, times) + dp + upd
+        step = self.features.step_seconds(self.compute_time(layout, times), dp, upd)
         seqs = layout.global_batch
         peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)

@@ -1,0 +1,93 @@
+"""How the priced training step runs: the runtime features the planner's cost model (`cfp.planner.costmodel`)
+prices beyond the model's own figures.
+
+The defaults are cfp's own runtime (each stage's forward recomputed in its backward, attention scores
+materialised, every pipeline's gradients gathered onto every stage and summed, nothing overlapped), which is what
+`cfp plan` prices. Other values describe runs of other systems priced through the same cost floor, e.g. the
+published runs `benchmarks/validate_costmodel.py` checks the model against: no recomputation, fused (flash)
+attention, gradients all-reduced (DDP, Megatron) or parameters sharded across the data-parallel pipelines (FSDP,
+ZeRO-3), data-parallel traffic overlapped with compute.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from cfp.errors import ConfigError
+from cfp.hardware.collectives import collective_time
+
+
+class Recompute(str, enum.Enum):
+    FULL = "full"     # the stage's forward runs again in its backward (cfp's runtime, Megatron's full recompute)
+    NONE = "none"     # every in-flight micro-batch keeps its activations for the backward
+
+
+class GradSync(str, enum.Enum):
+    GATHER = "gather"          # cfp's runtime: each stage gathers every pipeline's gradients and sums them
+    ALL_REDUCE = "all-reduce"  # ring all-reduce of each stage's gradients across pipelines (DDP, Megatron)
+    SHARDED = "sharded"        # FSDP / ZeRO-3: parameters and optimizer state sharded across the pipelines;
+    #                            per micro-batch an all-gather of the parameters in the forward and again in
+    #                            the backward, per step a reduce-scatter of the gradients
+
+
+def _enum(cls, value, what):
+    try:
+        return cls(value)
+    except ValueError:
+        raise ConfigError(f"{what}={value!r} is not one of {', '.join(v.value for v in cls)}") from None
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """Runtime features of the priced step (defaults: cfp's runtime). `grad_bytes`: bytes per gradient element
+    sent by the data-parallel sync; `overlap_grad_sync`: that traffic runs under the forward-backward compute."""
+    recompute: Recompute = Recompute.FULL
+    fused_attention: bool = False
+    grad_sync: GradSync = GradSync.GATHER
+    grad_bytes: int = 4
+    overlap_grad_sync: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
+        object.__setattr__(self, "grad_sync", _enum(GradSync, self.grad_sync, "grad_sync"))
+        if self.grad_bytes not in (2, 4):
+            raise ConfigError(f"grad_bytes={self.grad_bytes!r} must be 2 (16-bit gradients) or 4 (float32)")
+        for name in ("fused_attention", "overlap_grad_sync"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+
+    @property
+    def backward_passes(self) -> int:
+        """A stage's backward in forward-compute units: the gradients (2x), plus the recomputed forward."""
+        return 3 if self.recompute is Recompute.FULL else 2
+
+    def stored_activations(self, stored_inputs: int) -> int:
+        """Micro-batches whose whole-stage activations are live at the backward's peak."""
+        return 1 if self.recompute is Recompute.FULL else stored_inputs
+
+    def state_share(self, n_pipes: int) -> float:
+        """Share of a stage's parameters and optimizer state each device holds."""
+        return 1.0 / n_pipes if self.grad_sync is GradSync.SHARDED else 1.0
+
+    def gathered_copies(self, n_pipes: int) -> int:
+        """Parameter-sized gradient buffers received from the other pipelines at the sync."""
+        return n_pipes - 1 if self.grad_sync is GradSync.GATHER else 0
+
+    def step_seconds(self, compute: float, sync: float, update: float) -> float:
+        return (max(compute, sync) if self.overlap_grad_sync else compute + sync) + update
+
+
+CFP_RUNTIME = StepFeatures()
+
+
+def collective_sync_seconds(features: StepFeatures, stage_params: float, n: int, chunks: int,
+                            param_bytes: float, bw: float) -> float:
+    """Seconds of one stage's data-parallel collectives per step under an all-reduce or sharded sync, for a
+    device holding `stage_params` parameters (unsharded count) among `n` pipelines over links of `bw` bytes/s."""
+    grads = stage_params * features.grad_bytes
+    if features.grad_sync is GradSync.ALL_REDUCE:
+        return collective_time("all-reduce", grads, n, bw)
+    if features.grad_sync is GradSync.SHARDED:
+        gathers = 2 * chunks * collective_time("all-gather", stage_params * param_bytes, n, bw)
+        return gathers + collective_time("reduce-scatter", grads, n, bw)
+    raise ConfigError(f"grad_sync={features.grad_sync.value!r} is priced by the cost model's own gather sync")

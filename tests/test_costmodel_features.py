@@ -1,0 +1,121 @@
+"""The planner cost model's step features (`cfp.planner.step_features`): recomputation, fused attention, the
+all-reduce and sharded (FSDP) gradient syncs, overlap -- each checked against a hand-derived figure (ring
+collective formulas, the model's own parameter tree, the attention scores' bytes), not against itself."""
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cfp.errors import ConfigError
+from cfp.models import build_model, get_config
+from cfp.models.costs import ModelCost
+from cfp.planner.cluster import parse_cluster
+from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+from cfp.planner.step_features import GradSync, Recompute, StepFeatures
+
+BW = 300e9
+GPUS = parse_cluster({"inter_machine_bandwidth": "25GB/s", "machines": [
+    {"gpu": "A100-SXM-80G", "count": 8, "intra_bandwidth": "300GB/s"}]})
+
+
+def _pipe(tp: int, layers: tuple[int, ...], batch: int, chunks: int, first_device: int = 0) -> PipelineLayout:
+    stages, nxt = [], first_device
+    for n in layers:
+        stages.append(StageLayout(tuple(range(nxt, nxt + tp)), 0, n))
+        nxt += tp
+    return PipelineLayout(tuple(stages), batch, chunks)
+
+
+def _tree_params(cfg) -> int:
+    """Every parameter of the model, counted from its own tree (nothing allocated)."""
+    tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
+    like = jax.eval_shape(build_model("gpt", cfg).init, jax.random.PRNGKey(0), tokens)
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(like))
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return get_config("gpt", "small", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_backward_is_three_forwards_with_recompute_and_two_without(cfg, tp):
+    pipe = _pipe(tp, (1, 2, 1), 8, 4)
+    mid = pipe.stages[1]                         # no embedding, no head: layers and their all-reduces only
+    # Megatron's two all-reduces per layer and pass: ring, 2(n-1)/n of the activation, at the machine's bandwidth
+    ar = 2 * 2 * (tp - 1) / tp * 2 * cfg.seq_len * cfg.hidden_size * 2 / BW
+    est = {}
+    for rc in Recompute:
+        cm = CostModel(cfg, GPUS, features=StepFeatures(recompute=rc))
+        est[rc] = cm.stage_estimate(mid, 1, pipe, 1, pipe.stages[2])
+    compute = est[Recompute.FULL].fwd - mid.layers * ar
+    assert est[Recompute.NONE].fwd == pytest.approx(est[Recompute.FULL].fwd)
+    assert est[Recompute.FULL].bwd == pytest.approx(3 * compute + 2 * mid.layers * ar)
+    assert est[Recompute.NONE].bwd == pytest.approx(2 * compute + mid.layers * ar)
+    assert est[Recompute.NONE].flops_bwd == pytest.approx(2 / 3 * est[Recompute.FULL].flops_bwd)
+
+
+def test_without_recompute_every_stored_micro_batch_keeps_its_activations(cfg):
+    pipe = _pipe(1, (2, 2), 8, 4)                 # GPipe keeps all 4 micro-batches' inputs
+    full = CostModel(cfg, GPUS).memory_terms(pipe.stages[0], 0, pipe, 1)
+    none = CostModel(cfg, GPUS, features=StepFeatures(recompute="none")).memory_terms(pipe.stages[0], 0, pipe, 1)
+    assert none[3] == pytest.approx(4 * full[3]) and none[:3] == full[:3]
+
+
+def test_fused_attention_drops_the_score_traffic_not_the_flops(cfg):
+    plain, fused = ModelCost(cfg), ModelCost(cfg, fused_attention=True)
+    scores = cfg.num_heads * cfg.seq_len ** 2 * 4          # float32 scores of one sequence and layer
+    assert plain.layer_elementwise_bytes(1) - fused.layer_elementwise_bytes(1) == pytest.approx(4 * scores)
+    assert plain.layer_activation_bytes(1) - fused.layer_activation_bytes(1) == pytest.approx(3 * scores)
+    assert plain.layer_gemms(1, 2) == fused.layer_gemms(1, 2)
+    with pytest.raises(ConfigError, match="fused_attention='yes'"):
+        ModelCost(cfg, fused_attention="yes")
+
+
+def _data_parallel(n: int, chunks: int = 1) -> ClusterLayout:
+    return ClusterLayout(tuple(_pipe(1, (4,), 2 * chunks, chunks, first_device=i) for i in range(n)))
+
+
+def test_all_reduce_sync_is_a_ring_all_reduce_of_every_gradient(cfg):
+    n, params = 4, _tree_params(cfg)
+    for grad_bytes in (2, 4):
+        cm = CostModel(cfg, GPUS, features=StepFeatures(grad_sync=GradSync.ALL_REDUCE, grad_bytes=grad_bytes))
+        want = 2 * (n - 1) / n * params * grad_bytes / BW
+        assert cm.dp_time(_data_parallel(n)) == pytest.approx(want, rel=1e-9)
+
+
+def test_sharded_sync_gathers_per_micro_batch_and_shards_the_state(cfg):
+    n, chunks, params = 4, 3, _tree_params(cfg)
+    lay = _data_parallel(n, chunks)
+    plain = CostModel(cfg, GPUS, features=StepFeatures(grad_sync=GradSync.ALL_REDUCE))
+    fsdp = CostModel(cfg, GPUS, features=StepFeatures(grad_sync=GradSync.SHARDED))
+    gathers = 2 * chunks * (n - 1) / n * params * 2 / BW           # bfloat16 parameters, forward and backward
+    scatter = (n - 1) / n * params * 4 / BW                        # float32 gradients
+    assert fsdp.dp_time(lay) == pytest.approx(gathers + scatter, rel=1e-9)
+    assert fsdp.update_time(lay) == pytest.approx(plain.update_time(lay) / n)
+    st, pipe = lay.pipelines[0].stages[0], lay.pipelines[0]
+    s_plain, s_fsdp = plain.memory_terms(st, 0, pipe, n), fsdp.memory_terms(st, 0, pipe, n)
+    assert s_fsdp[0] == pytest.approx(s_plain[0] / n) and s_fsdp[1] == pytest.approx(s_plain[1] / n)
+
+
+def test_overlapped_sync_hides_under_compute(cfg):
+    lay = _data_parallel(4)
+    for overlap in (False, True):
+        cm = CostModel(cfg, GPUS, features=StepFeatures(grad_sync="all-reduce", overlap_grad_sync=overlap))
+        e = cm.estimate(lay)
+        compute = max(e.pipeline_time)
+        want = (max(compute, e.dp_time) if overlap else compute + e.dp_time) + e.update_time
+        assert e.dp_time > 0 and e.step_time == pytest.approx(want)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"recompute": "some"}, "recompute='some'"),
+    ({"grad_sync": "ring"}, "grad_sync='ring'"),
+    ({"grad_bytes": 3}, "grad_bytes=3"),
+    ({"overlap_grad_sync": 1}, "overlap_grad_sync=1"),
+])
+def test_step_feature_errors_name_the_value(kwargs, needle):
+    with pytest.raises(ConfigError) as e:
+        StepFeatures(**kwargs)
+    assert needle in str(e.value)

@@ -22,19 +22,6 @@ from cfp.cli.common import ensure_host_devices  # noqa: E402
 SWEEP = (("2x4", (2, 3, 4)), ("4x2", (2, 3)), ("8", (2, 3)))
 
 
-def layouts(rank: int, num_axes: int) -> list:
-    """Every layout of a rank-`rank` tensor on `num_axes` mesh axes (each axis on at most one dim, in any order)."""
-    out = set()
-    for dims in itertools.product(range(rank + 1), repeat=num_axes):
-        for order in itertools.permutations(range(num_axes)):
-            spec = [()] * rank
-            for a in order:
-                if dims[a] < rank:
-                    spec[dims[a]] += (a,)
-            out.add(tuple(spec))
-    return sorted(out)
-
-
 def rematerializations(mesh_spec, src, path, shape) -> tuple:
     """XLA's involuntary full rematerializations compiling x -> `src` -> each layout of `path` in turn."""
     import jax
@@ -68,14 +55,14 @@ def main(argv=None) -> int:
     import jax
 
     from cfp.mesh import MeshSpec
-    from cfp.sharding.reshard import direct_ok, reshard_path
+    from cfp.sharding.reshard import all_layouts, direct_ok, reshard_path
     jax.config.update("jax_use_shardy_partitioner", args.partitioner == "shardy")
     pairs = remat = missed = flagged = dirty = 0
     for mesh_text, ranks in SWEEP:
         mesh_spec = MeshSpec.parse(mesh_text)
         for rank in ranks:
             shape = (16,) * rank
-            for src, dst in itertools.permutations(layouts(rank, len(mesh_spec.shape)), 2):
+            for src, dst in itertools.permutations(all_layouts(rank, len(mesh_spec.shape)), 2):
                 pairs += 1
                 found = bool(rematerializations(mesh_spec, src, [dst], shape))
                 remat += found

@@ -7,19 +7,36 @@ import os
 from cfp.errors import ConfigError
 
 
+def _writable_parent(full: str, path: str, name: str) -> str:
+    """The nearest existing ancestor of `full`, checked to be a writable directory (else a ConfigError)."""
+    parent = full
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{name}={path!r} cannot be created: {parent!r} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}={path!r} cannot be written: no write permission in {parent!r}")
+    return parent
+
+
 def check_output_dir(path: str, name: str) -> None:
     """Raise ConfigError unless `path` is, or can be created as, a writable directory; `name` is how the
     user gave it (a flag or an option name), so the message names it."""
     full = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(full) and not os.path.isdir(full):
         raise ConfigError(f"{name}={path!r} is not a directory: it is an existing file")
-    parent = full
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{name}={path!r} cannot be created: {parent!r} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{name}={path!r} cannot be written: no write permission in {parent!r}")
+    _writable_parent(full, path, name)
+
+
+def check_output_file(path: str, name: str) -> None:
+    """Raise ConfigError unless file `path` can be written (created, or overwritten where it exists)."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(full):
+        raise ConfigError(f"{name}={path!r} is a directory; give a file path such as "
+                          f"{os.path.join(path, 'out.json')!r}")
+    _writable_parent(os.path.dirname(full), path, name)
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise ConfigError(f"{name}={path!r} exists and is not writable")
 
 
 def write_text_atomic(path, text: str) -> str:

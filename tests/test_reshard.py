@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from cfp.mesh import MeshSpec
 from cfp.search.options import SearchOptions
 from cfp.search.search import VerifiedChoice, _best_fitting
-from cfp.sharding.reshard import direct_ok, reshard_path, reshard_steps
+from cfp.sharding.reshard import all_layouts, direct_ok, reshard_path, reshard_steps
 from cfp.sharding.specs import partition_spec
 from cfp.xla.log import capture_log, involuntary_rematerializations, quiet_compiles
 
@@ -46,19 +46,6 @@ def _compile_moves(src, path, shape=(16, 16)):
     with capture_log() as log:
         compiled = fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile()
     return log.rematerializations, compiled
-
-
-def _layouts(rank, num_axes=2):
-    """Every layout of a rank-`rank` tensor on a mesh of `num_axes` axes (each axis on at most one dim)."""
-    out = set()
-    for dims in itertools.product(range(rank + 1), repeat=num_axes):
-        for order in itertools.permutations(range(num_axes)):
-            spec = [()] * rank
-            for a in order:
-                if dims[a] < rank:
-                    spec[dims[a]] += (a,)
-            out.add(tuple(spec))
-    return sorted(out)
 
 
 def test_detector_finds_replicate_then_partition_and_not_a_clean_move(partitioner):
@@ -119,7 +106,7 @@ def test_every_rank2_move_on_2x4_xla_replicates_is_predicted_and_its_path_is_cle
     predicted one, constrained along `reshard_path`, compiles without a rematerialization. The log's
     warnings are checked against the compiled HLO, so a log that stopped saying it would fail here."""
     flagged = 0
-    for src, dst in itertools.permutations(_layouts(2), 2):
+    for src, dst in itertools.permutations(all_layouts(2, 2), 2):
         found, compiled = _compile_moves(src, [dst])
         assert bool(found) == bool(any(dst) and _FULL_GATHER.search(compiled.as_text())), (src, dst)
         assert not (found and direct_ok(src, dst)), (src, dst)

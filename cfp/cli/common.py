@@ -98,21 +98,8 @@ def check_output_dir(path: str | None, flag: str) -> None:
 
 def check_output_file(path: str | None, flag: str) -> None:
     """Fail fast (before any work) when file `path` could not be written."""
-    if not path:
-        return
-    full = os.path.abspath(os.path.expanduser(path))
-    if os.path.isdir(full):
-        raise ConfigError(f"{flag}={path!r} is a directory; give a file path such as "
-                          f"{os.path.join(path, 'out.json')!r}")
-    parent = os.path.dirname(full)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{flag}={path!r} cannot be written: {parent!r} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag}={path!r} cannot be written: no write permission in {parent!r}")
-    if os.path.exists(full) and not os.access(full, os.W_OK):
-        raise ConfigError(f"{flag}={path!r} exists and is not writable")
+    if path:
+        files.check_output_file(path, flag)
 
 
 def check_outputs(args: argparse.Namespace, files_: dict[str, str] | None = None,

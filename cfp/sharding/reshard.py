@@ -16,12 +16,27 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 
 from cfp.analysis.layout import DimAxes
 
 # (kind, per-device bytes of the larger buffer, devices in the group) of one collective
 Step = tuple[str, float, int]
+
+
+def all_layouts(rank: int, num_axes: int) -> list[DimAxes]:
+    """Every layout of a rank-`rank` tensor on `num_axes` mesh axes (each axis on at most one dim, in any
+    order), sorted: the space the resharding rule was checked on."""
+    out = set()
+    for dims in itertools.product(range(rank + 1), repeat=num_axes):
+        for order in itertools.permutations(range(num_axes)):
+            spec = [()] * rank
+            for a in order:
+                if dims[a] < rank:
+                    spec[dims[a]] += (a,)
+            out.add(tuple(spec))
+    return sorted(out)
 
 
 def _sharded_dims(spec: DimAxes) -> set[int]:

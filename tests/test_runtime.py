@@ -286,7 +286,12 @@ def _opts(tmp_path, layout, **kw):
 
 
 def test_resume_reproduces_losses_also_on_another_layout(tmp_path):
+    import functools
+
+    from cfp.runtime.engine import compile_cache
     from cfp.runtime.training import run_training
+    # the runs share one compile cache (each program compiles once); what a resumed run rebuilds is its state
+    run_training = functools.partial(run_training, cache=compile_cache(LR, WD))
     quiet = lambda *a, **k: None
     lay = HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2])
     full = run_training(_opts(tmp_path / "a", lay, timeline_dir=str(tmp_path / "tl")), log=quiet)

@@ -22,6 +22,7 @@ from cfp.runtime.schedules import ScheduleName
 
 if TYPE_CHECKING:
     from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.runtime.stage.cache import CompileCache
 
 
 def _check_no_ignored_options(o: "TrainOptions") -> None:
@@ -169,15 +170,18 @@ def _check_before_work(opts: TrainOptions) -> None:
                               f"{opts.checkpoint_dir!r}")
 
 
-def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> TrainResult:
-    """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc."""
+def run_training(opts: TrainOptions, log: Callable[..., None] = _print0,
+                 cache: Optional["CompileCache"] = None) -> TrainResult:
+    """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc. ``cache``: the
+    compile cache to build stage programs through (default a new one; runs of one model and optimizer in one
+    process may share one so that they compile each program once)."""
     from cfp.runtime.engine import HeteroTrainer, compile_cache
     from cfp.runtime.stage.build import plans_for_run
     from cfp.runtime.stage.plans import report_lines
     _check_before_work(opts)
     config = build_config(opts)
     # one compile cache: the stage programs the search builds are the ones the trainer runs
-    cache = compile_cache(opts.learning_rate, opts.weight_decay)
+    cache = cache if cache is not None else compile_cache(opts.learning_rate, opts.weight_decay)
     plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout, cache, opts.checkpoint_dir,
                           opts.resume, log)
     trainer = HeteroTrainer(opts.model, config, opts.layout, opts.schedule, learning_rate=opts.learning_rate,

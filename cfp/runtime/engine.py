@@ -82,7 +82,9 @@ def compile_cache(learning_rate: float, weight_decay: float) -> CompileCache:
 
 class HeteroTrainer:
     """Holds each local stage's params and optimizer state and runs training steps on its layout (the
-    strategy; ``set_layout`` switches it between steps)."""
+    strategy; ``set_layout`` switches it between steps). Its stage programs are built through ``cache``
+    (its `CompileCache`; a new one unless given: pass the one the stage-plan search filled, so the searched
+    programs run as built), from ``plans`` (searched stage plans) where given, else the Megatron rules."""
 
     def __init__(self, model_name: str, config: Any, layout: HeteroLayout,
                  schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, learning_rate: float = 1e-3,

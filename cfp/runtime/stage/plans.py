@@ -150,7 +150,9 @@ class StagePlan:
         f = self.figures
         if self.sharding is None or f is None or f.profiler != "measure":
             return None
-        return f.megatron.time if self.megatron and f.megatron else f.searched.time
+        # a searched plan that is Megatron's sharding was not timed against itself (megatron time 0): the
+        # search's own time of that sharding stands
+        return f.megatron.time if self.megatron and f.megatron and f.megatron.time else f.searched.time
 
     def matches(self, st: Stage, micro_batch_size: int) -> bool:
         return (self.key == st.key and self.tp == st.tp and tuple(self.layers) == (st.layer_start, st.layer_end)

@@ -36,17 +36,17 @@ from cfp.runtime.stage.cases import AnalysedStep, StageCase, analysed_step, stag
 from cfp.runtime.stage.compare import compare_with_megatron
 from cfp.runtime.stage.plans import (SearchedSharding, SearchFigures, StagePlan, StagePlanOptions, StagePlans,
                                      Timing, entries)
-from cfp.search.search import search
-from cfp.sharding.specs import resolve
+from cfp.search.search import VerifiedChoice, search
+from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.log import quiet_compiles
 
 
 @dataclasses.dataclass(frozen=True)
 class Picked:
     """The verified choice with the least step time plus boundary transfer, resolved, and that transfer."""
-    verified: Any          # cfp.search.search.VerifiedChoice
-    applied: Any           # its StepShardings
-    boundary: float
+    verified: VerifiedChoice
+    applied: StepShardings
+    boundary: float        # seconds per micro-batch (estimated)
 
     @property
     def plan_choice(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -59,6 +59,7 @@ def _n_act(step: AnalysedStep) -> int:
 
 
 def _pick(case: StageCase, step: AnalysedStep, result, budget) -> Picked:
+    """The verified choice of search `result` within `budget` with the least step time plus boundary transfer."""
     best = None
     n_act = _n_act(step)
     for v in result.verified:

@@ -122,16 +122,16 @@ LOSS_RTOL = 2e-6
 # references build their optimizer from optax directly (cfp.runtime.verify), never from the engine.
 LR, WD = 1e-3, 0.1
 OPT = dict(learning_rate=LR, weight_decay=WD)
-_PROGRAMS = []
+_SHARED_CACHE = []
 
 
 def programs():
     """One compile cache for this file's trainers: tests of the same config and layout share compiled programs
     (the engine's own cache is per trainer)."""
-    if not _PROGRAMS:
+    if not _SHARED_CACHE:
         from cfp.runtime.engine import compile_cache
-        _PROGRAMS.append(compile_cache(LR, WD))
-    return _PROGRAMS[0]
+        _SHARED_CACHE.append(compile_cache(LR, WD))
+    return _SHARED_CACHE[0]
 
 
 def tiny(num_layers, model="llama2", **kw):

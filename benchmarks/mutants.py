@@ -43,11 +43,16 @@ class Mutant:
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---- the five bugs of issue 17
-    Mutant("stage-replay-skips-update", "stage plans", "cfp/runtime/stage_replay.py",
+    Mutant("stage-replay-skips-update", "stage plans", "cfp/runtime/stage/replay.py",
            "return (jax.tree_util.tree_unflatten(self._params_tree, flat[:n]),",
            "return (params,",
            ("tests/test_stage_plans.py",),
            "searched stages return the old parameters from their optimizer update"),
+    Mutant("searched-stage-program-rebuilt", "stage plans", "cfp/runtime/stage/build.py",
+           "return cache.get(Built.PROGRAM, case.program_key(plan_choice), build)",
+           "return build()",
+           ("tests/test_stage_plans.py::test_search_then_training_builds_each_stage_program_once",),
+           "the engine rebuilds (and recompiles) the stage programs the stage-plan search built"),
     Mutant("engine-drops-weight-decay", "runtime", "cfp/runtime/engine.py",
            "return optax.adamw(learning_rate, weight_decay=weight_decay)",
            "return optax.adamw(learning_rate)",
@@ -99,7 +104,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "warm = min(num_stages - s, num_microbatches)",
            ("tests/test_runtime.py",),
            "1F1B warms up one micro-batch too many on every stage"),
-    Mutant("loss-per-micro-batch-mean", "runtime", "cfp/runtime/stage.py",
+    Mutant("loss-per-micro-batch-mean", "runtime", "cfp/runtime/stage/program.py",
            "return jnp.sum(ce * weights.astype(jnp.float32)) / jnp.maximum(total_weight, 1e-9), aux",
            "return jnp.sum(ce * weights.astype(jnp.float32)) / jnp.maximum(jnp.sum(weights), 1e-9), aux",
            ("tests/test_runtime.py",),

@@ -43,14 +43,15 @@ def _run(name: str, args) -> None:
     import jax
     import numpy as np
     from cfp.models import get_config
-    from cfp.runtime.engine import HeteroTrainer, optimizer
+    from cfp.runtime.engine import HeteroTrainer, compile_cache
     from cfp.runtime.layout import HeteroLayout
-    from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans, stage_replays
+    from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.runtime.stage.search import search_stage_plans
     from cfp.models import make_batch
     model, overrides, lists = LAYOUTS[name]
     cfg = get_config(model, "tiny", **overrides)
     layout = HeteroLayout.from_lists(*lists)
-    tx = optimizer(1e-3, 0.01)
+    programs = compile_cache(1e-3, 0.01)    # the searched run's: its trainer runs the programs the search built
     import tempfile
     cache = args.cache_dir or tempfile.mkdtemp(prefix="cfp_stage_plans_bench_")
     opts = StagePlanOptions("search", profiler=args.profiler, gpu=args.gpu, cache_dir=cache,
@@ -58,17 +59,16 @@ def _run(name: str, args) -> None:
     print(f"\n== {name}: {model} {overrides}, layout {lists[0]} layers {lists[1]} batch {lists[2]} "
           f"chunks {lists[3]}")
     t0 = time.perf_counter()
-    plans = search_stage_plans(model, cfg, layout, tx, opts, log=print)
+    plans = search_stage_plans(model, cfg, layout, programs, opts, log=print)
     t_plan = time.perf_counter() - t0
     t0 = time.perf_counter()
-    again = search_stage_plans(model, cfg, layout, tx, opts, log=lambda *_: None)
+    again = search_stage_plans(model, cfg, layout, compile_cache(1e-3, 0.01), opts, log=lambda *_: None)
     t_again = time.perf_counter() - t0
     print(f"planning time (measured): {t_plan:.1f} s{' (fresh profile cache)' if not args.cache_dir else ''}; "
           f"again with the profile cache {t_again:.1f} s "
-          f"({sum(p.profile_compiles for p in again.plans)} profile compiles)")
+          f"({sum(p.figures.profile_compiles for p in again.plans if p.figures)} profile compiles)")
     trainers = {"megatron": HeteroTrainer(model, cfg, layout, learning_rate=1e-3),
-                "searched": HeteroTrainer(model, cfg, layout, learning_rate=1e-3,
-                                          replays=stage_replays(plans, cfg, layout, tx))}
+                "searched": HeteroTrainer(model, cfg, layout, learning_rate=1e-3, plans=plans, cache=programs)}
     for t in trainers.values():
         t.init(0)
         t.compile()
@@ -99,12 +99,13 @@ def _run(name: str, args) -> None:
             + f", state {mem[key] / 2**20:.2f} MiB/device"
             for key in sorted(mem)))
     for p in plans.plans:
-        runs = "replicated (same as Megatron's)" if not p.strategies else ("Megatron" if p.megatron else "searched")
-        side = (f"; side by side per micro-batch step: searched {p.time * 1e3:.2f} ms, Megatron "
-                f"{p.megatron_time * 1e3:.2f} ms ({'estimated' if p.profiler.startswith('estimate') else 'measured'})"
-                if p.megatron_time else "")
+        runs = "replicated (same as Megatron's)" if not p.sharding else ("Megatron" if p.megatron else "searched")
+        f = p.figures
+        side = (f"; side by side per micro-batch step: searched {f.searched.time * 1e3:.2f} ms, Megatron "
+                f"{f.megatron.time * 1e3:.2f} ms ({'estimated' if f.profiler.startswith('estimate') else 'measured'})"
+                if f and f.megatron and f.megatron.time else "")
         print(f"  plan p{p.pipeline}s{p.stage} TP {p.tp}: {runs} runs{side}; {p.summary()}")
-    if all(p.megatron or not p.strategies for p in plans.plans):
+    if not any(p.runs_searched for p in plans.plans):
         # both trainers run every stage's Megatron sharding: a ratio would compare a sharding with itself
         print("ratio searched / megatron tokens/s: same sharding (every stage runs its Megatron sharding)")
     else:

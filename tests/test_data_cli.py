@@ -119,3 +119,18 @@ def test_data_train_runs_hydraulis_strategies_and_verifies(tmp_path, capsys):
     assert main(bad) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(1, 2)" in err
+
+
+def test_data_train_verify_of_moe_is_refused_before_any_work(tmp_path, capsys):
+    """MoE + --verify: one line naming why (capacity-limited routing depends on the packing), exit 2, and nothing
+    measured or trained first (the scheme file is never written)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("abcdefgh" * 8)
+    schemes = tmp_path / "s.json"
+    code = main(["data", "train", "--model", "moe", "--input", str(docs), "--max-seq-len", "64", "--steps", "1",
+                 "--schemes", str(schemes), "--verify"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "needs a dense model" in err and "moe's experts keep at most" in err and "packed together" in err
+    assert not schemes.exists()

@@ -11,7 +11,7 @@ import pytest
 
 from cfp.data.batching import materialize
 from cfp.models import build_model, get_config, init_params
-from cfp.runtime.engine import HeteroTrainer
+from cfp.runtime.engine import HeteroTrainer, compile_cache
 from cfp.runtime.layout import HeteroLayout
 
 MODEL = "llama2"
@@ -64,8 +64,9 @@ def _host(tree):
 def setup():
     cfg = get_config(MODEL, "tiny", seq_len=128)
     params = init_params(MODEL, cfg, 0)
+    cache = compile_cache(LR, WD)     # the trainers of one strategy run the same compiled programs
     trainer = lambda shapes: HeteroTrainer(MODEL, cfg, HeteroLayout.from_schemes(shapes, cfg.num_layers),
-                                           "1f1b", learning_rate=LR, weight_decay=WD)
+                                           "1f1b", learning_rate=LR, weight_decay=WD, cache=cache)
     return cfg, params, trainer
 
 

@@ -7,7 +7,7 @@ from cfp.errors import ConfigError
 from cfp.models import get_config
 from cfp.planner.cluster import parse_cluster
 from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
-from cfp.runtime.stage_plans import StagePlan, StagePlans
+from cfp.runtime.stage.plans import SearchedSharding, SearchFigures, StagePlan, StagePlans, Timing
 
 LOCAL = {"inter_machine_bandwidth": "1.75GB/s",
          "machines": [{"gpu": "cpu", "count": 8, "intra_bandwidth": "1.75GB/s"}]}
@@ -16,9 +16,9 @@ MEASURED = 0.0123      # seconds per micro-batch of the TP-2 first stage below
 
 def _saved_plans(tmp_path, config, time=MEASURED, profiler="measure", megatron=False):
     """Stage plans as a searched run saves them: pipeline 0 = [TP 2 with layers 0-1, TP 1 with layers 2-3]."""
-    one = StagePlan(0, 0, 2, (0, 2), 2, (0,), ("S0",), (), (), (), (), time=time, profiler=profiler,
-                    megatron=megatron, megatron_time=2 * time)
-    two = StagePlan(0, 1, 1, (2, 4), 2, (), (), (), (), (), ())      # one device: nothing searched or timed
+    figures = SearchFigures(Timing(time), Timing(2 * time), profiler=profiler)
+    one = StagePlan(0, 0, 2, (0, 2), 2, SearchedSharding((0,), ("S0",)), figures, megatron=megatron)
+    two = StagePlan(0, 1, 1, (2, 4), 2)      # one device: nothing searched or timed
     layout = {"hetero_configs": [[2, 1]], "layer_partitions": [[2, 2]], "global_batch_size": [4],
               "chunks": [2], "devices_id": [[[0, 1], [2]]]}
     StagePlans("llama2", layout, (one, two), dataclasses.asdict(config), "cpu").save(str(tmp_path))
@@ -78,3 +78,19 @@ def test_cli_plan_says_how_many_stages_were_measured(tmp_path, capsys):
     code = main(["plan", "--cluster", "examples/clusters/local.yaml", "--model", "llama2", "--num-layers", "4",
                  "--stage-times", str(tmp_path / "missing")])
     assert code == 2
+
+
+def test_a_plan_that_is_megatrons_sharding_gives_the_searched_time(tmp_path):
+    """A searched plan that compiles to Megatron's sharding is not timed against itself (its Megatron time is 0):
+    the planner gets the search's measured time of that sharding, never 0 s."""
+    from cfp.cli.plan import load_stage_times
+    config = get_config("llama2", "tiny", num_layers=4)
+    one = StagePlan(0, 0, 2, (0, 2), 2, SearchedSharding((0,), ("S0",)),
+                    SearchFigures(Timing(MEASURED), Timing(0.0), profiler="measure"), megatron=True)
+    assert one.measured_time() == MEASURED
+    layout = {"hetero_configs": [[2, 1]], "layer_partitions": [[2, 2]], "global_batch_size": [4],
+              "chunks": [2], "devices_id": [[[0, 1], [2]]]}
+    StagePlans("llama2", layout, (one, StagePlan(0, 1, 1, (2, 4), 2)), dataclasses.asdict(config),
+               "cpu").save(str(tmp_path))
+    first, _ = _estimate(config, load_stage_times(str(tmp_path), "llama2", config))
+    assert first.measured and first.fwd + first.bwd == pytest.approx(MEASURED)

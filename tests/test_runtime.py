@@ -122,6 +122,16 @@ LOSS_RTOL = 2e-6
 # references build their optimizer from optax directly (cfp.runtime.verify), never from the engine.
 LR, WD = 1e-3, 0.1
 OPT = dict(learning_rate=LR, weight_decay=WD)
+_SHARED_CACHE = []
+
+
+def programs():
+    """One compile cache for this file's trainers: tests of the same config and layout share compiled programs
+    (the engine's own cache is per trainer)."""
+    if not _SHARED_CACHE:
+        from cfp.runtime.engine import compile_cache
+        _SHARED_CACHE.append(compile_cache(LR, WD))
+    return _SHARED_CACHE[0]
 
 
 def tiny(num_layers, model="llama2", **kw):
@@ -202,7 +212,7 @@ def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
     from cfp.runtime.engine import HeteroTrainer
     layout = HeteroLayout.from_lists(tps, parts, gbs, chunks)
     cfg = tiny(layout.num_layers)
-    trainer = HeteroTrainer("llama2", cfg, layout, "gpipe", **OPT)
+    trainer = HeteroTrainer("llama2", cfg, layout, "gpipe", **OPT, cache=programs())
     trainer.compile()
     check_gradients(trainer.init(0), "llama2", cfg)
     for schedule in ("gpipe", "1f1b"):  # stage programs are schedule-independent: compile once
@@ -219,7 +229,7 @@ def test_skipped_update_is_caught(monkeypatch):
     layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
     cfg = tiny(3)
     for skipped in ((0, 1), (1, 0)):
-        trainer = HeteroTrainer("llama2", cfg, layout, **OPT).init(0)
+        trainer = HeteroTrainer("llama2", cfg, layout, **OPT, cache=programs()).init(0)
         prog = trainer.programs[skipped]
         n = len(__import__("jax").tree_util.tree_leaves(prog.params_like))
         with monkeypatch.context() as m:
@@ -241,7 +251,7 @@ def test_gradient_is_token_weighted():
     from cfp.runtime.engine import HeteroTrainer
     cfg = tiny(3)  # same programs as the 2-1-1+4 equivalence test: no new compile
     layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
-    trainer = HeteroTrainer("llama2", cfg, layout, **OPT).init(0)
+    trainer = HeteroTrainer("llama2", cfg, layout, **OPT, cache=programs()).init(0)
     batch = batches("llama2", cfg, 8)[0]
     grads, loss = trainer.gradients(batch)
     params = trainer.state()[0]
@@ -265,7 +275,7 @@ def test_bf16_compute_with_f32_master_weights():
     from cfp.runtime.verify import tree_error
     cfg = tiny(2, dtype="bfloat16")
     layout = HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2])
-    trainer = HeteroTrainer("llama2", cfg, layout, "1f1b", **OPT).init(0)
+    trainer = HeteroTrainer("llama2", cfg, layout, "1f1b", **OPT, cache=programs()).init(0)
     ref_losses, ref_params = reference("llama2", cfg, 4)
     losses = [trainer.step(b).loss for b in batches("llama2", cfg, 4)]
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
@@ -286,7 +296,11 @@ def _opts(tmp_path, layout, **kw):
 
 
 def test_resume_reproduces_losses_also_on_another_layout(tmp_path):
+    import functools
+
     from cfp.runtime.training import run_training
+    # the runs share one compile cache (each program compiles once); what a resumed run rebuilds is its state
+    run_training = functools.partial(run_training, cache=programs())
     quiet = lambda *a, **k: None
     lay = HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2])
     full = run_training(_opts(tmp_path / "a", lay, timeline_dir=str(tmp_path / "tl")), log=quiet)
@@ -343,7 +357,8 @@ def test_nan_is_an_error_naming_step_and_leaf():
     from cfp.errors import NumericalError
     from cfp.runtime.engine import HeteroTrainer
     cfg = tiny(2)  # the tp2-into-tp1 programs: no new compile
-    trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2]), **OPT)
+    trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2]), **OPT,
+                            cache=programs())
     params, opt, _ = trainer.init(0).state()
     batch = batches("llama2", cfg, 4)[0]
     leaf = jax.tree_util.tree_flatten_with_path(params["params"]["layers_1"])[0][0][0]

@@ -18,7 +18,7 @@ def _cfg():
 
 
 def _options(cache_dir):
-    from cfp.runtime.stage_plans import StagePlanOptions
+    from cfp.runtime.stage.plans import StagePlanOptions
     # the cost model ranks and the DP's best is taken unverified (no timing on a shared host, fewer compiles)
     return StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(cache_dir),
                             max_combinations=2, top_k=2, verify=0)
@@ -26,12 +26,13 @@ def _options(cache_dir):
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-    from cfp.runtime.engine import optimizer
-    from cfp.runtime.stage_plans import search_stage_plans
+    from cfp.runtime.engine import compile_cache
+    from cfp.runtime.stage.search import search_stage_plans
     cache = tmp_path_factory.mktemp("profiles")
     layout = HeteroLayout.from_lists(*LISTS)
-    plans = search_stage_plans("llama2", _cfg(), layout, optimizer(1e-3, 0.01), _options(cache), log=print)
-    return layout, plans, cache
+    programs = compile_cache(1e-3, 0.01)
+    plans = search_stage_plans("llama2", _cfg(), layout, programs, _options(cache), log=print)
+    return layout, plans, cache, programs
 
 
 def test_stage_plans_give_the_single_device_gradient(searched):
@@ -39,19 +40,17 @@ def test_stage_plans_give_the_single_device_gradient(searched):
     from cfp.models import make_batch
     from cfp.runtime.verify import reference_loss
     from cfp.runtime.engine import HeteroTrainer
-    layout, plans, _ = searched
+    layout, plans, _, programs = searched
     cfg = _cfg()
-    from cfp.runtime.engine import optimizer
-    from cfp.runtime.stage_plans import stage_replays
-    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
-    assert sorted(replays) == sorted(p.key for p in plans.plans if p.strategies and not p.megatron)
-    trainer = HeteroTrainer("llama2", cfg, layout, replays=replays).init(0)
+    trainer = HeteroTrainer("llama2", cfg, layout, plans=plans, cache=programs).init(0)
+    replayed = sorted(k for k, pr in trainer.programs.items() if pr.replay is not None)
+    assert replayed and replayed == sorted(p.key for p in plans.plans if p.runs_searched)
     for p in plans.plans:      # the runtime runs on the plans' layouts, not the Megatron rules
-        if p.key not in replays:
+        if not p.runs_searched:
             continue
         prog = trainer.programs[p.key]
-        assert prog.replay is replays[p.key]
-        specs = {k: spec_from_entries([list(x) if isinstance(x, tuple) else x for x in e]) for k, e in p.params}
+        specs = {k: spec_from_entries([list(x) if isinstance(x, tuple) else x for x in e])
+                 for k, e in p.sharding.params}
         for path, sh in jax.tree_util.tree_flatten_with_path(prog.shardings)[0]:
             assert sh.spec == specs[jax.tree_util.keystr(path)]
     batch = jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.total_batch_size, 7))
@@ -98,13 +97,12 @@ def test_stage_programs_impose_the_searched_block_layouts(searched):
     """The bwd program of a searched stage constrains every forward dot's result to the layout its block's
     searched strategy gives it (GSPMD alone would be free to pick another); the Megatron stage has none."""
     import re
-    from cfp.runtime.engine import HeteroTrainer, optimizer
-    from cfp.runtime.stage_plans import stage_replays
-    layout, plans, _ = searched
+    from cfp.runtime.engine import HeteroTrainer
+    layout, plans, _, programs = searched
     cfg = _cfg()
-    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
-    runs = {"plan": HeteroTrainer("llama2", cfg, layout, replays=replays),
-            "megatron": HeteroTrainer("llama2", cfg, layout)}
+    runs = {"plan": HeteroTrainer("llama2", cfg, layout, plans=plans, cache=programs),
+            "megatron": HeteroTrainer("llama2", cfg, layout, cache=programs)}
+    replays = {k: pr.replay for k, pr in runs["plan"].programs.items() if pr.replay is not None}
     key = next(k for k, r in replays.items() if not r.shardings.shard_state)
     found = {}
     for name, trainer in runs.items():
@@ -125,35 +123,39 @@ def test_stage_programs_impose_the_searched_block_layouts(searched):
 
 
 def test_second_search_profiles_nothing(searched, capsys):
-    from cfp.runtime.engine import optimizer
-    from cfp.runtime.stage_plans import search_stage_plans
-    layout, first, cache = searched
-    searched_first = [p for p in first.plans if p.strategies]
-    assert searched_first and all(p.profile_compiles > 0 for p in searched_first[:1])
-    again = search_stage_plans("llama2", _cfg(), layout, optimizer(1e-3, 0.01), _options(cache), log=print)
-    assert [p.profile_compiles for p in again.plans] == [0] * len(again.plans)
+    from cfp.runtime.engine import compile_cache
+    from cfp.runtime.stage.search import search_stage_plans
+    layout, first, cache, _ = searched
+    searched_first = [p for p in first.plans if p.figures]
+    assert searched_first and all(p.figures.profile_compiles > 0 for p in searched_first[:1])
+    # a fresh compile cache (another run): only the profile cache on disk is shared
+    again = search_stage_plans("llama2", _cfg(), layout, compile_cache(1e-3, 0.01), _options(cache), log=print)
+    assert [p.figures.profile_compiles for p in again.plans if p.figures] == [0] * len(searched_first)
     assert "nothing compiled, all from the profile cache" in capsys.readouterr().out
-    assert [p.choice for p in again.plans] == [p.choice for p in first.plans]
+    assert [p.sharding for p in again.plans] == [p.sharding for p in first.plans]
 
 
 def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
-    from cfp.runtime.stage_plans import StagePlans
-    layout, plans, _ = searched
+    import dataclasses
+
+    import jax
+    from cfp.runtime.stage.build import build_programs
+    from cfp.runtime.stage.plans import StagePlans
+    layout, plans, _, programs = searched
     plans.save(str(tmp_path))
     back = StagePlans.load(str(tmp_path)).check(layout, "llama2")
     assert back == plans
-    import dataclasses
-    from cfp.runtime.engine import optimizer
-    from cfp.runtime.stage_plans import stage_replays
     won = [dataclasses.replace(p, megatron=True) if p.key == (1, 0) else p for p in plans.plans]
-    replays = stage_replays(StagePlans(plans.model, plans.layout, tuple(won)), _cfg(), layout,
-                            optimizer(1e-3, 0.01))
-    assert (1, 0) not in replays and (0, 0) in replays      # a stage Megatron won runs the Megatron sharding
+    built = build_programs("llama2", _cfg(), layout, jax.devices(), programs,
+                           StagePlans(plans.model, plans.layout, tuple(won)))
+    # a stage Megatron won runs the Megatron sharding
+    assert built[(1, 0)].replay is None and built[(0, 0)].replay is not None
     p00 = next(p for p in plans.plans if p.key == (0, 0))
-    edited = dataclasses.replace(p00, choice=(p00.choice[0] + 1,) + p00.choice[1:])   # notation left as it was
+    s = p00.sharding
+    edited = dataclasses.replace(p00, sharding=dataclasses.replace(s, choice=(s.choice[0] + 1,) + s.choice[1:]))
     with pytest.raises(ConfigError, match=r"stage plan of stage \(0, 0\) does not fit the analysed stage step"):
-        stage_replays(StagePlans(plans.model, plans.layout, (edited,) + plans.plans[1:]), _cfg(), layout,
-                      optimizer(1e-3, 0.01))
+        build_programs("llama2", _cfg(), layout, jax.devices(), programs,
+                       StagePlans(plans.model, plans.layout, (edited,) + plans.plans[1:]))
     other = HeteroLayout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
     with pytest.raises(ConfigError, match=r"no plan for stage \(0, 0\)"):
         back.check(other, "llama2")
@@ -162,16 +164,16 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
 
 
 def test_resumed_run_keeps_its_stage_plans(searched, tmp_path):
-    from cfp.runtime.engine import optimizer
-    from cfp.runtime.stage_plans import StagePlanOptions, plans_for_run
-    layout, plans, cache = searched
+    from cfp.runtime.stage.build import plans_for_run
+    from cfp.runtime.stage.plans import StagePlanOptions
+    layout, plans, cache, programs = searched
     plans.save(str(tmp_path / "ck" / "stage_plans"))
     logs = []
-    got = plans_for_run(_options(cache), "llama2", _cfg(), layout, optimizer(1e-3, 0.01),
+    got = plans_for_run(_options(cache), "llama2", _cfg(), layout, programs,
                         checkpoint_dir=str(tmp_path / "ck"), resume=True, log=logs.append)
     assert got == plans and any("reused" in line for line in logs)
     saved = StagePlanOptions.parse(str(tmp_path / "ck" / "stage_plans"))
-    got = plans_for_run(saved, "llama2", _cfg(), layout, optimizer(1e-3, 0.01), log=logs.append)
+    got = plans_for_run(saved, "llama2", _cfg(), layout, programs, log=logs.append)
     assert got == plans and "loaded" in logs[-1]
 
 
@@ -187,20 +189,25 @@ def test_search_times_megatron_side_by_side(tmp_path):
     """With whole-step verification the stage's winner is compared with its Megatron sharding on the same
     step and cost model, and the faster one is what the plan runs."""
     from cfp.models import get_config
-    from cfp.runtime.engine import optimizer
-    from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans, stage_replays
+    from cfp.runtime.engine import compile_cache
+    from cfp.runtime.stage.build import build_programs
+    from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.runtime.stage.search import search_stage_plans
+    import jax
     layout = HeteroLayout.from_lists([[2]], [[1]], [2], [1])
     cfg = get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)
     opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
                             max_combinations=2, top_k=1, verify=1)
     logs = []
-    plans = search_stage_plans("llama2", cfg, layout, optimizer(1e-3, 0.01), opts, log=logs.append)
+    programs = compile_cache(1e-3, 0.01)
+    plans = search_stage_plans("llama2", cfg, layout, programs, opts, log=logs.append)
     (plan,) = plans.plans
-    assert plan.megatron_time > 0 and plan.megatron_memory > 0 and plan.time > 0   # estimated: compiled
-    assert plan.megatron == (plan.megatron_time + plan.megatron_boundary_time < plan.time + plan.boundary_time)
+    s, m = plan.figures.searched, plan.figures.megatron
+    assert m.time > 0 and m.memory > 0 and s.time > 0   # estimated: compiled
+    assert plan.megatron == (m.time + m.boundary_time < s.time + s.boundary_time)
     assert "side by side (estimated)" in logs[-1]
-    replays = stage_replays(plans, cfg, layout, optimizer(1e-3, 0.01))
-    assert (plan.key in replays) == (not plan.megatron)
+    built = build_programs("llama2", cfg, layout, jax.devices(), programs, plans)
+    assert (built[plan.key].replay is not None) == (not plan.megatron)
 
 
 def test_same_stage_sharding_compares_placements_not_spelling():
@@ -211,7 +218,7 @@ def test_same_stage_sharding_compares_placements_not_spelling():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from cfp.mesh import MeshSpec
-    from cfp.runtime.stage_compare import _same_stage_sharding
+    from cfp.runtime.stage.compare import _same_stage_sharding
     mesh = MeshSpec.parse("4").make()
     ax = mesh.axis_names[0]
 
@@ -222,3 +229,60 @@ def test_same_stage_sharding_compares_placements_not_spelling():
     assert _same_stage_sharding(stage(P(None, ax), P(None, None, None)), megatron)
     assert not _same_stage_sharding(stage(P(ax, None), P()), megatron)
     assert not _same_stage_sharding(stage(P(None, ax), P(ax)), megatron)
+
+
+def test_search_then_training_builds_each_stage_program_once(tmp_path, monkeypatch):
+    """The stage-plan search leaves the programs it built (and timed) in the engine's compile cache: training
+    after it builds no stage program, replay or analysed step again, and runs the very programs the search
+    built. Two pipelines of equal TP-2 stages: the second reuses the first's plan, replay and analysis, and
+    gets its own program (its own devices)."""
+    import jax
+    from cfp.models import make_batch
+    from cfp.runtime.engine import HeteroTrainer, compile_cache
+    from cfp.runtime.stage import cases
+    from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.runtime.stage.program import StageProgram
+    from cfp.runtime.stage.replay import StageReplay
+    from cfp.runtime.stage.search import search_stage_plans
+    built = {"program": [], "replay": 0, "analysis": 0}
+    init_program, init_replay, analyse = StageProgram.__init__, StageReplay.__init__, cases.analyze_with_program
+
+    def program(self, *a, **kw):
+        init_program(self, *a, **kw)
+        built["program"].append(self)
+
+    def replay(self, *a, **kw):
+        init_replay(self, *a, **kw)
+        built["replay"] += 1
+
+    def analysis(*a, **kw):
+        built["analysis"] += 1
+        return analyse(*a, **kw)
+    monkeypatch.setattr(StageProgram, "__init__", program)
+    monkeypatch.setattr(StageReplay, "__init__", replay)
+    monkeypatch.setattr(cases, "analyze_with_program", analysis)
+    layout = HeteroLayout.from_lists([[2], [2]], [[1], [1]], [2, 2], [1, 1])
+    cfg = _one_layer_cfg()
+    opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
+                            max_combinations=2, top_k=1, verify=1)   # verify: the searched program is built
+    programs = compile_cache(1e-3, 0.01)
+    plans = search_stage_plans("llama2", cfg, layout, programs, opts, log=lambda *_: None)
+    in_search = list(built["program"])
+    assert built["analysis"] == 1 and built["replay"] == 1     # one signature: analysed and cut once
+    # each stage: its Megatron program; the searched stage: also its plan's program (timed against Megatron)
+    assert len(in_search) == 3 and sum(p.replay is not None for p in in_search) == 1
+    trainer = HeteroTrainer("llama2", cfg, layout, plans=plans, cache=programs).init(0)
+    stats = trainer.step(jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, 4, 3)))
+    assert np.isfinite(stats.loss)
+    new = [p for p in built["program"] if not any(p is q for q in in_search)]
+    assert built["analysis"] == 1 and built["replay"] == 1
+    runs = trainer.programs
+    # stage (0, 0) runs the program the search built; (1, 0) needed one of its own devices, built once
+    assert any(runs[(0, 0)] is p for p in in_search)
+    assert [p.stage.key for p in new] == ([(1, 0)] if plans.plans[1].runs_searched else [])
+    assert len(built["program"]) == len({(p.stage.key, p.replay is not None) for p in built["program"]})
+
+
+def _one_layer_cfg():
+    from cfp.models import get_config
+    return get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)

@@ -216,6 +216,8 @@ def run_train(args) -> int:
 
     method = get_method(args.batching_method)
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
+    if args.verify:
+        train.check_verifiable(args.model, cfg)      # before any scheme is measured or step run
     seqs = _load(args, args.max_seq_len)
     params = init_params(args.model, cfg, args.seed)
     candidates = _candidates(args, method, cfg, params, seqs)

@@ -54,7 +54,7 @@ def load_stage_times(directory: str, model: str, config):
     the per-micro-batch time of every multi-device stage measured there (the sharding that runs: searched or
     Megatron), for `model`'s `config` only."""
     from cfp.planner.measured import StageShape, measured_stage_times
-    from cfp.runtime.stage_plans import StagePlans
+    from cfp.runtime.stage.plans import StagePlans
     plans = StagePlans.load(directory)
     if plans.model != model or not plans.config:
         raise ConfigError(f"--stage-times {directory!r}: stage plans of model {plans.model!r}"
@@ -62,8 +62,8 @@ def load_stage_times(directory: str, model: str, config):
                           + f", planning {model!r}")
     depth = [len(p) for p in plans.layout["hetero_configs"]]
     stages = [(StageShape(p.tp, p.layers[1] - p.layers[0], p.stage == 0, p.stage == depth[p.pipeline] - 1,
-                          p.micro_batch_size), p.megatron_time if p.megatron else p.time)
-              for p in plans.plans if p.strategies and p.profiler == "measure"]
+                          p.micro_batch_size), p.measured_time())
+              for p in plans.plans if p.measured_time() is not None]
     return measured_stage_times(plans.device, plans.config, stages, source=directory).check_config(config)
 
 

@@ -105,7 +105,7 @@ def _even_partition(hetero: str, num_layers: int) -> list[list[int]]:
 
 
 def _stage_plans(args: argparse.Namespace):
-    from cfp.runtime.stage_plans import StagePlanOptions
+    from cfp.runtime.stage.plans import StagePlanOptions
     return StagePlanOptions.parse(args.stage_plans, memory_per_device=args.stage_memory,
                                   profiler=args.stage_profiler, gpu=args.gpu)
 

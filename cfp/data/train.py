@@ -23,6 +23,7 @@ from cfp.data.propose import Strategy, propose
 from cfp.data.schemes import Scheme, SchemeSpace
 from cfp.data.sources import Sequences
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.models.configs import MoEConfig
 from cfp.runtime.schedules import ScheduleName
 
 Shape = tuple[int, int, int]   # (cp, tp, pp)
@@ -230,6 +231,18 @@ def verify_tolerance(config) -> float:
     return 1e-4 if config.dtype == "float32" else 5e-2
 
 
+def check_verifiable(model: str, config) -> None:
+    """ConfigError unless `--verify`'s reference (each sequence alone in its row) can equal a packed run: not for
+    MoE models, whose top-2 routing keeps at most `expert_capacity` tokens per expert in each group of
+    `expert_group_size` tokens (and averages the aux loss over those groups), so which tokens are dropped
+    depends on which sequences (and padding) share a group."""
+    if isinstance(config, MoEConfig):
+        raise ConfigError(f"--verify of variable-length steps needs a dense model: {model}'s experts keep at most "
+                          f"{config.expert_capacity} tokens each per group of {config.expert_group_size}, so its "
+                          "loss depends on which sequences are packed together and no sequence-by-sequence "
+                          "reference can equal it; train without --verify (or verify a dense model)")
+
+
 def verify_run(opts: DataTrainOptions, data: Sequences, config, init_state, result: DataTrainResult,
                final_params, tol: float | None = None) -> tuple[float, bool]:
     """Replay every step on one device (each sequence alone in its row, `cfp.runtime.verify`); the largest
@@ -237,9 +250,7 @@ def verify_run(opts: DataTrainOptions, data: Sequences, config, init_state, resu
     (default `verify_tolerance`)."""
     tol = verify_tolerance(config) if tol is None else tol
     from cfp.runtime.verify import loss_error, sequence_replay, tree_error
-    if float(getattr(config, "aux_loss_coef", 0.0)):
-        raise ConfigError(f"--verify of variable-length steps needs a dense model (the MoE aux loss of "
-                          f"{opts.model} depends on how sequences are grouped)")
+    check_verifiable(opts.model, config)
     steps = [[data.tokens[i] for i in rec.sequences] for rec in result.steps]
     ref_losses, ref_params = sequence_replay(opts.model, config, init_state[0], init_state[1], steps,
                                              learning_rate=opts.learning_rate,

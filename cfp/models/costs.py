@@ -14,7 +14,7 @@ A MoE model alternates dense and expert layers (odd layers are MoE); a layer's f
 kinds, exact for stages of an even number of layers.
 
 Used by the planner (`cfp.planner.costmodel`), the data pass's estimated scheme space
-(`cfp.data.scheme_space`) and the stage search's boundary pricing (`cfp.runtime.stage_plans`).
+(`cfp.data.scheme_space`) and the stage search's boundary pricing (`cfp.runtime.stage.search`).
 """
 from __future__ import annotations
 
@@ -311,6 +311,10 @@ class ModelCost:
     def boundary_bytes(self) -> float:
         """Bytes per sequence of the activation (or its gradient) sent between stages."""
         return self.config.seq_len * self.config.hidden_size * self.act_bytes
+
+    def token_bytes(self) -> float:
+        """Bytes per sequence of the first stage's input: int32 token ids."""
+        return self.config.seq_len * 4
 
     def layer_all_reduces(self) -> int:
         """Activation all-reduces of one layer's forward under TP: after attention and after the MLP (MoE

@@ -20,7 +20,7 @@ from cfp.runtime import comm
 from cfp.runtime.layout import HeteroLayout, Stage
 from cfp.runtime.schedules import Phase
 from cfp.runtime.state import process_allgather, subtree
-from cfp.runtime.stage import StageProgram
+from cfp.runtime.stage.program import StageProgram
 from cfp.runtime.timing import StepClock
 
 

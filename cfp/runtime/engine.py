@@ -36,12 +36,14 @@ import numpy as np
 import optax
 
 from cfp.errors import ConfigError, NumericalError
-from cfp.models import init_params, min_batch_size, stage_modules
+from cfp.models import init_params
 from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, check_micro_batches, split_batch,
                                   sync_gradients)
 from cfp.runtime.layout import HeteroLayout
 from cfp.runtime.schedules import SCHEDULES, ScheduleName, check_schedule, global_order
-from cfp.runtime.stage import StageProgram
+from cfp.runtime.stage.build import build_programs
+from cfp.runtime.stage.cache import CompileCache
+from cfp.runtime.stage.plans import StagePlans
 from cfp.runtime.state import collect, first_wins, path_table, place_opt_state, subtree
 from cfp.runtime.timeline import Event
 from cfp.runtime.timing import StepClock
@@ -73,53 +75,28 @@ def optimizer(learning_rate: float, weight_decay: float) -> optax.GradientTransf
     return optax.adamw(learning_rate, weight_decay=weight_decay)
 
 
-# Compiled programs are reused by later trainers of the same model, stage and optimizer (a resumed
-# run, another schedule, a test): compiling dominates start-up.
-_PROGRAMS: dict[tuple, StageProgram] = {}
-
-
-def build_programs(model_name: str, config: Any, layout: HeteroLayout, devices: list,
-                   tx: optax.GradientTransformation, tx_key: tuple,
-                   replays: Optional[dict] = None) -> dict:
-    """Every stage's ``StageProgram`` (cached by model, config, stage, devices, ``tx_key`` and its
-    replay). ``replays``: stage key -> ``StageReplay`` of a searched stage plan (absent: the Megatron
-    rules)."""
-    mb_min = min_batch_size(config)
-    for p in layout.pipelines:
-        if p.micro_batch_size % mb_min:
-            raise ConfigError(f"pipeline {p.index}: micro-batch size {p.micro_batch_size} must be "
-                              f"a multiple of {mb_min} so MoE token groups stay whole")
-    modules = stage_modules(model_name, config)
-    full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
-    programs = {}
-    for st in layout.stages:
-        devs = [devices[d] for d in st.devices]
-        if len({d.process_index for d in devs}) > 1:
-            raise ConfigError(
-                f"stage {st.key} uses devices {list(st.devices)} of processes "
-                f"{sorted({d.process_index for d in devs})}; a stage's devices must belong to "
-                f"one process (choose devices_id accordingly)")
-        planned = (replays or {}).get(st.key)
-        ckey = (model_name, config, st, tuple(devs), planned) + tx_key
-        if ckey not in _PROGRAMS:
-            _PROGRAMS[ckey] = StageProgram(st, modules, devs,
-                                           subtree(full_like, st.module_names()), tx, planned)
-        programs[st.key] = _PROGRAMS[ckey]
-    return programs
+def compile_cache(learning_rate: float, weight_decay: float) -> CompileCache:
+    """An empty compile cache for the AdamW optimizer of these hyper-parameters."""
+    return CompileCache(optimizer(learning_rate, weight_decay), (float(learning_rate), float(weight_decay)))
 
 
 class HeteroTrainer:
     """Holds each local stage's params and optimizer state and runs training steps on its layout (the
-    strategy; ``set_layout`` switches it between steps)."""
+    strategy; ``set_layout`` switches it between steps). Its stage programs are built through ``cache``
+    (its `CompileCache`; a new one unless given: pass the one the stage-plan search filled, so the searched
+    programs run as built), from ``plans`` (searched stage plans) where given, else the Megatron rules."""
 
     def __init__(self, model_name: str, config: Any, layout: HeteroLayout,
                  schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, learning_rate: float = 1e-3,
                  weight_decay: float = 0.01, devices: Optional[list] = None,
-                 replays: Optional[dict] = None):
+                 plans: Optional[StagePlans] = None, cache: Optional[CompileCache] = None):
         self.model_name, self.config = model_name, config
         self.devices = list(devices) if devices is not None else jax.devices()
-        self.tx = optimizer(learning_rate, weight_decay)
-        self._tx_key = (float(learning_rate), float(weight_decay))
+        self.cache = cache if cache is not None else compile_cache(learning_rate, weight_decay)
+        if self.cache.tx_key != (float(learning_rate), float(weight_decay)):
+            raise ConfigError(f"the compile cache holds programs of learning rate, weight decay "
+                              f"{self.cache.tx_key}, not ({learning_rate}, {weight_decay})")
+        self.tx = self.cache.tx
         self.full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
         self.schedule = ScheduleName.parse(schedule)
         self.aux_coef = float(getattr(config, "aux_loss_coef", 0.0))
@@ -130,13 +107,12 @@ class HeteroTrainer:
         self._orders: dict[tuple, list] = {}
         self._warmed: set = set()
         self.warm_s = 0.0     # seconds spent in warm(): compilation kept out of timed steps
-        self._build(layout, replays)
+        self._build(layout, plans)
 
-    def _build(self, layout: HeteroLayout, replays: Optional[dict] = None) -> None:
+    def _build(self, layout: HeteroLayout, plans: Optional[StagePlans] = None) -> None:
         layout.validate_for(self.config, len(self.devices))
         self.layout = layout
-        self.programs = build_programs(self.model_name, self.config, layout, self.devices, self.tx,
-                                       self._tx_key, replays)
+        self.programs = build_programs(self.model_name, self.config, layout, self.devices, self.cache, plans)
         self.set_schedule(self.schedule)
         self._local = {k: pr for k, pr in self.programs.items() if pr.is_local}
         self._clock = StepClock({k: pr.stage.devices for k, pr in self._local.items()})

@@ -21,7 +21,8 @@ from cfp.runtime.layout import HeteroLayout, layout_lists
 from cfp.runtime.schedules import ScheduleName
 
 if TYPE_CHECKING:
-    from cfp.runtime.stage_plans import StagePlanOptions
+    from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.runtime.stage.cache import CompileCache
 
 
 def _check_no_ignored_options(o: "TrainOptions") -> None:
@@ -47,7 +48,7 @@ def _check_no_ignored_options(o: "TrainOptions") -> None:
 
 def _searches_stage_plans(o: "TrainOptions") -> bool:
     """Whether the run searches stage plans (it keeps them in ``<checkpoint_dir>/stage_plans``)."""
-    from cfp.runtime.stage_plans import StagePlanMode
+    from cfp.runtime.stage.plans import StagePlanMode
     return o.stage_plans is not None and o.stage_plans.mode is StagePlanMode.SEARCH
 
 
@@ -169,18 +170,22 @@ def _check_before_work(opts: TrainOptions) -> None:
                               f"{opts.checkpoint_dir!r}")
 
 
-def run_training(opts: TrainOptions, log: Callable[..., None] = _print0) -> TrainResult:
-    """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc."""
-    from cfp.runtime.engine import HeteroTrainer, optimizer
-    from cfp.runtime.stage_plans import plans_for_run, report_lines, stage_replays
+def run_training(opts: TrainOptions, log: Callable[..., None] = _print0,
+                 cache: Optional["CompileCache"] = None) -> TrainResult:
+    """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc. ``cache``: the
+    compile cache to build stage programs through (default a new one; runs of one model and optimizer in one
+    process may share one so that they compile each program once)."""
+    from cfp.runtime.engine import HeteroTrainer, compile_cache
+    from cfp.runtime.stage.build import plans_for_run
+    from cfp.runtime.stage.plans import report_lines
     _check_before_work(opts)
     config = build_config(opts)
-    tx = optimizer(opts.learning_rate, opts.weight_decay)
-    plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout, tx, opts.checkpoint_dir,
+    # one compile cache: the stage programs the search builds are the ones the trainer runs
+    cache = cache if cache is not None else compile_cache(opts.learning_rate, opts.weight_decay)
+    plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout, cache, opts.checkpoint_dir,
                           opts.resume, log)
-    trainer = HeteroTrainer(opts.model, config, opts.layout, opts.schedule,
-                            learning_rate=opts.learning_rate, weight_decay=opts.weight_decay,
-                            replays=stage_replays(plans, config, opts.layout, tx) if plans else None)
+    trainer = HeteroTrainer(opts.model, config, opts.layout, opts.schedule, learning_rate=opts.learning_rate,
+                            weight_decay=opts.weight_decay, plans=plans, cache=cache)
     data = _Data(opts, config)
     start, losses = _initial_state(opts, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None

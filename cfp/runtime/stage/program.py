@@ -19,7 +19,7 @@ sequence dim and attention is context-parallel (ring) inside the programs.
 
 Under the Megatron rules activations and their gradients enter and leave replicated over the stage's
 ``tp`` axis. Under a searched stage plan the three programs are cut from the analysed stage step
-(``cfp.runtime.stage_replay.StageReplay``) with every block tensor constrained to its searched layout, and
+(``cfp.runtime.stage.replay.StageReplay``) with every block tensor constrained to its searched layout, and
 parameters, optimizer state, gradients and activations take the plan's layouts. Either way moving
 activations to another stage (``comm.move``) needs no resharding logic of its own.
 """
@@ -40,7 +40,7 @@ from cfp.runtime.layout import Stage
 from cfp.runtime.sharding import CP_AXIS, TP_AXIS, param_shardings, stage_mesh
 
 if TYPE_CHECKING:
-    from cfp.runtime.stage_replay import StageReplay
+    from cfp.runtime.stage.replay import StageReplay
 
 
 class StageProgram:
@@ -51,6 +51,7 @@ class StageProgram:
                  tx: optax.GradientTransformation, replay: Optional["StageReplay"] = None):
         self.stage = stage
         self.embed, self.layer_mods, self.head = modules
+        self.devices = tuple(devices)
         self.mesh = stage_mesh(devices, stage.cp)
         self.repl = NamedSharding(self.mesh, P())
         # tokens, labels, segment ids and positions: sharded on the sequence dim under CP
@@ -60,27 +61,39 @@ class StageProgram:
         self.tx = tx
         self.replay = replay
         self.is_local = all(d.process_index == jax.process_index() for d in devices)
-        if replay is None:
-            self.shardings = param_shardings(params_like, self.mesh)
-            self.grad_shardings = self.shardings
-            self.opt_shardings = self._opt_shardings()
-            self.act_in = self.act_out = self.g_x_sharding = self.rows
-            self.out_sharding = self.repl if stage.is_last else self.rows
-            fwd = self.last_forward if stage.is_last else self.forward
-            bwd = self._last_backward if stage.is_last else self._backward
-            self._apply_update = self._adamw
-        else:
-            if stage.cp > 1:
-                raise ConfigError(f"stage {stage.key}: a searched stage plan runs without context "
-                                  f"parallelism (cp={stage.cp})")
-            self.shardings = self._named(replay.param_specs())
-            self.grad_shardings = self._named(replay.grad_specs())
-            self.opt_shardings = self._named(replay.opt_specs())
-            self.act_in = NamedSharding(self.mesh, replay.act_in())
-            self.act_out = NamedSharding(self.mesh, replay.act_out())
-            self.out_sharding = NamedSharding(self.mesh, replay.out_spec())
-            self.g_x_sharding = self.repl if stage.is_first else NamedSharding(self.mesh, replay.g_x_spec())
-            fwd, bwd, self._apply_update = replay.functions(self.mesh)
+        fwd, bwd, self._apply_update = (self._apply_rules() if replay is None
+                                        else self._apply_searched_plan(replay))
+        self._jit(fwd, bwd)
+
+    def _apply_rules(self) -> tuple:
+        """The Megatron rules table (`cfp.runtime.sharding`): activations replicated over ``tp``."""
+        stage = self.stage
+        self.shardings = param_shardings(self.params_like, self.mesh)
+        self.grad_shardings = self.shardings
+        self.opt_shardings = self._opt_shardings()
+        self.act_in = self.act_out = self.g_x_sharding = self.rows
+        self.out_sharding = self.repl if stage.is_last else self.rows
+        fwd = self.last_forward if stage.is_last else self.forward
+        bwd = self._last_backward if stage.is_last else self._backward
+        return fwd, bwd, self._adamw
+
+    def _apply_searched_plan(self, replay: "StageReplay") -> tuple:
+        """A searched stage plan: every layout from the plan, the programs cut from its analysed step."""
+        stage = self.stage
+        if stage.cp > 1:
+            raise ConfigError(f"stage {stage.key}: a searched stage plan runs without context "
+                              f"parallelism (cp={stage.cp})")
+        self.shardings = self._named(replay.param_specs())
+        self.grad_shardings = self._named(replay.grad_specs())
+        self.opt_shardings = self._named(replay.opt_specs())
+        self.act_in = NamedSharding(self.mesh, replay.act_in())
+        self.act_out = NamedSharding(self.mesh, replay.act_out())
+        self.out_sharding = NamedSharding(self.mesh, replay.out_spec())
+        self.g_x_sharding = self.repl if stage.is_first else NamedSharding(self.mesh, replay.g_x_spec())
+        return replay.functions(self.mesh)
+
+    def _jit(self, fwd, bwd) -> None:
+        stage, tx = self.stage, self.tx
         # The first stage's input is integer tokens: it returns no input gradient.
         out_acc = ((self.grad_shardings, self.repl) if stage.is_first
                    else (self.grad_shardings, self.g_x_sharding, self.repl))

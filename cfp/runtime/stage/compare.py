@@ -14,10 +14,12 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from cfp.profiling import costmodel
 from cfp.profiling.options import ProfilerKind
-from cfp.runtime.stage_replay import stage_step
+from cfp.runtime.stage.boundary import boundary_seconds
+from cfp.runtime.stage.replay import stage_step
 from cfp.xla.compiled import compiled_figures, time_in_turns
 
 
@@ -46,32 +48,37 @@ class MegatronComparison:
                 f"ms): {'Megatron' if self.megatron_wins else 'searched plan'} runs")
 
 
-def compare_with_megatron(prog, tx, args, analysis, result, chosen, applied, boundary: float,
-                          megatron_boundary: float, chunks: int, options, profiler) -> Optional[MegatronComparison]:
-    """Time (or estimate) `chosen` (a verified choice of `result`, resolved as `applied`) and the Megatron
-    stage side by side; None when the search verified nothing whole (`verify` 0)."""
+def compare_with_megatron(case, tx, step, result, picked, planned: Callable[[], Any], options,
+                          profiler) -> Optional[MegatronComparison]:
+    """Time (or estimate) `picked` (the chosen verified choice of search `result` on analysed `step`, a
+    `cfp.runtime.stage.search.Picked`) and the Megatron stage `case.prog` side by side; `planned()` gives the
+    stage program of the picked choice (what the runtime would run, kept in the compile cache). None when the
+    search verified nothing whole (`verify` 0)."""
     sopts = options.search_options()
     if sopts.verify == 0:
         return None
+    prog, args, analysis = case.prog, step.args, step.analysis
     budget = sopts.memory_per_device
     estimate = profiler.kind is ProfilerKind.ESTIMATE
     # the Megatron whole step is compiled for the cost model and for the memory budget only
     megatron = _megatron_step(prog, tx, args) if estimate or budget is not None else None
     mem = compiled_figures(megatron, analysis.mesh.shape, collectives=False).memory if megatron else 0
     fits = budget is None or mem <= budget
-    planned = _planned_program(prog, tx, result, analysis, applied)
-    same = _same_stage_sharding(planned, prog)
+    plan = planned()
+    same = _same_stage_sharding(plan, prog)
     if estimate:
-        searched = result.steps[(tuple(chosen.choice), tuple(chosen.shard_state))].compile(*args)
-        t_s, t_m = (_estimated(c, analysis, chosen.choice, profiler.gpu) for c in (searched, megatron))
+        searched = result.steps[picked.plan_choice].compile(*args)
+        t_s, t_m = (_estimated(c, analysis, picked.verified.choice, profiler.gpu) for c in (searched, megatron))
         noise = None
     elif same:      # timing a sharding against itself measures nothing but noise
         t_s = t_m = 0.0
         noise = None
     else:
-        (t_s, t_m), noise = _alternating([_runtime_run(p, args, chunks) for p in (planned, prog)],
+        (t_s, t_m), noise = _alternating([_runtime_run(p, args, case.chunks) for p in (plan, prog)],
                                          sopts.iters, sopts.warmup)
-    return MegatronComparison(t_s, t_m if fits else float("inf"), boundary, megatron_boundary, mem, noise, same)
+    megatron_boundary = boundary_seconds(case, P(), P(), result.link_gbps)
+    return MegatronComparison(t_s, t_m if fits else float("inf"), picked.boundary, megatron_boundary, mem, noise,
+                              same)
 
 
 def _same_stage_sharding(a, b) -> bool:
@@ -90,17 +97,6 @@ def _megatron_step(prog, tx, args):
     n_rest = len(jax.tree_util.tree_structure(jax.eval_shape(stage_step(prog, tx), *args)).children()) - 3
     out_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * n_rest
     return jax.jit(stage_step(prog, tx), in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
-
-
-def _planned_program(prog, tx, result, analysis, applied):
-    """The stage's `StageProgram` cut from the searched choice (what the runtime would run)."""
-    from cfp.runtime.stage import StageProgram
-    from cfp.runtime.stage_replay import StageReplay
-    st = prog.stage
-    program = next(iter(result.steps.values())).program
-    replay = StageReplay(program, analysis, applied, st.is_first, st.is_last)
-    return StageProgram(st, (prog.embed, prog.layer_mods, prog.head), list(prog.mesh.devices.flat),
-                        prog.params_like, tx, replay)
 
 
 def _runtime_run(p, args, chunks: int) -> Callable[[], Any]:

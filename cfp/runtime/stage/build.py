@@ -1,0 +1,132 @@
+"""How a stage is built: from the rules table (Megatron) or from a searched plan (its programs cut from the
+analysed stage step), always through the engine's `CompileCache`; and which plans a training run builds from
+(`plans_for_run`: none, searched, saved, or those of the checkpointed run)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Optional
+
+import jax
+
+from cfp.errors import ConfigError
+from cfp.models import init_params, min_batch_size, stage_modules
+from cfp.runtime.layout import HeteroLayout
+from cfp.runtime.stage.cache import Built, CompileCache
+from cfp.runtime.stage.cases import StageCase, analysed_step, megatron_program, stage_cases
+from cfp.runtime.stage.plans import PLANS_FILE, StagePlan, StagePlanMode, StagePlanOptions, StagePlans, entries
+from cfp.runtime.stage.program import StageProgram
+from cfp.runtime.stage.replay import StageReplay
+from cfp.sharding.specs import resolve
+
+
+def replay_program(case: StageCase, plan_choice: tuple, applied: Any, cache: CompileCache) -> StageProgram:
+    """The stage's `StageProgram` running searched choice `plan_choice` ((choice, shard_state), resolved as
+    `applied`), cut from its analysed step; replay and program built once per cache."""
+    def build():
+        step = analysed_step(case, cache)
+        st = case.prog.stage
+        replay = cache.get(Built.REPLAY, (case.step_key, plan_choice),
+                           lambda: StageReplay(step.program, step.analysis, applied, st.is_first, st.is_last))
+        p = case.prog
+        return StageProgram(st, (p.embed, p.layer_mods, p.head), list(p.devices), p.params_like, cache.tx, replay)
+    return cache.get(Built.PROGRAM, case.program_key(plan_choice), build)
+
+
+def _planned_programs(plans: StagePlans, config: Any, layout: HeteroLayout, cache: CompileCache,
+                      devices: list) -> dict:
+    """Stage key -> `StageProgram` of every stage whose plan runs a searched choice (the others run the
+    Megatron rules). Programs the search built come from `cache`; saved plans are re-analysed (no profiling,
+    no search) and checked against the analysis: same blocks, same strategies, same parameter layouts."""
+    by_key = plans.by_key()
+    out = {}
+    for case in stage_cases(plans.model, config, layout, cache, devices):
+        plan = by_key[case.prog.stage.key]
+        if plan.runs_searched:
+            choice = plan.plan_choice()
+            built = cache.find(Built.PROGRAM, case.program_key(choice))
+            out[plan.key] = built or replay_program(case, choice, _checked(plan, case, cache), cache)
+    return out
+
+
+def _checked(plan: StagePlan, case: StageCase, cache: CompileCache):
+    """The plan's `StepShardings` on the stage's analysed step; ConfigError if the plan does not fit it."""
+    analysis = analysed_step(case, cache).analysis
+    s = plan.sharding
+    fits = len(s.choice) == len(analysis.blocks) and all(
+        c < len(b.strategies) for b, c in zip(analysis.blocks, s.choice))
+    notation = tuple(analysis.notation(b, c) for b, c in enumerate(s.choice)) if fits else None
+    applied = resolve(analysis, s.choice, s.shard_state) if notation == s.strategies else None
+    specs = applied and tuple(entries(x) for x in applied.input_specs[:len(s.params)])
+    if applied is None or specs != tuple(e for _, e in s.params):
+        raise ConfigError(f"stage plan of stage {plan.key} does not fit the analysed stage step "
+                          f"({len(analysis.blocks)} blocks): it was made by another cfp or model code; "
+                          "search again")
+    return applied
+
+
+def build_programs(model_name: str, config: Any, layout: HeteroLayout, devices: list, cache: CompileCache,
+                   plans: Optional[StagePlans] = None) -> dict:
+    """Every stage's `StageProgram` through `cache`: a searched plan's where `plans` has one that runs, the
+    Megatron rules' elsewhere."""
+    mb_min = min_batch_size(config)
+    for p in layout.pipelines:
+        if p.micro_batch_size % mb_min:
+            raise ConfigError(f"pipeline {p.index}: micro-batch size {p.micro_batch_size} must be "
+                              f"a multiple of {mb_min} so MoE token groups stay whole")
+    for st in layout.stages:
+        procs = sorted({devices[d].process_index for d in st.devices})
+        if len(procs) > 1:
+            raise ConfigError(
+                f"stage {st.key} uses devices {list(st.devices)} of processes {procs}; a stage's devices "
+                f"must belong to one process (choose devices_id accordingly)")
+    planned = _planned_programs(plans, config, layout, cache, devices) if plans else {}
+    modules = stage_modules(model_name, config)
+    full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
+    programs = {}
+    for st in layout.stages:
+        params_like = {"params": {n: full_like["params"][n] for n in st.module_names()}}
+        programs[st.key] = planned.get(st.key) or megatron_program(
+            model_name, config, st, [devices[d] for d in st.devices], params_like, modules, cache)
+    return programs
+
+
+def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: Any, layout: HeteroLayout,
+                  cache: CompileCache, checkpoint_dir: Optional[str] = None, resume: bool = False,
+                  log: Callable[[str], None] = print) -> Optional[StagePlans]:
+    """The stage plans of a training run (None: Megatron rules). A resumed run reuses the plans saved next
+    to its checkpoints; a searched run saves them there (``<checkpoint_dir>/stage_plans``) and leaves the
+    programs it built in `cache`."""
+    from cfp.runtime.stage.search import search_stage_plans
+    if options is None or options.mode is StagePlanMode.MEGATRON:
+        return None
+    saved_dir = os.path.join(checkpoint_dir, "stage_plans") if checkpoint_dir else None
+    if options.mode is StagePlanMode.SAVED:
+        plans = StagePlans.load(options.directory).check(layout, model_name)
+        log(f"stage plans loaded from {options.directory} (no search)")
+    elif resume and saved_dir and _fits(saved_dir, layout, model_name, log):
+        plans = StagePlans.load(saved_dir)
+        log(f"stage plans of the checkpointed run reused from {saved_dir} (no search)")
+    else:
+        if jax.process_count() > 1:
+            # the search compiles and times every stage on devices one process cannot all address
+            raise ConfigError("--stage-plans search runs in a single process; search there and pass the "
+                              "saved stage-plans directory (--stage-plans DIR) to the multi-process run")
+        t0 = time.perf_counter()
+        plans = search_stage_plans(model_name, config, layout, cache, options, log=log)
+        log(f"stage plans searched in {time.perf_counter() - t0:.1f} s")
+    if saved_dir and jax.process_index() == 0:
+        log(f"stage plans saved to {plans.save(saved_dir)}")
+    return plans
+
+
+def _fits(directory: str, layout: HeteroLayout, model_name: str, log) -> bool:
+    """Whether `directory` holds stage plans for this layout (a run may resume onto another layout)."""
+    if not os.path.isfile(os.path.join(directory, PLANS_FILE)):
+        return False
+    try:
+        StagePlans.load(directory).check(layout, model_name)
+        return True
+    except ConfigError as e:
+        log(f"not reusing the checkpointed stage plans: {e}")
+        return False

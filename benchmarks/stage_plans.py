@@ -42,14 +42,14 @@ def _state_bytes(tree) -> int:
 def _run(name: str, args) -> None:
     import jax
     import numpy as np
+    from cfp.layout import Layout
     from cfp.models import get_config
     from cfp.runtime.engine import HeteroTrainer, optimizer
-    from cfp.runtime.layout import HeteroLayout
     from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans, stage_replays
     from cfp.models import make_batch
     model, overrides, lists = LAYOUTS[name]
     cfg = get_config(model, "tiny", **overrides)
-    layout = HeteroLayout.from_lists(*lists)
+    layout = Layout.from_lists(*lists)
     tx = optimizer(1e-3, 0.01)
     import tempfile
     cache = args.cache_dir or tempfile.mkdtemp(prefix="cfp_stage_plans_bench_")

@@ -6,7 +6,7 @@ import pytest
 from cfp.search.plan import spec_from_entries
 
 from cfp.errors import ConfigError
-from cfp.runtime.layout import HeteroLayout
+from cfp.layout import Layout
 
 # Two pipelines: TP-2 + TP-2 stages, and one TP-4 stage holding every layer and the head.
 LISTS = ([[2, 2], [4]], [[1, 1], [2]], [4, 2], [2, 1])
@@ -29,7 +29,7 @@ def searched(tmp_path_factory):
     from cfp.runtime.engine import optimizer
     from cfp.runtime.stage_plans import search_stage_plans
     cache = tmp_path_factory.mktemp("profiles")
-    layout = HeteroLayout.from_lists(*LISTS)
+    layout = Layout.from_lists(*LISTS)
     plans = search_stage_plans("llama2", _cfg(), layout, optimizer(1e-3, 0.01), _options(cache), log=print)
     return layout, plans, cache
 
@@ -54,7 +54,7 @@ def test_stage_plans_give_the_single_device_gradient(searched):
         specs = {k: spec_from_entries([list(x) if isinstance(x, tuple) else x for x in e]) for k, e in p.params}
         for path, sh in jax.tree_util.tree_flatten_with_path(prog.shardings)[0]:
             assert sh.spec == specs[jax.tree_util.keystr(path)]
-    batch = jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.total_batch_size, 7))
+    batch = jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.global_batch, 7))
     for schedule in ("gpipe", "1f1b"):
         trainer.set_schedule(schedule)
         grads, loss = trainer.gradients(batch)
@@ -79,7 +79,7 @@ def _check_steps(trainer, cfg, layout, steps: int = 2):
     from cfp.models import make_batch
     from cfp.runtime.verify import identical_across_pipelines, loss_error, microbatched_replay, tree_error
     params0, opt0, _ = trainer.init(0).state()
-    data = [jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.total_batch_size, 20 + i))
+    data = [jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.global_batch, 20 + i))
             for i in range(steps)]
     ref_losses, ref_params, _ = microbatched_replay("llama2", cfg, layout, params0, opt0, data,
                                                     learning_rate=1e-3, weight_decay=0.01)
@@ -154,7 +154,7 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
     with pytest.raises(ConfigError, match=r"stage plan of stage \(0, 0\) does not fit the analysed stage step"):
         stage_replays(StagePlans(plans.model, plans.layout, (edited,) + plans.plans[1:]), _cfg(), layout,
                       optimizer(1e-3, 0.01))
-    other = HeteroLayout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
+    other = Layout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
     with pytest.raises(ConfigError, match=r"no plan for stage \(0, 0\)"):
         back.check(other, "llama2")
     with pytest.raises(ConfigError, match="made for model 'llama2'"):
@@ -189,7 +189,7 @@ def test_search_times_megatron_side_by_side(tmp_path):
     from cfp.models import get_config
     from cfp.runtime.engine import optimizer
     from cfp.runtime.stage_plans import StagePlanOptions, search_stage_plans, stage_replays
-    layout = HeteroLayout.from_lists([[2]], [[1]], [2], [1])
+    layout = Layout.from_lists([[2]], [[1]], [2], [1])
     cfg = get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)
     opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
                             max_combinations=2, top_k=1, verify=1)

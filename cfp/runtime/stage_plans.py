@@ -38,7 +38,7 @@ from cfp.files import write_json_atomic
 from cfp.analysis.analysis import analyze_with_program
 from cfp.profiling.options import ProfileOptions, default_cache_dir
 from cfp.profiling.profiler import profile
-from cfp.runtime.layout import HeteroLayout, Stage, layout_lists
+from cfp.layout import Layout, PlacedStage
 from cfp.search.options import SearchOptions
 from cfp.search.plan import spec_entries
 from cfp.search.search import search
@@ -47,7 +47,7 @@ from cfp.runtime.stage import StageProgram
 from cfp.runtime.stage_replay import StageReplay, stage_step
 
 PLANS_FILE = "stage_plans.json"
-PLANS_VERSION = 2   # 2: the analysed step accumulates gradients; Megatron may win a stage
+PLANS_VERSION = 3   # 2: the analysed step accumulates gradients; Megatron may win a stage; 3: `Layout.to_json`
 
 
 class StagePlanMode(enum.Enum):
@@ -147,7 +147,7 @@ class StagePlan:
     def key(self) -> tuple[int, int]:
         return (self.pipeline, self.stage)
 
-    def matches(self, st: Stage, micro_batch_size: int) -> bool:
+    def matches(self, st: PlacedStage, micro_batch_size: int) -> bool:
         return (self.key == st.key and self.tp == st.tp and tuple(self.layers) == (st.layer_start, st.layer_end)
                 and self.micro_batch_size == micro_batch_size)
 
@@ -172,30 +172,29 @@ class StagePlans:
     ("cpu" here), so `cfp plan --stage-times` can use measured stage times for stages of the same shape."""
 
     model: str
-    layout: dict
+    layout: Layout
     plans: tuple[StagePlan, ...]
     config: dict = dataclasses.field(default_factory=dict)
     device: str = ""
 
-    def check(self, layout: HeteroLayout, model: str) -> "StagePlans":
+    def check(self, layout: Layout, model: str) -> "StagePlans":
         """Raise ConfigError unless every stage of `layout` has a plan made for it."""
         if model != self.model:
             raise ConfigError(f"stage plans were made for model {self.model!r}, not {model!r}")
         by_key = {p.key: p for p in self.plans}
-        for pipe in layout.pipelines:
-            for st in pipe.stages:
-                p = by_key.get(st.key)
-                if p is None or not p.matches(st, pipe.micro_batch_size):
-                    raise ConfigError(f"stage plans (layout {self.layout.get('hetero_configs')}, layers "
-                                      f"{self.layout.get('layer_partitions')}) have no plan for stage {st.key} "
-                                      f"(TP {st.tp}, layers {st.layer_start}..{st.layer_end - 1}, micro-batch "
-                                      f"{pipe.micro_batch_size}); search again for this layout")
+        for st in layout.placed:
+            p, mb = by_key.get(st.key), layout.pipelines[st.pipeline].micro_batch
+            if p is None or not p.matches(st, mb):
+                raise ConfigError(f"stage plans (layout {self.layout.summary()}) have no plan for stage {st.key} "
+                                  f"(TP {st.tp}, layers {st.layer_start}..{st.layer_end - 1}, micro-batch "
+                                  f"{mb}); search again for this layout")
         return self
 
     def save(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)
         return write_json_atomic(os.path.join(directory, PLANS_FILE),
-                                 {"version": PLANS_VERSION, **dataclasses.asdict(self)})
+                                 {"version": PLANS_VERSION, **dataclasses.asdict(self),
+                                  "layout": self.layout.to_json()})
 
     @classmethod
     def load(cls, directory: str) -> "StagePlans":
@@ -211,7 +210,7 @@ class StagePlans:
             raise ConfigError(f"stage plans {path!r} have version {d.get('version')!r}, expected {PLANS_VERSION}")
         try:
             plans = tuple(_plan_from_dict(p) for p in d["plans"])
-            return cls(str(d["model"]), dict(d["layout"]), plans, dict(d.get("config", {})),
+            return cls(str(d["model"]), Layout.from_json(d["layout"], f"stage plans {path!r}: layout"), plans, dict(d.get("config", {})),
                        str(d.get("device", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"stage plans {path!r} are malformed: {e!r}") from None
@@ -284,7 +283,7 @@ def _pick(analysis, result, prog, x_like, y_like, budget, n_act: int):
 _ANALYSED: dict[tuple, tuple] = {}
 
 
-def _signature(model_name: str, config: Any, st: Stage, micro_batch: int, tx) -> tuple:
+def _signature(model_name: str, config: Any, st: PlacedStage, micro_batch: int, tx) -> tuple:
     return (model_name, config, tuple(st.module_names()), st.tp, micro_batch, st.is_first, st.is_last, tx)
 
 
@@ -344,22 +343,22 @@ def search_stage(prog: StageProgram, tx, model_name: str, config: Any, micro_bat
     return plan
 
 
-def _replicated(st: Stage, micro_batch: int, params_like) -> StagePlan:
+def _replicated(st: PlacedStage, micro_batch: int, params_like) -> StagePlan:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params_like)[0]]
     return StagePlan(st.pipeline, st.index, st.tp, (st.layer_start, st.layer_end), micro_batch, (), (), (),
                      tuple((k, ()) for k in paths), (), ())
 
 
-def _stage_programs(model_name: str, config: Any, layout: HeteroLayout, tx, devices: Optional[list]):
+def _stage_programs(model_name: str, config: Any, layout: Layout, tx, devices: Optional[list]):
     """(stage, micro-batch, Megatron `StageProgram`, input activation, output activation) of every stage."""
     from cfp.models import init_params, stage_modules
     devices = list(devices) if devices is not None else jax.devices()
     modules = stage_modules(model_name, config)
     full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
-    for pipe in layout.pipelines:
-        mbs = pipe.micro_batch_size
+    for i, pipe in enumerate(layout.pipelines):
+        mbs = pipe.micro_batch
         x_like = jax.ShapeDtypeStruct((mbs, config.seq_len), jnp.int32)
-        for st in pipe.stages:
+        for st in layout.placed_in(i):
             params_like = {"params": {n: full_like["params"][n] for n in st.module_names()}}
             prog = StageProgram(st, modules, [devices[d] for d in st.devices], params_like, tx)
             y_like = jax.eval_shape(prog.forward, params_like, x_like)[0]
@@ -367,7 +366,7 @@ def _stage_programs(model_name: str, config: Any, layout: HeteroLayout, tx, devi
             x_like = y_like
 
 
-def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, tx: optax.GradientTransformation,
+def search_stage_plans(model_name: str, config: Any, layout: Layout, tx: optax.GradientTransformation,
                        options: StagePlanOptions, devices: Optional[list] = None,
                        log: Callable[[str], None] = print) -> StagePlans:
     """Search every stage's plan (stages equal in layers, TP and micro-batch are searched once)."""
@@ -385,7 +384,7 @@ def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, tx: o
                                              log)
         plans.append(plan)
     devices = list(devices) if devices is not None else jax.devices()
-    return StagePlans(model_name, layout_lists(layout), tuple(plans), dataclasses.asdict(config),
+    return StagePlans(model_name, layout, tuple(plans), dataclasses.asdict(config),
                       device_kind(devices[0]))
 
 
@@ -397,7 +396,7 @@ def device_kind(device) -> str:
 _REPLAYS: dict[tuple, StageReplay] = {}
 
 
-def stage_replays(plans: StagePlans, config: Any, layout: HeteroLayout, tx: optax.GradientTransformation,
+def stage_replays(plans: StagePlans, config: Any, layout: Layout, tx: optax.GradientTransformation,
                   devices: Optional[list] = None) -> dict:
     """Stage key -> `StageReplay` of every stage whose plan runs a searched choice (the others run the
     Megatron sharding). Saved plans are re-analysed (no profiling, no search) and checked against the
@@ -430,7 +429,7 @@ def _checked(plan: StagePlan, analysis, prog: StageProgram):
     return applied
 
 
-def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: Any, layout: HeteroLayout,
+def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: Any, layout: Layout,
                   tx, checkpoint_dir: Optional[str] = None, resume: bool = False,
                   log: Callable[[str], None] = print) -> Optional[StagePlans]:
     """The stage plans of a training run (None: Megatron rules). A resumed run reuses the plans saved next
@@ -457,7 +456,7 @@ def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: 
     return plans
 
 
-def _fits(directory: str, layout: HeteroLayout, model_name: str, log) -> bool:
+def _fits(directory: str, layout: Layout, model_name: str, log) -> bool:
     """Whether `directory` holds stage plans for this layout (a run may resume onto another layout)."""
     if not os.path.isfile(os.path.join(directory, PLANS_FILE)):
         return False
@@ -469,7 +468,7 @@ def _fits(directory: str, layout: HeteroLayout, model_name: str, log) -> bool:
         return False
 
 
-def report_lines(plans: StagePlans, layout: HeteroLayout, busy: dict) -> list[str]:
+def report_lines(plans: StagePlans, layout: Layout, busy: dict) -> list[str]:
     """Per stage: strategy summary, memory, the search's step time x micro-batches vs the measured busy time.
 
     The search's time is one micro-batch's forward+backward+update (measured under the `measure` profiler on

@@ -236,10 +236,12 @@ class Layout:
                          f"dev{list(st.devices)}")
         return "\n".join(rows)
 
-    def summary(self) -> str:
-        """One line: per pipeline its stages' TP degrees x layers and its micro-batches."""
-        return " | ".join("+".join(f"{f'cp{s.cp}' if s.cp > 1 else ''}tp{s.tp}x{s.layers}L" for s in p.stages)
-                          + f" ({p.chunks}x{p.micro_batch})" for p in self.pipelines)
+    def summary(self, devices: bool = False) -> str:
+        """One line: per pipeline its stages' TP degrees x layers (and device ids) and its micro-batches."""
+        def stage(s: Stage) -> str:
+            ids = f"[{','.join(map(str, s.devices))}]" if devices else ""
+            return f"{f'cp{s.cp}' if s.cp > 1 else ''}tp{s.tp}x{s.layers}L{ids}"
+        return " | ".join("+".join(map(stage, p.stages)) + f" ({p.chunks}x{p.micro_batch})" for p in self.pipelines)
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict:

@@ -167,9 +167,9 @@ def _file_layout(args: argparse.Namespace):
             flagged = e
         if not isinstance(flagged, Layout) or not flagged.same_run(lf.layout):
             flags = " ".join(f"--{n.replace('_', '-')} {getattr(args, n)!r}" for n in given)
-            got = flagged.summary() if isinstance(flagged, Layout) else f"an invalid layout ({flagged})"
+            got = flagged.summary(devices=True) if isinstance(flagged, Layout) else f"an invalid layout ({flagged})"
             raise ConfigError(f"{flags} give {got}, but layout file {args.layout!r} has layout "
-                              f"{lf.layout.summary()}; drop the flags or the file")
+                              f"{lf.layout.summary(devices=True)}; drop the flags or the file")
     args.model, args.config, args.schedule = lf.model, lf.config, lf.schedule.value
     overrides = {k: v for k, v in lf.overrides.items() if v is not None}
     return get_config(lf.model, lf.config, **overrides), overrides, lf.layout

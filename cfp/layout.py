@@ -13,6 +13,7 @@ This module sits below the planner and the runtime and imports neither.
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -71,7 +72,7 @@ class Pipeline:
 
     @property
     def devices(self) -> tuple[int, ...]:
-        return tuple(d for s in self.stages for d in s.devices)
+        return tuple(itertools.chain.from_iterable(s.devices for s in self.stages))
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class PlacedStage:
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
 
 @dataclass(frozen=True)
@@ -132,21 +133,25 @@ class Layout:
     def __post_init__(self):
         if not self.pipelines:
             raise ConfigError("a layout needs at least one pipeline")
-        totals = [p.num_layers for p in self.pipelines]
-        if len(set(totals)) != 1:
-            raise ConfigError(f"pipelines hold different numbers of layers {totals}; every pipeline holds "
-                              "the whole model")
-        seen: dict[int, tuple[int, int]] = {}
-        for p, pipe in enumerate(self.pipelines):
-            _check_pipeline(p, pipe)
-            for s, st in enumerate(pipe.stages):
-                for d in st.devices:
-                    if not _is_int(d) or d < 0:
-                        raise ConfigError(f"pipeline {p} stage {s}: device id {d!r} is not a non-negative integer")
-                    if d in seen:
-                        raise ConfigError(f"device {d} is used by stage {seen[d]} and stage {(p, s)}; each "
-                                          "device belongs to one stage")
-                    seen[d] = (p, s)
+        facts = [_checked(p, pipe) for p, pipe in enumerate(self.pipelines)]
+        if len({n for n, _ in facts}) != 1:
+            raise ConfigError(f"pipelines hold different numbers of layers {[n for n, _ in facts]}; every "
+                              "pipeline holds the whole model")
+        if len(set().union(*(ids for _, ids in facts))) != sum(len(ids) for _, ids in facts):
+            _name_shared_device(self.pipelines)
+
+    @classmethod
+    def unchecked(cls, pipelines: tuple[Pipeline, ...]) -> "Layout":
+        """A layout built without `__post_init__`'s checks, for a producer that keeps them by construction and
+        builds thousands of candidates (the planner's search, ~10% of its time at 1024 GPUs otherwise); what
+        it hands on it passes through `checked`."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "pipelines", pipelines)
+        return out
+
+    def checked(self) -> "Layout":
+        """This layout, its checks run (a no-op cost for a layout built the ordinary way)."""
+        return Layout(self.pipelines)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -343,6 +348,31 @@ class Layout:
                 "devices_id": [[list(s.devices) for s in p.stages] for p in self.pipelines]}
 
 
+def _checked(p: int, pipe: Pipeline) -> tuple[int, frozenset]:
+    """(layers, device ids) of valid pipeline `p`, checked once per `Pipeline` object (the planner builds
+    many layouts from the same pipelines)."""
+    facts = pipe.__dict__.get("_facts")
+    if facts is None:
+        _check_pipeline(p, pipe)
+        devices = pipe.devices
+        facts = (pipe.num_layers, frozenset(devices))
+        if len(facts[1]) != len(devices):
+            _name_shared_device((pipe,), p)
+        object.__setattr__(pipe, "_facts", facts)
+    return facts
+
+
+def _name_shared_device(pipelines: Sequence[Pipeline], first: int = 0) -> None:
+    seen: dict[int, tuple[int, int]] = {}
+    for p, pipe in enumerate(pipelines, first):
+        for s, st in enumerate(pipe.stages):
+            for d in st.devices:
+                if d in seen:
+                    raise ConfigError(f"device {d} is used by stage {seen[d]} and stage {(p, s)}; each "
+                                      "device belongs to one stage")
+                seen[d] = (p, s)
+
+
 def _check_pipeline(p: int, pipe: Pipeline) -> None:
     if not pipe.stages:
         raise ConfigError(f"pipeline {p} has no stages")
@@ -351,11 +381,21 @@ def _check_pipeline(p: int, pipe: Pipeline) -> None:
         raise ConfigError(f"pipeline {p}: batch={pipe.batch!r} is not a positive multiple of "
                           f"chunks={pipe.chunks!r}")
     for s, st in enumerate(pipe.stages):
-        if not _is_int(st.layers) or st.layers <= 0:
-            raise ConfigError(f"pipeline {p} stage {s}: layers={st.layers!r} must be a positive integer")
-        if not _is_int(st.cp) or st.cp <= 0 or not st.devices or len(st.devices) % st.cp:
-            raise ConfigError(f"pipeline {p} stage {s}: {len(st.devices)} devices {list(st.devices)} are not "
-                              f"a whole cp x tp grid with cp={st.cp!r}")
+        if "_checked" not in st.__dict__:       # once per `Stage` object: pipelines share stages
+            _check_stage(p, s, st)
+            object.__setattr__(st, "_checked", True)
+
+
+def _check_stage(p: int, s: int, st: Stage) -> None:
+    if not _is_int(st.layers) or st.layers <= 0:
+        raise ConfigError(f"pipeline {p} stage {s}: layers={st.layers!r} must be a positive integer")
+    if not _is_int(st.cp) or st.cp <= 0 or not st.devices or len(st.devices) % st.cp:
+        raise ConfigError(f"pipeline {p} stage {s}: {len(st.devices)} devices {list(st.devices)} are not "
+                          f"a whole cp x tp grid with cp={st.cp!r}")
+    if set(map(type, st.devices)) != {int} or min(st.devices) < 0:     # the fast test of the loop below
+        for d in st.devices:
+            if not _is_int(d) or d < 0:
+                raise ConfigError(f"pipeline {p} stage {s}: device id {d!r} is not a non-negative integer")
 
 
 def _short(v: Any) -> str:

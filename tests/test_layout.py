@@ -131,3 +131,13 @@ def test_model_flags_beside_a_layout_file_must_agree(tmp_path):
         layout_from_args(build_parser().parse_args(["train", "--layout", path, "--num-layers", "2"]))
     with pytest.raises(ConfigError, match=r"--model=gpt conflicts with layout file"):
         layout_from_args(build_parser().parse_args(["train", "--layout", path, "--model", "gpt"]))
+
+
+def test_an_unchecked_layout_is_checked_before_it_is_handed_on():
+    """The planner's candidates skip the checks; `checked` (which the planner's result passes through) runs
+    them."""
+    bad = Layout.unchecked((Pipeline((Stage((0, 1), 2), Stage((1,), 2)), 4, 2),))
+    with pytest.raises(ConfigError, match=r"device 1 is used by stage \(0, 0\) and stage \(0, 1\)"):
+        bad.checked()
+    good = Layout.unchecked(EXAMPLE.pipelines)
+    assert good.checked() == EXAMPLE == good

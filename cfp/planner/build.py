@@ -148,7 +148,7 @@ def _search_orders(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int
         st = split_layers(cm, stages, chunks * micro_batch, chunks, n_pipes)
         if st is not None:
             a, w = pipeline_terms(cm, st, micro_batch)
-            t = a + (chunks - 1) * w + cm.update_time(Layout((Pipeline(st, chunks, chunks),)))
+            t = a + (chunks - 1) * w + cm.update_time(Layout.unchecked((Pipeline(st, chunks, chunks),)))
             if t < best_t:
                 best, best_t = (i, st), t
     return best
@@ -180,4 +180,4 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[Stage]]], glob
         if st is None:
             return None
         out.append(Pipeline(st, c * micro_batch, c))
-    return Layout(tuple(out))
+    return Layout.unchecked(tuple(out))

@@ -139,10 +139,10 @@ def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_0
                     chunks = allocate_chunks([c[1] for c in combo], [c[2] for c in combo], total)
                     if chunks is None:
                         continue
-                    lay = Layout(tuple(Pipeline(st, c * mb, c) for (st, _, _), c in zip(combo, chunks)))
+                    lay = Layout.unchecked(tuple(Pipeline(st, c * mb, c) for (st, _, _), c in zip(combo, chunks)))
                     e = cm.estimate(lay)
                     if e.fits and (best is None or e.objective < best[1].objective):
                         best = (lay, e)
     if best is None:
         raise InfeasibleError("no layout fits the cluster's memory")
-    return best[0], best[1], count
+    return best[0].checked(), best[1], count

@@ -208,4 +208,4 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
             lay, est = cand, cm.estimate(cand)
         if best_est is None or est.objective < best_est.objective:
             best_layout, best_est = lay, est
-    return PlannerResult(best_layout, best_est, search.count, time.perf_counter() - t0)
+    return PlannerResult(best_layout.checked(), best_est, search.count, time.perf_counter() - t0)

@@ -51,7 +51,7 @@ class _Budget:
 def _replace(layout: Layout, p: int, pipe: Pipeline) -> Layout:
     pipes = list(layout.pipelines)
     pipes[p] = pipe
-    return Layout(tuple(pipes))
+    return Layout.unchecked(tuple(pipes))
 
 
 # ----------------------------------------------------------------------------- polishing
@@ -106,7 +106,7 @@ def _aligned_shifts(layout: Layout) -> Iterator[Layout]:
                     st[i + 1] = Stage(c.devices, c.layers - sign * d, c.machine)
                     pipes[p], moved = Pipeline(tuple(st), pipe.batch, pipe.chunks), moved + 1
                 if moved >= 2:
-                    yield Layout(tuple(pipes))
+                    yield Layout.unchecked(tuple(pipes))
 
 
 def _batch_moves(layout: Layout, est: Estimate) -> Iterator[Layout]:
@@ -165,7 +165,7 @@ def _rebuild(bud: _Budget, pipes: Sequence[Sequence[Stage]], changed: set[int], 
                              [bud.terms(st, mb, k, total)[1] for st in stages], total)
     if chunks is None:
         return None
-    return Layout(tuple(Pipeline(st, c * mb, c) for st, c in zip(stages, chunks)))
+    return Layout.unchecked(tuple(Pipeline(st, c * mb, c) for st, c in zip(stages, chunks)))
 
 
 def _blocks(stages: Sequence[Stage]) -> list[list[Stage]]:

@@ -98,6 +98,7 @@ def test_a_bad_field_is_a_one_line_error_naming_it(tmp_path, capsys, edit, messa
     ["--hetero-configs", "[[2,1,1],[4]]"],                    # the refused example
     ["--hetero-configs", "[[2, 1, 1], [4]]", "--layer-partitions", "[[2,1,1],[4],]"],   # other text, same lists
     ["--devices-id", "[[[0,1],[2],[3]],[[4,5,6,7]]]"],
+    ["--global-batch-size", "6", "2", "--chunks", "3", "1"],
 ])
 def test_layout_flags_equal_to_the_file_are_accepted(tmp_path, flags):
     path = _write(tmp_path, _annotated(EXAMPLE))
@@ -111,6 +112,8 @@ def test_layout_flags_equal_to_the_file_are_accepted(tmp_path, flags):
     (["--devices-id", "[[[0,1],[3],[2]],[[4,5,6,7]]]"], "give tp2x2L[0,1]+tp1x1L[3]+tp1x1L[2] (3x2) | "
                                                         "tp4x4L[4,5,6,7] (1x2)"),
     (["--hetero-configs", "[[1,1,1],[4]]"], "give an invalid layout (devices_id[0][0]=[0, 1] has 2 devices"),
+    (["--global-batch-size", "6"], "--global-batch-size 6 give tp2x2L[0,1]+tp1x1L[2]+tp1x1L[3] (3x2) | "
+                                   "tp4x4L[4,5,6,7] (1x6)"),        # padded to 6 6: another batch split
 ])
 def test_layout_flags_other_than_the_file_are_refused_naming_both(tmp_path, capsys, flags, given):
     path = _write(tmp_path, _annotated(EXAMPLE))

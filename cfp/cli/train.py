@@ -12,6 +12,8 @@ import sys
 
 from cfp.cli import common
 
+DEFAULT_BATCH, DEFAULT_CHUNKS = [8], [1]    # per pipeline, without --layout
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -55,9 +57,11 @@ def _layout_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-partitions", "--layer_partitions", default=None,
                    help='per pipeline, layers per stage (default: split evenly), e.g. "[[2,1,1],[4]]"')
     p.add_argument("--global-batch-size", "--global_batch_size", type=common.positive_int, nargs="+",
-                   default=[8], help="batch rows per pipeline (padded with the last value / cut)")
-    p.add_argument("--chunks", "--micro_batch_num", type=common.positive_int, nargs="+", default=[1],
-                   help="micro-batches per pipeline (padded with the last value / cut)")
+                   default=None, help="batch rows per pipeline (padded with the last value / cut; when not "
+                                      f"given: {DEFAULT_BATCH}, or the --layout file's)")
+    p.add_argument("--chunks", "--micro_batch_num", type=common.positive_int, nargs="+", default=None,
+                   help="micro-batches per pipeline (padded with the last value / cut; when not given: "
+                        f"{DEFAULT_CHUNKS}, or the --layout file's)")
     p.add_argument("--devices-id", "--devices_id", default=None,
                    help='per pipeline, per stage, device ids (default: packed), e.g. "[[[0,1],[2]]]"')
 
@@ -122,6 +126,7 @@ def _stage_plans(args: argparse.Namespace):
 
 
 LAYOUT_FLAGS = ("hetero_configs", "layer_partitions", "devices_id")
+LIST_FLAGS = ("global_batch_size", "chunks")        # per pipeline, given as numbers
 MODEL_FLAGS = ("model", "num_layers", "seq_len", "dtype")
 
 
@@ -142,14 +147,14 @@ def layout_from_args(args: argparse.Namespace):
     lists = {n: parse_nested_list(getattr(args, n), n) for n in LAYOUT_FLAGS if getattr(args, n) is not None}
     if "layer_partitions" not in lists:
         lists["layer_partitions"] = _even_partition(lists["hetero_configs"], config.num_layers)
-    layout = Layout.from_lists(global_batch_size=args.global_batch_size, chunks=args.chunks, **lists)
+    layout = Layout.from_lists(global_batch_size=args.global_batch_size or DEFAULT_BATCH,
+                               chunks=args.chunks or DEFAULT_CHUNKS, **lists)
     return config, overrides, layout
 
 
 def _file_layout(args: argparse.Namespace):
     """`layout_from_args` of a --layout file: its model, config, schedule and `Layout` as loaded."""
     from cfp.errors import ConfigError
-    from cfp.layout import Layout
     from cfp.models import get_config
     from cfp.planner.layout_file import load_layout_file
     lf = load_layout_file(args.layout)
@@ -159,20 +164,31 @@ def _file_layout(args: argparse.Namespace):
         if given is not None and given != filed[name]:
             raise ConfigError(f"--{name.replace('_', '-')}={given} conflicts with layout file {args.layout!r} "
                               f"({name} {filed[name]}); drop the flag or the file")
-    given = {n: parse_nested_list(getattr(args, n), n) for n in LAYOUT_FLAGS if getattr(args, n) is not None}
-    if given:       # compared as layouts: the file's lists with the flags' in their place
-        try:
-            flagged = Layout.from_lists(**{**lf.layout.lists(), **given})
-        except ConfigError as e:
-            flagged = e
-        if not isinstance(flagged, Layout) or not flagged.same_run(lf.layout):
-            flags = " ".join(f"--{n.replace('_', '-')} {getattr(args, n)!r}" for n in given)
-            got = flagged.summary(devices=True) if isinstance(flagged, Layout) else f"an invalid layout ({flagged})"
-            raise ConfigError(f"{flags} give {got}, but layout file {args.layout!r} has layout "
-                              f"{lf.layout.summary(devices=True)}; drop the flags or the file")
+    _check_layout_flags(args, lf.layout)
     args.model, args.config, args.schedule = lf.model, lf.config, lf.schedule.value
     overrides = {k: v for k, v in lf.overrides.items() if v is not None}
     return get_config(lf.model, lf.config, **overrides), overrides, lf.layout
+
+
+def _check_layout_flags(args: argparse.Namespace, filed) -> None:
+    """Layout flags beside --layout are compared as layouts: the file's lists with the flags' in their place
+    must give the file's layout (machine annotations aside)."""
+    from cfp.errors import ConfigError
+    from cfp.layout import Layout
+    given = {n: parse_nested_list(getattr(args, n), n) for n in LAYOUT_FLAGS if getattr(args, n) is not None}
+    given.update({n: getattr(args, n) for n in LIST_FLAGS if getattr(args, n) is not None})
+    if not given:
+        return
+    try:
+        flagged = Layout.from_lists(**{**filed.lists(), **given})
+    except ConfigError as e:
+        flagged = e
+    if not isinstance(flagged, Layout) or not flagged.same_run(filed):
+        flags = " ".join(f"--{n.replace('_', '-')} " + (" ".join(map(str, getattr(args, n))) if n in LIST_FLAGS
+                                                         else repr(getattr(args, n))) for n in given)
+        got = flagged.summary(devices=True) if isinstance(flagged, Layout) else f"an invalid layout ({flagged})"
+        raise ConfigError(f"{flags} give {got}, but layout file {args.layout!r} has layout "
+                          f"{filed.summary(devices=True)}; drop the flags or the file")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -208,9 +208,10 @@ class StagePlans:
             raise ConfigError(f"stage plans {path!r} are not JSON: {e}") from None
         if d.get("version") != PLANS_VERSION:
             raise ConfigError(f"stage plans {path!r} have version {d.get('version')!r}, expected {PLANS_VERSION}")
+        layout = Layout.from_json(d.get("layout"), f"stage plans {path!r}: layout")
         try:
             plans = tuple(_plan_from_dict(p) for p in d["plans"])
-            return cls(str(d["model"]), Layout.from_json(d["layout"], f"stage plans {path!r}: layout"), plans, dict(d.get("config", {})),
+            return cls(str(d["model"]), layout, plans, dict(d.get("config", {})),
                        str(d.get("device", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"stage plans {path!r} are malformed: {e!r}") from None

@@ -118,8 +118,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
         cm = CostModel()
         if args.gpu:
             from cfp.hardware.gpus import get_gpu
-            g = get_gpu(args.gpu)
-            cm = CostModel(bandwidth=g.link_gbps * 1e9, flops=g.peak_flops("float32"))
+            cm = CostModel.for_gpu(get_gpu(args.gpu))
         res = ilp_choice(analysis, memory_budget=budget, cost=cm, time_limit=args.ilp_time_limit)
         row.plan_time = time.perf_counter() - t0
         row.note = (f"{res.num_variables} vars, {'optimal' if res.optimal else 'time limit'}, "

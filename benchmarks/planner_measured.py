@@ -35,11 +35,6 @@ from cfp.planner.planner import find_layout  # noqa: E402
 CLUSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "clusters", "local.yaml")
 
 
-def describe(layout) -> str:
-    return " | ".join("+".join(f"tp{s.tp}x{s.layers}L" for s in p.stages) + f" ({p.chunks}x{p.micro_batch})"
-                      for p in layout.pipelines)
-
-
 def candidates(cm, options) -> list[tuple[str, object]]:
     """(name, layout): the planner's pick, then other layouts of the same global batch (distinct ones)."""
     out = [("planner", find_layout(cm.cluster, cm.config, options).layout)]
@@ -64,12 +59,11 @@ def candidates(cm, options) -> list[tuple[str, object]]:
 def measure(model: str, cfg, layouts, rounds: int, log) -> list[list[float]]:
     """Step seconds of each layout per round (the layouts in turns), after a warm-up step each."""
     from cfp.runtime.engine import HeteroTrainer
-    from cfp.runtime.layout import HeteroLayout
     from cfp.runtime.schedules import ScheduleName
     trainers = []
     for name, lay in layouts:
         t0 = time.perf_counter()
-        tr = HeteroTrainer(model, cfg, HeteroLayout.from_lists(**lay.lists())).init(0)
+        tr = HeteroTrainer(model, cfg, lay).init(0)
         tr.set_schedule(ScheduleName.ONE_F_ONE_B)
         tr.compile()
         trainers.append(tr)
@@ -147,7 +141,7 @@ def main() -> None:
     for (name, lay), e, m, t in zip(layouts, est, med, times):
         noise = (max(t) - min(t)) / 2 / m
         ratios.append(e / m)
-        print(f"{name:<24} {e:>18.4f} {m:>18.4f} {noise:>6.1%} {e / m:>8.2f}  {describe(lay)}")
+        print(f"{name:<24} {e:>18.4f} {m:>18.4f} {noise:>6.1%} {e / m:>8.2f}  {lay.summary()}")
     by_est = [layouts[i][0] for i in sorted(range(len(est)), key=est.__getitem__)]
     by_meas = [layouts[i][0] for i in sorted(range(len(med)), key=med.__getitem__)]
     print(f"ranking by estimate: {' < '.join(by_est)}")

@@ -42,15 +42,15 @@ def _state_bytes(tree) -> int:
 def _run(name: str, args) -> None:
     import jax
     import numpy as np
+    from cfp.layout import Layout
     from cfp.models import get_config
     from cfp.runtime.engine import HeteroTrainer, compile_cache
-    from cfp.runtime.layout import HeteroLayout
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.runtime.stage.search import search_stage_plans
     from cfp.models import make_batch
     model, overrides, lists = LAYOUTS[name]
     cfg = get_config(model, "tiny", **overrides)
-    layout = HeteroLayout.from_lists(*lists)
+    layout = Layout.from_lists(*lists)
     programs = compile_cache(1e-3, 0.01)    # the searched run's: its trainer runs the programs the search built
     import tempfile
     cache = args.cache_dir or tempfile.mkdtemp(prefix="cfp_stage_plans_bench_")

@@ -33,7 +33,8 @@ from cfp.models.configs import GPTConfig, LlamaConfig  # noqa: E402
 from cfp.models.costs import ModelCost  # noqa: E402
 from cfp.planner.baselines import _megatron, megatron_layout  # noqa: E402
 from cfp.planner.cluster import Cluster, Machine  # noqa: E402
-from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, precision_of  # noqa: E402
+from cfp.layout import Layout  # noqa: E402
+from cfp.planner.costmodel import CostModel, Estimate, precision_of  # noqa: E402
 from cfp.planner.options import PlannerOptions  # noqa: E402
 from cfp.planner.step_features import GradSync, Recompute, StepFeatures  # noqa: E402
 from cfp.runtime.schedules import ScheduleName  # noqa: E402
@@ -80,7 +81,7 @@ def cost_model(r: Run) -> CostModel:
     return CostModel(r.config, cluster_of(r), ScheduleName.ONE_F_ONE_B, features=r.features)
 
 
-def priced(r: Run) -> tuple[Run, ClusterLayout, Estimate]:
+def priced(r: Run) -> tuple[Run, Layout, Estimate]:
     """The run's layout and the planner's estimate of it (the best Megatron-style layout if none published)."""
     cm = cost_model(r)
     if r.tp == 0:

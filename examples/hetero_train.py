@@ -51,7 +51,7 @@ def main() -> int:
                     choices=range(len(LAYOUTS)), metavar="I", help="run only these layouts (0-based; default all)")
     args = ap.parse_args()
 
-    from cfp.runtime.layout import HeteroLayout
+    from cfp.layout import Layout
     from cfp.runtime.schedules import ScheduleName
     from cfp.runtime.training import DataSource, TrainOptions, run_training
 
@@ -59,7 +59,7 @@ def main() -> int:
     for i, (name, tps, parts, gbs, chunks) in enumerate(LAYOUTS):
         if i not in args.layouts:
             continue
-        layout = HeteroLayout.from_lists(tps, parts, gbs, chunks)
+        layout = Layout.from_lists(tps, parts, gbs, chunks)
         opts = TrainOptions(model="llama2", layout=layout, overrides=dict(num_layers=8, seq_len=64),
                             schedule=ScheduleName(args.schedule), steps=args.steps,
                             data=DataSource.STDLIB, verify=(i == 1),

@@ -11,7 +11,8 @@ from cfp.errors import ConfigError
 from cfp.models import build_model, get_config
 from cfp.models.costs import ModelCost
 from cfp.planner.cluster import parse_cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.costmodel import CostModel
 from cfp.planner.step_features import GradSync, Recompute, StepFeatures
 
 BW = 300e9
@@ -19,12 +20,12 @@ GPUS = parse_cluster({"inter_machine_bandwidth": "25GB/s", "machines": [
     {"gpu": "A100-SXM-80G", "count": 8, "intra_bandwidth": "300GB/s"}]})
 
 
-def _pipe(tp: int, layers: tuple[int, ...], batch: int, chunks: int, first_device: int = 0) -> PipelineLayout:
+def _pipe(tp: int, layers: tuple[int, ...], batch: int, chunks: int, first_device: int = 0) -> Pipeline:
     stages, nxt = [], first_device
     for n in layers:
-        stages.append(StageLayout(tuple(range(nxt, nxt + tp)), 0, n))
+        stages.append(Stage(tuple(range(nxt, nxt + tp)), n, 0))
         nxt += tp
-    return PipelineLayout(tuple(stages), batch, chunks)
+    return Pipeline(tuple(stages), batch, chunks)
 
 
 def _tree_params(cfg) -> int:
@@ -73,8 +74,8 @@ def test_fused_attention_drops_the_score_traffic_not_the_flops(cfg):
         ModelCost(cfg, fused_attention="yes")
 
 
-def _data_parallel(n: int, chunks: int = 1) -> ClusterLayout:
-    return ClusterLayout(tuple(_pipe(1, (4,), 2 * chunks, chunks, first_device=i) for i in range(n)))
+def _data_parallel(n: int, chunks: int = 1) -> Layout:
+    return Layout(tuple(_pipe(1, (4,), 2 * chunks, chunks, first_device=i) for i in range(n)))
 
 
 def test_all_reduce_sync_is_a_ring_all_reduce_of_every_gradient(cfg):

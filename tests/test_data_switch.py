@@ -12,7 +12,7 @@ import pytest
 from cfp.data.batching import materialize
 from cfp.models import build_model, get_config, init_params
 from cfp.runtime.engine import HeteroTrainer, compile_cache
-from cfp.runtime.layout import HeteroLayout
+from cfp.layout import Layout
 
 MODEL = "llama2"
 LR, WD = 1e-2, 0.01
@@ -65,7 +65,7 @@ def setup():
     cfg = get_config(MODEL, "tiny", seq_len=128)
     params = init_params(MODEL, cfg, 0)
     cache = compile_cache(LR, WD)     # the trainers of one strategy run the same compiled programs
-    trainer = lambda shapes: HeteroTrainer(MODEL, cfg, HeteroLayout.from_schemes(shapes, cfg.num_layers),
+    trainer = lambda shapes: HeteroTrainer(MODEL, cfg, Layout.from_schemes(shapes, cfg.num_layers),
                                            "1f1b", learning_rate=LR, weight_decay=WD, cache=cache)
     return cfg, params, trainer
 
@@ -118,18 +118,18 @@ def test_switch_is_exact_and_switching_back_changes_nothing(setup):
     for k, groups in enumerate(steps):
         if k == 1:
             before = _host(switched.state()[0]) + _host(switched.state()[1])
-            assert switched.set_layout(HeteroLayout.from_schemes(B, cfg.num_layers))
+            assert switched.set_layout(Layout.from_schemes(B, cfg.num_layers))
             after = _host(switched.state()[0]) + _host(switched.state()[1])
             assert all(np.array_equal(a, b) for a, b in zip(before, after))
-            assert {d for s in switched.layout.stages for d in s.devices} == set(range(8))
-            switched.set_layout(HeteroLayout.from_schemes(A, cfg.num_layers))    # ... and back
-            other.set_layout(HeteroLayout.from_schemes(B, cfg.num_layers))       # trains step 2 under B
+            assert set(switched.layout.devices) == set(range(8))
+            switched.set_layout(Layout.from_schemes(A, cfg.num_layers))    # ... and back
+            other.set_layout(Layout.from_schemes(B, cfg.num_layers))       # trains step 2 under B
         losses["plain"].append(plain.step(_packed(seqs, groups)).loss)
         switched.step(_packed(seqs, groups))
         on_b = other.layout.schemes == B
         losses["other"].append(other.step(_packed(seqs, as_b(groups) if on_b else groups)).loss)
         if k == 1:
-            other.set_layout(HeteroLayout.from_schemes(A, cfg.num_layers))
+            other.set_layout(Layout.from_schemes(A, cfg.num_layers))
     for a, b in zip(_host(plain.state()[0]), _host(switched.state()[0])):
         assert np.array_equal(a, b)            # bit-identical: a switch only copies
     assert abs(losses["other"][1] - losses["plain"][1]) <= TOL * abs(losses["plain"][1])

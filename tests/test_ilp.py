@@ -91,3 +91,18 @@ def test_ilp_step_keeps_ilp_input_layouts():
     ref = _mlp_step(*args)
     for k in ref:
         assert jnp.allclose(out[k], ref[k], atol=1e-5)
+
+
+def test_cost_model_for_a_gpu_reads_the_cost_floor():
+    """A catalog GPU's ILP rates are the planner's: its link bandwidth and the achievable large-GEMM rate of
+    the arithmetic its dots run in (TF32 for float32 on an H100, bf16 tensor cores for bfloat16), below the
+    datasheet peak."""
+    from cfp.hardware.gpus import Precision, get_gpu
+    from cfp.planner.costmodel import achievable_flops, precision_of
+    gpu = get_gpu("H100-SXM")
+    for dtype, precision in (("float32", Precision.TF32), ("bfloat16", Precision.BF16)):
+        cm = CostModel.for_gpu(gpu, dtype)
+        assert precision_of(dtype, gpu) == precision
+        assert cm.flops == achievable_flops(gpu, precision) < gpu.peak(precision)
+        assert cm.bw(0) == gpu.link_gbps * 1e9
+    assert CostModel.for_gpu(gpu, "bfloat16").flops > CostModel.for_gpu(gpu, "float32").flops

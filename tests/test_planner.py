@@ -1,7 +1,6 @@
 """Heterogeneous-cluster planner: cluster files, the cost model (against parameter trees and the
 runtime's compiled stages), plan properties on random clusters, the exhaustive optimum, layout files."""
 import itertools
-import json
 import random
 
 import jax
@@ -11,15 +10,14 @@ import pytest
 from cfp.errors import ConfigError
 from cfp.models import get_config, init_params
 from cfp.planner.build import _max_layers, allocate_chunks, max_chunks, split_layers
+from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.cluster import parse_cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+from cfp.planner.costmodel import CostModel
 from cfp.planner.exhaustive import exhaustive_layout
-from cfp.planner.layout_file import (LayoutFile, load_layout_file, train_args_from_layout,
-                                     write_layout_file)
+from cfp.planner.layout_file import load_layout_file
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import find_layout
 from cfp.planner.random_clusters import optimality_case, random_cluster
-from cfp.runtime.layout import HeteroLayout
 from cfp.runtime.schedules import ScheduleName
 from cfp.runtime.sharding import param_specs
 
@@ -103,14 +101,14 @@ def test_compiled_stages_agree_with_the_cost_model(model):
     buffer reuse (measured -17%..+0.2%), hence the wider bound. MoE (experts split over TP, dispatch and
     combine einsums) and BERT (a replicated MLM head) are checked on a 2-layer TP-2 stage and a TP-1 stage."""
     from cfp.planner.check import check_compiled_stages
-    S = lambda d, n: StageLayout(tuple(d), 0, n)
+    S = lambda d, n: Stage(tuple(d), n, 0)
     if model == "llama2":
         cfg = get_config("llama2", "small", num_layers=3)
-        layout = ClusterLayout((PipelineLayout((S([0, 1], 2), S([2], 1)), 4, 2),
-                                PipelineLayout((S([4, 5, 6, 7], 3),), 4, 1)))
+        layout = Layout((Pipeline((S([0, 1], 2), S([2], 1)), 4, 2),
+                                Pipeline((S([4, 5, 6, 7], 3),), 4, 1)))
     else:
         cfg = get_config(model, "small", num_layers=4)
-        layout = ClusterLayout((PipelineLayout((S([0, 1], 2), S([2], 2)), 4, 2),))
+        layout = Layout((Pipeline((S([0, 1], 2), S([2], 2)), 4, 2),))
     checks = check_compiled_stages(model, cfg, CostModel(cfg, parse_cluster(LOCAL)), layout)
     assert len(checks) == sum(len(p.stages) for p in layout.pipelines)
     for c in checks:
@@ -124,7 +122,7 @@ def test_compiled_stages_agree_with_the_cost_model(model):
 # ----------------------------------------------------------------------------- random clusters
 def check_plan(cluster, cfg, options, result):
     lay = result.layout
-    hl = HeteroLayout.from_lists(**lay.lists()).validate_for(cfg, cluster.num_devices)
+    lay.validate_for(cfg, cluster.num_devices)
     devs = sorted(d for p in lay.pipelines for s in p.stages for d in s.devices)
     assert devs == list(range(cluster.num_devices))           # every device, once
     for p in lay.pipelines:
@@ -133,7 +131,7 @@ def check_plan(cluster, cfg, options, result):
         for s in p.stages:
             assert cfg.num_heads % s.tp == 0
             assert {cluster.devices[d].machine for d in s.devices} == {s.machine}
-    assert lay.global_batch == options.global_batch_size == hl.total_batch_size
+    assert lay.global_batch == options.global_batch_size
     est = result.estimate
     assert est.fits and all(s.memory <= s.capacity for row in est.stages for s in row)
     assert np.isfinite(est.step_time) and est.step_time > 0 and 0 < est.mfu < 1
@@ -191,20 +189,20 @@ def test_closed_form_limits_match_brute_force():
                      num_heads=16, ffn_size=5504)
     for schedule in ScheduleName:
         cm = CostModel(cfg, cluster, schedule)
-        stages = [StageLayout((0, 1), 0, 5), StageLayout((2,), 1, 4), StageLayout((3,), 1, 3)]
+        stages = [Stage((0, 1), 5, 0), Stage((2,), 4, 1), Stage((3,), 3, 1)]
         for mb, n_pipes in itertools.product((1, 2), (1, 2)):
-            fits = lambda c: all(cm.stage_memory(s, i, PipelineLayout(tuple(stages), c * mb, c), n_pipes)
+            fits = lambda c: all(cm.stage_memory(s, i, Pipeline(tuple(stages), c * mb, c), n_pipes)
                                  <= cluster.machines[s.machine].memory for i, s in enumerate(stages))
             brute = max([c for c in range(1, 65) if fits(c)] or [0])
             assert max_chunks(cm, stages, mb, n_pipes, 64) == brute
         for i, s in enumerate(stages):
-            pipe = PipelineLayout(tuple(stages), 8, 4)
-            fits = lambda n: cm.stage_memory(StageLayout(s.devices, s.machine, n), i, pipe, 2) <= \
+            pipe = Pipeline(tuple(stages), 8, 4)
+            fits = lambda n: cm.stage_memory(Stage(s.devices, n, s.machine), i, pipe, 2) <= \
                 cluster.machines[s.machine].memory
             assert _max_layers(cm, pipe, i, 2, 40) == max([n for n in range(1, 41) if fits(n)] or [0])
-        split = split_layers(cm, [StageLayout(s.devices, s.machine, 0) for s in stages], 4, 4, 1)
+        split = split_layers(cm, [Stage(s.devices, 0, s.machine) for s in stages], 4, 4, 1)
         assert split is not None and sum(s.layers for s in split) == 12
-        pipe = PipelineLayout(split, 4, 4)
+        pipe = Pipeline(split, 4, 4)
         assert all(cm.stage_memory(s, i, pipe, 1) <= cluster.machines[s.machine].memory
                    for i, s in enumerate(split))
 
@@ -226,31 +224,6 @@ def test_allocate_chunks_is_the_min_max_optimum():
 
 
 # ----------------------------------------------------------------------------- layout files and CLI
-def test_layout_file_round_trip_and_train_arguments(tmp_path):
-    cluster = parse_cluster(LOCAL)
-    cfg = get_config("llama2", "tiny", num_layers=4)
-    result = find_layout(cluster, cfg, PlannerOptions(global_batch_size=16))
-    path = str(tmp_path / "l.json")
-    write_layout_file(path, LayoutFile("llama2", "tiny", {"num_layers": 4}, ScheduleName.GPIPE,
-                                       result.layout.lists(), {"step_time_s": 1.0}, cluster.to_dict()))
-    lf = load_layout_file(path)
-    assert lf.hetero_layout().num_devices == 8
-    import argparse
-    ns = argparse.Namespace(layout=path, model=None, hetero_configs=None, layer_partitions=None,
-                            devices_id=None, num_layers=None, seq_len=None, dtype=None)
-    vals = train_args_from_layout(ns)
-    assert vals["model"] == "llama2" and vals["num_layers"] == 4 and vals["schedule"] == "gpipe"
-    assert json.loads(vals["hetero_configs"]) == result.layout.lists()["hetero_configs"]
-    ns.model = "gpt"
-    with pytest.raises(ConfigError, match="conflicts"):
-        train_args_from_layout(ns)
-    data = json.load(open(path))
-    data["layer_partitions"][0][0] += 1        # the pipeline's stages no longer hold the model's 4 layers
-    json.dump(data, open(path, "w"))
-    with pytest.raises(ConfigError):
-        load_layout_file(path)
-
-
 def test_cli_plan_prints_table_and_summary_last(tmp_path, capsys):
     from cfp.cli.main import main
     out = str(tmp_path / "l.json")

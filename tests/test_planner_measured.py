@@ -8,7 +8,8 @@ import pytest
 
 from cfp.models import get_config
 from cfp.planner.cluster import parse_cluster
-from cfp.planner.costmodel import CostModel, PipelineLayout, StageLayout
+from cfp.layout import Pipeline, Stage
+from cfp.planner.costmodel import CostModel
 
 
 def _cluster(gbps: float):
@@ -16,7 +17,7 @@ def _cluster(gbps: float):
                           "machines": [{"gpu": "cpu", "count": 8, "intra_bandwidth": f"{gbps}GB/s"}]})
 
 
-def _planner_all_reduce_bytes(cfg, pipe: PipelineLayout, idx: int) -> tuple[float, float]:
+def _planner_all_reduce_bytes(cfg, pipe: Pipeline, idx: int) -> tuple[float, float]:
     """Per-device all-reduce bytes of one micro-batch's (forward, backward) in the planner's estimate of stage
     `idx`: the stage's time at two intra-machine bandwidths differs by exactly its TP collectives, whose ring
     all-reduce moves 2(n-1)/n of the buffer per device (cfp.hardware.collectives)."""
@@ -32,7 +33,7 @@ def _compiled_all_reduce_bytes(trainer, key) -> tuple[int, int]:
     """Per-device all-reduce bytes of the runtime's compiled forward and backward programs of stage `key`."""
     from cfp.xla.hlo import parse_collectives, summarize
     jobs = trainer.compile_jobs(key)
-    tp = len(trainer.layout.stages[[s.key for s in trainer.layout.stages].index(key)].devices)
+    tp = trainer.layout.place(key).tp
     out = []
     for prog, args in jobs[:2]:
         text = prog.lower(*args).compile().as_text()
@@ -50,13 +51,13 @@ def test_tp_all_reduces_match_the_compiled_stage(model):
     planner's backward is a lower bound, measured 0.73 (GPT) and 0.62 (Llama-2) of the compiled bytes.
     A cost model without the TP collectives, or with the wrong count or size, fails."""
     from cfp.runtime.engine import HeteroTrainer
-    from cfp.runtime.layout import HeteroLayout
+    from cfp.layout import Layout
     extra = dict(ffn_size=64) if model == "llama2" else {}
     cfg = get_config(model, "tiny", num_layers=4, seq_len=8, vocab_size=64, hidden_size=32, **extra)
-    layout = HeteroLayout.from_lists([[1, 2, 1]], [[1, 2, 1]], [4], [2])
+    layout = Layout.from_lists([[1, 2, 1]], [[1, 2, 1]], [4], [2])
     fwd_c, bwd_c = _compiled_all_reduce_bytes(HeteroTrainer(model, cfg, layout), (0, 1))
-    S = lambda d, n: StageLayout(tuple(d), 0, n)
-    fwd_p, bwd_p = _planner_all_reduce_bytes(cfg, PipelineLayout((S([0], 1), S([1, 2], 2), S([3], 1)), 4, 2), 1)
+    S = lambda d, n: Stage(tuple(d), n, 0)
+    fwd_p, bwd_p = _planner_all_reduce_bytes(cfg, Pipeline((S([0], 1), S([1, 2], 2), S([3], 1)), 4, 2), 1)
     act = 2 * cfg.seq_len * cfg.hidden_size * 4           # one micro-batch's float32 activation
     assert fwd_c == 2 * 2 * act                            # what XLA compiled: 2 layers x 2 all-reduces
     assert fwd_p == pytest.approx(fwd_c, rel=1e-9)
@@ -100,15 +101,15 @@ def test_relative_stage_times_match_measured_ones():
     for what the model leaves out plus both measurements' noise; a stage time that ignores the layer count, the
     micro-batch or the head is off by 40% or more on one of the ratios."""
     from cfp.runtime.engine import HeteroTrainer
-    from cfp.runtime.layout import HeteroLayout
+    from cfp.layout import Layout
     cfg = get_config("llama2", "tiny", num_layers=6, seq_len=64, hidden_size=128, ffn_size=256, vocab_size=2048)
     cm = CostModel(cfg, _cluster(1.75))
-    S = lambda d, n: StageLayout(tuple(d), 0, n)
+    S = lambda d, n: Stage(tuple(d), n, 0)
     programs, planned = [], []
     for layers, mb in ((1, 4), (4, 4), (1, 8)):
-        trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]],
+        trainer = HeteroTrainer("llama2", cfg, Layout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]],
                                                                        [2 * mb], [2]))
-        pipe = PipelineLayout((S([0], 1), S([1], layers), S([2], 5 - layers)), 2 * mb, 2)
+        pipe = Pipeline((S([0], 1), S([1], layers), S([2], 5 - layers)), 2 * mb, 2)
         for idx in (1, 2):
             programs += [(prog.lower(*args).compile(), args) for prog, args in trainer.compile_jobs((0, idx))[:2]]
             est = cm.stage_estimate(pipe.stages[idx], idx, pipe, 1, pipe.stages[idx + 1] if idx < 2 else None)

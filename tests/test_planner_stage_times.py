@@ -6,7 +6,8 @@ import pytest
 from cfp.errors import ConfigError
 from cfp.models import get_config
 from cfp.planner.cluster import parse_cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.costmodel import CostModel
 from cfp.runtime.stage.plans import SearchedSharding, SearchFigures, StagePlan, StagePlans, Timing
 
 LOCAL = {"inter_machine_bandwidth": "1.75GB/s",
@@ -19,16 +20,15 @@ def _saved_plans(tmp_path, config, time=MEASURED, profiler="measure", megatron=F
     figures = SearchFigures(Timing(time), Timing(2 * time), profiler=profiler)
     one = StagePlan(0, 0, 2, (0, 2), 2, SearchedSharding((0,), ("S0",)), figures, megatron=megatron)
     two = StagePlan(0, 1, 1, (2, 4), 2)      # one device: nothing searched or timed
-    layout = {"hetero_configs": [[2, 1]], "layer_partitions": [[2, 2]], "global_batch_size": [4],
-              "chunks": [2], "devices_id": [[[0, 1], [2]]]}
+    layout = Layout.from_lists([[2, 1]], [[2, 2]], [4], [2], [[[0, 1], [2]]])
     StagePlans("llama2", layout, (one, two), dataclasses.asdict(config), "cpu").save(str(tmp_path))
     return str(tmp_path)
 
 
 def _estimate(config, stage_times):
     cm = CostModel(config, parse_cluster(LOCAL), stage_times=stage_times)
-    pipe = PipelineLayout((StageLayout((0, 1), 0, 2), StageLayout((2,), 0, 2)), batch=4, chunks=2)
-    return cm.estimate(ClusterLayout((pipe,))).stages[0]
+    pipe = Pipeline((Stage((0, 1), 2, 0), Stage((2,), 2, 0)), batch=4, chunks=2)
+    return cm.estimate(Layout((pipe,))).stages[0]
 
 
 def test_measured_stage_replaces_the_estimate_only_for_its_shape(tmp_path):
@@ -88,8 +88,7 @@ def test_a_plan_that_is_megatrons_sharding_gives_the_searched_time(tmp_path):
     one = StagePlan(0, 0, 2, (0, 2), 2, SearchedSharding((0,), ("S0",)),
                     SearchFigures(Timing(MEASURED), Timing(0.0), profiler="measure"), megatron=True)
     assert one.measured_time() == MEASURED
-    layout = {"hetero_configs": [[2, 1]], "layer_partitions": [[2, 2]], "global_batch_size": [4],
-              "chunks": [2], "devices_id": [[[0, 1], [2]]]}
+    layout = Layout.from_lists([[2, 1]], [[2, 2]], [4], [2], [[[0, 1], [2]]])
     StagePlans("llama2", layout, (one, StagePlan(0, 1, 1, (2, 4), 2)), dataclasses.asdict(config),
                "cpu").save(str(tmp_path))
     first, _ = _estimate(config, load_stage_times(str(tmp_path), "llama2", config))

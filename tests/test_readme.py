@@ -122,6 +122,7 @@ INLINE: dict[str, Run | Skip] = {
     "cfp explain": Skip(_NAME), "cfp diff": Skip(_NAME), "cfp plan": Skip(_NAME), "cfp data": Skip(_NAME),
     "cfp launch": Skip(_NAME), "cfp search --plan-out": Skip(_NAME),
     "cfp train --stage-plans search": Skip(_NAME), "cfp plan --stage-times": Skip(_NAME),
+    "cfp train --layout": Skip(_NAME),
     "make demo": COMMANDS["make demo"], "make test": COMMANDS["make test"],
     "PYTHONPATH=$PWD python benchmarks/planner_scale.py": Skip(
         "plans 64, 256 and 1024 GPUs (about 10 s of CPU each on a loaded host): a benchmark, whose planner "

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from cfp.errors import ConfigError
-from cfp.runtime.layout import HeteroLayout
+from cfp.cli.train import parse_nested_list
+from cfp.layout import Layout
 from cfp.runtime.schedules import (SCHEDULES, Phase, ScheduleName, global_order, gpipe,
                                    one_f_one_b)
 
@@ -14,30 +15,31 @@ from cfp.runtime.schedules import (SCHEDULES, Phase, ScheduleName, global_order,
 
 
 def test_from_lists_pads_cuts_and_packs_devices():
-    lay = HeteroLayout.from_lists("[[2,1,1],[4]]", "[[2,1,1],[4]]", [6], [3, 1, 7])
-    assert [p.global_batch_size for p in lay.pipelines] == [6, 6]   # padded with the last value
+    lay = Layout.from_lists([[2, 1, 1], [4]], [[2, 1, 1], [4]], [6], [3, 1, 7])
+    assert [p.batch for p in lay.pipelines] == [6, 6]               # padded with the last value
     assert [p.chunks for p in lay.pipelines] == [3, 1]              # cut
-    assert [s.devices for s in lay.stages] == [(0, 1), (2,), (3,), (4, 5, 6, 7)]
-    assert [list(s.layers) for s in lay.pipelines[0].stages] == [[0, 1], [2], [3]]
-    assert lay.pipelines[0].stages[0].module_names() == ["embed", "layers_0", "layers_1"]
-    assert lay.pipelines[1].stages[0].module_names()[-1] == "head"
-    assert lay.num_devices == 8 and lay.total_batch_size == 12 and lay.batch_offsets() == [0, 6]
-    custom = HeteroLayout.from_lists([[1, 1]], [[1, 1]], 2, 1, devices_id="[[[5],[3]],]")
-    assert [s.devices for s in custom.stages] == [(5,), (3,)]
+    assert [s.devices for s in lay.placed] == [(0, 1), (2,), (3,), (4, 5, 6, 7)]
+    assert [list(s.layer_range) for s in lay.placed_in(0)] == [[0, 1], [2], [3]]
+    assert lay.place((0, 0)).module_names() == ["embed", "layers_0", "layers_1"]
+    assert lay.place((1, 0)).module_names()[-1] == "head"
+    assert lay.place((0, 2)).key == (0, 2) and lay.place((0, 2)).is_last and not lay.place((0, 1)).is_last
+    assert lay.num_devices == 8 and lay.global_batch == 12 and lay.batch_offsets() == [0, 6]
+    custom = Layout.from_lists([[1, 1]], [[1, 1]], 2, 1, devices_id=parse_nested_list("[[[5],[3]],]", "devices_id"))
+    assert [s.devices for s in custom.placed] == [(5,), (3,)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(hetero_configs="[[2,1]", layer_partitions="[[1,1]]"), "not a Python list literal"),
+    (dict(hetero_configs="[[2,1]", layer_partitions="[[1,1]]"), "--hetero-configs='[[2,1]' is not a list literal"),
     (dict(hetero_configs="[[2,0]]", layer_partitions="[[1,1]]"), "hetero_configs[0][1]=0"),
     (dict(hetero_configs="[[2,1]]", layer_partitions="[[1,1],[2]]"), "has 2 pipelines"),
     (dict(hetero_configs="[[2,1]]", layer_partitions="[[2]]"), "has 1 stages"),
-    (dict(hetero_configs="[[1],[1]]", layer_partitions="[[2],[3]]"), "sum to different"),
+    (dict(hetero_configs="[[1],[1]]", layer_partitions="[[2],[3]]"), "pipelines hold different numbers of layers [2, 3]"),
     (dict(hetero_configs="[[1]]", layer_partitions="[[2]]", global_batch_size=[6], chunks=[4]),
-     "global_batch_size=6 is not divisible by chunks=4"),
+     "pipeline 0: batch=6 is not a positive multiple of chunks=4"),
     (dict(hetero_configs="[[1]]", layer_partitions="[[2]]", global_batch_size=[-1]),
      "global_batch_size[0]=-1"),
     (dict(hetero_configs="[[2]]", layer_partitions="[[2]]", devices_id="[[[0]]]"),
-     "has 1 devices but the stage's TP degree is 2"),
+     "devices_id[0][0]=[0] has 1 devices but the stage's TP degree is hetero_configs[0][0]=2"),
     (dict(hetero_configs="[[1],[1]]", layer_partitions="[[2],[2]]", devices_id="[[[0]],[[0]]]"),
      "device 0 is used by stage (0, 0) and stage (1, 0)"),
 ])
@@ -45,19 +47,20 @@ def test_invalid_layouts_name_the_value(kwargs, message):
     args = dict(global_batch_size=2, chunks=1)
     args.update(kwargs)
     with pytest.raises(ConfigError, match=None) as e:
-        HeteroLayout.from_lists(args.pop("hetero_configs"), args.pop("layer_partitions"), **args)
+        lists = {k: parse_nested_list(v, k) if isinstance(v, str) else v for k, v in args.items()}  # as the CLI
+        Layout.from_lists(lists.pop("hetero_configs"), lists.pop("layer_partitions"), **lists)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_validate_for_model():
     from cfp.models import get_config
     cfg = get_config("llama2", "tiny", num_layers=4)  # 4 heads
-    with pytest.raises(ConfigError, match=r"hetero_configs\[0\]\[0\]=8: TP degree must divide num_heads=4"):
-        HeteroLayout.from_lists([[8]], [[4]]).validate_for(cfg, 8)
+    with pytest.raises(ConfigError, match=r"pipeline 0 stage 0: TP degree 8 must divide num_heads=4"):
+        Layout.from_lists([[8]], [[4]]).validate_for(cfg, 8)
     with pytest.raises(ConfigError, match="num_layers=4"):
-        HeteroLayout.from_lists([[1]], [[3]]).validate_for(cfg, 8)
+        Layout.from_lists([[1]], [[3]]).validate_for(cfg, 8)
     with pytest.raises(ConfigError, match="uses device 9"):
-        HeteroLayout.from_lists([[1]], [[4]], devices_id=[[[9]]]).validate_for(cfg, 8)
+        Layout.from_lists([[1]], [[4]], devices_id=[[[9]]]).validate_for(cfg, 8)
 
 
 def test_cli_invalid_config_is_one_line_exit_2(capsys):
@@ -66,7 +69,7 @@ def test_cli_invalid_config_is_one_line_exit_2(capsys):
                  "--layer-partitions", "[[2,2]]", "--data", "synthetic"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0
-    assert "hetero_configs[0][0]=3: TP degree must divide num_heads=4" in err
+    assert "pipeline 0 stage 0: TP degree 3 must divide num_heads=4" in err
 
 # ----------------------------------------------------------------------------- schedules
 
@@ -172,7 +175,7 @@ def microbatched_reference(model, cfg, layout):
         from cfp.runtime.verify import microbatched_replay
         p, o = train_step(model, cfg).init(0)
         _REF[key] = (jax.tree_util.tree_map(np.asarray, p),) + microbatched_replay(
-            model, cfg, layout, p, o, batches(model, cfg, layout.total_batch_size),
+            model, cfg, layout, p, o, batches(model, cfg, layout.global_batch),
             learning_rate=LR, weight_decay=WD)
     return _REF[key]
 
@@ -181,7 +184,7 @@ def check_gradients(trainer, model, cfg):
     """The engine's gradient before the optimizer, leaf by leaf, vs the micro-batched reference."""
     from cfp.runtime.verify import leaf_errors
     _, _, _, ref_grads = microbatched_reference(model, cfg, trainer.layout)
-    grads, _ = trainer.gradients(batches(model, cfg, trainer.layout.total_batch_size)[0])
+    grads, _ = trainer.gradients(batches(model, cfg, trainer.layout.global_batch)[0])
     errs = leaf_errors(grads, ref_grads[0])
     worst = max(errs, key=errs.get)
     assert errs[worst] < GRAD_TOL, (worst, errs[worst])
@@ -191,7 +194,7 @@ def check_steps(trainer, model, cfg):
     """STEPS AdamW steps: losses and whole-tree parameters vs the micro-batched reference."""
     from cfp.runtime.verify import identical_across_pipelines, loss_error, tree_error
     p0, ref_losses, ref_params, _ = microbatched_reference(model, cfg, trainer.layout)
-    losses = [trainer.step(b).loss for b in batches(model, cfg, trainer.layout.total_batch_size)]
+    losses = [trainer.step(b).loss for b in batches(model, cfg, trainer.layout.global_batch)]
     assert loss_error(losses, ref_losses) < LOSS_RTOL
     assert tree_error(trainer.state()[0], ref_params) < PARAM_TOL
     assert tree_error(p0, ref_params) > 1000 * PARAM_TOL  # the check can see a missing update
@@ -210,7 +213,7 @@ LAYOUTS = [  # hetero_configs, layer_partitions, global batch, chunks
 @pytest.mark.parametrize("tps, parts, gbs, chunks", LAYOUTS)
 def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
     from cfp.runtime.engine import HeteroTrainer
-    layout = HeteroLayout.from_lists(tps, parts, gbs, chunks)
+    layout = Layout.from_lists(tps, parts, gbs, chunks)
     cfg = tiny(layout.num_layers)
     trainer = HeteroTrainer("llama2", cfg, layout, "gpipe", **OPT, cache=programs())
     trainer.compile()
@@ -226,7 +229,7 @@ def test_skipped_update_is_caught(monkeypatch):
     (its values are what ``state()`` returns) and pipeline 1's (the cross-pipeline check)."""
     from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.verify import identical_across_pipelines, tree_error
-    layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
+    layout = Layout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
     cfg = tiny(3)
     for skipped in ((0, 1), (1, 0)):
         trainer = HeteroTrainer("llama2", cfg, layout, **OPT, cache=programs()).init(0)
@@ -250,7 +253,7 @@ def test_gradient_is_token_weighted():
     from cfp.runtime.verify import reference_loss
     from cfp.runtime.engine import HeteroTrainer
     cfg = tiny(3)  # same programs as the 2-1-1+4 equivalence test: no new compile
-    layout = HeteroLayout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
+    layout = Layout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
     trainer = HeteroTrainer("llama2", cfg, layout, **OPT, cache=programs()).init(0)
     batch = batches("llama2", cfg, 8)[0]
     grads, loss = trainer.gradients(batch)
@@ -274,7 +277,7 @@ def test_bf16_compute_with_f32_master_weights():
     from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.verify import tree_error
     cfg = tiny(2, dtype="bfloat16")
-    layout = HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2])
+    layout = Layout.from_lists([[2, 1]], [[1, 1]], [4], [2])
     trainer = HeteroTrainer("llama2", cfg, layout, "1f1b", **OPT, cache=programs()).init(0)
     ref_losses, ref_params = reference("llama2", cfg, 4)
     losses = [trainer.step(b).loss for b in batches("llama2", cfg, 4)]
@@ -302,7 +305,7 @@ def test_resume_reproduces_losses_also_on_another_layout(tmp_path):
     # the runs share one compile cache (each program compiles once); what a resumed run rebuilds is its state
     run_training = functools.partial(run_training, cache=programs())
     quiet = lambda *a, **k: None
-    lay = HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2])
+    lay = Layout.from_lists([[2, 1]], [[1, 1]], [4], [2])
     full = run_training(_opts(tmp_path / "a", lay, timeline_dir=str(tmp_path / "tl")), log=quiet)
     assert sorted(full.losses) == [1, 2, 3, 4]
     # "killed" after step 2 (checkpoints of steps 1 and 2 on disk), then resumed
@@ -312,12 +315,12 @@ def test_resume_reproduces_losses_also_on_another_layout(tmp_path):
     assert [resumed.losses[k] for k in range(1, 5)] == [full.losses[k] for k in range(1, 5)]
     assert any("resumed from" in line and "step 2" in line and "resharded" not in line for line in said)
     # resume the step-2 checkpoint onto a different layout (two pipelines, batches 3 + 1): it says so
-    other = HeteroLayout.from_lists([[1], [2]], [[2], [2]], [3, 1], [3, 1])
+    other = Layout.from_lists([[1], [2]], [[2], [2]], [3, 1], [3, 1])
     run_training(_opts(tmp_path / "c", lay, stop_after=2), log=quiet)
     said.clear()
     moved = run_training(_opts(tmp_path / "c", other, resume=True, verify=True),
                          log=lambda *a, **k: said.extend(a))
-    assert any("resharded from layout" in line and "[[1], [2]]" in line for line in said)
+    assert any("resharded from layout tp2x1L+tp1x1L (2x2) onto tp1x2L (3x1) | tp2x2L (1x1)" in line for line in said)
     np.testing.assert_allclose([moved.losses[k] for k in range(1, 5)],
                                [full.losses[k] for k in range(1, 5)], rtol=1e-5)
     # verify's reference builds AdamW from optax itself: with WD the decay is 1e-4 of the parameters per step,
@@ -357,7 +360,7 @@ def test_nan_is_an_error_naming_step_and_leaf():
     from cfp.errors import NumericalError
     from cfp.runtime.engine import HeteroTrainer
     cfg = tiny(2)  # the tp2-into-tp1 programs: no new compile
-    trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[2, 1]], [[1, 1]], [4], [2]), **OPT,
+    trainer = HeteroTrainer("llama2", cfg, Layout.from_lists([[2, 1]], [[1, 1]], [4], [2]), **OPT,
                             cache=programs())
     params, opt, _ = trainer.init(0).state()
     batch = batches("llama2", cfg, 4)[0]

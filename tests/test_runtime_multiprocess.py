@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from cfp.runtime.layout import HeteroLayout
+from cfp.layout import Layout
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,8 @@ def _losses(text):
 def _in_process(steps, schedule="1f1b", **kw):  # the `cfp train` default
     from cfp.runtime.schedules import ScheduleName
     from cfp.runtime.training import DataSource, TrainOptions, run_training
-    layout = HeteroLayout.from_lists("[[2,1,1],[2,1,1]]", "[[1,1,1],[1,1,1]]", [6, 2], [3, 1],
-                                     "[[[0,1],[4],[2]],[[5,6],[3],[7]]]")
+    layout = Layout.from_lists([[2, 1, 1], [2, 1, 1]], [[1, 1, 1], [1, 1, 1]], [6, 2], [3, 1],
+                               [[[0, 1], [4], [2]], [[5, 6], [3], [7]]])
     opts = TrainOptions(model="llama2", layout=layout, overrides=dict(num_layers=3, seq_len=16),
                         steps=steps, schedule=ScheduleName(schedule), data=DataSource.STDLIB, **kw)
     return run_training(opts, log=lambda *a, **k: None).losses

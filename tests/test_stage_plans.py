@@ -6,7 +6,7 @@ import pytest
 from cfp.search.plan import spec_from_entries
 
 from cfp.errors import ConfigError
-from cfp.runtime.layout import HeteroLayout
+from cfp.layout import Layout
 
 # Two pipelines: TP-2 + TP-2 stages, and one TP-4 stage holding every layer and the head.
 LISTS = ([[2, 2], [4]], [[1, 1], [2]], [4, 2], [2, 1])
@@ -29,7 +29,7 @@ def searched(tmp_path_factory):
     from cfp.runtime.engine import compile_cache
     from cfp.runtime.stage.search import search_stage_plans
     cache = tmp_path_factory.mktemp("profiles")
-    layout = HeteroLayout.from_lists(*LISTS)
+    layout = Layout.from_lists(*LISTS)
     programs = compile_cache(1e-3, 0.01)
     plans = search_stage_plans("llama2", _cfg(), layout, programs, _options(cache), log=print)
     return layout, plans, cache, programs
@@ -53,7 +53,7 @@ def test_stage_plans_give_the_single_device_gradient(searched):
                  for k, e in p.sharding.params}
         for path, sh in jax.tree_util.tree_flatten_with_path(prog.shardings)[0]:
             assert sh.spec == specs[jax.tree_util.keystr(path)]
-    batch = jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.total_batch_size, 7))
+    batch = jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.global_batch, 7))
     for schedule in ("gpipe", "1f1b"):
         trainer.set_schedule(schedule)
         grads, loss = trainer.gradients(batch)
@@ -78,7 +78,7 @@ def _check_steps(trainer, cfg, layout, steps: int = 2):
     from cfp.models import make_batch
     from cfp.runtime.verify import identical_across_pipelines, loss_error, microbatched_replay, tree_error
     params0, opt0, _ = trainer.init(0).state()
-    data = [jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.total_batch_size, 20 + i))
+    data = [jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.global_batch, 20 + i))
             for i in range(steps)]
     ref_losses, ref_params, _ = microbatched_replay("llama2", cfg, layout, params0, opt0, data,
                                                     learning_rate=1e-3, weight_decay=0.01)
@@ -156,7 +156,7 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
     with pytest.raises(ConfigError, match=r"stage plan of stage \(0, 0\) does not fit the analysed stage step"):
         build_programs("llama2", _cfg(), layout, jax.devices(), programs,
                        StagePlans(plans.model, plans.layout, (edited,) + plans.plans[1:]))
-    other = HeteroLayout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
+    other = Layout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
     with pytest.raises(ConfigError, match=r"no plan for stage \(0, 0\)"):
         back.check(other, "llama2")
     with pytest.raises(ConfigError, match="made for model 'llama2'"):
@@ -194,7 +194,7 @@ def test_search_times_megatron_side_by_side(tmp_path):
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.runtime.stage.search import search_stage_plans
     import jax
-    layout = HeteroLayout.from_lists([[2]], [[1]], [2], [1])
+    layout = Layout.from_lists([[2]], [[1]], [2], [1])
     cfg = get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)
     opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
                             max_combinations=2, top_k=1, verify=1)
@@ -261,7 +261,7 @@ def test_search_then_training_builds_each_stage_program_once(tmp_path, monkeypat
     monkeypatch.setattr(StageProgram, "__init__", program)
     monkeypatch.setattr(StageReplay, "__init__", replay)
     monkeypatch.setattr(cases, "analyze_with_program", analysis)
-    layout = HeteroLayout.from_lists([[2], [2]], [[1], [1]], [2, 2], [1, 1])
+    layout = Layout.from_lists([[2], [2]], [[1], [1]], [2, 2], [1, 1])
     cfg = _one_layer_cfg()
     opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
                             max_combinations=2, top_k=1, verify=1)   # verify: the searched program is built

@@ -51,14 +51,16 @@ def _checkpoint(tmp_path, settings_from, state=None):
     """A checkpoint whose metadata records the settings of ``settings_from`` (CLI options)."""
     from cfp.cli.main import build_parser
     from cfp.runtime.checkpoint import save_checkpoint
-    from cfp.runtime.layout import HeteroLayout, layout_lists
+    from cfp.cli.train import parse_nested_list
+    from cfp.layout import Layout
     from cfp.runtime.training import DataSource, TrainOptions, checkpoint_settings
     a = build_parser().parse_args(settings_from)
     overrides = {"num_layers": a.num_layers, "seq_len": a.seq_len}
-    layout = HeteroLayout.from_lists(a.hetero_configs, [[1, 1]], a.global_batch_size, a.chunks)
+    layout = Layout.from_lists(parse_nested_list(a.hetero_configs, "hetero_configs"), [[1, 1]], a.global_batch_size,
+                               a.chunks)
     opts = TrainOptions(model=a.model, layout=layout, overrides=overrides, data=DataSource.STDLIB,
                         learning_rate=a.lr, weight_decay=a.weight_decay, seed=a.seed)
-    meta = {"settings": checkpoint_settings(opts), "layout": layout_lists(layout), "losses": {"1": 4.0}}
+    meta = {"settings": checkpoint_settings(opts), "layout": layout.to_json(), "losses": {"1": 4.0}}
     d = tmp_path / "ck"
     save_checkpoint(d, 1, state or {"w": np.arange(5000, dtype=np.float32)}, meta)
     return d

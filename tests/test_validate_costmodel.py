@@ -10,7 +10,8 @@ import pytest
 
 from cfp.models.configs import GPTConfig
 from cfp.planner.cluster import parse_cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.costmodel import CostModel
 from cfp.planner.step_features import GradSync, Recompute, StepFeatures
 from cfp.runtime.schedules import ScheduleName
 
@@ -33,10 +34,10 @@ def _megatron_7_5b():
     cfg = GPTConfig(2048, 4096, 36, 32, 51200, dtype="bfloat16")
     cluster = parse_cluster({"inter_machine_bandwidth": "25GB/s", "machines": [
         {"gpu": "A100-SXM-80G", "count": 8, "intra_bandwidth": "300GB/s", "repeat": 16}]})
-    pipes = tuple(PipelineLayout((StageLayout(tuple(range(4 * j, 4 * j + 4)), j // 2, 36),), 16, 16)
+    pipes = tuple(Pipeline((Stage(tuple(range(4 * j, 4 * j + 4)), 36, j // 2),), 16, 16)
                   for j in range(32))
     features = StepFeatures(Recompute.FULL, False, GradSync.ALL_REDUCE, 2, False)
-    return CostModel(cfg, cluster, ScheduleName.ONE_F_ONE_B, features=features), ClusterLayout(pipes)
+    return CostModel(cfg, cluster, ScheduleName.ONE_F_ONE_B, features=features), Layout(pipes)
 
 
 def test_published_row_is_the_planners_estimate(bench):

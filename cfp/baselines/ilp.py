@@ -41,7 +41,9 @@ from cfp.analysis.blocks import loops_of
 from cfp.analysis.layout import DimAxes, shards
 from cfp.analysis.strategies import DotStrategy, enumerate_strategies
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
+from cfp.hardware.gpus import GpuSpec
 from cfp.ir.graph import OpGraph
 from cfp.sharding.specs import partition_spec, resolve
 from cfp.sharding.step import ShardedStep
@@ -57,6 +59,14 @@ class CostModel:
     # would make every per-parameter collective look far costlier than it is.
     latency: float = 1e-7
     flops: float = 100e12                           # dense FLOP/s per device
+
+    @classmethod
+    def for_gpu(cls, gpu: GpuSpec, dtype: str = "float32") -> "CostModel":
+        """`gpu`'s figures from the cost floor the planner and the estimate profiler read: its link bandwidth
+        (`cfp.hardware.gpus`) and the achievable FLOP/s of a large GEMM in the arithmetic JAX runs `dtype`'s
+        dots in (`cfp.hardware.rates`: float32 as TF32 where the device has it), not the datasheet peak."""
+        return cls(bandwidth=gpu.link_gbps * 1e9,
+                   flops=rates.achievable_flops(gpu, rates.dot_precision(dtype, None, gpu)))
 
     def bw(self, axis: int) -> float:
         return self.bandwidth[axis] if isinstance(self.bandwidth, tuple) else self.bandwidth

@@ -60,7 +60,7 @@ def _check_train_layout(command: list[str], args) -> None:
     except SystemExit:        # bad train options: the ranks report them themselves
         return
     _, _, layout = layout_from_args(parsed)
-    check_layout_fills_processes([d for s in layout.stages for d in s.devices],
+    check_layout_fills_processes(list(layout.devices),
                                  args.num_processes or args.nprocs, args.devices_per_proc)
 
 

@@ -60,7 +60,7 @@ def load_stage_times(directory: str, model: str, config):
         raise ConfigError(f"--stage-times {directory!r}: stage plans of model {plans.model!r}"
                           + ("" if plans.config else " without a model config (saved by an older cfp)")
                           + f", planning {model!r}")
-    depth = [len(p) for p in plans.layout["hetero_configs"]]
+    depth = [p.num_stages for p in plans.layout.pipelines]
     stages = [(StageShape(p.tp, p.layers[1] - p.layers[0], p.stage == 0, p.stage == depth[p.pipeline] - 1,
                           p.micro_batch_size), p.measured_time())
               for p in plans.plans if p.measured_time() is not None]
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         print("\n".join(_compare(cm, options, est)))
     if args.out:
-        lf = LayoutFile(args.model, args.config, overrides, options.schedule, result.layout.lists(),
+        lf = LayoutFile(args.model, args.config, overrides, options.schedule, result.layout,
                         _estimate_dict(est), cluster.to_dict())
         write_layout_file(args.out, lf)
         print(f"layout written to {args.out}")

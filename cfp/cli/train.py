@@ -12,6 +12,8 @@ import sys
 
 from cfp.cli import common
 
+DEFAULT_BATCH, DEFAULT_CHUNKS = [8], [1]    # per pipeline, without --layout
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -55,9 +57,11 @@ def _layout_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-partitions", "--layer_partitions", default=None,
                    help='per pipeline, layers per stage (default: split evenly), e.g. "[[2,1,1],[4]]"')
     p.add_argument("--global-batch-size", "--global_batch_size", type=common.positive_int, nargs="+",
-                   default=[8], help="batch rows per pipeline (padded with the last value / cut)")
-    p.add_argument("--chunks", "--micro_batch_num", type=common.positive_int, nargs="+", default=[1],
-                   help="micro-batches per pipeline (padded with the last value / cut)")
+                   default=None, help="batch rows per pipeline (padded with the last value / cut; when not "
+                                      f"given: {DEFAULT_BATCH}, or the --layout file's)")
+    p.add_argument("--chunks", "--micro_batch_num", type=common.positive_int, nargs="+", default=None,
+                   help="micro-batches per pipeline (padded with the last value / cut; when not given: "
+                        f"{DEFAULT_CHUNKS}, or the --layout file's)")
     p.add_argument("--devices-id", "--devices_id", default=None,
                    help='per pipeline, per stage, device ids (default: packed), e.g. "[[[0,1],[2]]]"')
 
@@ -88,14 +92,25 @@ def _stage_plan_options(p: argparse.ArgumentParser) -> None:
     common.add_gpu(p, None, "GPU of the stage search's estimate profiler")
 
 
-def _even_partition(hetero: str, num_layers: int) -> list[list[int]]:
+def parse_nested_list(text: str, name: str):
+    """A flag's Python list literal such as ``"[[2,1,1],[4]]"`` (trailing commas allowed)."""
+    import ast
+
     from cfp.errors import ConfigError
-    from cfp.runtime.layout import parse_nested_list
-    rows = parse_nested_list(hetero, "hetero_configs")
-    if rows and all(isinstance(v, int) for v in rows):
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"--{name.replace('_', '-')}={text!r} is not a list literal, e.g. \"[[2,1,1],[4]]\"") \
+            from None
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _even_partition(rows, num_layers: int) -> list[list[int]]:
+    from cfp.errors import ConfigError
+    if isinstance(rows, list) and rows and all(isinstance(v, int) for v in rows):
         rows = [rows]
     out = []
-    for row in rows:
+    for row in rows if isinstance(rows, list) else [rows]:
         n = len(row) if isinstance(row, (list, tuple)) else 0
         if n == 0 or n > num_layers:
             raise ConfigError(f"cannot split {num_layers} layers evenly over stages {row!r}; pass "
@@ -110,25 +125,76 @@ def _stage_plans(args: argparse.Namespace):
                                   profiler=args.stage_profiler, gpu=args.gpu)
 
 
+LAYOUT_FLAGS = ("hetero_configs", "layer_partitions", "devices_id")
+LIST_FLAGS = ("global_batch_size", "chunks")        # per pipeline, given as numbers
+MODEL_FLAGS = ("model", "num_layers", "seq_len", "dtype")
+
+
 def layout_from_args(args: argparse.Namespace):
-    """(model config, config overrides, HeteroLayout) of the train arguments (a --layout file included)."""
+    """(model config, config overrides, `Layout`) of the train arguments: the layout file's own `Layout` when
+    --layout is given (layout flags given as well must describe the same layout), else the layout flags'."""
+    from cfp.errors import ConfigError
+    from cfp.layout import Layout
     from cfp.models import get_config
-    from cfp.planner.layout_file import train_args_from_layout
-    from cfp.runtime.layout import HeteroLayout
-    vars(args).update(train_args_from_layout(args))
+    if args.layout:
+        return _file_layout(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "hetero_configs") if getattr(args, n) is None]
+    if missing:
+        raise ConfigError(f"{' and '.join(missing)} required unless --layout FILE is given")
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("seq_len", args.seq_len),
                                    ("dtype", args.dtype)) if v}
     config = get_config(args.model, args.config, **overrides)
-    partitions = args.layer_partitions or _even_partition(args.hetero_configs, config.num_layers)
-    layout = HeteroLayout.from_lists(args.hetero_configs, partitions, args.global_batch_size,
-                                     args.chunks, args.devices_id)
+    lists = {n: parse_nested_list(getattr(args, n), n) for n in LAYOUT_FLAGS if getattr(args, n) is not None}
+    if "layer_partitions" not in lists:
+        lists["layer_partitions"] = _even_partition(lists["hetero_configs"], config.num_layers)
+    layout = Layout.from_lists(global_batch_size=args.global_batch_size or DEFAULT_BATCH,
+                               chunks=args.chunks or DEFAULT_CHUNKS, **lists)
     return config, overrides, layout
+
+
+def _file_layout(args: argparse.Namespace):
+    """`layout_from_args` of a --layout file: its model, config, schedule and `Layout` as loaded."""
+    from cfp.errors import ConfigError
+    from cfp.models import get_config
+    from cfp.planner.layout_file import load_layout_file
+    lf = load_layout_file(args.layout)
+    filed = {"model": lf.model, **{k: lf.overrides.get(k) for k in MODEL_FLAGS[1:]}}
+    for name in MODEL_FLAGS:
+        given = getattr(args, name, None)
+        if given is not None and given != filed[name]:
+            raise ConfigError(f"--{name.replace('_', '-')}={given} conflicts with layout file {args.layout!r} "
+                              f"({name} {filed[name]}); drop the flag or the file")
+    _check_layout_flags(args, lf.layout)
+    args.model, args.config, args.schedule = lf.model, lf.config, lf.schedule.value
+    overrides = {k: v for k, v in lf.overrides.items() if v is not None}
+    return get_config(lf.model, lf.config, **overrides), overrides, lf.layout
+
+
+def _check_layout_flags(args: argparse.Namespace, filed) -> None:
+    """Layout flags beside --layout are compared as layouts: the file's lists with the flags' in their place
+    must give the file's layout (machine annotations aside)."""
+    from cfp.errors import ConfigError
+    from cfp.layout import Layout
+    given = {n: parse_nested_list(getattr(args, n), n) for n in LAYOUT_FLAGS if getattr(args, n) is not None}
+    given.update({n: getattr(args, n) for n in LIST_FLAGS if getattr(args, n) is not None})
+    if not given:
+        return
+    try:
+        flagged = Layout.from_lists(**{**filed.lists(), **given})
+    except ConfigError as e:
+        flagged = e
+    if not isinstance(flagged, Layout) or not flagged.same_run(filed):
+        flags = " ".join(f"--{n.replace('_', '-')} " + (" ".join(map(str, getattr(args, n))) if n in LIST_FLAGS
+                                                         else repr(getattr(args, n))) for n in given)
+        got = flagged.summary(devices=True) if isinstance(flagged, Layout) else f"an invalid layout ({flagged})"
+        raise ConfigError(f"{flags} give {got}, but layout file {args.layout!r} has layout "
+                          f"{filed.summary(devices=True)}; drop the flags or the file")
 
 
 def run(args: argparse.Namespace) -> int:
     from cfp.runtime.launch import check_layout_fills_processes, maybe_initialize_distributed
     config, overrides, layout = layout_from_args(args)
-    check_layout_fills_processes([d for s in layout.stages for d in s.devices])  # no rank left idle
+    check_layout_fills_processes(list(layout.devices))  # no rank left idle
     common.check_outputs(args, dirs={"timeline_dir": "--timeline-dir", "checkpoint_dir": "--checkpoint-dir"})
     maybe_initialize_distributed()  # before any device use
     common.ensure_host_devices(8)

@@ -134,10 +134,10 @@ def _measure_scheme(model: str, cfg, params, shape, lengths, repeats: int, memor
     import jax
 
     from cfp.data.batching import materialize
+    from cfp.layout import Layout
     from cfp.runtime.engine import HeteroTrainer
-    from cfp.runtime.layout import HeteroLayout
     cp, tp, pp = shape
-    trainer = HeteroTrainer(model, cfg, HeteroLayout.from_schemes([shape], cfg.num_layers))
+    trainer = HeteroTrainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers))
     trainer.load_state(params, trainer.tx.init(params), 0)
     rng = np.random.default_rng(0)
     times, mems = [], []

@@ -1,7 +1,7 @@
 """`cfp data train`: variable-length training with a batching method on the training engine.
 
 A *strategy* is a list of pipelines, each a <CP,TP,PP> scheme with its fitted cost (`Scheme`); it runs as the
-engine's layout `HeteroLayout.from_schemes` (pp stages of cp x tp devices per pipeline). Each step draws
+engine's layout `Layout.from_schemes` (pp stages of cp x tp devices per pipeline). Each step draws
 sequences (shuffled, seeded by (seed, step)) until `tokens_per_step` real tokens, and for every candidate
 strategy assigns them with the batching method (cfp.data.batching: dispatch to pipelines, then packing into
 micro-batches); the step runs the candidate whose fitted pipeline times (micro-batch costs + (pp-1) x the
@@ -131,12 +131,12 @@ def with_fits(strategies: Sequence[Sequence[Shape]], space: SchemeSpace) -> list
 
 def layout_of(pipelines: Sequence[Scheme], num_layers: int, num_devices: int):
     """The engine layout of a strategy (consecutive devices); ConfigError if it needs too many devices."""
-    from cfp.runtime.layout import HeteroLayout
+    from cfp.layout import Layout
     need = sum(s.devices for s in pipelines)
     if need > num_devices:
         raise ConfigError(f"strategy {describe(pipelines)} needs {need} devices, only {num_devices} are "
                           "available")
-    return HeteroLayout.from_schemes([(s.cp, s.tp, s.pp) for s in pipelines], num_layers)
+    return Layout.from_schemes([(s.cp, s.tp, s.pp) for s in pipelines], num_layers)
 
 
 def describe(pipelines: Sequence[Scheme]) -> str:

@@ -7,13 +7,14 @@ from typing import Optional
 
 from cfp.planner.build import build_layout, split_layers, stage_layouts
 from cfp.planner.cluster import Cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, PipelineLayout, StageLayout
+from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.options import PlannerOptions
 from cfp.planner.partition import machine_groups
 from cfp.planner.planner import pipeline_counts
 
 
-def _best(cm: CostModel, layouts) -> Optional[tuple[ClusterLayout, Estimate]]:
+def _best(cm: CostModel, layouts) -> Optional[tuple[Layout, Estimate]]:
     best = None
     for lay in layouts:
         if lay is None:
@@ -24,7 +25,7 @@ def _best(cm: CostModel, layouts) -> Optional[tuple[ClusterLayout, Estimate]]:
     return best
 
 
-def _megatron(cm: CostModel, t: int, p: int, d: int, batch: int, mb: int) -> Optional[ClusterLayout]:
+def _megatron(cm: CostModel, t: int, p: int, d: int, batch: int, mb: int) -> Optional[Layout]:
     """Devices packed in id order: pipeline j takes the next t*p devices, stage s the next t; equal
     layers (the first L % p stages one more) and equal batches."""
     L = cm.config.num_layers
@@ -39,12 +40,12 @@ def _megatron(cm: CostModel, t: int, p: int, d: int, batch: int, mb: int) -> Opt
             nxt += t
             if len({devs[i].machine for i in ids}) != 1:
                 return None  # a TP group across machines: not a Megatron layout
-            stages.append(StageLayout(ids, devs[ids[0]].machine, L // p + (1 if s < L % p else 0)))
-        pipes.append(PipelineLayout(tuple(stages), batch // d, batch // d // mb))
-    return ClusterLayout(tuple(pipes))
+            stages.append(Stage(ids, L // p + (1 if s < L % p else 0), devs[ids[0]].machine))
+        pipes.append(Pipeline(tuple(stages), batch // d, batch // d // mb))
+    return Layout(tuple(pipes))
 
 
-def megatron_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[ClusterLayout, Estimate]]:
+def megatron_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[Layout, Estimate]]:
     """The best uniform (TP, PP, DP) over all devices, as a Megatron user would tune it."""
     n, heads = cm.cluster.num_devices, cm.config.num_heads
     cands = []
@@ -59,7 +60,7 @@ def megatron_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[Cl
     return _best(cm, cands)
 
 
-def greedy_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[ClusterLayout, Estimate]]:
+def greedy_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[Layout, Estimate]]:
     """Speed-proportional greedy: each machine's devices in TP groups of up to 8, groups dealt fastest
     first to the pipeline with the least compute, stages in machine order, layers and batch by speed."""
     cl, heads = cm.cluster, cm.config.num_heads

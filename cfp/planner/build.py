@@ -7,15 +7,16 @@ import math
 from typing import Optional, Sequence
 
 from cfp.hardware.collectives import collective_time
-from cfp.planner.costmodel import ClusterLayout, CostModel, PipelineLayout, StageLayout
+from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.costmodel import CostModel
 
 
-def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[StageLayout]:
+def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[Stage]:
     devs = cm.cluster.devices
-    return [StageLayout(tuple(g), devs[g[0]].machine, 0) for g in groups]
+    return [Stage(tuple(g), 0, devs[g[0]].machine) for g in groups]
 
 
-def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
+def layer_time(cm: CostModel, st: Stage, mb: int) -> float:
     """Seconds one layer adds to a stage's forward + backward of one micro-batch (memoised by machine spec)."""
     key = ("layer_time", cm.kind[st.machine], len(st.devices), mb)
     memo = cm.build_memo
@@ -27,14 +28,14 @@ def layer_time(cm: CostModel, st: StageLayout, mb: int) -> float:
     return memo[key]
 
 
-def _max_layers(cm: CostModel, pipe: PipelineLayout, i: int, n_pipes: int, limit: int) -> int:
+def _max_layers(cm: CostModel, pipe: Pipeline, i: int, n_pipes: int, limit: int) -> int:
     """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
     the number of layers)."""
     return max(0, min(limit, cm.layer_capacities(pipe, n_pipes)[i]))
 
 
-def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunks: int,
-                 n_pipes: int) -> Optional[tuple[StageLayout, ...]]:
+def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int,
+                 n_pipes: int) -> Optional[tuple[Stage, ...]]:
     """Layers per stage minimising the slowest stage (the head's time counted on the last; adding layers
     one at a time where the stage stays fastest is exact for this min-max) subject to each stage's
     memory; None when the model does not fit."""
@@ -42,7 +43,7 @@ def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunk
     if len(stages) > L:
         return None
     mb = batch // chunks
-    pipe = PipelineLayout(tuple(stages), batch, chunks)
+    pipe = Pipeline(tuple(stages), batch, chunks)
     caps = [max(0, min(L, c)) for c in cm.layer_capacities(pipe, n_pipes)]
     if min(caps) < 1 or sum(caps) < L:
         return None
@@ -62,25 +63,25 @@ def split_layers(cm: CostModel, stages: Sequence[StageLayout], batch: int, chunk
         n[i] += 1
         if n[i] < caps[i]:
             heapq.heappush(heap, (fixed[i] + (n[i] + 1) * tau[i], i))
-    return tuple(StageLayout(s.devices, s.machine, k) for s, k in zip(stages, n))
+    return tuple(Stage(s.devices, k, s.machine) for s, k in zip(stages, n))
 
 
-def pipeline_terms(cm: CostModel, stages: Sequence[StageLayout], micro_batch: int) -> tuple[float, float]:
+def pipeline_terms(cm: CostModel, stages: Sequence[Stage], micro_batch: int) -> tuple[float, float]:
     """(A, W) with the pipeline's time at c micro-batches A + (c - 1) * W (stage times depend on the
     micro-batch size only)."""
     n = len(stages)
-    probe = PipelineLayout(tuple(stages), micro_batch, 1)
+    probe = Pipeline(tuple(stages), micro_batch, 1)
     ests = tuple(cm.stage_estimate(st, i, probe, 1, stages[i + 1] if i + 1 < n else None)
                  for i, st in enumerate(stages))
     a = cm.pipeline_time(ests, 1)
     return a, cm.pipeline_time(ests, 2) - a
 
 
-def max_chunks(cm: CostModel, stages: Sequence[StageLayout], micro_batch: int, n_pipes: int, limit: int) -> int:
+def max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes: int, limit: int) -> int:
     """Most micro-batches (<= limit) the pipeline holds within memory: only the stored stage inputs grow
     with them (without bound under GPipe, up to the number of stages from it on under 1F1B)."""
     n, best = len(stages), limit
-    probe = PipelineLayout(tuple(stages), micro_batch, 1)   # one stored input per stage
+    probe = Pipeline(tuple(stages), micro_batch, 1)   # one stored input per stage
     for i, st in enumerate(stages):
         s0, s1, a0, a1 = cm.memory_terms(st, i, probe, n_pipes)
         per_input = micro_batch * (cm.config.seq_len * 4 if i == 0 else cm.model.boundary_bytes())
@@ -114,7 +115,7 @@ def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], t
     return c
 
 
-def orders_signature(cm: CostModel, orders: Sequence[Sequence[StageLayout]]) -> tuple:
+def orders_signature(cm: CostModel, orders: Sequence[Sequence[Stage]]) -> tuple:
     """What the layer splits and times of a pipeline's candidate stage orders depend on: per stage its
     machine's spec and TP degree, and whether its neighbour is on the same machine (the link); pipelines of
     like machines share it."""
@@ -123,8 +124,8 @@ def orders_signature(cm: CostModel, orders: Sequence[Sequence[StageLayout]]) -> 
                   tuple(a.machine == b.machine for a, b in zip(o, o[1:]))) for o in orders)
 
 
-def _best_order(cm: CostModel, orders: Sequence[Sequence[StageLayout]], chunks: int, micro_batch: int,
-                n_pipes: int, signature: Optional[tuple] = None) -> Optional[tuple[StageLayout, ...]]:
+def _best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
+                n_pipes: int, signature: Optional[tuple] = None) -> Optional[tuple[Stage, ...]]:
     """The candidate stage order, with its layers split for `chunks` micro-batches, whose pipeline (and
     optimizer update) is fastest; None when no order fits. Memoised by the orders' signature
     (`orders_signature`): planning at scale builds many pipelines of like machines."""
@@ -137,24 +138,24 @@ def _best_order(cm: CostModel, orders: Sequence[Sequence[StageLayout]], chunks: 
     hit = memo[key]
     if hit is None:
         return None
-    return tuple(StageLayout(st.devices, st.machine, n) for st, n in zip(orders[hit[0]], hit[1]))
+    return tuple(Stage(st.devices, n, st.machine) for st, n in zip(orders[hit[0]], hit[1]))
 
 
-def _search_orders(cm: CostModel, orders: Sequence[Sequence[StageLayout]], chunks: int, micro_batch: int,
-                   n_pipes: int) -> Optional[tuple[int, tuple[StageLayout, ...]]]:
+def _search_orders(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
+                   n_pipes: int) -> Optional[tuple[int, tuple[Stage, ...]]]:
     best, best_t = None, math.inf
     for i, stages in enumerate(orders):
         st = split_layers(cm, stages, chunks * micro_batch, chunks, n_pipes)
         if st is not None:
             a, w = pipeline_terms(cm, st, micro_batch)
-            t = a + (chunks - 1) * w + cm.update_time(ClusterLayout((PipelineLayout(st, chunks, chunks),)))
+            t = a + (chunks - 1) * w + cm.update_time(Layout.unchecked((Pipeline(st, chunks, chunks),)))
             if t < best_t:
                 best, best_t = (i, st), t
     return best
 
 
-def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]], global_batch: int,
-                 micro_batch: int, signatures: Optional[Sequence[tuple]] = None) -> Optional[ClusterLayout]:
+def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[Stage]]], global_batch: int,
+                 micro_batch: int, signatures: Optional[Sequence[tuple]] = None) -> Optional[Layout]:
     """`pipes`: per pipeline, candidate stage orders (`signatures`: their `orders_signature`s, if known).
     Each pipeline's order and layer split chosen at an even share of micro-batches (memory checked there),
     micro-batches split by pipeline time under memory, then each order re-chosen with its layers re-split for
@@ -178,5 +179,5 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]]
         st = _best_order(cm, orders, c, micro_batch, k, sig)
         if st is None:
             return None
-        out.append(PipelineLayout(st, c * micro_batch, c))
-    return ClusterLayout(tuple(out))
+        out.append(Pipeline(st, c * micro_batch, c))
+    return Layout.unchecked(tuple(out))

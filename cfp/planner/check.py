@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cfp.planner.costmodel import PARAM_BYTES, ClusterLayout, CostModel
+from cfp.layout import Layout
+from cfp.planner.costmodel import PARAM_BYTES, CostModel
 from cfp.xla.compiled import compiled_memory
 
 
@@ -32,7 +33,7 @@ class StageCheck:
             ("bytes_bwd", self.bytes_bwd), ("bytes_update", self.bytes_update))}
 
 
-def _model_figures(cm: CostModel, layout: ClusterLayout, p: int, i: int) -> tuple[float, float, float, float]:
+def _model_figures(cm: CostModel, layout: Layout, p: int, i: int) -> tuple[float, float, float, float]:
     pipe = layout.pipelines[p]
     st, n = pipe.stages[i], len(layout.pipelines)
     first, last = i == 0, i == len(pipe.stages) - 1
@@ -49,13 +50,11 @@ def _model_figures(cm: CostModel, layout: ClusterLayout, p: int, i: int) -> tupl
     return ff, fb, bwd, update
 
 
-def check_compiled_stages(model_name: str, config: Any, cm: CostModel, layout: ClusterLayout) -> list[StageCheck]:
+def check_compiled_stages(model_name: str, config: Any, cm: CostModel, layout: Layout) -> list[StageCheck]:
     """Compile every stage of `layout` (devices of this process) and compare; see the module doc."""
     from cfp.runtime.engine import HeteroTrainer
-    from cfp.runtime.layout import HeteroLayout
 
-    hl = HeteroLayout.from_lists(**layout.lists())
-    trainer = HeteroTrainer(model_name, config, hl)
+    trainer = HeteroTrainer(model_name, config, layout)
     out = []
     for p, i in sorted(trainer.programs):
         (fwd, fwd_args), (bwd, bwd_args), _, (upd, upd_args) = trainer.compile_jobs((p, i))

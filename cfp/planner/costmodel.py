@@ -36,6 +36,7 @@ from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
+from cfp.layout import Layout, Pipeline, Stage
 from cfp.models.costs import PARAM_BYTES, ModelCost
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
@@ -67,7 +68,6 @@ def precision_of(dtype: str, gpu: GpuSpec) -> Precision:
     return rates.dot_precision(dtype, None, gpu)
 
 
-# ----------------------------------------------------------------------------- layouts
 def _host_sums(parts) -> list[float]:
     """Per shared-host machine, the sum of its (machine, seconds) entries over pipelines (0.0 if none)."""
     total: dict[int, float] = {}
@@ -75,61 +75,6 @@ def _host_sums(parts) -> list[float]:
         for m, t in items:
             total[m] = total.get(m, 0.0) + t
     return list(total.values()) or [0.0]
-
-
-def _cached_hash(obj) -> int:
-    h = obj.__dict__.get("_hash")
-    if h is None:
-        h = hash(tuple(getattr(obj, f) for f in obj.__dataclass_fields__))
-        object.__setattr__(obj, "_hash", h)
-    return h
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """One stage: its devices (one machine), TP degree = len(devices), number of layers."""
-    devices: tuple[int, ...]
-    machine: int
-    layers: int
-
-    @property
-    def tp(self) -> int:
-        return len(self.devices)
-
-    def __hash__(self) -> int:      # cached: planning at scale hashes layouts millions of times
-        return _cached_hash(self)
-
-
-@dataclass(frozen=True)
-class PipelineLayout:
-    stages: tuple[StageLayout, ...]
-    batch: int      # sequences per step
-    chunks: int     # micro-batches
-
-    def __hash__(self) -> int:
-        return _cached_hash(self)
-
-    @property
-    def micro_batch(self) -> int:
-        return self.batch // self.chunks
-
-
-@dataclass(frozen=True)
-class ClusterLayout:
-    """Data-parallel pipelines over a cluster (FlashFlex semantics)."""
-    pipelines: tuple[PipelineLayout, ...]
-
-    @property
-    def global_batch(self) -> int:
-        return sum(p.batch for p in self.pipelines)
-
-    def lists(self) -> dict[str, list]:
-        """The runtime's fields (`cfp.runtime.layout.HeteroLayout.from_lists`)."""
-        return {"hetero_configs": [[s.tp for s in p.stages] for p in self.pipelines],
-                "layer_partitions": [[s.layers for s in p.stages] for p in self.pipelines],
-                "global_batch_size": [p.batch for p in self.pipelines],
-                "chunks": [p.chunks for p in self.pipelines],
-                "devices_id": [[list(s.devices) for s in p.stages] for p in self.pipelines]}
 
 
 # ----------------------------------------------------------------------------- estimate
@@ -182,7 +127,7 @@ class _PipelineFigures:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Estimates a `ClusterLayout` of `config` on `cluster` with `schedule`; stages whose shape and device
+    """Estimates a `Layout` of `config` on `cluster` with `schedule`; stages whose shape and device
     `stage_times` has measured are priced by the measured time (their TP collectives included in it);
     `features`: how the step runs (default: cfp's runtime)."""
     config: Any
@@ -250,18 +195,18 @@ class CostModel:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
         return self._stored(stage_index, num_stages, chunks)
 
-    def stage_flops(self, st: StageLayout, first: bool, last: bool, mb: int) -> tuple[float, float]:
+    def stage_flops(self, st: Stage, first: bool, last: bool, mb: int) -> tuple[float, float]:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
         m = self.model
         f = mb * (st.layers * m.layer_flops(st.tp) + (m.head_flops(st.tp) if last else 0.0))
         return f, self.features.backward_passes * f
 
-    def stage_params(self, st: StageLayout, first: bool, last: bool) -> float:
+    def stage_params(self, st: Stage, first: bool, last: bool) -> float:
         m = self.model
         return (st.layers * m.layer_params(st.tp) + (m.embed_params(st.tp) if first else 0.0)
                 + (m.head_params(st.tp) if last else 0.0))
 
-    def memory_terms(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int
+    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int
                      ) -> tuple[float, float, float, float]:
         """(s0, s1, a0, a1): a stage of n layers peaks at 4*(s0 + n*s1) + max(a0 + n*a1, (P-1)*(s0 + n*s1))
         bytes per device (P pipelines), see `stage_memory`."""
@@ -279,7 +224,7 @@ class CostModel:
               + (PARAM_BYTES * m.embed_params(st.tp) if first else 0.0))
         return s0, s1, a0, self.features.stored_activations(stored) * mb * m.layer_activation_bytes(st.tp)
 
-    def layer_capacity(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> int:
+    def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
         the number of layers)."""
         cap = self.cluster.machines[st.machine].memory
@@ -289,7 +234,7 @@ class CostModel:
         n2 = (cap / (4 + self.features.gathered_copies(n_pipes)) - s0) / s1
         return int(math.floor(min(n1, n2) * (1 + 1e-12)))
 
-    def layer_capacities(self, pipe: PipelineLayout, n_pipes: int) -> list[int]:
+    def layer_capacities(self, pipe: Pipeline, n_pipes: int) -> list[int]:
         """`layer_capacity` of every stage of `pipe`, memoised on what it depends on (planning at scale asks
         ~10^6 times, hence the flat loop)."""
         stages, memo, kind, stored = pipe.stages, self._memo, self.kind, self._stored
@@ -304,7 +249,7 @@ class CostModel:
             out.append(cap)
         return out
 
-    def stage_memory(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int) -> float:
+    def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> float:
         """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
         backward's working set (stored inputs + one micro-batch's stage activations) and the
         gradients received from the other pipelines at the update."""
@@ -312,8 +257,8 @@ class CostModel:
         params = s0 + st.layers * s1
         return 4 * params + max(a0 + st.layers * a1, self.features.gathered_copies(n_pipes) * params)
 
-    def stage_estimate(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int,
-                       nxt: StageLayout | None) -> StageEstimate:
+    def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
+                       nxt: Stage | None) -> StageEstimate:
         """Memoised on what the figures depend on (not on which devices of the machine)."""
         n = len(pipe.stages)
         key = (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1,
@@ -324,8 +269,8 @@ class CostModel:
             memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
         return memo[key]
 
-    def _stage_estimate(self, st: StageLayout, idx: int, pipe: PipelineLayout, n_pipes: int,
-                        nxt: StageLayout | None) -> StageEstimate:
+    def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
+                        nxt: Stage | None) -> StageEstimate:
         m, n = self.model, len(pipe.stages)
         first, last = idx == 0, idx == n - 1
         mb = pipe.micro_batch
@@ -351,7 +296,7 @@ class CostModel:
         return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
                              self.stage_params(st, first, last))
 
-    def _measured(self, st: StageLayout, first: bool, last: bool, mb: int) -> Optional[float]:
+    def _measured(self, st: Stage, first: bool, last: bool, mb: int) -> Optional[float]:
         if self.stage_times is None:
             return None
         gpu = self.cluster.machines[st.machine].gpu.name
@@ -364,7 +309,7 @@ class CostModel:
         per_stage = [s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send)]
         return SCHEDULES[self.schedule].time(per_stage, chunks)
 
-    def _pipeline(self, pipe: PipelineLayout, n_pipes: int) -> _PipelineFigures:
+    def _pipeline(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
         """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
         in one or two pipelines)."""
         key = (pipe, n_pipes)
@@ -390,7 +335,7 @@ class CostModel:
                                          tuple(upd.items()), own)
         return memo[key]
 
-    def dp_time(self, layout: ClusterLayout) -> float:
+    def dp_time(self, layout: Layout) -> float:
         """Gradient sync as the runtime does it (`cfp.runtime.dispatch.sync_gradients`): every stage receives
         its modules' gradients from every other pipeline, resharded onto its devices -- per layer a gather of
         the pipelines' pieces (the largest per-device shard among them) over the slowest link the layout spans
@@ -426,7 +371,7 @@ class CostModel:
                 layer += st.layers
         return max([worst, *host.values()])
 
-    def _collective_sync_time(self, layout: ClusterLayout) -> float:
+    def _collective_sync_time(self, layout: Layout) -> float:
         """An all-reduce or sharded sync (`StepFeatures.grad_sync`): every stage's collectives across the
         pipelines over the slowest link the layout spans, stages at once; the step waits for the slowest."""
         n = len(layout.pipelines)
@@ -455,14 +400,14 @@ class CostModel:
         nbytes = params * PARAM_BYTES
         return collective_time("all-gather", n * nbytes, n, bw) + (n - 1) * 3 * nbytes / self._mem_bw(machine)
 
-    def update_time(self, layout: ClusterLayout) -> float:
+    def update_time(self, layout: Layout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
         stages update at once, the step waits for the slowest (on a shared host: for the host to do them all)."""
         n = len(layout.pipelines)
         figs = [self._pipeline(p, n) for p in layout.pipelines]
         return max(max(f.own_update for f in figs), *_host_sums(f.host_update for f in figs))
 
-    def compute_time(self, layout: ClusterLayout, times: tuple[float, ...]) -> float:
+    def compute_time(self, layout: Layout, times: tuple[float, ...]) -> float:
         """The forward-backward part of the step: the slowest pipeline; stages on a shared host (`GpuSpec.
         shared_host`) lend their bubbles to the others, so their host takes its stages' work over its devices
         (a pipeline wholly on shared hosts is bounded by them only)."""
@@ -471,7 +416,7 @@ class CostModel:
         worst = max([t for t, f in zip(times, figs) if not all(f.share)], default=0.0)
         return max(worst, *_host_sums(f.host_busy for f in figs))
 
-    def estimate(self, layout: ClusterLayout) -> Estimate:
+    def estimate(self, layout: Layout) -> Estimate:
         n = len(layout.pipelines)
         figs = [self._pipeline(p, n) for p in layout.pipelines]
         times = tuple(f.time for f in figs)
@@ -483,7 +428,7 @@ class CostModel:
         return Estimate(step, seqs * self.config.seq_len / step, mfu, times, dp, upd,
                         tuple(f.stages for f in figs), all(f.fits for f in figs), peak)
 
-    def mfu_with_peaks(self, est: Estimate, layout: ClusterLayout, tflops: dict[str, float]) -> float:
+    def mfu_with_peaks(self, est: Estimate, layout: Layout, tflops: dict[str, float]) -> float:
         """MFU of `est` against another peak table (TFLOP/s by catalog name), e.g. a paper's."""
         used = [d for p in layout.pipelines for s in p.stages for d in s.devices]
         peak = sum(1e12 * tflops[self.cluster.machines[self._machines[d]].gpu.name] for d in used)

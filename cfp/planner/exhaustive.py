@@ -18,7 +18,8 @@ from typing import Iterator, Optional, Sequence
 
 from cfp.errors import InfeasibleError
 from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms
-from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, PipelineLayout, StageLayout
+from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.options import PlannerOptions
 from cfp.planner.partition import size_cuts, size_orders
 
@@ -54,10 +55,10 @@ def compositions(total: int, parts: int, caps: Sequence[int]) -> Iterator[tuple[
             yield (first,) + rest
 
 
-def _distinct_orders(block: list[StageLayout]) -> list[tuple[StageLayout, ...]]:
+def _distinct_orders(block: list[Stage]) -> list[tuple[Stage, ...]]:
     """Orders of one machine's groups that differ in the sequence of sizes (same-size groups of a machine
     are interchangeable)."""
-    by_size: dict[int, list[StageLayout]] = {}
+    by_size: dict[int, list[Stage]] = {}
     for s in block:
         by_size.setdefault(s.tp, []).append(s)
     out = []
@@ -71,7 +72,7 @@ def _distinct_orders(block: list[StageLayout]) -> list[tuple[StageLayout, ...]]:
     return out
 
 
-def _pipeline_orders(blocks: list[list[StageLayout]]) -> Iterator[tuple[StageLayout, ...]]:
+def _pipeline_orders(blocks: list[list[Stage]]) -> Iterator[tuple[Stage, ...]]:
     inner = [_distinct_orders(b) for b in blocks]
     for perm in itertools.permutations(range(len(blocks))):
         for parts in itertools.product(*(inner[i] for i in perm)):
@@ -87,18 +88,18 @@ def _machine_groups(cl, cuts: Sequence[tuple[int, ...]]) -> list[list[int]]:
     return out
 
 
-def _layer_splits(cm: CostModel, stages: tuple[StageLayout, ...], batch: int, chunks: int, k: int):
+def _layer_splits(cm: CostModel, stages: tuple[Stage, ...], batch: int, chunks: int, k: int):
     L = cm.config.num_layers
     for comp in compositions(L, len(stages), [L] * len(stages)):
-        st = tuple(StageLayout(s.devices, s.machine, n) for s, n in zip(stages, comp))
-        pipe = PipelineLayout(st, batch, chunks)
+        st = tuple(Stage(s.devices, n, s.machine) for s, n in zip(stages, comp))
+        pipe = Pipeline(st, batch, chunks)
         if all(cm.stage_memory(s, i, pipe, k) <= cm.cluster.machines[s.machine].memory
                for i, s in enumerate(st)):
             yield pipe
 
 
 def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_000
-                      ) -> tuple[ClusterLayout, Estimate, int]:
+                      ) -> tuple[Layout, Estimate, int]:
     """(best layout, its estimate, layouts estimated); InfeasibleError past `limit` or > 16 devices."""
     cl = cm.cluster
     if cl.num_devices > MAX_DEVICES:
@@ -115,10 +116,10 @@ def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_0
             taken = {kd: 0 for kd in kinds}
             pipes_blocks = []
             for b in blocks:
-                mblocks: dict[int, list[StageLayout]] = {}
+                mblocks: dict[int, list[Stage]] = {}
                 for kd, n in zip(kinds, b):
                     for g in pool[kd][taken[kd]:taken[kd] + n]:
-                        mblocks.setdefault(kd[0], []).append(StageLayout(tuple(g), kd[0], 0))
+                        mblocks.setdefault(kd[0], []).append(Stage(tuple(g), 0, kd[0]))
                     taken[kd] += n
                 pipes_blocks.append([mblocks[m] for m in sorted(mblocks)])
             for mb in options.micro_batch_sizes:
@@ -138,10 +139,10 @@ def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_0
                     chunks = allocate_chunks([c[1] for c in combo], [c[2] for c in combo], total)
                     if chunks is None:
                         continue
-                    lay = ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for (st, _, _), c in zip(combo, chunks)))
+                    lay = Layout.unchecked(tuple(Pipeline(st, c * mb, c) for (st, _, _), c in zip(combo, chunks)))
                     e = cm.estimate(lay)
                     if e.fits and (best is None or e.objective < best[1].objective):
                         best = (lay, e)
     if best is None:
         raise InfeasibleError("no layout fits the cluster's memory")
-    return best[0], best[1], count
+    return best[0].checked(), best[1], count

@@ -1,5 +1,6 @@
-"""The layout file `cfp plan` writes and `cfp train --layout FILE` runs: JSON with the runtime's fields
-(the same as the train flags), the model it is for, the estimate and the cluster it was planned for."""
+"""The layout file `cfp plan` writes and `cfp train --layout FILE` runs: JSON holding the planned
+`cfp.layout.Layout` (its `to_json`), the model it is for, the schedule, the estimate and the cluster it was
+planned for. Loading validates every field and builds the `Layout` the runtime takes as is."""
 from __future__ import annotations
 
 import json
@@ -8,14 +9,12 @@ from typing import Any, Mapping
 
 from cfp.errors import ConfigError
 from cfp.files import write_text_atomic
+from cfp.layout import Layout
 from cfp.models import get_config
-from cfp.runtime.layout import HeteroLayout
 from cfp.runtime.schedules import ScheduleName
 
-FORMAT = "cfp-layout/1"
-LIST_FIELDS = ("hetero_configs", "layer_partitions", "global_batch_size", "chunks", "devices_id")
-# train flags a layout file sets (its model fields and its runtime fields)
-TRAIN_FIELDS = ("model", "config", "num_layers", "seq_len", "dtype", "schedule") + LIST_FIELDS
+FORMAT = "cfp-layout/2"     # 2: the layout is `Layout.to_json`; 1 had the seed's five list fields
+OLD_FORMATS = ("cfp-layout/1",)
 
 
 @dataclass(frozen=True)
@@ -24,18 +23,14 @@ class LayoutFile:
     config: str
     overrides: Mapping[str, Any]
     schedule: ScheduleName
-    fields: Mapping[str, Any]       # the runtime's lists
+    layout: Layout
     estimate: Mapping[str, Any]
     cluster: Mapping[str, Any]
-
-    def hetero_layout(self) -> HeteroLayout:
-        return HeteroLayout.from_lists(**self.fields)
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "model": self.model, "config": self.config,
                 "overrides": dict(self.overrides), "schedule": self.schedule.value,
-                **{k: self.fields[k] for k in LIST_FIELDS},
-                "estimate": dict(self.estimate), "cluster": dict(self.cluster)}
+                "layout": self.layout.to_json(), "estimate": dict(self.estimate), "cluster": dict(self.cluster)}
 
 
 def write_layout_file(path: str, layout_file: LayoutFile) -> None:
@@ -44,21 +39,34 @@ def write_layout_file(path: str, layout_file: LayoutFile) -> None:
 
 
 def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:
-    """Validate a loaded layout document: its model config exists and the layout fits it."""
-    if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+    """Validate a loaded layout document: its fields, its model config, and that the layout fits it."""
+    fmt = data.get("format") if isinstance(data, Mapping) else None
+    if fmt in OLD_FORMATS:
+        raise ConfigError(f"{where} has the older format {fmt!r} (written by an older cfp); regenerate it "
+                          f"with this cfp: `cfp plan --cluster CLUSTER --model MODEL ... --out FILE`")
+    if fmt != FORMAT:
         raise ConfigError(f"{where}: not a cfp layout file (expected \"format\": \"{FORMAT}\")")
-    for key in ("model", "config", "schedule") + LIST_FIELDS:
+    for key, kind in (("model", str), ("config", str), ("schedule", str), ("layout", Mapping)):
         if key not in data:
             raise ConfigError(f"{where}: missing field {key!r}")
-    overrides = data.get("overrides", {})
-    if not isinstance(overrides, Mapping):
-        raise ConfigError(f"{where}: overrides={overrides!r} must be a mapping")
-    config = get_config(data["model"], data["config"], **overrides)
-    fields = {k: data[k] for k in LIST_FIELDS}
-    out = LayoutFile(data["model"], data["config"], dict(overrides), ScheduleName.parse(data["schedule"]),
-                     fields, data.get("estimate", {}), data.get("cluster", {}))
-    out.hetero_layout().validate_for(config)
-    return out
+        if not isinstance(data[key], kind):
+            raise ConfigError(f"{where}: {key}={data[key]!r} must be a {'mapping' if kind is Mapping else 'string'}")
+    for key in ("overrides", "estimate", "cluster"):
+        if not isinstance(data.get(key, {}), Mapping):
+            raise ConfigError(f"{where}: {key}={data[key]!r} must be a mapping")
+    overrides = dict(data.get("overrides", {}))
+    try:
+        config = get_config(data["model"], data["config"], **overrides)
+        schedule = ScheduleName.parse(data["schedule"])
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    layout = Layout.from_json(data["layout"], f"{where}: layout")
+    try:
+        layout.validate_for(config)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return LayoutFile(data["model"], data["config"], overrides, schedule, layout,
+                      dict(data.get("estimate", {})), dict(data.get("cluster", {})))
 
 
 def load_layout_file(path: str) -> LayoutFile:
@@ -70,25 +78,3 @@ def load_layout_file(path: str) -> LayoutFile:
     except json.JSONDecodeError as e:
         raise ConfigError(f"layout file {path!r} is not JSON: {e}") from None
     return parse_layout_file(data, f"layout file {path!r}")
-
-
-def train_args_from_layout(args: Any) -> dict[str, Any]:
-    """Values for `cfp train`'s arguments: from `args.layout` when given (a flag set as well is an
-    error unless it agrees), else none, after checking that the layout flags were given."""
-    if not getattr(args, "layout", None):
-        missing = [f"--{n.replace('_', '-')}" for n in ("model", "hetero_configs") if getattr(args, n) is None]
-        if missing:
-            raise ConfigError(f"{' and '.join(missing)} required unless --layout FILE is given")
-        return {}
-    lf = load_layout_file(args.layout)
-    values = {"model": lf.model, "config": lf.config, "schedule": lf.schedule.value,
-              "num_layers": lf.overrides.get("num_layers"), "seq_len": lf.overrides.get("seq_len"),
-              "dtype": lf.overrides.get("dtype"),
-              **{k: json.dumps(v) if k in ("hetero_configs", "layer_partitions", "devices_id") else v
-                 for k, v in lf.fields.items()}}
-    for name in ("model", "hetero_configs", "layer_partitions", "devices_id", "num_layers", "seq_len", "dtype"):
-        given = getattr(args, name, None)
-        if given is not None and str(given) != str(values[name]):
-            raise ConfigError(f"--{name.replace('_', '-')}={given} conflicts with layout file {args.layout!r} "
-                              f"({values[name]}); drop the flag or the file")
-    return values

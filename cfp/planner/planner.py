@@ -17,7 +17,8 @@ from typing import Callable, Optional
 from cfp.errors import InfeasibleError
 from cfp.planner.build import build_layout, orders_signature, stage_layouts
 from cfp.planner.cluster import Cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate
+from cfp.layout import Layout
+from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.options import PlannerOptions
 from cfp.planner.partition import (balanced_stages, machine_groups, split_by_type, split_pipelines,
                                    split_stages, stage_orders)
@@ -26,7 +27,7 @@ from cfp.planner.refine import refine
 
 @dataclass(frozen=True)
 class PlannerResult:
-    layout: ClusterLayout
+    layout: Layout
     estimate: Estimate
     candidates: int       # (pipelines, TP, micro-batch) combinations estimated
     seconds: float        # measured planning time
@@ -88,7 +89,7 @@ class _Search:
         return self._phase2[key]
 
     def evaluate(self, k: int, tp: dict[str, int], metis: bool = False, by_type: bool = False
-                 ) -> tuple[Optional[ClusterLayout], float]:
+                 ) -> tuple[Optional[Layout], float]:
         cl = self.cm.cluster
         tp_of = lambda m: tp[cl.machines[m].gpu.name]
         pipes = [self.stages(g, tp_of, metis) for g in self.pipelines(k, by_type)]
@@ -144,7 +145,7 @@ class _Candidate:
     objective: float
     k: int
     tp: tuple          # sorted (device type, TP degree) pairs
-    layout: Optional[ClusterLayout]
+    layout: Optional[Layout]
 
 
 def _with_metis(search: _Search, cand: _Candidate) -> _Candidate:
@@ -207,4 +208,4 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
             lay, est = cand, cm.estimate(cand)
         if best_est is None or est.objective < best_est.objective:
             best_layout, best_est = lay, est
-    return PlannerResult(best_layout, best_est, search.count, time.perf_counter() - t0)
+    return PlannerResult(best_layout.checked(), best_est, search.count, time.perf_counter() - t0)

@@ -14,7 +14,8 @@ from typing import Any, Optional
 from cfp.errors import InfeasibleError
 from cfp.models import get_config
 from cfp.planner.cluster import Cluster, parse_cluster
-from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate
+from cfp.layout import Layout
+from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.exhaustive import exhaustive_layout
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
@@ -42,7 +43,7 @@ class OptimalityCase:
     config: Any
     options: PlannerOptions
     planned: PlannerResult
-    optimum: Optional[tuple[ClusterLayout, Estimate, int]]   # layout, estimate, layouts estimated
+    optimum: Optional[tuple[Layout, Estimate, int]]   # layout, estimate, layouts estimated
 
     @property
     def gap(self) -> Optional[float]:

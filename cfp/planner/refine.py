@@ -23,7 +23,8 @@ import itertools
 from typing import Iterator, Optional, Sequence
 
 from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms, split_layers
-from cfp.planner.costmodel import ClusterLayout, CostModel, Estimate, PipelineLayout, StageLayout
+from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.partition import size_cuts, size_orders
 
 _SHIFTS = (1, 2, 3, 4, 8, 16, 32, 64)
@@ -35,11 +36,11 @@ class _Budget:
         self.cm, self.left = cm, budget
         self._terms: dict[tuple, tuple] = {}
 
-    def estimate(self, layout: ClusterLayout) -> Estimate:
+    def estimate(self, layout: Layout) -> Estimate:
         self.left -= 1
         return self.cm.estimate(layout)
 
-    def terms(self, stages: tuple[StageLayout, ...], mb: int, k: int, total: int) -> tuple[tuple, int]:
+    def terms(self, stages: tuple[Stage, ...], mb: int, k: int, total: int) -> tuple[tuple, int]:
         """A pipeline's time terms and micro-batch cap (memoised: rebuilds repeat unchanged pipelines)."""
         key = (stages, mb, k, total)
         if key not in self._terms:
@@ -47,14 +48,14 @@ class _Budget:
         return self._terms[key]
 
 
-def _replace(layout: ClusterLayout, p: int, pipe: PipelineLayout) -> ClusterLayout:
+def _replace(layout: Layout, p: int, pipe: Pipeline) -> Layout:
     pipes = list(layout.pipelines)
     pipes[p] = pipe
-    return ClusterLayout(tuple(pipes))
+    return Layout.unchecked(tuple(pipes))
 
 
 # ----------------------------------------------------------------------------- polishing
-def _layer_shifts(layout: ClusterLayout, est: Estimate, pipes: Sequence[int]) -> Iterator[ClusterLayout]:
+def _layer_shifts(layout: Layout, est: Estimate, pipes: Sequence[int]) -> Iterator[Layout]:
     """d layers from stage `src` to stage `dst` of a pipeline: slowest pipeline first, then from its
     slower stages to its faster ones, small d first (the likeliest improvements come first, which is
     what keeps first-improvement search cheap on pipelines of many stages)."""
@@ -69,12 +70,12 @@ def _layer_shifts(layout: ClusterLayout, est: Estimate, pipes: Sequence[int]) ->
                         continue
                     st = list(pipe.stages)
                     a, b = st[src], st[dst]
-                    st[src] = StageLayout(a.devices, a.machine, a.layers - d)
-                    st[dst] = StageLayout(b.devices, b.machine, b.layers + d)
-                    yield _replace(layout, p, PipelineLayout(tuple(st), pipe.batch, pipe.chunks))
+                    st[src] = Stage(a.devices, a.layers - d, a.machine)
+                    st[dst] = Stage(b.devices, b.layers + d, b.machine)
+                    yield _replace(layout, p, Pipeline(tuple(st), pipe.batch, pipe.chunks))
 
 
-def _boundaries(pipe: PipelineLayout) -> dict[int, int]:
+def _boundaries(pipe: Pipeline) -> dict[int, int]:
     """Layer index at which each stage but the last ends -> that stage's index."""
     out, layer = {}, 0
     for i, st in enumerate(pipe.stages[:-1]):
@@ -83,7 +84,7 @@ def _boundaries(pipe: PipelineLayout) -> dict[int, int]:
     return out
 
 
-def _aligned_shifts(layout: ClusterLayout) -> Iterator[ClusterLayout]:
+def _aligned_shifts(layout: Layout) -> Iterator[Layout]:
     """A stage boundary at the same layer moved by d layers in every pipeline that has it (at least
     two). Gradient sync runs per stage over the pipelines' layers at their narrowest TP degree, so a
     boundary moved in one pipeline alone can cost more sync than it saves where moving it in all pays."""
@@ -101,14 +102,14 @@ def _aligned_shifts(layout: ClusterLayout) -> Iterator[ClusterLayout]:
                     a, c = st[i], st[i + 1]
                     if (a.layers if sign < 0 else c.layers) <= d:
                         continue
-                    st[i] = StageLayout(a.devices, a.machine, a.layers + sign * d)
-                    st[i + 1] = StageLayout(c.devices, c.machine, c.layers - sign * d)
-                    pipes[p], moved = PipelineLayout(tuple(st), pipe.batch, pipe.chunks), moved + 1
+                    st[i] = Stage(a.devices, a.layers + sign * d, a.machine)
+                    st[i + 1] = Stage(c.devices, c.layers - sign * d, c.machine)
+                    pipes[p], moved = Pipeline(tuple(st), pipe.batch, pipe.chunks), moved + 1
                 if moved >= 2:
-                    yield ClusterLayout(tuple(pipes))
+                    yield Layout.unchecked(tuple(pipes))
 
 
-def _batch_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout]:
+def _batch_moves(layout: Layout, est: Estimate) -> Iterator[Layout]:
     """One micro-batch from a pipeline to another (slowest source first)."""
     k = len(layout.pipelines)
     for src in sorted(range(k), key=lambda p: (-est.pipeline_time[p], p)):
@@ -120,12 +121,12 @@ def _batch_moves(layout: ClusterLayout, est: Estimate) -> Iterator[ClusterLayout
             b = layout.pipelines[dst]
             if dst == src or b.micro_batch != mb:
                 continue
-            out = _replace(layout, src, PipelineLayout(a.stages, a.batch - mb, a.chunks - 1))
-            yield _replace(out, dst, PipelineLayout(b.stages, b.batch + mb, b.chunks + 1))
+            out = _replace(layout, src, Pipeline(a.stages, a.batch - mb, a.chunks - 1))
+            yield _replace(out, dst, Pipeline(b.stages, b.batch + mb, b.chunks + 1))
 
 
-def _polish(bud: _Budget, layout: ClusterLayout, est: Estimate, pipes: Sequence[int]
-            ) -> tuple[ClusterLayout, Estimate]:
+def _polish(bud: _Budget, layout: Layout, est: Estimate, pipes: Sequence[int]
+            ) -> tuple[Layout, Estimate]:
     """Hill-climb with layer shifts in `pipes`, micro-batch moves and aligned layer shifts (in every
     pipeline) until none improves."""
     improved = True
@@ -144,8 +145,8 @@ def _polish(bud: _Budget, layout: ClusterLayout, est: Estimate, pipes: Sequence[
 
 
 # ----------------------------------------------------------------------------- structural moves
-def _rebuild(bud: _Budget, pipes: Sequence[Sequence[StageLayout]], changed: set[int], global_batch: int,
-             mb: int) -> Optional[ClusterLayout]:
+def _rebuild(bud: _Budget, pipes: Sequence[Sequence[Stage]], changed: set[int], global_batch: int,
+             mb: int) -> Optional[Layout]:
     """Layers of the `changed` pipelines re-split, micro-batches (of size `mb`) re-allocated over all;
     None when a pipeline cannot hold the model or the batch. Counts as one estimate of the budget."""
     cm, k, total = bud.cm, len(pipes), global_batch // mb
@@ -164,12 +165,12 @@ def _rebuild(bud: _Budget, pipes: Sequence[Sequence[StageLayout]], changed: set[
                              [bud.terms(st, mb, k, total)[1] for st in stages], total)
     if chunks is None:
         return None
-    return ClusterLayout(tuple(PipelineLayout(st, c * mb, c) for st, c in zip(stages, chunks)))
+    return Layout.unchecked(tuple(Pipeline(st, c * mb, c) for st, c in zip(stages, chunks)))
 
 
-def _blocks(stages: Sequence[StageLayout]) -> list[list[StageLayout]]:
+def _blocks(stages: Sequence[Stage]) -> list[list[Stage]]:
     """A pipeline's stages cut where the machine changes."""
-    out: list[list[StageLayout]] = []
+    out: list[list[Stage]] = []
     for s in stages:
         if out and out[-1][-1].machine == s.machine:
             out[-1].append(s)
@@ -178,7 +179,7 @@ def _blocks(stages: Sequence[StageLayout]) -> list[list[StageLayout]]:
     return out
 
 
-def _order_moves(layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+def _order_moves(layout: Layout) -> Iterator[tuple[list, set[int]]]:
     """A pipeline with two of its machine blocks swapped, or reversed."""
     for p, pipe in enumerate(layout.pipelines):
         blocks = _blocks(pipe.stages)
@@ -192,7 +193,7 @@ def _order_moves(layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
                 yield [*pipes[:p], [s for blk in b for s in blk], *pipes[p + 1:]], {p}
 
 
-def _insert_points(stages: Sequence[StageLayout], st: StageLayout) -> list[int]:
+def _insert_points(stages: Sequence[Stage], st: Stage) -> list[int]:
     """Where a group may join a pipeline: next to the stages of its machine if there are any (its links
     are fastest there), else at every machine-block boundary."""
     same = [j for j, s in enumerate(stages) if s.machine == st.machine]
@@ -205,7 +206,7 @@ def _insert_points(stages: Sequence[StageLayout], st: StageLayout) -> list[int]:
     return cuts
 
 
-def _units(stages: Sequence[StageLayout]) -> list[tuple[int, int]]:
+def _units(stages: Sequence[Stage]) -> list[tuple[int, int]]:
     """(start, length) of what a device move carries: every single stage (TP group), then every
     machine block of two or more stages."""
     out = [(i, 1) for i in range(len(stages))]
@@ -217,7 +218,7 @@ def _units(stages: Sequence[StageLayout]) -> list[tuple[int, int]]:
     return out
 
 
-def _device_moves(layout: ClusterLayout, est: Estimate) -> Iterator[tuple[list, set[int]]]:
+def _device_moves(layout: Layout, est: Estimate) -> Iterator[tuple[list, set[int]]]:
     """A TP group or a machine block from one pipeline to another (slowest source first; a pipeline
     left empty disappears), then two of them, of different machines, swapped between pipelines."""
     k = len(layout.pipelines)
@@ -252,7 +253,7 @@ def _device_moves(layout: ClusterLayout, est: Estimate) -> Iterator[tuple[list, 
                             yield new, {a, b}
 
 
-def _tp_moves(cm: CostModel, layout: ClusterLayout, only: Optional[set[int]] = None
+def _tp_moves(cm: CostModel, layout: Layout, only: Optional[set[int]] = None
               ) -> Iterator[tuple[list, set[int]]]:
     """A stage's TP group split into two halves, or two neighbouring stages of one machine and degree
     merged into one group of twice the degree (heads divisible); in the pipelines `only` if given."""
@@ -264,16 +265,16 @@ def _tp_moves(cm: CostModel, layout: ClusterLayout, only: Optional[set[int]] = N
         for i, s in enumerate(stages):
             if s.tp > 1:
                 h = s.tp // 2
-                parts = [StageLayout(s.devices[:h], s.machine, 0), StageLayout(s.devices[h:], s.machine, 0)]
+                parts = [Stage(s.devices[:h], 0, s.machine), Stage(s.devices[h:], 0, s.machine)]
                 yield [*pipes[:p], stages[:i] + parts + stages[i + 1:], *pipes[p + 1:]], {p}
         for i in range(len(stages) - 1):
             a, b = stages[i], stages[i + 1]
             if a.machine == b.machine and a.tp == b.tp and heads % (2 * a.tp) == 0:
-                merged = StageLayout(tuple(sorted(a.devices + b.devices)), a.machine, 0)
+                merged = Stage(tuple(sorted(a.devices + b.devices)), 0, a.machine)
                 yield [*pipes[:p], stages[:i] + [merged] + stages[i + 2:], *pipes[p + 1:]], {p}
 
 
-def _regroup_moves(cm: CostModel, layout: ClusterLayout) -> Iterator[tuple[list, set[int]]]:
+def _regroup_moves(cm: CostModel, layout: Layout) -> Iterator[tuple[list, set[int]]]:
     """A pipeline's stages on one machine re-cut into TP groups of other sizes (every ordered cut into
     power-of-two groups, nearest stage count first): e.g. a wide group where the LM head sits and narrow
     ones elsewhere, which single splits and merges reach only through a worse layout."""
@@ -290,15 +291,15 @@ def _regroup_moves(cm: CostModel, layout: ClusterLayout) -> Iterator[tuple[list,
             for seq in sorted(seqs, key=lambda q: (abs(len(q) - len(now)), len(q), tuple(-t for t in q))):
                 groups, i = [], 0
                 for t in seq:
-                    groups.append(StageLayout(tuple(devices[i:i + t]), blk[0].machine, 0))
+                    groups.append(Stage(tuple(devices[i:i + t]), 0, blk[0].machine))
                     i += t
                 new = stages[:start] + groups + stages[start + len(blk):]
                 yield [*pipes[:p], new, *pipes[p + 1:]], {p}
             start += len(blk)
 
 
-def _structural(bud: _Budget, layout: ClusterLayout, est: Estimate, micro_batch_sizes: Sequence[int]
-                ) -> Iterator[tuple[ClusterLayout, set[int]]]:
+def _structural(bud: _Budget, layout: Layout, est: Estimate, micro_batch_sizes: Sequence[int]
+                ) -> Iterator[tuple[Layout, set[int]]]:
     cm = bud.cm
     g, mb = layout.global_batch, layout.pipelines[0].micro_batch
     pipes = [list(q.stages) for q in layout.pipelines]
@@ -317,8 +318,8 @@ def _structural(bud: _Budget, layout: ClusterLayout, est: Estimate, micro_batch_
                 yield lay, changed
 
 
-def _compound(bud: _Budget, layout: ClusterLayout, est: Estimate
-              ) -> Iterator[tuple[ClusterLayout, set[int]]]:
+def _compound(bud: _Budget, layout: Layout, est: Estimate
+              ) -> Iterator[tuple[Layout, set[int]]]:
     """A device move (`_device_moves`) followed by a TP split or merge in a pipeline it changed: a group
     joining a pipeline adds a stage there, which often pays only with two of its groups merged (or one
     split where the group left), while each move alone is worse."""
@@ -337,8 +338,8 @@ def _compound(bud: _Budget, layout: ClusterLayout, est: Estimate
                 yield lay, changed
 
 
-def _first_better(bud: _Budget, layout: ClusterLayout, est: Estimate,
-                  moves: Iterator[tuple[ClusterLayout, set[int]]]) -> Optional[tuple[ClusterLayout, Estimate]]:
+def _first_better(bud: _Budget, layout: Layout, est: Estimate,
+                  moves: Iterator[tuple[Layout, set[int]]]) -> Optional[tuple[Layout, Estimate]]:
     """The first of `moves` whose estimate, polished over the pipelines it changed, beats `est`."""
     for cand, changed in moves:
         e = bud.estimate(cand)
@@ -351,8 +352,8 @@ def _first_better(bud: _Budget, layout: ClusterLayout, est: Estimate,
     return None
 
 
-def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000,
-           micro_batch_sizes: Sequence[int] = ()) -> tuple[ClusterLayout, Estimate]:
+def refine(cm: CostModel, layout: Layout, budget: int = 3000,
+           micro_batch_sizes: Sequence[int] = ()) -> tuple[Layout, Estimate]:
     """Descend from `layout`: polish, then take the first structural move whose polished estimate is
     better; when none is, the first compound move (`_compound`) that is; until neither is or `budget`
     estimates are spent. Returns the best layout and its estimate.

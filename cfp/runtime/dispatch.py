@@ -17,14 +17,14 @@ import numpy as np
 
 from cfp.errors import ConfigError
 from cfp.runtime import comm
-from cfp.runtime.layout import HeteroLayout, Stage
+from cfp.layout import Layout, PlacedStage
 from cfp.runtime.schedules import Phase
 from cfp.runtime.state import process_allgather, subtree
 from cfp.runtime.stage.program import StageProgram
 from cfp.runtime.timing import StepClock
 
 
-def move(programs: dict, tree: Optional[Any], src: Stage, dst: Stage, dst_shardings: Any,
+def move(programs: dict, tree: Optional[Any], src: PlacedStage, dst: PlacedStage, dst_shardings: Any,
          like: Any) -> Optional[Any]:
     """``comm.move`` between two stages' device groups."""
     return comm.move(tree, list(programs[src.key].mesh.devices.flat),
@@ -34,23 +34,23 @@ def move(programs: dict, tree: Optional[Any], src: Stage, dst: Stage, dst_shardi
 PACKED_KEYS = ("segment_ids", "positions")
 
 
-def split_batch(layout: HeteroLayout, batch: dict) -> list[list[dict]]:
+def split_batch(layout: Layout, batch: dict) -> list[list[dict]]:
     """A fixed-length global batch (the pipelines' rows concatenated in pipeline order) as each
     pipeline's ``chunks`` micro-batches of ``micro_batch_size`` rows."""
     b = {k: np.asarray(v) for k, v in batch.items()}
     rows = b["inputs"].shape[0]
-    if rows != layout.total_batch_size:
+    if rows != layout.global_batch:
         raise ConfigError(f"batch has {rows} rows but the layout's global batch sizes sum to "
-                          f"{layout.total_batch_size}")
+                          f"{layout.global_batch}")
     out = []
     for pipe, off in zip(layout.pipelines, layout.batch_offsets()):
-        mbs = pipe.micro_batch_size
+        mbs = pipe.micro_batch
         out.append([{k: v[off + m * mbs: off + (m + 1) * mbs] for k, v in b.items()}
                     for m in range(pipe.chunks)])
     return out
 
 
-def check_micro_batches(layout: HeteroLayout, per_pipeline: Any) -> list[list[dict]]:
+def check_micro_batches(layout: Layout, per_pipeline: Any) -> list[list[dict]]:
     """Per pipeline, its micro-batches as numpy dicts (``inputs``, ``targets``, ``weights`` [R,S], and for
     packed rows ``segment_ids`` and ``positions``); ConfigError naming what is wrong."""
     if not isinstance(per_pipeline, (list, tuple)) or len(per_pipeline) != len(layout.pipelines):
@@ -80,7 +80,7 @@ class ActivationShapes:
     """ShapeDtypeStruct of the activation each stage sends to the next one, per micro-batch shape
     (cached)."""
 
-    def __init__(self, layout: HeteroLayout, programs: dict[tuple[int, int], StageProgram],
+    def __init__(self, layout: Layout, programs: dict[tuple[int, int], StageProgram],
                  seq_len: int):
         self.layout, self.programs, self.seq_len = layout, programs, seq_len
         self._cache: dict[tuple, Any] = {}
@@ -88,13 +88,13 @@ class ActivationShapes:
     def __call__(self, key: tuple[int, int], shape: Optional[tuple[int, int]] = None,
                  packed: bool = False) -> Any:
         pipe = self.layout.pipelines[key[0]]
-        shape = tuple(shape) if shape is not None else (pipe.micro_batch_size, self.seq_len)
+        shape = tuple(shape) if shape is not None else (pipe.micro_batch, self.seq_len)
         ck = (key, shape, packed)
         if ck not in self._cache:
             x = jax.ShapeDtypeStruct(shape, jnp.int32)
             pk = (x, x) if packed else None
-            for s in pipe.stages[:key[1] + 1]:
-                prog = self.programs[s.key]
+            for s in range(key[1] + 1):
+                prog = self.programs[(key[0], s)]
                 x = jax.eval_shape(prog.forward, prog.params_like, x, pk)[0]
             self._cache[ck] = x
         return self._cache[ck]
@@ -106,7 +106,7 @@ class ScheduleRun:
     ``per_pipeline[p]`` are pipeline p's micro-batches (``check_micro_batches``); each may have its own
     shape (packed variable-length rows), and a pipeline may have none this step."""
 
-    def __init__(self, layout: HeteroLayout, programs: dict, params: dict, order: list,
+    def __init__(self, layout: Layout, programs: dict, params: dict, order: list,
                  aux_coef: float, act_shape: ActivationShapes, clock: StepClock):
         self.layout, self.programs, self.params, self.order = layout, programs, params, order
         self.aux_coef, self.act_shape, self.clock = aux_coef, act_shape, clock
@@ -155,12 +155,12 @@ class ScheduleRun:
     def _forward(self, idx: int, a) -> Optional[Any]:
         key, m = (a.pipeline, a.stage), a.microbatch
         prog = self.programs[key]
-        st, pipe = prog.stage, self.layout.pipelines[a.pipeline]
+        st = prog.stage
         mb = self.mbs[a.pipeline][m]
         if st.is_first:
             x = jax.device_put(mb["inputs"], prog.act_in) if prog.is_local else None
         else:
-            prev = pipe.stages[st.index - 1]
+            prev = self.layout.place((a.pipeline, st.index - 1))
             x = move(self.programs, self.acts.pop((a.pipeline, st.index - 1, m), None), prev, st,
                      prog.act_in, self._like(a, prev.key))
         if not prog.is_local:
@@ -181,10 +181,10 @@ class ScheduleRun:
     def _backward(self, a) -> Optional[Any]:
         key, m = (a.pipeline, a.stage), a.microbatch
         prog = self.programs[key]
-        st, pipe = prog.stage, self.layout.pipelines[a.pipeline]
+        st = prog.stage
         g = None
         if not st.is_last:
-            nxt = pipe.stages[st.index + 1]
+            nxt = self.layout.place((a.pipeline, st.index + 1))
             g = move(self.programs, self.grads_back.pop((a.pipeline, st.index + 1, m), None), nxt,
                      st, prog.act_out, self._like(a, key))
         if not prog.is_local:
@@ -222,20 +222,20 @@ class ScheduleRun:
         return loss
 
 
-def sync_gradients(layout: HeteroLayout, programs: dict, acc: dict) -> dict:
+def sync_gradients(layout: Layout, programs: dict, acc: dict) -> dict:
     """For every local stage, its submodules' gradients from every pipeline (in pipeline order),
     resharded onto this stage's gradient shardings; their sum is the token-weighted global gradient.
 
     The same elementwise sums in the same order happen everywhere a module is held, so all
     pipelines keep bit-identical parameters."""
     out = {}
-    for dst in layout.stages:
+    for dst in layout.placed:
         dprog = programs[dst.key]
         names = dst.module_names()
         parts = []
-        for pipe in layout.pipelines:
+        for p in range(len(layout.pipelines)):
             piece: dict[str, Any] = {}
-            for src in pipe.stages:
+            for src in layout.placed_in(p):
                 common = [n for n in names if n in src.module_names()]
                 if not common:
                     continue

@@ -1,7 +1,7 @@
 """The training engine: heterogeneous hybrid 3D parallelism (FlashFlex/HexiScale) and Hydraulis'
 variable-length strategies in one executor.
 
-A step runs a *strategy*: a ``HeteroLayout`` of pipelines, each a list of stages, each stage its layers
+A step runs a *strategy*: a ``Layout`` of pipelines, each a list of stages, each stage its layers
 on a <CP,TP> sub-mesh.  ``HeteroTrainer.step(batch)`` takes either a fixed-length global batch (the
 pipelines' rows concatenated in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or,
 per pipeline, its list of micro-batches (packed variable-length rows with segment ids and restarting
@@ -39,7 +39,7 @@ from cfp.errors import ConfigError, NumericalError
 from cfp.models import init_params
 from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, check_micro_batches, split_batch,
                                   sync_gradients)
-from cfp.runtime.layout import HeteroLayout
+from cfp.layout import Layout
 from cfp.runtime.schedules import SCHEDULES, ScheduleName, check_schedule, global_order
 from cfp.runtime.stage.build import build_programs
 from cfp.runtime.stage.cache import CompileCache
@@ -86,7 +86,7 @@ class HeteroTrainer:
     (its `CompileCache`; a new one unless given: pass the one the stage-plan search filled, so the searched
     programs run as built), from ``plans`` (searched stage plans) where given, else the Megatron rules."""
 
-    def __init__(self, model_name: str, config: Any, layout: HeteroLayout,
+    def __init__(self, model_name: str, config: Any, layout: Layout,
                  schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, learning_rate: float = 1e-3,
                  weight_decay: float = 0.01, devices: Optional[list] = None,
                  plans: Optional[StagePlans] = None, cache: Optional[CompileCache] = None):
@@ -109,7 +109,7 @@ class HeteroTrainer:
         self.warm_s = 0.0     # seconds spent in warm(): compilation kept out of timed steps
         self._build(layout, plans)
 
-    def _build(self, layout: HeteroLayout, plans: Optional[StagePlans] = None) -> None:
+    def _build(self, layout: Layout, plans: Optional[StagePlans] = None) -> None:
         layout.validate_for(self.config, len(self.devices))
         self.layout = layout
         self.programs = build_programs(self.model_name, self.config, layout, self.devices, self.cache, plans)
@@ -118,7 +118,7 @@ class HeteroTrainer:
         self._clock = StepClock({k: pr.stage.devices for k, pr in self._local.items()})
         self._act_shape = ActivationShapes(layout, self.programs, self.config.seq_len)
 
-    def set_layout(self, layout: HeteroLayout) -> bool:
+    def set_layout(self, layout: Layout) -> bool:
         """Switch to another strategy between steps: the state is gathered from the current stages and
         placed on the new layout's (values copied, unchanged).  Returns whether the layout changed."""
         if layout == self.layout:
@@ -161,9 +161,9 @@ class HeteroTrainer:
     def compile_jobs(self, key: tuple[int, int]) -> list:
         """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update."""
         prog, pipe = self.programs[key], self.layout.pipelines[key[0]]
-        x_like = None if prog.stage.is_first else self._act_shape(pipe.stages[key[1] - 1].key)
+        x_like = None if prog.stage.is_first else self._act_shape((key[0], key[1] - 1))
         y_like = None if prog.stage.is_last else self._act_shape(key)
-        return prog.compile_jobs(pipe.micro_batch_size, self.config.seq_len, x_like, y_like,
+        return prog.compile_jobs(pipe.micro_batch, self.config.seq_len, x_like, y_like,
                                  len(self.layout.pipelines))
 
     def compile(self, workers: Optional[int] = None) -> float:
@@ -275,7 +275,7 @@ class HeteroTrainer:
         for key, prog in self._local.items():
             pipe = self.layout.pipelines[key[0]]
             x_like = None if prog.stage.is_first else self._act_shape(
-                pipe.stages[key[1] - 1].key, shape, packed)
+                (key[0], key[1] - 1), shape, packed)
             y_like = None if prog.stage.is_last else self._act_shape(key, shape, packed)
             fn, args = prog.compile_jobs(shape[0], shape[1], x_like, y_like, 1)[1]
             tok = jax.ShapeDtypeStruct(tuple(shape), jnp.int32, sharding=prog.rows)

@@ -17,7 +17,7 @@ import numpy as np
 
 from cfp.errors import ConfigError
 from cfp.files import check_output_dir
-from cfp.runtime.layout import HeteroLayout, layout_lists
+from cfp.layout import Layout
 from cfp.runtime.schedules import ScheduleName
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class DataSource(str, enum.Enum):
 @dataclass(frozen=True)
 class TrainOptions:
     model: str
-    layout: HeteroLayout
+    layout: Layout
     config_name: str = "tiny"
     overrides: dict = field(default_factory=dict)
     # defaults shared with `cfp train` (cfp/cli/common.py; a test keeps them equal)
@@ -116,7 +116,7 @@ class TrainResult:
 class _Data:
     def __init__(self, opts: TrainOptions, config: Any):
         self.opts, self.config = opts, config
-        self.rows = opts.layout.total_batch_size
+        self.rows = opts.layout.global_batch
         self.corpus = None
         if opts.data is not DataSource.SYNTHETIC:
             if opts.model == "bert":
@@ -158,7 +158,7 @@ def build_config(opts: TrainOptions):
 def _check_before_work(opts: TrainOptions) -> None:
     """Output paths, the checkpoint to resume and the processes of the job, before any compile."""
     from cfp.runtime.launch import check_layout_fills_processes
-    check_layout_fills_processes([d for s in opts.layout.stages for d in s.devices])  # no idle process
+    check_layout_fills_processes(list(opts.layout.devices))  # no idle process
     if opts.timeline_dir:
         check_output_dir(opts.timeline_dir, "timeline_dir")
     if opts.checkpoint_every or (opts.checkpoint_dir and _searches_stage_plans(opts)):
@@ -243,7 +243,7 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
 def checkpoint_settings(opts: TrainOptions) -> dict:
     """The model, data and optimizer settings a checkpoint was written with (JSON)."""
     return {"model": opts.model, "config": opts.config_name, "overrides": dict(opts.overrides),
-            "data": opts.data.value, "batch_rows": opts.layout.total_batch_size, "data_paths": [os.path.abspath(p) for p in opts.data_paths],
+            "data": opts.data.value, "batch_rows": opts.layout.global_batch, "data_paths": [os.path.abspath(p) for p in opts.data_paths],
             "seed": opts.seed, "learning_rate": opts.learning_rate,
             "weight_decay": opts.weight_decay}
 
@@ -259,11 +259,20 @@ def _initial_state(opts, trainer, log) -> tuple[int, dict[int, float]]:
     state, meta = restore_checkpoint(opts.checkpoint_dir, step, target,
                                      check_metadata=lambda m: _check_settings(opts, step, m))
     trainer.load_state(state["params"], state["opt_state"], step)
-    old = meta.get("layout")
-    moved = "" if old == layout_lists(opts.layout) else (
-        f"; resharded from layout {old} onto {layout_lists(opts.layout)}")
+    old = _saved_layout(meta.get("layout"))
+    moved = "" if isinstance(old, Layout) and old.same_run(opts.layout) else (
+        f"; resharded from layout {old.summary() if isinstance(old, Layout) else old} onto "
+        f"{opts.layout.summary()}")
     log(f"resumed from {opts.checkpoint_dir} step {step}{moved}")
     return step, {int(k): float(v) for k, v in meta.get("losses", {}).items()}
+
+
+def _saved_layout(saved: Any) -> Any:
+    """The layout a checkpoint was written under (its saved JSON as is when it is not a layout's)."""
+    try:
+        return Layout.from_json(saved, "checkpoint layout")
+    except ConfigError:
+        return saved
 
 
 def _check_settings(opts: TrainOptions, step: int, meta: dict) -> None:
@@ -284,7 +293,7 @@ def _save(opts, trainer, losses) -> None:
     params, opt_state, step = trainer.state()  # gathered onto every process
     if jax.process_index() != 0:
         return
-    meta = {"step": step, "settings": checkpoint_settings(opts), "layout": layout_lists(opts.layout),
+    meta = {"step": step, "settings": checkpoint_settings(opts), "layout": opts.layout.to_json(),
             "losses": {str(k): v for k, v in losses.items()}}
     save_checkpoint(opts.checkpoint_dir, step, {"params": params, "opt_state": opt_state}, meta,
                     keep=opts.keep_checkpoints, overwrite=True)
@@ -324,7 +333,7 @@ def _timeline(opts, events, log, n_max: int) -> dict[int, dict[str, float]]:
         os.makedirs(opts.timeline_dir, exist_ok=True)
         tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))
         tl.plot_png(os.path.join(opts.timeline_dir, "timeline.png"),
-                    title=f"{opts.model} {opts.schedule.value} {layout_lists(opts.layout)['hetero_configs']}")
+                    title=f"{opts.model} {opts.schedule.value} {opts.layout.summary()}")
         log(f"timeline written to {opts.timeline_dir}/timeline.json and timeline.png")
     return summary
 

@@ -211,13 +211,13 @@ def microbatched_replay(model_name: str, config: Any, layout: Any, params: Any, 
     update = jax.jit(lambda p, o, g: _apply(tx, p, o, g))
     p, o = jax.device_put((params, opt_state), device)
     losses, grads_per_step = [], []
-    offsets, rows = layout.batch_offsets(), layout.total_batch_size
+    offsets, rows = layout.batch_offsets(), layout.global_batch
     for b in batches:
         b = jax.tree_util.tree_map(np.asarray, b)
         total_w = np.float32(b["weights"].astype(np.float32).sum())
         total, loss = None, 0.0
         for pipe, off in zip(layout.pipelines, offsets):
-            mbs = pipe.micro_batch_size
+            mbs = pipe.micro_batch
             aux_scale = np.float32(coef * mbs / rows)
             acc = jax.tree_util.tree_map(jnp.zeros_like, p)
             for m in range(pipe.chunks):

@@ -11,7 +11,7 @@ import jax
 
 from cfp.errors import ConfigError
 from cfp.models import init_params, min_batch_size, stage_modules
-from cfp.runtime.layout import HeteroLayout
+from cfp.layout import Layout
 from cfp.runtime.stage.cache import Built, CompileCache
 from cfp.runtime.stage.cases import StageCase, analysed_step, megatron_program, stage_cases
 from cfp.runtime.stage.plans import PLANS_FILE, StagePlan, StagePlanMode, StagePlanOptions, StagePlans, entries
@@ -33,7 +33,7 @@ def replay_program(case: StageCase, plan_choice: tuple, applied: Any, cache: Com
     return cache.get(Built.PROGRAM, case.program_key(plan_choice), build)
 
 
-def _planned_programs(plans: StagePlans, config: Any, layout: HeteroLayout, cache: CompileCache,
+def _planned_programs(plans: StagePlans, config: Any, layout: Layout, cache: CompileCache,
                       devices: list) -> dict:
     """Stage key -> `StageProgram` of every stage whose plan runs a searched choice (the others run the
     Megatron rules). Programs the search built come from `cache`; saved plans are re-analysed (no profiling,
@@ -65,16 +65,16 @@ def _checked(plan: StagePlan, case: StageCase, cache: CompileCache):
     return applied
 
 
-def build_programs(model_name: str, config: Any, layout: HeteroLayout, devices: list, cache: CompileCache,
+def build_programs(model_name: str, config: Any, layout: Layout, devices: list, cache: CompileCache,
                    plans: Optional[StagePlans] = None) -> dict:
     """Every stage's `StageProgram` through `cache`: a searched plan's where `plans` has one that runs, the
     Megatron rules' elsewhere."""
     mb_min = min_batch_size(config)
-    for p in layout.pipelines:
-        if p.micro_batch_size % mb_min:
-            raise ConfigError(f"pipeline {p.index}: micro-batch size {p.micro_batch_size} must be "
+    for i, p in enumerate(layout.pipelines):
+        if p.micro_batch % mb_min:
+            raise ConfigError(f"pipeline {i}: micro-batch size {p.micro_batch} must be "
                               f"a multiple of {mb_min} so MoE token groups stay whole")
-    for st in layout.stages:
+    for st in layout.placed:
         procs = sorted({devices[d].process_index for d in st.devices})
         if len(procs) > 1:
             raise ConfigError(
@@ -84,14 +84,14 @@ def build_programs(model_name: str, config: Any, layout: HeteroLayout, devices: 
     modules = stage_modules(model_name, config)
     full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
     programs = {}
-    for st in layout.stages:
+    for st in layout.placed:
         params_like = {"params": {n: full_like["params"][n] for n in st.module_names()}}
         programs[st.key] = planned.get(st.key) or megatron_program(
             model_name, config, st, [devices[d] for d in st.devices], params_like, modules, cache)
     return programs
 
 
-def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: Any, layout: HeteroLayout,
+def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: Any, layout: Layout,
                   cache: CompileCache, checkpoint_dir: Optional[str] = None, resume: bool = False,
                   log: Callable[[str], None] = print) -> Optional[StagePlans]:
     """The stage plans of a training run (None: Megatron rules). A resumed run reuses the plans saved next
@@ -120,7 +120,7 @@ def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: 
     return plans
 
 
-def _fits(directory: str, layout: HeteroLayout, model_name: str, log) -> bool:
+def _fits(directory: str, layout: Layout, model_name: str, log) -> bool:
     """Whether `directory` holds stage plans for this layout (a run may resume onto another layout)."""
     if not os.path.isfile(os.path.join(directory, PLANS_FILE)):
         return False

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import optax
 
-from cfp.runtime.layout import Stage
+from cfp.layout import PlacedStage
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ class StepKey:
     is_last: bool
 
     @classmethod
-    def of(cls, model: str, config: Any, st: Stage, micro_batch: int) -> "StepKey":
+    def of(cls, model: str, config: Any, st: PlacedStage, micro_batch: int) -> "StepKey":
         return cls(model, config, tuple(st.module_names()), st.tp, micro_batch, st.is_first, st.is_last)
 
 
@@ -46,7 +46,7 @@ class ProgramKey:
     table, or a searched plan's choice)."""
     model: str
     config: Any
-    stage: Stage
+    stage: PlacedStage
     devices: tuple
     plan: PlanChoice = None
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from cfp.analysis.analysis import Analysis, analyze_with_program
 from cfp.ir.capture import Program
-from cfp.runtime.layout import HeteroLayout
+from cfp.layout import Layout
 from cfp.runtime.stage.cache import Built, CompileCache, ProgramKey, StepKey
 from cfp.runtime.stage.program import StageProgram
 from cfp.runtime.stage.replay import stage_step
@@ -53,17 +53,17 @@ def megatron_program(model: str, config: Any, st, devices: list, params_like: An
     return cache.get(Built.PROGRAM, key, lambda: StageProgram(st, modules, devices, params_like, cache.tx))
 
 
-def stage_cases(model: str, config: Any, layout: HeteroLayout, cache: CompileCache,
+def stage_cases(model: str, config: Any, layout: Layout, cache: CompileCache,
                 devices: Optional[list] = None) -> Iterator[StageCase]:
     """Every stage of `layout` in pipeline order, its activation shapes chained through the stages."""
     from cfp.models import init_params, stage_modules
     devices = list(devices) if devices is not None else jax.devices()
     modules = stage_modules(model, config)
     full_like = jax.eval_shape(lambda: init_params(model, config, 0))
-    for pipe in layout.pipelines:
-        mbs = pipe.micro_batch_size
+    for i, pipe in enumerate(layout.pipelines):
+        mbs = pipe.micro_batch
         x_like = jax.ShapeDtypeStruct((mbs, config.seq_len), jnp.int32)
-        for st in pipe.stages:
+        for st in layout.placed_in(i):
             params_like = {"params": {n: full_like["params"][n] for n in st.module_names()}}
             prog = megatron_program(model, config, st, [devices[d] for d in st.devices], params_like, modules,
                                     cache)

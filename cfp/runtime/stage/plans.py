@@ -11,12 +11,13 @@ from typing import Any, Optional
 from cfp.errors import ConfigError
 from cfp.files import write_json_atomic
 from cfp.profiling.options import ProfileOptions, default_cache_dir
-from cfp.runtime.layout import HeteroLayout, Stage
+from cfp.layout import Layout, PlacedStage
 from cfp.search.options import SearchOptions
 from cfp.search.plan import spec_entries
 
 PLANS_FILE = "stage_plans.json"
-PLANS_VERSION = 3   # 2: the analysed step accumulates gradients; Megatron may win a stage. 3: grouped records
+PLANS_VERSION = 3   # 2: the analysed step accumulates gradients; Megatron may win a stage. 3: grouped records,
+                    # the layout as `Layout.to_json`
 
 
 def entries(spec) -> tuple:
@@ -154,7 +155,7 @@ class StagePlan:
         # search's own time of that sharding stands
         return f.megatron.time if self.megatron and f.megatron and f.megatron.time else f.searched.time
 
-    def matches(self, st: Stage, micro_batch_size: int) -> bool:
+    def matches(self, st: PlacedStage, micro_batch_size: int) -> bool:
         return (self.key == st.key and self.tp == st.tp and tuple(self.layers) == (st.layer_start, st.layer_end)
                 and self.micro_batch_size == micro_batch_size)
 
@@ -180,7 +181,7 @@ class StagePlans:
     ("cpu" here), so `cfp plan --stage-times` can use measured stage times for stages of the same shape."""
 
     model: str
-    layout: dict
+    layout: Layout
     plans: tuple[StagePlan, ...]
     config: dict = dataclasses.field(default_factory=dict)
     device: str = ""
@@ -188,25 +189,24 @@ class StagePlans:
     def by_key(self) -> dict[tuple[int, int], StagePlan]:
         return {p.key: p for p in self.plans}
 
-    def check(self, layout: HeteroLayout, model: str) -> "StagePlans":
+    def check(self, layout: Layout, model: str) -> "StagePlans":
         """Raise ConfigError unless every stage of `layout` has a plan made for it."""
         if model != self.model:
             raise ConfigError(f"stage plans were made for model {self.model!r}, not {model!r}")
         by_key = self.by_key()
-        for pipe in layout.pipelines:
-            for st in pipe.stages:
-                p = by_key.get(st.key)
-                if p is None or not p.matches(st, pipe.micro_batch_size):
-                    raise ConfigError(f"stage plans (layout {self.layout.get('hetero_configs')}, layers "
-                                      f"{self.layout.get('layer_partitions')}) have no plan for stage {st.key} "
-                                      f"(TP {st.tp}, layers {st.layer_start}..{st.layer_end - 1}, micro-batch "
-                                      f"{pipe.micro_batch_size}); search again for this layout")
+        for st in layout.placed:
+            p, mb = by_key.get(st.key), layout.pipelines[st.pipeline].micro_batch
+            if p is None or not p.matches(st, mb):
+                raise ConfigError(f"stage plans (layout {self.layout.summary()}) have no plan for stage {st.key} "
+                                  f"(TP {st.tp}, layers {st.layer_start}..{st.layer_end - 1}, micro-batch "
+                                  f"{mb}); search again for this layout")
         return self
 
     def save(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)
         return write_json_atomic(os.path.join(directory, PLANS_FILE),
-                                 {"version": PLANS_VERSION, **dataclasses.asdict(self)})
+                                 {"version": PLANS_VERSION, **dataclasses.asdict(self),
+                                  "layout": self.layout.to_json()})
 
     @classmethod
     def load(cls, directory: str) -> "StagePlans":
@@ -220,9 +220,10 @@ class StagePlans:
             raise ConfigError(f"stage plans {path!r} are not JSON: {e}") from None
         if d.get("version") != PLANS_VERSION:
             raise ConfigError(f"stage plans {path!r} have version {d.get('version')!r}, expected {PLANS_VERSION}")
+        layout = Layout.from_json(d.get("layout"), f"stage plans {path!r}: layout")
         try:
             plans = tuple(_plan_from_dict(p) for p in d["plans"])
-            return cls(str(d["model"]), dict(d["layout"]), plans, dict(d.get("config", {})),
+            return cls(str(d["model"]), layout, plans, dict(d.get("config", {})),
                        str(d.get("device", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"stage plans {path!r} are malformed: {e!r}") from None
@@ -251,7 +252,7 @@ def _plan_from_dict(d: dict) -> StagePlan:
     return StagePlan(**{k: (_nested(v) if k == "layers" else v) for k, v in d.items()})
 
 
-def report_lines(plans: StagePlans, layout: HeteroLayout, busy: dict) -> list[str]:
+def report_lines(plans: StagePlans, layout: Layout, busy: dict) -> list[str]:
     """Per stage: strategy summary, memory, the search's step time x micro-batches vs the measured busy time.
 
     The search's time is one micro-batch's forward+backward+update (measured under the `measure` profiler on

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cfp.errors import ConfigError
 from cfp.models.attention import ContextParallel, CpMethod, context_parallel
-from cfp.runtime.layout import Stage
+from cfp.layout import PlacedStage
 from cfp.runtime.sharding import CP_AXIS, TP_AXIS, param_shardings, stage_mesh
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class StageProgram:
     """Jitted fwd / bwd / zeros / update of one stage: with Megatron shardings, or cut from a searched
     stage plan's analysed step (``replay``) with its layouts."""
 
-    def __init__(self, stage: Stage, modules: tuple, devices: list, params_like: Any,
+    def __init__(self, stage: PlacedStage, modules: tuple, devices: list, params_like: Any,
                  tx: optax.GradientTransformation, replay: Optional["StageReplay"] = None):
         self.stage = stage
         self.embed, self.layer_mods, self.head = modules
@@ -122,7 +122,7 @@ class StageProgram:
                 with jax.named_scope("embed"):
                     x = self.embed.apply({"params": p["embed"]}, x,
                                          **({"positions": packed[1]} if kw else {}))
-            for i in self.stage.layers:
+            for i in self.stage.layer_range:
                 with jax.named_scope(f"layers_{i}"):
                     x, a = self.layer_mods[i].apply({"params": p[f"layers_{i}"]}, x, **kw)
                 aux = aux + a
@@ -220,7 +220,7 @@ class StageProgram:
         return jobs + [(self.zeros, ()), (self.update, (params, opt, [grads] * num_pipelines))]
 
 
-def _context_parallel(mesh, stage: Stage, modules: tuple) -> ContextParallel:
+def _context_parallel(mesh, stage: PlacedStage, modules: tuple) -> ContextParallel:
     """Ring attention over the stage's ``cp`` axis; heads stay sharded over ``tp`` when ``tp`` divides
     both the query and the key/value heads (else attention gathers them)."""
     cfg = modules[0].config

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from cfp.errors import InfeasibleError
 from cfp.profiling.profiler import profile
-from cfp.runtime.layout import HeteroLayout, layout_lists
+from cfp.layout import Layout
 from cfp.runtime.stage.boundary import boundary_seconds
 from cfp.runtime.stage.build import replay_program
 from cfp.runtime.stage.cache import CompileCache
@@ -127,7 +127,7 @@ def _placed(plan: StagePlan, st) -> StagePlan:
     return dataclasses.replace(plan, pipeline=st.pipeline, stage=st.index)
 
 
-def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, cache: CompileCache,
+def search_stage_plans(model_name: str, config: Any, layout: Layout, cache: CompileCache,
                        options: StagePlanOptions, devices: Optional[list] = None,
                        log: Callable[[str], None] = print) -> StagePlans:
     """Search every stage's plan (stages equal in layers, TP and micro-batch are searched once); the stage
@@ -145,7 +145,7 @@ def search_stage_plans(model_name: str, config: Any, layout: HeteroLayout, cache
             plan = done[key] = search_stage(case, cache, options, log)
         plans.append(plan)
     devices = list(devices) if devices is not None else jax.devices()
-    return StagePlans(model_name, layout_lists(layout), tuple(plans), dataclasses.asdict(config),
+    return StagePlans(model_name, layout, tuple(plans), dataclasses.asdict(config),
                       device_kind(devices[0]))
 
 

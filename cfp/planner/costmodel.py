@@ -322,8 +322,7 @@ class CostModel:
         ff, fb = self.stage_flops(st, first, last, mb)
         compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb)
                    + (self.head_seconds(st.machine, st.tp, mb) if last else 0.0))
-        intra = self.cluster.machines[st.machine].intra_bandwidth
-        ar = m.layer_all_reduces() * collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+        ar = m.layer_all_reduces() * self.tp_all_reduce_seconds(st.machine, st.tp, mb * m.boundary_bytes())
         emb_f, emb_b = self.embed_seconds(st.machine, st.tp, mb) if first else (0.0, 0.0)
         fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
         bwd = 3 * compute + emb_f + emb_b + 2 * st.layers * ar   # recomputed forward + backward (2x)
@@ -339,6 +338,14 @@ class CostModel:
             self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
         return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
                              self.stage_params(st, first, last))
+
+    def tp_all_reduce_seconds(self, machine: int, tp: int, nbytes: float) -> float:
+        """One ring all-reduce of `nbytes` per device over a TP group of `machine` (`collective_time` at the
+        machine's link, plus the device's fixed cost per collective where its entry has one)."""
+        if tp <= 1:
+            return 0.0
+        m = self.cluster.machines[machine]
+        return collective_time("all-reduce", nbytes, tp, m.intra_bandwidth) + m.gpu.collective_latency_s
 
     def _measured(self, st: StageLayout, first: bool, last: bool, mb: int) -> Optional[float]:
         if self.stage_times is None:

@@ -103,15 +103,23 @@ def memory_rate(repeats: int) -> float:
 
 
 def all_reduce_points(repeats: int, cores: int) -> list[tuple[int, int, float]]:
-    """(n, bytes, per-device seconds with all devices busy) of a psum over the first n devices: its CPU time
-    x devices / (n cores), the share of the host a TP group of n holds."""
+    """(n, bytes, per-device seconds with all devices busy) of one psum over the first n devices, inside a
+    program (the CPU time of a chain of 9 psums less that of 1, over 8: a program's own launch is not the
+    collective's): its CPU time x devices / (n cores), the share of the host a TP group of n holds."""
+    def chain(r):
+        def body(v):
+            for _ in range(r):
+                v = jax.lax.psum(v, "d") * 0.5
+            return v
+        return body
     out = []
     for n in (2, 4, 8):
         mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
-        f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        for nbytes in (1 << 18, 1 << 20, 1 << 22):
+        for nbytes in (1 << 16, 1 << 18, 1 << 20):
             x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("d")))
-            out.append((n, nbytes, cpu_seconds(f, (x,), repeats) * len(jax.devices()) / (n * cores)))
+            t1, t9 = (cpu_seconds(jax.jit(jax.shard_map(chain(r), mesh=mesh, in_specs=P("d"), out_specs=P("d"))),
+                                  (x,), repeats) for r in (1, 9))
+            out.append((n, nbytes, max(t9 - t1, 0.0) / 8 * len(jax.devices()) / (n * cores)))
     return out
 
 
@@ -121,6 +129,60 @@ def fit_link(points) -> tuple[float, float]:
     t = np.array([s for _, _, s in points])
     (lat, inv_bw), *_ = np.linalg.lstsq(a, t, rcond=None)
     return max(float(lat), 0.0), 1.0 / float(inv_bw)
+
+
+def softmax_rate(repeats: int) -> float:
+    """Bytes per CPU second of a float32 softmax over [b, 128, 128] scores (b = 16 and 64: the heads of 2 and
+    8 sequences), counted as the cost model counts them (`ModelCost.layer_score_bytes`: 4 passes of 4 bytes)."""
+    dev, rates = jax.devices()[0], []
+    f = jax.jit(lambda s: jax.nn.softmax(s, axis=-1))
+    for b in (16, 64):
+        rates.append(4 * 4 * b * 128 * 128 / cpu_seconds(f, (_on(dev, (b, 128, 128)),), repeats))
+    return statistics.median(rates)
+
+
+def stage_points(repeats: int) -> list[tuple[int, float]]:
+    """(micro-batch, CPU seconds) of the forward + backward programs of a middle one-layer Llama-2 "small"
+    stage (the runtime's compiled programs, `HeteroTrainer.compile_jobs`) at 1, 2, 4 and 8 sequences."""
+    from cfp.models import get_config
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.layout import HeteroLayout
+    cfg = get_config("llama2", "small", num_layers=3)
+    out = []
+    for mb in (1, 2, 4, 8):
+        trainer = HeteroTrainer("llama2", cfg, HeteroLayout.from_lists([[1, 1, 1]], [[1, 1, 1]], [2 * mb], [2]))
+        total = 0.0
+        for prog, like in trainer.compile_jobs((0, 1))[:2]:
+            compiled, times = prog.lower(*like).compile(), []
+            for r in range(repeats + 1):                        # fresh arguments: the backward donates some
+                args = jax.block_until_ready(jax.tree_util.tree_map(
+                    lambda a: jax.device_put(jnp.full(a.shape, 0.01, a.dtype), a.sharding), like))
+                c0 = time.process_time()
+                jax.block_until_ready(compiled(*args))
+                if r:
+                    times.append(time.process_time() - c0)
+            total += statistics.median(times)
+        out.append((mb, total))
+    return out
+
+
+def fit_stage(points, gemm: tuple[float, float], softmax: float) -> float:
+    """Bytes per CPU second of the rest of the elementwise work (norms, residuals, activations, RoPE) in the
+    cost model's stage time fwd + bwd = 4 (GEMMs + softmax bytes / `softmax` + other bytes / rate)
+    (`cfp.planner.costmodel`) fitted to `points` by least squares, the GEMMs at the fitted `gemm` curve (rate,
+    half dimension). (A fixed cost per kernel -- XLA fusions: 31 forward, 102 backward per layer -- fitted
+    beside it came out at 0: the points are linear in the micro-batch through the origin.)"""
+    from cfp.models import get_config
+    from cfp.models.costs import ModelCost
+    m = ModelCost(get_config("llama2", "small", num_layers=3))
+    rate, half = gemm
+    x, y = [], []
+    for mb, t in points:
+        dots = sum(f / (rate * np.prod([d / (d + half) for d in mnk])) for f, mnk in m.layer_gemms(1, mb))
+        x.append(4 * mb * (m.layer_elementwise_bytes(1) - m.layer_score_bytes(1)))
+        y.append(t - 4 * (dots + mb * m.layer_score_bytes(1) / softmax))
+    x, y = np.array(x), np.array(y)
+    return float(x @ x / (x @ y))
 
 
 def write(path: str, figures: dict, note: str) -> None:
@@ -143,7 +205,8 @@ class CpuCalibration:
     devices: int                  # simulated XLA:CPU devices (--xla_force_host_platform_device_count)
     gemm_gflops_per_core: float   # float32 GEMM, large shapes
     gemm_half_dim: float          # a GEMM dimension of this size halves that dimension's factor
-    mem_gbps_per_core: float      # elementwise bytes read + written
+    mem_gbps_per_core: float      # elementwise bytes read + written, as a layer's norms, residuals... run
+    softmax_gbps_per_core: float  # softmax passes (exp), counted as bytes
     link_gbps_per_core: float     # all-reduce, ring-model bytes
     collective_cpu_us: float      # fixed CPU time of one collective per device taking part
     host_memory_gb: float         # host memory the devices share
@@ -172,6 +235,14 @@ def main() -> None:
           f"(fitted; worst point off by {np.expm1(worst):.0%})")
     mem = memory_rate(args.repeats)
     print(f"elementwise x*a+b, 1 and 4 MiB per device, all devices: {mem / 1e9:.2f} GB per CPU second (measured)")
+    stage = stage_points(args.repeats)
+    for mb, t in stage:
+        print(f"Llama-2 small middle stage of 1 layer, forward + backward, {mb} sequences: {t * 1e3:.2f} ms CPU "
+              "(measured)")
+    soft = softmax_rate(args.repeats)
+    print(f"softmax float32 over [16 and 64, 128, 128]: {soft / 1e9:.2f} GB per CPU second (4 passes; measured)")
+    mem = fit_stage(stage, (rate, half), soft)
+    print(f"stage fit: other elementwise work {mem / 1e9:.2f} GB per CPU second (fitted)")
     ar = all_reduce_points(args.repeats, cores)
     for n, b, s in ar:
         print(f"all-reduce {b / 2 ** 20:.3g} MiB over {n}: {s * 1e3:.3f} ms per device, all busy (measured)")
@@ -179,6 +250,7 @@ def main() -> None:
     print(f"all-reduce fit: latency {lat * 1e6:.0f} us, {link / 1e9:.2f} GB/s per device, all busy (fitted)")
     figures = dict(cores=cores, devices=devices, gemm_gflops_per_core=round(rate / 1e9, 2),
                    gemm_half_dim=half, mem_gbps_per_core=round(mem / 1e9, 2),
+                   softmax_gbps_per_core=round(soft / 1e9, 2),
                    link_gbps_per_core=round(link / 1e9 * devices / cores, 3),
                    collective_cpu_us=round(lat * 1e6 * cores / devices, 1),
                    host_memory_gb=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1))

@@ -72,6 +72,9 @@ class GpuSpec:
     # fixed seconds of one collective per device beyond its bytes (all devices busy); the datasheet entries
     # leave it to the link table's latencies (0 here)
     collective_latency_s: float = 0.0
+    # GB/s of softmax passes (exp, counted as bytes read + written); None: `mem_gbps` (memory-bound, as on a
+    # GPU); a CPU computes the exponentials well below its memory speed
+    softmax_gbps: float | None = None
 
     def __post_init__(self):
         table = dict(self.tflops)
@@ -82,9 +85,16 @@ class GpuSpec:
                 raise ConfigError(f"gpu {self.name!r}: {field}={getattr(self, field)!r} must be positive")
         if not self.collective_latency_s >= 0:
             raise ConfigError(f"gpu {self.name!r}: collective_latency_s={self.collective_latency_s!r} must be >= 0")
+        if self.softmax_gbps is not None and not self.softmax_gbps > 0:
+            raise ConfigError(f"gpu {self.name!r}: softmax_gbps={self.softmax_gbps!r} must be positive")
         if self.gemm_curve is not None and not (0 < self.gemm_curve[0] <= 1 and self.gemm_curve[1] >= 0):
             raise ConfigError(f"gpu {self.name!r}: gemm_curve={self.gemm_curve!r} must be (fraction in (0, 1], "
                               "half dimension >= 0)")
+
+    @property
+    def softmax_bandwidth(self) -> float:
+        """Bytes/s of softmax passes (`softmax_gbps`, else the memory bandwidth)."""
+        return 1e9 * (self.softmax_gbps or self.mem_gbps)
 
     @property
     def peaks(self) -> Mapping[Precision, float]:
@@ -101,11 +111,11 @@ class GpuSpec:
 
 
 def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None,
-         shared_host=False, gemm_curve=None, collective_latency_s=0.0) -> GpuSpec:
+         shared_host=False, gemm_curve=None, collective_latency_s=0.0, softmax_gbps=None) -> GpuSpec:
     table = {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16 or bf16,
              Precision.FP8: fp8}
     return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source,
-                   shared_host, gemm_curve, collective_latency_s)
+                   shared_host, gemm_curve, collective_latency_s, softmax_gbps)
 
 
 def _cpu() -> GpuSpec:
@@ -116,7 +126,8 @@ def _cpu() -> GpuSpec:
                 CPU.mem_gbps_per_core * per_device, CPU.host_memory_gb / CPU.devices,
                 CPU.link_gbps_per_core * per_device, "shared host memory", "cpu", shared_host=True,
                 gemm_curve=(1.0, CPU.gemm_half_dim),
-                collective_latency_s=CPU.collective_cpu_us * 1e-6 / per_device)
+                collective_latency_s=CPU.collective_cpu_us * 1e-6 / per_device,
+                softmax_gbps=CPU.softmax_gbps_per_core * per_device)
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (

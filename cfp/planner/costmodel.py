@@ -210,15 +210,18 @@ class CostModel:
     def layer_seconds(self, machine: int, tp: int, mb: int) -> float:
         """Forward compute of one layer on `mb` sequences: each dot at its shape's achievable rate
         (`cfp.hardware.rates`), the elementwise and normalisation work at memory bandwidth (memory-bound)."""
-        return (self._dot_seconds(machine, self.model.layer_gemms(tp, mb))
-                + mb * self.model.layer_elementwise_bytes(tp) / self._mem_bw(machine))
+        m = self.model
+        return (self._dot_seconds(machine, m.layer_gemms(tp, mb))
+                + self._elementwise_seconds(machine, mb * m.layer_elementwise_bytes(tp),
+                                            mb * m.layer_score_bytes(tp)))
 
     @_memo
     def head_seconds(self, machine: int, tp: int, mb: int) -> float:
         """Forward compute of the LM head (and its loss) on `mb` sequences, like `layer_seconds`."""
         m = self.model
         return (self._dot_seconds(machine, m.head_gemms(tp, mb))
-                + mb * m.head_elementwise_bytes(tp) / self._mem_bw(machine))
+                + self._elementwise_seconds(machine, mb * m.head_elementwise_bytes(tp),
+                                            mb * m.head_score_bytes(tp)))
 
     @_memo
     def embed_seconds(self, machine: int, tp: int, mb: int) -> tuple[float, float]:
@@ -226,6 +229,14 @@ class CostModel:
         float32 gradient of the token table."""
         fwd, bwd = self.model.embed_elementwise_bytes(tp)
         return mb * fwd / self._mem_bw(machine), bwd / self._mem_bw(machine)
+
+    def _elementwise_seconds(self, machine: int, nbytes: float, softmax_bytes: float) -> float:
+        """Memory-bound work of `nbytes`, of which `softmax_bytes` are softmax passes (at the device's softmax
+        rate: on a CPU the exponentials, not the memory, bound them)."""
+        gpu = self.cluster.machines[machine].gpu
+        if gpu.softmax_gbps is None:
+            return nbytes / self._mem_bw(machine)
+        return (nbytes - softmax_bytes) / self._mem_bw(machine) + softmax_bytes / gpu.softmax_bandwidth
 
     def _mem_bw(self, machine: int) -> float:
         return self.cluster.machines[machine].gpu.mem_gbps * 1e9

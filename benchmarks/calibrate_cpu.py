@@ -9,8 +9,11 @@ runs). Figures are per core-second; the catalog's per-device figures are cores x
 
   * GEMM: float32 (m x k) @ (k x n) on one device for the projection and attention shapes of the zoo's small
     configs, fitted to rate = R d1 d2 d3 / prod(d + H) (`cfp.hardware.rates`) by least squares in log space;
-  * memory: an elementwise `x * a + b` over 1 and 4 MiB per device on all devices at once, bytes read +
-    written per core-second (the smaller of the two: the models' activations are of that size);
+  * softmax: float32 over [b, 128, 128] scores, counted as the cost model counts its bytes (4 passes);
+  * the rest of the elementwise work (norms, residuals, activations, RoPE): the rate at which the cost model's
+    stage time fits the measured forward + backward of a one-layer Llama-2 "small" stage at 1-8 sequences
+    (the runtime's compiled programs), its GEMMs and softmax at the rates above; a plain `x * a + b` over 1
+    and 4 MiB per device is printed beside it for reference;
   * all-reduce: a psum of B bytes over 2, 4 and 8 devices; its CPU time as the per-device time of all
     devices busy (x devices / (n cores)) is fitted to t = latency + 2(n-1)/n B / bandwidth (the ring model of
     `cfp.hardware.collectives` plus a fixed cost per collective: on a CPU a collective is a rendezvous of
@@ -104,7 +107,7 @@ def memory_rate(repeats: int) -> float:
 
 def all_reduce_points(repeats: int, cores: int) -> list[tuple[int, int, float]]:
     """(n, bytes, per-device seconds with all devices busy) of one psum over the first n devices, inside a
-    program (the CPU time of a chain of 9 psums less that of 1, over 8: a program's own launch is not the
+    program (the CPU time of a chain of 17 psums less that of 1, over 16: a program's own launch is not the
     collective's): its CPU time x devices / (n cores), the share of the host a TP group of n holds."""
     def chain(r):
         def body(v):
@@ -117,9 +120,9 @@ def all_reduce_points(repeats: int, cores: int) -> list[tuple[int, int, float]]:
         mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
         for nbytes in (1 << 16, 1 << 18, 1 << 20):
             x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("d")))
-            t1, t9 = (cpu_seconds(jax.jit(jax.shard_map(chain(r), mesh=mesh, in_specs=P("d"), out_specs=P("d"))),
-                                  (x,), repeats) for r in (1, 9))
-            out.append((n, nbytes, max(t9 - t1, 0.0) / 8 * len(jax.devices()) / (n * cores)))
+            t1, t17 = (cpu_seconds(jax.jit(jax.shard_map(chain(r), mesh=mesh, in_specs=P("d"), out_specs=P("d"))),
+                                   (x,), repeats) for r in (1, 17))
+            out.append((n, nbytes, max(t17 - t1, 0.0) / 16 * len(jax.devices()) / (n * cores)))
     return out
 
 

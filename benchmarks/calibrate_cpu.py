@@ -29,6 +29,7 @@ import datetime
 import os
 import statistics
 import sys
+import textwrap
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -191,8 +192,8 @@ def fit_stage(points, gemm: tuple[float, float], softmax: float) -> float:
 def write(path: str, figures: dict, note: str) -> None:
     body = "\n".join(f"    {k}={v!r}," for k, v in figures.items())
     with open(path, "w") as f:
-        f.write(f'''"""This machine's XLA:CPU devices as `benchmarks/calibrate_cpu.py --write` measured them (the `cpu` entry of
-`cfp.hardware.gpus` and the "shared host memory" link of `cfp.hardware.collectives` read them).
+        f.write(f'''"""This machine's XLA:CPU devices as `benchmarks/calibrate_cpu.py --write` measured them (the `cpu`
+entry of `cfp.hardware.gpus` and the "shared host memory" link of `cfp.hardware.collectives` read them).
 
 {note}
 """
@@ -262,7 +263,7 @@ def main() -> None:
         note = (f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on "
                 f"{_cpu_name()} ({cores} cores, {devices} devices), host load average {load:.1f}, "
                 f"`python benchmarks/calibrate_cpu.py --repeats {args.repeats} --write`.")
-        write(OUT, figures, note)
+        write(OUT, figures, textwrap.fill(note, 116))
         print(f"written to {os.path.relpath(OUT)}")
 
 

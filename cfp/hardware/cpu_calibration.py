@@ -1,7 +1,8 @@
-"""This machine's XLA:CPU devices as `benchmarks/calibrate_cpu.py --write` measured them (the `cpu` entry of
-`cfp.hardware.gpus` and the "shared host memory" link of `cfp.hardware.collectives` read them).
+"""This machine's XLA:CPU devices as `benchmarks/calibrate_cpu.py --write` measured them (the `cpu`
+entry of `cfp.hardware.gpus` and the "shared host memory" link of `cfp.hardware.collectives` read them).
 
-Measured 2026-11-25 11:45 UTC on AMD EPYC (2 cores, 8 devices), host load average 16.6, `python benchmarks/calibrate_cpu.py --repeats 9 --write`.
+Measured 2026-11-25 11:45 UTC on AMD EPYC (2 cores, 8 devices), host load average 16.6, `python
+benchmarks/calibrate_cpu.py --repeats 9 --write`.
 """
 from __future__ import annotations
 

@@ -32,11 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import yaml  # noqa: E402
 
+from cfp.hardware.cpu_calibration import CPU  # noqa: E402
 from cfp.models import get_config  # noqa: E402
 from cfp.planner.baselines import _megatron, greedy_layout  # noqa: E402
 from cfp.planner.cluster import parse_cluster  # noqa: E402
 from cfp.planner.costmodel import CostModel  # noqa: E402
-from cfp.hardware.cpu_calibration import CPU  # noqa: E402
 from cfp.planner.options import PlannerOptions  # noqa: E402
 from cfp.planner.planner import find_layout  # noqa: E402
 

@@ -10,7 +10,9 @@ Compute time: each dot at its own per-device GEMM shape's achievable rate from `
 precision from the dtype as JAX runs it, the large-GEMM efficiency and its fall-off for thin shapes; shared
 with the profiling pass's estimate), so a high TP degree or a short micro-batch costs more per FLOP; the
 elementwise and normalisation work (softmax, norms, residuals, activations, the loss, the embedding's dense
-gradient) at the device's memory bandwidth. MFU is against the dense peaks of that precision.
+gradient) at the device's memory bandwidth (softmax passes at its softmax rate where its entry measured one: the
+`cpu` entry). TP all-reduces add the device's fixed cost per collective (0 for the datasheet entries). MFU is
+against the dense peaks of that precision.
 
 Step time = slowest pipeline (the schedule's `cfp.runtime.schedules.pipeline_time`: the sum of the stage
 times plus (m-1) times the slowest stage, sends included) + gradient sync across pipelines (ring

@@ -1,22 +1,35 @@
 """Measure this machine's simulated XLA:CPU devices for the `cpu` entry of the device catalog
-(`cfp.hardware.gpus`) and the links of `examples/clusters/local.yaml`.
+(`cfp.hardware.gpus`, read from `cfp/hardware/cpu_calibration.py`, which `--write` rewrites).
 
-All 8 devices work at once (each its own shard of one jitted program), as they do under a layout that uses
-them all, so each figure is per device while all are busy (the devices share the host's cores):
-  * GEMM rate: float32 [n, n] x [n, n] per device, 2 n^3 FLOPs;
-  * memory bandwidth: `x * a + b` over 16 MiB of float32 per device, bytes read + written;
-  * collectives: an all-reduce (`psum`) of B bytes over 2, 4 and 8 devices, fitted to
-    t = latency + 2 (n-1)/n B / bandwidth (the ring model of `cfp.hardware.collectives`).
-Medians of `--repeats` runs; prints the figures (measured) and the catalog values they give.
+Every kernel is timed by the CPU time of all the process's threads (`time.process_time`), not wall time: the
+devices share the host's cores and one intra-op thread pool (one device's GEMM spreads over every core), so
+a kernel's CPU time is the work it gives the host, and it does not grow when other users load the host the
+way wall time does (measured here: wall time 3x the CPU time at load average 11, CPU time within 5% between
+runs). Figures are per core-second; the catalog's per-device figures are cores x per-core / devices.
 
-    PYTHONPATH=$PWD python benchmarks/calibrate_cpu.py [--repeats 7]
+  * GEMM: float32 (m x k) @ (k x n) on one device for the projection and attention shapes of the zoo's small
+    configs, fitted to rate = R d1 d2 d3 / prod(d + H) (`cfp.hardware.rates`) by least squares in log space;
+  * softmax: float32 over [b, 128, 128] scores, counted as the cost model counts its bytes (4 passes);
+  * the rest of the elementwise work (norms, residuals, activations, RoPE): the rate at which the cost model's
+    stage time fits the measured forward + backward of a one-layer Llama-2 "small" stage at 1-8 sequences
+    (the runtime's compiled programs), its GEMMs and softmax at the rates above; a plain `x * a + b` over 1
+    and 4 MiB per device is printed beside it for reference;
+  * all-reduce: a psum of B bytes over 2, 4 and 8 devices; its CPU time as the per-device time of all
+    devices busy (x devices / (n cores)) is fitted to t = latency + 2(n-1)/n B / bandwidth (the ring model of
+    `cfp.hardware.collectives` plus a fixed cost per collective: on a CPU a collective is a rendezvous of
+    threads and memory copies).
+Medians of `--repeats` runs. Prints the figures (measured), the fits and the catalog values they give.
+
+    PYTHONPATH=$PWD python benchmarks/calibrate_cpu.py [--repeats 9] [--write]
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
 import sys
+import textwrap
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -27,47 +40,94 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cfp", "hardware", "cpu_calibration.py")
+# (m, n, k): the projections of Llama-2/GPT "small" (hidden 256, FFN 688/1024) at 2 and 8 sequences of 128 tokens
+# and TP 1-8, and thin ones; attention einsums come as batched (b, m, n, k)
+GEMMS = ((256, 256, 256), (256, 688, 256), (256, 256, 688), (256, 64, 256), (256, 32, 256), (256, 256, 64),
+         (1024, 256, 256), (1024, 688, 256), (1024, 256, 688), (1024, 64, 256), (1024, 32, 256),
+         (1024, 2048, 256), (512, 512, 512), (128, 128, 128), (2048, 256, 256))
+BATCHED = ((16, 128, 128, 32), (16, 128, 32, 128), (64, 128, 128, 32))
 
-def _median_seconds(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))                      # compile and warm
+
+def cpu_seconds(fn, args, repeats: int) -> float:
+    """Median CPU seconds (all threads) of `fn(*args)` after a warm-up call."""
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0 = time.process_time()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - c0)
     return statistics.median(times)
 
 
-def _sharded(mesh, shape, dtype=jnp.float32):
-    x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
-    return jax.device_put(x, NamedSharding(mesh, P("d")))
+def _on(device, shape):
+    return jax.device_put(np.random.default_rng(0).standard_normal(shape).astype(np.float32), device)
 
 
-def gemm_rate(mesh, n: int, repeats: int) -> float:
-    """FLOP/s per device of an [n, n] x [n, n] float32 matmul, all devices at once."""
+def gemm_points(repeats: int) -> list[tuple[tuple[float, float, float], float]]:
+    """((m, n, k), FLOPs per CPU second) of each shape in GEMMS and BATCHED, on device 0."""
+    dev, out = jax.devices()[0], []
+    mm = jax.jit(lambda a, b: a @ b)
+    for m, n, k in GEMMS:
+        t = cpu_seconds(mm, (_on(dev, (m, k)), _on(dev, (k, n))), repeats)
+        out.append(((m, n, k), 2 * m * n * k / t))
+    bmm = jax.jit(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))
+    for b, m, n, k in BATCHED:
+        t = cpu_seconds(bmm, (_on(dev, (b, m, k)), _on(dev, (b, k, n))), repeats)
+        out.append(((m, n, k), 2 * b * m * n * k / t))
+    return out
+
+
+def fit_gemm(points) -> tuple[float, float]:
+    """(large-GEMM FLOPs per CPU second R, half dimension H) of rate = R prod(d / (d + H)): least squares in
+    log space, H on a grid (R is then the geometric mean)."""
+    shapes = np.array([s for s, _ in points], float)
+    log_rate = np.log([r for _, r in points])
+    best = None
+    for h in np.arange(0.0, 256.5, 0.5):
+        curve = np.log(shapes / (shapes + h)).sum(axis=1)
+        log_r = float(np.mean(log_rate - curve))
+        err = float(np.sum((log_rate - curve - log_r) ** 2))
+        if best is None or err < best[0]:
+            best = (err, float(np.exp(log_r)), float(h))
+    return best[1], best[2]
+
+
+def memory_rate(repeats: int) -> float:
+    """Bytes read + written per CPU second of `x * a + b` in float32, all devices at once (smaller of 1, 4 MiB
+    per device)."""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
     k = mesh.devices.size
-    a, b = _sharded(mesh, (k, n, n)), _sharded(mesh, (k, n, n))
-    f = jax.jit(lambda a, b: jnp.einsum("bij,bjk->bik", a, b))
-    return 2 * n ** 3 / _median_seconds(f, (a, b), repeats)
-
-
-def memory_bandwidth(mesh, elements: int, repeats: int) -> float:
-    """Bytes/s per device (read + written) of an elementwise `x * a + b` in float32, all devices at once."""
-    k = mesh.devices.size
-    x = _sharded(mesh, (k, elements))
     f = jax.jit(lambda x: x * 1.0001 + 0.5)
-    return 2 * 4 * elements / _median_seconds(f, (x,), repeats)
+    rates = []
+    for elements in (1 << 18, 1 << 20):
+        x = jax.device_put(np.ones((k, elements), np.float32), NamedSharding(mesh, P("d")))
+        rates.append(2 * 4 * elements * k / cpu_seconds(f, (x,), repeats))
+    return min(rates)
 
 
-def all_reduce_time(n: int, nbytes: int, repeats: int) -> float:
-    """Seconds of a psum of `nbytes` per device over the first `n` devices."""
-    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
-    x = _sharded(mesh, (n, nbytes // 4))
-    f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-    return _median_seconds(f, (x,), repeats)
+def all_reduce_points(repeats: int, cores: int) -> list[tuple[int, int, float]]:
+    """(n, bytes, per-device seconds with all devices busy) of one psum over the first n devices, inside a
+    program (the CPU time of a chain of 17 psums less that of 1, over 16: a program's own launch is not the
+    collective's): its CPU time x devices / (n cores), the share of the host a TP group of n holds."""
+    def chain(r):
+        def body(v):
+            for _ in range(r):
+                v = jax.lax.psum(v, "d") * 0.5
+            return v
+        return body
+    out = []
+    for n in (2, 4, 8):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+        for nbytes in (1 << 16, 1 << 18, 1 << 20):
+            x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("d")))
+            t1, t17 = (cpu_seconds(jax.jit(jax.shard_map(chain(r), mesh=mesh, in_specs=P("d"), out_specs=P("d"))),
+                                   (x,), repeats) for r in (1, 17))
+            out.append((n, nbytes, max(t17 - t1, 0.0) / 16 * len(jax.devices()) / (n * cores)))
+    return out
 
 
-def fit_link(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+def fit_link(points) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of t = latency + 2(n-1)/n B / bandwidth, least squares."""
     a = np.array([[1.0, 2 * (n - 1) / n * b] for n, b, _ in points])
     t = np.array([s for _, _, s in points])
@@ -75,25 +135,144 @@ def fit_link(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     return max(float(lat), 0.0), 1.0 / float(inv_bw)
 
 
+def softmax_rate(repeats: int) -> float:
+    """Bytes per CPU second of a float32 softmax over [b, 128, 128] scores (b = 16 and 64: the heads of 2 and
+    8 sequences), counted as the cost model counts them (`ModelCost.layer_score_bytes`: 4 passes of 4 bytes)."""
+    dev, rates = jax.devices()[0], []
+    f = jax.jit(lambda s: jax.nn.softmax(s, axis=-1))
+    for b in (16, 64):
+        rates.append(4 * 4 * b * 128 * 128 / cpu_seconds(f, (_on(dev, (b, 128, 128)),), repeats))
+    return statistics.median(rates)
+
+
+def stage_points(repeats: int) -> list[tuple[int, float]]:
+    """(micro-batch, CPU seconds) of the forward + backward programs of a middle one-layer Llama-2 "small"
+    stage (the runtime's compiled programs, `HeteroTrainer.compile_jobs`) at 1, 2, 4 and 8 sequences."""
+    from cfp.models import get_config
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.layout import Layout
+    cfg = get_config("llama2", "small", num_layers=3)
+    out = []
+    for mb in (1, 2, 4, 8):
+        trainer = HeteroTrainer("llama2", cfg, Layout.from_lists([[1, 1, 1]], [[1, 1, 1]], [2 * mb], [2]))
+        total = 0.0
+        for prog, like in trainer.compile_jobs((0, 1))[:2]:
+            compiled, times = prog.lower(*like).compile(), []
+            for r in range(repeats + 1):                        # fresh arguments: the backward donates some
+                args = jax.block_until_ready(jax.tree_util.tree_map(
+                    lambda a: jax.device_put(jnp.full(a.shape, 0.01, a.dtype), a.sharding), like))
+                c0 = time.process_time()
+                jax.block_until_ready(compiled(*args))
+                if r:
+                    times.append(time.process_time() - c0)
+            total += statistics.median(times)
+        out.append((mb, total))
+    return out
+
+
+def fit_stage(points, gemm: tuple[float, float], softmax: float) -> float:
+    """Bytes per CPU second of the rest of the elementwise work (norms, residuals, activations, RoPE) in the
+    cost model's stage time fwd + bwd = 4 (GEMMs + softmax bytes / `softmax` + other bytes / rate)
+    (`cfp.planner.costmodel`) fitted to `points` by least squares, the GEMMs at the fitted `gemm` curve (rate,
+    half dimension). (A fixed cost per kernel -- XLA fusions: 31 forward, 102 backward per layer -- fitted
+    beside it came out at 0: the points are linear in the micro-batch through the origin.)"""
+    from cfp.models import get_config
+    from cfp.models.costs import ModelCost
+    m = ModelCost(get_config("llama2", "small", num_layers=3))
+    rate, half = gemm
+    x, y = [], []
+    for mb, t in points:
+        dots = sum(f / (rate * np.prod([d / (d + half) for d in mnk])) for f, mnk in m.layer_gemms(1, mb))
+        x.append(4 * mb * (m.layer_elementwise_bytes(1) - m.layer_score_bytes(1)))
+        y.append(t - 4 * (dots + mb * m.layer_score_bytes(1) / softmax))
+    x, y = np.array(x), np.array(y)
+    return float(x @ x / (x @ y))
+
+
+def write(path: str, figures: dict, note: str) -> None:
+    body = "\n".join(f"    {k}={v!r}," for k, v in figures.items())
+    with open(path, "w") as f:
+        f.write(f'''"""This machine's XLA:CPU devices as `benchmarks/calibrate_cpu.py --write` measured them (the `cpu`
+entry of `cfp.hardware.gpus` and the "shared host memory" link of `cfp.hardware.collectives` read them).
+
+{note}
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CpuCalibration:
+    """Per core-second figures (CPU time of all threads) of the host that the `devices` simulated devices share."""
+    cores: int                    # host cores the devices share
+    devices: int                  # simulated XLA:CPU devices (--xla_force_host_platform_device_count)
+    gemm_gflops_per_core: float   # float32 GEMM, large shapes
+    gemm_half_dim: float          # a GEMM dimension of this size halves that dimension's factor
+    mem_gbps_per_core: float      # elementwise bytes read + written, as a layer's norms, residuals... run
+    softmax_gbps_per_core: float  # softmax passes (exp), counted as bytes
+    link_gbps_per_core: float     # all-reduce, ring-model bytes
+    collective_cpu_us: float      # fixed CPU time of one collective per device taking part
+    host_memory_gb: float         # host memory the devices share
+
+
+CPU = CpuCalibration(
+{body}
+)
+''')
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--write", action="store_true", help=f"write the figures to {os.path.relpath(OUT)}")
     args = ap.parse_args()
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    print(f"{mesh.devices.size} {jax.devices()[0].platform} devices; host load average {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores")
-    rates = {n: gemm_rate(mesh, n, args.repeats) for n in (256, 512, 1024)}
-    for n, r in rates.items():
-        print(f"GEMM float32 {n}x{n}x{n}: {r / 1e9:.2f} GFLOP/s per device, all busy (measured)")
-    bw = memory_bandwidth(mesh, 4 << 20, args.repeats)
-    print(f"memory (x*a+b, 16 MiB float32 per device): {bw / 1e9:.2f} GB/s per device, all busy (measured)")
-    points = [(n, b, all_reduce_time(n, b, args.repeats)) for n in (2, 4, 8) for b in (1 << 16, 1 << 20, 1 << 22)]
-    for n, b, s in points:
-        print(f"all-reduce {b / 2 ** 20:.3g} MiB over {n}: {s * 1e3:.3f} ms (measured)")
-    lat, link = fit_link(points)
-    print(f"all-reduce fit: latency {lat * 1e6:.0f} us, bandwidth {link / 1e9:.2f} GB/s (fitted)")
-    print("catalog values: tflops fp32 %.4f, mem_gbps %.2f, link_gbps %.2f; local.yaml intra_bandwidth %.2fGB/s"
-          % (rates[512] / 1e12, bw / 1e9, link / 1e9, link / 1e9))
+    cores, devices = os.cpu_count() or 1, len(jax.devices())
+    load = os.getloadavg()[0]
+    print(f"{devices} {jax.devices()[0].platform} devices on {cores} cores; host load average {load:.1f}")
+    points = gemm_points(args.repeats)
+    for (m, n, k), r in points:
+        print(f"GEMM float32 ({m}, {n}, {k}): {r / 1e9:.1f} GFLOP per CPU second (measured)")
+    rate, half = fit_gemm(points)
+    worst = max(abs(np.log(r / (rate * np.prod([d / (d + half) for d in s])))) for s, r in points)
+    print(f"GEMM fit: {rate / 1e9:.1f} GFLOP per CPU second at large shapes, half dimension {half:.1f} "
+          f"(fitted; worst point off by {np.expm1(worst):.0%})")
+    mem = memory_rate(args.repeats)
+    print(f"elementwise x*a+b, 1 and 4 MiB per device, all devices: {mem / 1e9:.2f} GB per CPU second (measured)")
+    stage = stage_points(args.repeats)
+    for mb, t in stage:
+        print(f"Llama-2 small middle stage of 1 layer, forward + backward, {mb} sequences: {t * 1e3:.2f} ms CPU "
+              "(measured)")
+    soft = softmax_rate(args.repeats)
+    print(f"softmax float32 over [16 and 64, 128, 128]: {soft / 1e9:.2f} GB per CPU second (4 passes; measured)")
+    mem = fit_stage(stage, (rate, half), soft)
+    print(f"stage fit: other elementwise work {mem / 1e9:.2f} GB per CPU second (fitted)")
+    ar = all_reduce_points(args.repeats, cores)
+    for n, b, s in ar:
+        print(f"all-reduce {b / 2 ** 20:.3g} MiB over {n}: {s * 1e3:.3f} ms per device, all busy (measured)")
+    lat, link = fit_link(ar)
+    print(f"all-reduce fit: latency {lat * 1e6:.0f} us, {link / 1e9:.2f} GB/s per device, all busy (fitted)")
+    figures = dict(cores=cores, devices=devices, gemm_gflops_per_core=round(rate / 1e9, 2),
+                   gemm_half_dim=half, mem_gbps_per_core=round(mem / 1e9, 2),
+                   softmax_gbps_per_core=round(soft / 1e9, 2),
+                   link_gbps_per_core=round(link / 1e9 * devices / cores, 3),
+                   collective_cpu_us=round(lat * 1e6 * cores / devices, 1),
+                   host_memory_gb=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1))
+    print("catalog values: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+    if args.write:
+        note = (f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on "
+                f"{_cpu_name()} ({cores} cores, {devices} devices), host load average {load:.1f}, "
+                f"`python benchmarks/calibrate_cpu.py --repeats {args.repeats} --write`.")
+        write(OUT, figures, textwrap.fill(note, 116))
+        print(f"written to {os.path.relpath(OUT)}")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "an unnamed CPU"
 
 
 if __name__ == "__main__":

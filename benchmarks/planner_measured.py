@@ -5,9 +5,16 @@ The planner plans the model (`find_layout`, as `cfp plan` does); beside its pick
 layouts (pure data parallel, one pipeline of 8 stages, tensor-parallel groups) and the greedy heuristic of
 `cfp plan --compare`, all at the same global batch. Each is estimated by the planner's cost model and run by
 the runtime (`HeteroTrainer`: its compiled stage programs, one optimizer step per layout per round, the
-layouts in turns so that a busy spell of the shared host falls on all alike, after a warm-up step). Prints
-per layout the estimated and the measured (median) step time and their ratio, the ranking by each, and
-`worst estimate/measured ratio: R` (the ratio furthest from 1).
+layouts in turns so that a busy spell of the shared host falls on all alike, after a warm-up step).
+
+The catalog's `cpu` entry (`benchmarks/calibrate_cpu.py`) describes the host's cores as this process has them
+when no one else loads the host; on a shared host the process gets fewer. So before each step a reference
+program (a GEMM on every device) measures the cores the host gives now (its CPU time over its wall time), and
+the estimate at that share is the catalog's times cores / share -- one factor for all layouts, which leaves
+the ranking as it is. Prints per layout that estimate and the measured (median) wall step time and their
+ratio; the catalog's own estimate beside the step's measured CPU time (all threads) over the host's cores;
+the ranking by each, `rank order estimated vs measured: same/different`, and `worst estimate/measured
+ratio: R` (the ratio furthest from 1).
 
     PYTHONPATH=$PWD python benchmarks/planner_measured.py [--model llama2 --config small --num-layers 8]
 """
@@ -25,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import yaml  # noqa: E402
 
+from cfp.hardware.cpu_calibration import CPU  # noqa: E402
 from cfp.models import get_config  # noqa: E402
 from cfp.planner.baselines import _megatron, greedy_layout  # noqa: E402
 from cfp.planner.cluster import parse_cluster  # noqa: E402
@@ -56,8 +64,10 @@ def candidates(cm, options) -> list[tuple[str, object]]:
     return unique
 
 
-def measure(model: str, cfg, layouts, rounds: int, log) -> list[list[float]]:
-    """Step seconds of each layout per round (the layouts in turns), after a warm-up step each."""
+def measure(model: str, cfg, layouts, rounds: int, log) -> tuple[list[list[float]], list[list[float]], list[float]]:
+    """Per layout and round (the layouts in turns, after a warm-up step each): the step's wall seconds and CPU
+    seconds (all the process's threads); and per round and layout, the cores the host gave a reference
+    program measured just before the step (`host_share`)."""
     from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.schedules import ScheduleName
     trainers = []
@@ -71,12 +81,40 @@ def measure(model: str, cfg, layouts, rounds: int, log) -> list[list[float]]:
     batch = _batch(model, cfg, layouts[0][1].global_batch)
     for tr in trainers:
         tr.step(batch)                                   # warm-up
-    times = [[] for _ in trainers]
+    reference = _reference()
+    wall, cpu, share = [[] for _ in trainers], [[] for _ in trainers], []
     for r in range(rounds):
         for i, tr in enumerate(trainers):
-            times[i].append(tr.step(batch).seconds)
-        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{t[-1]:.3f}" for t in times) + " s (measured)")
-    return times
+            share.append(host_share(reference))
+            c0 = time.process_time()
+            wall[i].append(tr.step(batch).seconds)
+            cpu[i].append(time.process_time() - c0)
+        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{w[-1]:.3f}/{c[-1]:.3f}" for w, c in zip(wall, cpu))
+            + f" s wall/CPU; host share {statistics.median(share[-len(trainers):]):.2f} cores (measured)")
+    return wall, cpu, share
+
+
+def _reference():
+    """A float32 512x512 GEMM on every device at once: work that can keep every core busy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    x = jax.device_put(np.ones((mesh.devices.size, 512, 512), np.float32), NamedSharding(mesh, P("d")))
+    f = jax.jit(lambda a: jnp.einsum("bij,bjk->bik", a, a))
+    jax.block_until_ready(f(x))
+    return f, x
+
+
+def host_share(reference) -> float:
+    """Cores the host gives this process now: CPU seconds over wall seconds of the reference program (3 runs)."""
+    import jax
+    f, x = reference
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(3):
+        jax.block_until_ready(f(x))
+    return (time.process_time() - c0) / (time.perf_counter() - t0)
 
 
 def _batch(model: str, cfg, rows: int) -> dict:
@@ -87,30 +125,6 @@ def _batch(model: str, cfg, rows: int) -> dict:
     return jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, rows, jax.random.PRNGKey(0)))
 
 
-def calibrated_cluster(cluster, repeats: int):
-    """`cluster` with its `cpu` devices and links as measured now (`calibrate_cpu.py`): the host's load
-    changes from hour to hour, so the figures the estimates use are measured beside the steps they predict."""
-    import dataclasses
-
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    import calibrate_cpu as cal
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    gemm, mem = cal.gemm_rate(mesh, 512, repeats), cal.memory_bandwidth(mesh, 4 << 20, repeats)
-    points = [(n, b, cal.all_reduce_time(n, b, repeats)) for n in (2, 4, 8) for b in (1 << 16, 1 << 20, 1 << 22)]
-    _, link = cal.fit_link(points)
-    print(f"calibrated now (measured): GEMM {gemm / 1e9:.2f} GFLOP/s, memory {mem / 1e9:.2f} GB/s per device, "
-          f"all-reduce bandwidth {link / 1e9:.2f} GB/s", flush=True)
-    machines = []
-    for m in cluster.machines:
-        gpu = dataclasses.replace(m.gpu, tflops=tuple((p, gemm / 1e12) for p, _ in m.gpu.tflops),
-                                  mem_gbps=mem / 1e9, link_gbps=link / 1e9)
-        machines.append(dataclasses.replace(m, gpu=gpu, intra_bandwidth=link))
-    return dataclasses.replace(cluster, machines=tuple(machines), inter_bandwidth=link)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama2")
@@ -118,14 +132,9 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--global-batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--calibrate", action="store_true",
-                    help="plan and estimate with the cpu figures measured now (calibrate_cpu.py) instead of the "
-                         "catalog's")
     args = ap.parse_args()
     with open(CLUSTER) as f:
         cluster = parse_cluster(yaml.safe_load(f))
-    if args.calibrate:
-        cluster = calibrated_cluster(cluster, 5)
     cfg = get_config(args.model, args.config, num_layers=args.num_layers)
     options = PlannerOptions(global_batch_size=args.global_batch_size)
     cm = CostModel(cfg, cluster, options.schedule)
@@ -133,21 +142,40 @@ def main() -> None:
     est = [cm.estimate(lay).step_time for _, lay in layouts]
     print(f"{args.model} {args.config} ({cfg.num_layers} layers, seq {cfg.seq_len}, {cfg.dtype}), global batch "
           f"{args.global_batch_size}, schedule 1f1b, on {cluster.summary()}; host load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    times = measure(args.model, cfg, layouts, args.rounds, lambda s: print(s, flush=True))
-    med = [statistics.median(t) for t in times]
-    print(f"{'layout':<24} {'estimated step (s)':>18} {'measured step (s)':>18} {'noise':>6} {'est/meas':>8}  shape")
-    ratios = []
-    for (name, lay), e, m, t in zip(layouts, est, med, times):
-        noise = (max(t) - min(t)) / 2 / m
-        ratios.append(e / m)
-        print(f"{name:<24} {e:>18.4f} {m:>18.4f} {noise:>6.1%} {e / m:>8.2f}  {lay.summary()}")
+          f"{os.getloadavg()[0]:.1f} on {CPU.cores} cores; cpu entry: {_calibration_note()}", flush=True)
+    wall, cpu, share = measure(args.model, cfg, layouts, args.rounds, lambda s: print(s, flush=True))
+    report(layouts, est, wall, cpu, statistics.median(share))
+
+
+def report(layouts, est, wall, cpu, cores_now: float) -> None:
+    """The table (estimated at the host's measured share, against measured wall time), the rankings and the
+    worst ratio; beside it the catalog's idle-host estimate against the measured CPU time over the cores."""
+    scale = CPU.cores / cores_now
+    print(f"host share during the steps: {cores_now:.2f} of {CPU.cores} cores (measured, median); the estimates "
+          f"below at that share are the catalog's (all {CPU.cores} cores) x {scale:.2f}")
+    print(f"{'layout':<24} {'est. step (s)':>13} {'meas. wall (s)':>14} {'noise':>6} {'est/meas':>8} "
+          f"{'est. idle (s)':>13} {'meas. CPU/cores (s)':>19} {'est/meas':>8}  shape")
+    ratios, med = [], []
+    for (name, lay), e, w, c in zip(layouts, est, wall, cpu):
+        m, mc = statistics.median(w), statistics.median(c) / CPU.cores
+        noise = (max(w) - min(w)) / 2 / m
+        ratios.append(e * scale / m)
+        med.append(m)
+        print(f"{name:<24} {e * scale:>13.4f} {m:>14.4f} {noise:>6.1%} {e * scale / m:>8.2f} {e:>13.4f} {mc:>19.4f} "
+              f"{e / mc:>8.2f}  {lay.summary()}")
     by_est = [layouts[i][0] for i in sorted(range(len(est)), key=est.__getitem__)]
     by_meas = [layouts[i][0] for i in sorted(range(len(med)), key=med.__getitem__)]
     print(f"ranking by estimate: {' < '.join(by_est)}")
-    print(f"ranking by measured: {' < '.join(by_meas)}  ({'same order' if by_est == by_meas else 'differs'})")
+    print(f"ranking by measured: {' < '.join(by_meas)}")
+    print(f"rank order estimated vs measured: {'same' if by_est == by_meas else 'different'}")
     worst = max(ratios, key=lambda r: max(r, 1 / r))
+    print(f"planner's pick: estimate/measured ratio {ratios[0]:.2f}")
     print(f"worst estimate/measured ratio: {worst:.2f}")
+
+
+def _calibration_note() -> str:
+    import cfp.hardware.cpu_calibration as cal
+    return " ".join(cal.__doc__.split("\n\n", 1)[1].split())
 
 
 if __name__ == "__main__":

@@ -73,33 +73,41 @@ def _concrete(args):
 
 
 def _measure_in_turns(programs, rounds: int) -> list[tuple[float, float]]:
-    """(fastest seconds, relative noise) of each `(compiled, abstract args)`,
-    timed in turns so that a busy spell of the shared host falls on every program alike."""
+    """(median CPU seconds, relative noise) of each `(compiled, abstract args)`, timed in turns. CPU time of all
+    the process's threads, not wall time: the simulated devices share the host's cores and one thread pool,
+    so a program's CPU time is the work it gives the host, and other users' load on the host stretches its
+    wall time (measured: 3x at load average 11) but not its CPU time (within 5% run to run). Noise: half the
+    spread of the middle three runs over the median."""
     import time
 
     import jax
-    import numpy as np
     times = [[] for _ in programs]
     for r in range(rounds + 1):                      # round 0 warms up
         for i, (compiled, like) in enumerate(programs):
             args = jax.block_until_ready(_concrete(like))
-            t0 = time.perf_counter()
+            c0 = time.process_time()
             jax.block_until_ready(compiled(*args))
             if r:
-                times[i].append(time.perf_counter() - t0)
-    # the fastest run is the one the other engineers' load disturbed least; noise: how far the next one is
-    return [(min(t), (sorted(t)[1] - min(t)) / min(t)) for t in times]
+                times[i].append(time.process_time() - c0)
+    out = []
+    for t in times:
+        t = sorted(t)
+        mid = t[len(t) // 2 - 1: len(t) // 2 + 2]
+        out.append((t[len(t) // 2], (mid[-1] - mid[0]) / 2 / t[len(t) // 2]))
+    return out
 
 
 def test_relative_stage_times_match_measured_ones():
     """The planner's time of compiled stage programs relative to a middle TP-1 stage of 1 layer: a middle stage
     of 4 layers, of 1 layer at twice the micro-batch, and last stages (layers + LM head and loss, the vocabulary
     large enough that the head weighs about two layers) of 1 and 4 layers, against the same ratios measured on
-    this machine's CPU devices (the runtime's compiled forward + backward programs, fastest of 7 runs in turns).
-    Ratios, not seconds: the `cpu` catalog entry's absolute scale holds only at the host load it was measured at
-    (`benchmarks/calibrate_cpu.py`), and TP is left out (simulated devices share the host's cores). Bound: 15%
-    for what the model leaves out plus both measurements' noise; a stage time that ignores the layer count, the
-    micro-batch or the head is off by 40% or more on one of the ratios."""
+    this machine's CPU devices (the runtime's compiled forward + backward programs, median CPU seconds of 7 runs
+    in turns). Ratios, not seconds: the `cpu` entry's absolute rates hold for the CPU it was calibrated on
+    (`benchmarks/calibrate_cpu.py`). Bound: 15% for what the model leaves out plus both measurements' noise
+    (measured 1-5% in CPU time); a stage time that ignores the layer count, the micro-batch or the head is off
+    by 40% or more on one of the ratios. TP stages are checked by their compiled all-reduces above, not here:
+    the model prices a TP-2 stage's host work at 1.30x a TP-1 stage's where 1.09-1.15x was measured (its
+    replicated norm and residual passes at the fitted elementwise rate), too close to this bound to be robust."""
     from cfp.runtime.engine import HeteroTrainer
     from cfp.layout import Layout
     cfg = get_config("llama2", "tiny", num_layers=6, seq_len=64, hidden_size=128, ffn_size=256, vocab_size=2048)
@@ -117,8 +125,8 @@ def test_relative_stage_times_match_measured_ones():
     res = _measure_in_turns(programs, rounds=7)
     measured = [res[2 * i][0] + res[2 * i + 1][0] for i in range(len(planned))]
     noise = [max(res[2 * i][1], res[2 * i + 1][1]) for i in range(len(planned))]
-    # programs: 0 middle 1L, 1 last 4L+head, 2 middle 4L, 3 last 1L+head, 4 middle 1L mb 8, 5 last 4L+head mb 8
-    for i in (1, 2, 3, 4, 5):
+    # 0 middle 1L, 1 last 4L+head, 2 middle 4L, 3 last 1L+head, 4 middle 1L mb 8, 5 last 4L+head mb 8
+    for i in range(1, len(planned)):
         ratio_m, ratio_p = measured[i] / measured[0], planned[i] / planned[0]
         print(i, f"planned {ratio_p:.3f}x, measured {ratio_m:.3f}x (noise {noise[i]:.1%}, {noise[0]:.1%})")
         assert abs(ratio_p / ratio_m - 1) <= 0.15 + noise[i] + noise[0], \

@@ -96,3 +96,21 @@ def test_slower_link_is_slower():
     assert t["NVLink 3"] < t["PCIe Gen4 x16"] < t["25GbE"]
     with pytest.raises(ConfigError, match="unknown link 'NVLink 9'"):
         get_link("NVLink 9")
+
+
+def test_a_measured_entry_brings_its_own_gemm_curve():
+    """The `cpu` entry (fitted by benchmarks/calibrate_cpu.py) prices GEMMs by its own curve, not the datasheet
+    GPUs' (large-GEMM fraction 0.9 in FP32, half dimension 64)."""
+    import dataclasses
+    cpu = get_gpu("cpu")
+    large, half = cpu.gemm_curve
+    assert rates.gemm_efficiency(Precision.FP32, 256, 128, 32, cpu) == pytest.approx(
+        large * 256 / (256 + half) * 128 / (128 + half) * 32 / (32 + half))
+    assert rates.achievable_flops(cpu, Precision.FP32, 256, 128, 32) == pytest.approx(
+        cpu.peak(Precision.FP32) * rates.gemm_efficiency(Precision.FP32, 256, 128, 32, cpu))
+    assert rates.gemm_efficiency(Precision.FP32, 256, 128, 32) != pytest.approx(
+        rates.gemm_efficiency(Precision.FP32, 256, 128, 32, cpu))
+    with pytest.raises(ConfigError, match="gemm_curve"):
+        dataclasses.replace(cpu, gemm_curve=(1.5, 10.0))
+    with pytest.raises(ConfigError, match="softmax_gbps"):
+        dataclasses.replace(cpu, softmax_gbps=0.0)

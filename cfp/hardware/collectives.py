@@ -43,6 +43,14 @@ class Link:
 
 
 BASE_LATENCY_US = 8.4
+
+
+def _cpu_link_gbps() -> float:
+    """Per-device all-reduce bandwidth of this machine's XLA:CPU devices, all busy (`cpu_calibration`)."""
+    from cfp.hardware.cpu_calibration import CPU
+    return CPU.link_gbps_per_core * CPU.cores / CPU.devices
+
+
 # Per-direction bandwidths: NVLink 3 = 600 GB/s total per A100 [A100 datasheet]; NVLink 4 = 900 GB/s total per
 # H100 [H100 datasheet]; NVLink 2 = 300 GB/s total per V100 [V100 datasheet]; PCIe Gen4 x16 = 32 GB/s and Gen5
 # = 64 GB/s per direction [PCI-SIG]; InfiniBand HDR 200 Gb/s and NDR 400 Gb/s per port, one port per GPU
@@ -56,7 +64,7 @@ LINKS: dict[str, Link] = {k.name: k for k in (
     Link("InfiniBand HDR", 25.0, 6.6, 50.0, "ConnectX-6 datasheet"),
     Link("InfiniBand NDR", 50.0, 6.6, 50.0, "ConnectX-7 datasheet"),
     Link("25GbE", 3.125, 6.6, 50.0, "IEEE 802.3by"),
-    Link("shared host memory", 14.0 / 8, 0.0, 0.0, "cpu catalog entry (measured)"),
+    Link("shared host memory", _cpu_link_gbps(), 0.0, 0.0, "cpu catalog entry (benchmarks/calibrate_cpu.py)"),
 )}
 
 

@@ -24,14 +24,14 @@ Sources:
             GDDR6 24 GB 300 GB/s; PCIe Gen4 x16. (* with sparsity)
   [V100]    NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2 32 GB: FP32 15.7, FP16 tensor 125 TF (no TF32/BF16
             tensor cores: those dtypes run at the FP32 rate); HBM2 900 GB/s; NVLink 300 GB/s total.
-  [cpu]     Measured on this project's 2-core machine with 8 simulated XLA:CPU devices: a 1024x1024 float32
-            matmul on all 8 devices at once runs at 252 GFLOP/s in total (31.5 per device); a numpy copy moves
-            14 GB/s (read + write). Devices share the cores (`shared_host`), so per-device figures hold only
-            when all are busy. `benchmarks/calibrate_cpu.py` measures these figures (GEMM rate, memory bandwidth,
-            all-reduce latency and bandwidth over 2/4/8 devices) on the machine at hand; on the shared host at load
-            average 14-24 it measured 3.1-7.8 GFLOP/s per device (512-256 GEMMs), 0.4-0.6 GB/s and 1.6-2.1 GB/s
-            all-reduce bandwidth, so the entry's figures hold for an idle host only;
-            `benchmarks/planner_measured.py --calibrate` plans with the figures measured at the time.
+  [cpu]     This machine's simulated XLA:CPU devices, measured by `benchmarks/calibrate_cpu.py --write`, which
+            writes `cfp/hardware/cpu_calibration.py` (its figures, date, host and load are there). The devices
+            share the host's cores (`shared_host`) and one intra-op thread pool: a single device's GEMM spreads
+            over every core, so the host is one pool of compute that the busy devices divide. The calibration
+            times each kernel by the CPU time of all the process's threads (stable under the other users'
+            load, unlike wall time) and gives per-device figures for all devices busy: the host's cores times
+            the per-core rate, over the device count. Its GEMM curve (`gemm_curve`) is fitted to GEMMs of the
+            models' shapes: on a CPU a GEMM reaches its large-shape rate at far smaller dimensions than on a GPU.
 """
 from __future__ import annotations
 
@@ -66,6 +66,15 @@ class GpuSpec:
     # the machine's devices share one host's cores (simulated XLA:CPU devices): its throughput is divided
     # among the busy ones, so a pipeline's idle stages lend theirs to the others
     shared_host: bool = False
+    # (large-GEMM fraction of `tflops`, half dimension) of an entry fitted to measured GEMMs; None: the
+    # datasheet entries' curve of `cfp.hardware.rates`
+    gemm_curve: tuple[float, float] | None = None
+    # fixed seconds of one collective per device beyond its bytes (all devices busy); the datasheet entries
+    # leave it to the link table's latencies (0 here)
+    collective_latency_s: float = 0.0
+    # GB/s of softmax passes (exp, counted as bytes read + written); None: `mem_gbps` (memory-bound, as on a
+    # GPU); a CPU computes the exponentials well below its memory speed
+    softmax_gbps: float | None = None
 
     def __post_init__(self):
         table = dict(self.tflops)
@@ -74,6 +83,18 @@ class GpuSpec:
         for field in ("mem_gbps", "mem_gb", "link_gbps"):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"gpu {self.name!r}: {field}={getattr(self, field)!r} must be positive")
+        if not self.collective_latency_s >= 0:
+            raise ConfigError(f"gpu {self.name!r}: collective_latency_s={self.collective_latency_s!r} must be >= 0")
+        if self.softmax_gbps is not None and not self.softmax_gbps > 0:
+            raise ConfigError(f"gpu {self.name!r}: softmax_gbps={self.softmax_gbps!r} must be positive")
+        if self.gemm_curve is not None and not (0 < self.gemm_curve[0] <= 1 and self.gemm_curve[1] >= 0):
+            raise ConfigError(f"gpu {self.name!r}: gemm_curve={self.gemm_curve!r} must be (fraction in (0, 1], "
+                              "half dimension >= 0)")
+
+    @property
+    def softmax_bandwidth(self) -> float:
+        """Bytes/s of softmax passes (`softmax_gbps`, else the memory bandwidth)."""
+        return 1e9 * (self.softmax_gbps or self.mem_gbps)
 
     @property
     def peaks(self) -> Mapping[Precision, float]:
@@ -90,11 +111,23 @@ class GpuSpec:
 
 
 def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None,
-         shared_host=False) -> GpuSpec:
+         shared_host=False, gemm_curve=None, collective_latency_s=0.0, softmax_gbps=None) -> GpuSpec:
     table = {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16 or bf16,
              Precision.FP8: fp8}
     return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source,
-                   shared_host)
+                   shared_host, gemm_curve, collective_latency_s, softmax_gbps)
+
+
+def _cpu() -> GpuSpec:
+    """The `cpu` entry from the figures `benchmarks/calibrate_cpu.py` measured (`cpu_calibration.CPU`)."""
+    from cfp.hardware.cpu_calibration import CPU
+    per_device = CPU.cores / CPU.devices
+    return _gpu("cpu", CPU.gemm_gflops_per_core * per_device / 1e3, None, None, None,
+                CPU.mem_gbps_per_core * per_device, CPU.host_memory_gb / CPU.devices,
+                CPU.link_gbps_per_core * per_device, "shared host memory", "cpu", shared_host=True,
+                gemm_curve=(1.0, CPU.gemm_half_dim),
+                collective_latency_s=CPU.collective_cpu_us * 1e-6 / per_device,
+                softmax_gbps=CPU.softmax_gbps_per_core * per_device)
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
@@ -109,8 +142,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     _gpu("RTX4090", 82.6, 82.6, 165.2, 330.3, 1008.0, 24.0, 32.0, "PCIe Gen4 x16", "AD102"),
     _gpu("L4", 30.3, 60.0, 121.0, 242.5, 300.0, 24.0, 32.0, "PCIe Gen4 x16", "L4"),
     _gpu("V100-SXM2-32G", 15.7, None, None, None, 900.0, 32.0, 150.0, "NVLink 2", "V100", fp16=125.0),
-    _gpu("cpu", 0.0315, None, None, None, 14.0 / 8, 24.0 / 8, 14.0 / 8, "shared host memory", "cpu",
-         shared_host=True),
+    _cpu(),
 )}
 
 

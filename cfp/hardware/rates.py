@@ -11,8 +11,9 @@ m, n, k: a GEMM with a dimension of HALF_DIM runs at half the large-GEMM rate (t
 too little work per SM). Source of both: NVIDIA, "Matrix Multiplication Background User's Guide"
 (DU-09799-001, Feb 2023), sec. 2.3 and 3: cuBLAS 11 on A100 reaches about 250 of 312 TFLOP/s (0.8) in FP16
 for M=N=K >= 4096 and falls off steeply below ~256 per dimension; CUDA-core FP32 SGEMM reaches ~0.9 of its
-peak. These are large-GEMM figures; fused attention, layer norms and elementwise ops are memory bound
-(`memory_time`).
+peak. A device entry measured rather than read off a datasheet (the `cpu` entry, `GpuSpec.gemm_curve`) brings
+its own large-GEMM fraction and half dimension, fitted to its measured GEMMs. These are large-GEMM figures;
+fused attention, layer norms and elementwise ops are memory bound (`memory_time`).
 """
 from __future__ import annotations
 
@@ -75,20 +76,24 @@ def dot_precision(dtype: str, matmul_precision=None, gpu: GpuSpec | None = None)
     return Precision.FP32
 
 
-def gemm_efficiency(precision: Precision, m: float, n: float, k: float) -> float:
-    """Fraction of the dense peak a library GEMM of (m x k) @ (k x n) reaches (see the module docstring)."""
+def gemm_efficiency(precision: Precision, m: float, n: float, k: float, gpu: GpuSpec | None = None) -> float:
+    """Fraction of the dense peak a library GEMM of (m x k) @ (k x n) reaches (see the module docstring);
+    `gpu`'s own curve where its entry was fitted to measured GEMMs (`GpuSpec.gemm_curve`)."""
     if min(m, n, k) <= 0:
         raise ConfigError(f"GEMM shape ({m}, {n}, {k}) must be positive")
+    large, half = (GEMM_EFFICIENCY[Precision(precision)], HALF_DIM)
+    if gpu is not None and gpu.gemm_curve is not None:
+        large, half = gpu.gemm_curve
     shape = 1.0
     for d in (m, n, k):
-        shape *= d / (d + HALF_DIM)
-    return GEMM_EFFICIENCY[Precision(precision)] * shape
+        shape *= d / (d + half)
+    return large * shape
 
 
 def achievable_flops(gpu: GpuSpec, precision: Precision, m: float = 8192, n: float = 8192,
                      k: float = 8192) -> float:
     """FLOP/s a GEMM of shape (m, n, k) reaches on `gpu` in `precision` (default: a large square GEMM)."""
-    return gpu.peak(precision) * gemm_efficiency(precision, m, n, k)
+    return gpu.peak(precision) * gemm_efficiency(precision, m, n, k, gpu)
 
 
 def dot_time(flops: float, gpu: GpuSpec, dtype: str, matmul_precision=None, shape=(8192, 8192, 8192)) -> float:

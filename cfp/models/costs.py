@@ -249,6 +249,11 @@ class ModelCost:
         """Bytes of `passes` float32 tensors of attention scores per sequence (none when fused)."""
         return 0.0 if self.fused_attention else passes * 4 * heads * self.config.seq_len ** 2
 
+    def layer_score_bytes(self, tp: int = 1) -> float:
+        """The part of `layer_elementwise_bytes` that is the attention softmax's float32 score passes (exp:
+        on a CPU it runs well below memory speed; `GpuSpec.softmax_gbps`)."""
+        return self._score_bytes(self._heads(tp)[0], 4)
+
     def layer_elementwise_flops(self, tp: int = 1) -> float:
         """Softmax (~5 per score), norms and residuals (~10 per hidden element), activation (~5 per MLP
         element), RoPE (~6 per q/k element): a rough count (for comparing with XLA's FLOP counts)."""
@@ -266,6 +271,11 @@ class ModelCost:
         c, s = self.config, self.config.seq_len
         extra = 5 * s * c.hidden_size * self.act_bytes if isinstance(c, BertConfig) else 0.0
         return 3 * s * c.hidden_size * self.act_bytes + extra + 3 * 4 * s * self._head_vocab(tp)
+
+    def head_score_bytes(self, tp: int = 1) -> float:
+        """The part of `head_elementwise_bytes` that is the log-softmax over the logits (see
+        `layer_score_bytes`)."""
+        return 3 * 4 * self.config.seq_len * self._head_vocab(tp)
 
     def _head_vocab(self, tp: int) -> float:
         """Logit columns per device: the LM head is vocab-parallel where TP divides; BERT's decoder is not."""

@@ -10,7 +10,9 @@ Compute time: each dot at its own per-device GEMM shape's achievable rate from `
 precision from the dtype as JAX runs it, the large-GEMM efficiency and its fall-off for thin shapes; shared
 with the profiling pass's estimate), so a high TP degree or a short micro-batch costs more per FLOP; the
 elementwise and normalisation work (softmax, norms, residuals, activations, the loss, the embedding's dense
-gradient) at the device's memory bandwidth. MFU is against the dense peaks of that precision.
+gradient) at the device's memory bandwidth (softmax passes at its softmax rate where its entry measured one: the
+`cpu` entry). TP all-reduces add the device's fixed cost per collective (0 for the datasheet entries). MFU is
+against the dense peaks of that precision.
 
 Step time = slowest pipeline (the schedule's `cfp.runtime.schedules.pipeline_time`: the sum of the stage
 times plus (m-1) times the slowest stage, sends included) + gradient sync across pipelines (ring
@@ -163,15 +165,18 @@ class CostModel:
     def layer_seconds(self, machine: int, tp: int, mb: int) -> float:
         """Forward compute of one layer on `mb` sequences: each dot at its shape's achievable rate
         (`cfp.hardware.rates`), the elementwise and normalisation work at memory bandwidth (memory-bound)."""
-        return (self._dot_seconds(machine, self.model.layer_gemms(tp, mb))
-                + mb * self.model.layer_elementwise_bytes(tp) / self._mem_bw(machine))
+        m = self.model
+        return (self._dot_seconds(machine, m.layer_gemms(tp, mb))
+                + self._elementwise_seconds(machine, mb * m.layer_elementwise_bytes(tp),
+                                            mb * m.layer_score_bytes(tp)))
 
     @_memo
     def head_seconds(self, machine: int, tp: int, mb: int) -> float:
         """Forward compute of the LM head (and its loss) on `mb` sequences, like `layer_seconds`."""
         m = self.model
         return (self._dot_seconds(machine, m.head_gemms(tp, mb))
-                + mb * m.head_elementwise_bytes(tp) / self._mem_bw(machine))
+                + self._elementwise_seconds(machine, mb * m.head_elementwise_bytes(tp),
+                                            mb * m.head_score_bytes(tp)))
 
     @_memo
     def embed_seconds(self, machine: int, tp: int, mb: int) -> tuple[float, float]:
@@ -179,6 +184,14 @@ class CostModel:
         float32 gradient of the token table."""
         fwd, bwd = self.model.embed_elementwise_bytes(tp)
         return mb * fwd / self._mem_bw(machine), bwd / self._mem_bw(machine)
+
+    def _elementwise_seconds(self, machine: int, nbytes: float, softmax_bytes: float) -> float:
+        """Memory-bound work of `nbytes`, of which `softmax_bytes` are softmax passes (at the device's softmax
+        rate: on a CPU the exponentials, not the memory, bound them)."""
+        gpu = self.cluster.machines[machine].gpu
+        if gpu.softmax_gbps is None:
+            return nbytes / self._mem_bw(machine)
+        return (nbytes - softmax_bytes) / self._mem_bw(machine) + softmax_bytes / gpu.softmax_bandwidth
 
     def _mem_bw(self, machine: int) -> float:
         return self.cluster.machines[machine].gpu.mem_gbps * 1e9
@@ -277,8 +290,7 @@ class CostModel:
         ff, fb = self.stage_flops(st, first, last, mb)
         compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb)
                    + (self.head_seconds(st.machine, st.tp, mb) if last else 0.0))
-        intra = self.cluster.machines[st.machine].intra_bandwidth
-        ar = m.layer_all_reduces() * collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
+        ar = m.layer_all_reduces() * self.tp_all_reduce_seconds(st.machine, st.tp, mb * m.boundary_bytes())
         emb_f, emb_b = self.embed_seconds(st.machine, st.tp, mb) if first else (0.0, 0.0)
         fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
         k = self.features.backward_passes                        # (recomputed forward +) backward (2x)
@@ -295,6 +307,14 @@ class CostModel:
             self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
         return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
                              self.stage_params(st, first, last))
+
+    def tp_all_reduce_seconds(self, machine: int, tp: int, nbytes: float) -> float:
+        """One ring all-reduce of `nbytes` per device over a TP group of `machine` (`collective_time` at the
+        machine's link, plus the device's fixed cost per collective where its entry has one)."""
+        if tp <= 1:
+            return 0.0
+        m = self.cluster.machines[machine]
+        return collective_time("all-reduce", nbytes, tp, m.intra_bandwidth) + m.gpu.collective_latency_s
 
     def _measured(self, st: Stage, first: bool, last: bool, mb: int) -> Optional[float]:
         if self.stage_times is None:

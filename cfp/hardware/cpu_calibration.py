@@ -1,0 +1,36 @@
+"""This machine's XLA:CPU devices as `benchmarks/calibrate_cpu.py --write` measured them (the `cpu`
+entry of `cfp.hardware.gpus` and the "shared host memory" link of `cfp.hardware.collectives` read them).
+
+Measured 2026-11-25 11:45 UTC on AMD EPYC (2 cores, 8 devices), host load average 16.6, `python
+benchmarks/calibrate_cpu.py --repeats 9 --write`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CpuCalibration:
+    """Per core-second figures (CPU time of all threads) of the host that the `devices` simulated devices share."""
+    cores: int                    # host cores the devices share
+    devices: int                  # simulated XLA:CPU devices (--xla_force_host_platform_device_count)
+    gemm_gflops_per_core: float   # float32 GEMM, large shapes
+    gemm_half_dim: float          # a GEMM dimension of this size halves that dimension's factor
+    mem_gbps_per_core: float      # elementwise bytes read + written, as a layer's norms, residuals... run
+    softmax_gbps_per_core: float  # softmax passes (exp), counted as bytes
+    link_gbps_per_core: float     # all-reduce, ring-model bytes
+    collective_cpu_us: float      # fixed CPU time of one collective per device taking part
+    host_memory_gb: float         # host memory the devices share
+
+
+CPU = CpuCalibration(
+    cores=2,
+    devices=8,
+    gemm_gflops_per_core=96.82,
+    gemm_half_dim=23.0,
+    mem_gbps_per_core=4.98,
+    softmax_gbps_per_core=19.21,
+    link_gbps_per_core=17.281,
+    collective_cpu_us=34.3,
+    host_memory_gb=25.3,
+)

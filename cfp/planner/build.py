@@ -123,7 +123,7 @@ def orders_signature(cm: CostModel, orders: Sequence[Sequence[StageLayout]]) -> 
                   tuple(a.machine == b.machine for a, b in zip(o, o[1:]))) for o in orders)
 
 
-def _best_order(cm: CostModel, orders: Sequence[Sequence[StageLayout]], chunks: int, micro_batch: int,
+def best_order(cm: CostModel, orders: Sequence[Sequence[StageLayout]], chunks: int, micro_batch: int,
                 n_pipes: int, signature: Optional[tuple] = None) -> Optional[tuple[StageLayout, ...]]:
     """The candidate stage order, with its layers split for `chunks` micro-batches, whose pipeline (and
     optimizer update) is fastest; None when no order fits. Memoised by the orders' signature
@@ -166,7 +166,7 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]]
     total = global_batch // micro_batch
     guess = max(1, total // k)
     sigs = signatures or [orders_signature(cm, orders) for orders in pipes]
-    first = [_best_order(cm, orders, guess, micro_batch, k, sig) for orders, sig in zip(pipes, sigs)]
+    first = [best_order(cm, orders, guess, micro_batch, k, sig) for orders, sig in zip(pipes, sigs)]
     if any(st is None for st in first):
         return None
     chunks = allocate_chunks([pipeline_terms(cm, st, micro_batch) for st in first],
@@ -175,7 +175,7 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[StageLayout]]]
         return None
     out = []
     for orders, sig, c in zip(pipes, sigs, chunks):
-        st = _best_order(cm, orders, c, micro_batch, k, sig)
+        st = best_order(cm, orders, c, micro_batch, k, sig)
         if st is None:
             return None
         out.append(PipelineLayout(st, c * micro_batch, c))

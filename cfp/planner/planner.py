@@ -200,9 +200,10 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
     layouts = list(dict.fromkeys(picked))
     budget = options.refine_evaluations // 3 * len(picked) // len(layouts)
     best_layout, best_est = None, None
+    memo: dict = {}   # shared: a descent that meets an earlier one's layouts goes on where that one stopped
     for cand in layouts:
         if options.refine:
-            lay, est = refine(cm, cand, budget, options.micro_batch_sizes)
+            lay, est = refine(cm, cand, budget, options.micro_batch_sizes, memo)
         else:
             lay, est = cand, cm.estimate(cand)
         if best_est is None or est.objective < best_est.objective:

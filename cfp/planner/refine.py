@@ -382,10 +382,11 @@ def _first_better(bud: _Budget, layout: ClusterLayout, est: Estimate,
 
 
 def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000,
-           micro_batch_sizes: Sequence[int] = (), memo: Optional[dict] = None) -> tuple[ClusterLayout, Estimate]:
+           micro_batch_sizes: Sequence[int] = (), memo: Optional[dict] = None
+           ) -> tuple[ClusterLayout, Estimate, int]:
     """Descend from `layout`: polish, then take the first structural move whose polished estimate is
     better; when none is, the first compound move (`_compound`) that is; until neither is or `budget`
-    estimates are spent. Returns the best layout and its estimate.
+    estimates are spent. Returns the best layout, its estimate and the budget left unspent.
     `micro_batch_sizes`: the other micro-batch sizes a move may switch to; `memo`: shared by the
     descents of one planning run (`_Budget`)."""
     bud = _Budget(cm, budget, memo)
@@ -399,4 +400,4 @@ def refine(cm: CostModel, layout: ClusterLayout, budget: int = 3000,
         if found is None:
             break
         layout, est = found
-    return layout, est
+    return layout, est, max(0, bud.left)

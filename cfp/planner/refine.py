@@ -13,10 +13,12 @@ all of them at once (gradient sync couples their layer splits). Moves keep each 
 stages of a pipeline together, so the refined layout stays inside the exhaustive search's space
 (`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`) and
 the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so a
-move that only pays together with other layer and batch counts is still taken.
+move that only pays together with other layer and batch counts is still taken; a changed pipeline of few
+machines is also tried with each other machine last (`_head_orders`), since a move that takes away or
+adds the machine holding the LM head changes where it is best held.
 
 First improvement in a fixed move order, so the result is deterministic; `budget` bounds the number
-of estimates and rebuilds (a count, not a time)."""
+of estimates and rebuilds (a count, not a time); a layout or move met again costs nothing (`_Budget`)."""
 from __future__ import annotations
 
 import itertools

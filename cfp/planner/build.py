@@ -124,7 +124,7 @@ def orders_signature(cm: CostModel, orders: Sequence[Sequence[Stage]]) -> tuple:
                   tuple(a.machine == b.machine for a, b in zip(o, o[1:]))) for o in orders)
 
 
-def _best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
+def best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
                 n_pipes: int, signature: Optional[tuple] = None) -> Optional[tuple[Stage, ...]]:
     """The candidate stage order, with its layers split for `chunks` micro-batches, whose pipeline (and
     optimizer update) is fastest; None when no order fits. Memoised by the orders' signature
@@ -167,7 +167,7 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[Stage]]], glob
     total = global_batch // micro_batch
     guess = max(1, total // k)
     sigs = signatures or [orders_signature(cm, orders) for orders in pipes]
-    first = [_best_order(cm, orders, guess, micro_batch, k, sig) for orders, sig in zip(pipes, sigs)]
+    first = [best_order(cm, orders, guess, micro_batch, k, sig) for orders, sig in zip(pipes, sigs)]
     if any(st is None for st in first):
         return None
     chunks = allocate_chunks([pipeline_terms(cm, st, micro_batch) for st in first],
@@ -176,7 +176,7 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[Stage]]], glob
         return None
     out = []
     for orders, sig, c in zip(pipes, sigs, chunks):
-        st = _best_order(cm, orders, c, micro_batch, k, sig)
+        st = best_order(cm, orders, c, micro_batch, k, sig)
         if st is None:
             return None
         out.append(Pipeline(st, c * micro_batch, c))

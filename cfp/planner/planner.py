@@ -161,6 +161,33 @@ def _by_type(search: _Search, cand: _Candidate) -> Optional[_Candidate]:
     return None if layout is None else _Candidate(obj, cand.k, cand.tp, layout)
 
 
+def _refine_all(cm: CostModel, picked: list[Layout], options: PlannerOptions
+                ) -> tuple[Layout, Estimate]:
+    """The best of the `picked` layouts after refinement. Each distinct layout once, with a third of
+    `refine_evaluations` per pick (a layout picked twice would be refined twice to the same result, so
+    the budget of the repeats goes to the distinct layouts); the descents share their memo (`refine`),
+    and what they leave unspent (a descent that stops in a local optimum or meets an earlier one's)
+    continues the best one, whose descent may have stopped for want of budget."""
+    layouts = list(dict.fromkeys(picked))
+    if not options.refine:
+        ests = [cm.estimate(lay) for lay in layouts]
+        i = min(range(len(layouts)), key=lambda i: ests[i].objective)
+        return layouts[i], ests[i]
+    budget = options.refine_evaluations // 3 * len(picked) // len(layouts)
+    memo: dict = {}
+    best, spare = None, 0
+    for cand in layouts:
+        lay, est, left = refine(cm, cand, budget, options.micro_batch_sizes, memo)
+        spare += left
+        if best is None or est.objective < best[1].objective:
+            best = (lay, est)
+    if spare > 0:
+        lay, est, _ = refine(cm, best[0], spare, options.micro_batch_sizes, memo)
+        if est.objective < best[1].objective:
+            best = (lay, est)
+    return best
+
+
 def find_layout(cluster: Cluster, config, options: PlannerOptions,
                 progress: Optional[Callable[[int, int], None]] = None) -> PlannerResult:
     """The best layout the planner finds for `config` on `cluster` (deterministic)."""
@@ -195,17 +222,6 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
     typed = sorted((c for c in (_by_type(search, c) for c in found) if c is not None), key=key)
     # refined: the three best pipeline counts, the two best other TP maps (one that loses before
     # refinement can win after it) and the best equal-mix cut
-    # once each, a third of `refine_evaluations` per candidate: a layout found twice would be refined
-    # twice to the same result, so the budget of the repeats goes to the distinct layouts
     picked = [c.layout for c in found[:3] + others[:2] + typed[:1]]
-    layouts = list(dict.fromkeys(picked))
-    budget = options.refine_evaluations // 3 * len(picked) // len(layouts)
-    best_layout, best_est = None, None
-    for cand in layouts:
-        if options.refine:
-            lay, est = refine(cm, cand, budget, options.micro_batch_sizes)
-        else:
-            lay, est = cand, cm.estimate(cand)
-        if best_est is None or est.objective < best_est.objective:
-            best_layout, best_est = lay, est
+    best_layout, best_est = _refine_all(cm, picked, options)
     return PlannerResult(best_layout.checked(), best_est, search.count, time.perf_counter() - t0)

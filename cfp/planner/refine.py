@@ -13,16 +13,18 @@ all of them at once (gradient sync couples their layer splits). Moves keep each 
 stages of a pipeline together, so the refined layout stays inside the exhaustive search's space
 (`exhaustive`). A structural move re-splits the layers of the pipelines it changed (`split_layers`) and
 the micro-batches over all pipelines (`allocate_chunks`), then is polished before it is judged, so a
-move that only pays together with other layer and batch counts is still taken.
+move that only pays together with other layer and batch counts is still taken; a changed pipeline of few
+machines is also tried with each other machine last (`_head_orders`), since a move that takes away or
+adds the machine holding the LM head changes where it is best held.
 
 First improvement in a fixed move order, so the result is deterministic; `budget` bounds the number
-of estimates and rebuilds (a count, not a time)."""
+of estimates and rebuilds (a count, not a time); a layout or move met again costs nothing (`_Budget`)."""
 from __future__ import annotations
 
 import itertools
 from typing import Iterator, Optional, Sequence
 
-from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms, split_layers
+from cfp.planner.build import allocate_chunks, best_order, max_chunks, pipeline_terms, split_layers
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.partition import size_cuts, size_orders
@@ -32,13 +34,32 @@ _EPS = 1e-9
 
 
 class _Budget:
-    def __init__(self, cm: CostModel, budget: int):
+    """The estimates and rebuilds left, and their memo (`memo`: shared by the descents of one planning
+    run). A layout estimated or a move rebuilt before costs nothing again: descents from different
+    candidates often meet in one local optimum, and the later ones then go on where the earlier stopped
+    instead of spending their budget on the same moves."""
+
+    def __init__(self, cm: CostModel, budget: int, memo: Optional[dict] = None):
         self.cm, self.left = cm, budget
-        self._terms: dict[tuple, tuple] = {}
+        memo = {} if memo is None else memo
+        self._estimates = memo.setdefault("estimates", {})
+        self._rebuilds = memo.setdefault("rebuilds", {})
+        self._terms = memo.setdefault("terms", {})
 
     def estimate(self, layout: Layout) -> Estimate:
-        self.left -= 1
-        return self.cm.estimate(layout)
+        if layout not in self._estimates:
+            self.left -= 1
+            self._estimates[layout] = self.cm.estimate(layout)
+        return self._estimates[layout]
+
+    def rebuild(self, pipes: Sequence[Sequence[Stage]], changed: set[int], global_batch: int,
+                mb: int) -> Optional[Layout]:
+        """`_rebuild`, counted as one estimate unless memoised."""
+        key = (tuple(map(tuple, pipes)), frozenset(changed), global_batch, mb)
+        if key not in self._rebuilds:
+            self.left -= 1
+            self._rebuilds[key] = _rebuild(self, pipes, changed, global_batch, mb)
+        return self._rebuilds[key]
 
     def terms(self, stages: tuple[Stage, ...], mb: int, k: int, total: int) -> tuple[tuple, int]:
         """A pipeline's time terms and micro-batch cap (memoised: rebuilds repeat unchanged pipelines)."""
@@ -145,19 +166,30 @@ def _polish(bud: _Budget, layout: Layout, est: Estimate, pipes: Sequence[int]
 
 
 # ----------------------------------------------------------------------------- structural moves
+def _head_orders(stages: Sequence[Stage], max_blocks: int = 4) -> list[list[Stage]]:
+    """The pipeline's order, then (with at most `max_blocks` machines) each other machine block moved to
+    the end: which machine holds the LM head changes when a move takes the last block away or adds one."""
+    blocks = _blocks(stages)
+    out = [list(stages)]
+    if len(blocks) <= max_blocks:
+        out += [[s for b in blocks[:i] + blocks[i + 1:] for s in b] + blocks[i] for i in range(len(blocks) - 1)]
+    return out
+
+
 def _rebuild(bud: _Budget, pipes: Sequence[Sequence[Stage]], changed: set[int], global_batch: int,
              mb: int) -> Optional[Layout]:
-    """Layers of the `changed` pipelines re-split, micro-batches (of size `mb`) re-allocated over all;
-    None when a pipeline cannot hold the model or the batch. Counts as one estimate of the budget."""
+    """Layers of the `changed` pipelines re-split, on the best of their `_head_orders`, micro-batches (of
+    size `mb`) re-allocated over all; None when a pipeline cannot hold the model or the batch."""
     cm, k, total = bud.cm, len(pipes), global_batch // mb
-    bud.left -= 1
     if global_batch % mb or total < k:
         return None
     guess = max(1, total // k)
     stages = []
     for p, st in enumerate(pipes):
         if p in changed:
-            st = split_layers(cm, st, guess * mb, guess, k)
+            orders = _head_orders(st)
+            st = (split_layers(cm, st, guess * mb, guess, k) if len(orders) == 1
+                  else best_order(cm, orders, guess, mb, k))
             if st is None:
                 return None
         stages.append(tuple(st))
@@ -305,7 +337,7 @@ def _structural(bud: _Budget, layout: Layout, est: Estimate, micro_batch_sizes: 
     pipes = [list(q.stages) for q in layout.pipelines]
     for other in micro_batch_sizes:
         if other != mb:
-            lay = _rebuild(bud, pipes, set(), g, other)
+            lay = bud.rebuild(pipes, set(), g, other)
             if lay is not None:
                 yield lay, set(range(len(pipes)))
     for gen in (_order_moves(layout), _tp_moves(cm, layout), _regroup_moves(cm, layout),
@@ -313,7 +345,7 @@ def _structural(bud: _Budget, layout: Layout, est: Estimate, micro_batch_sizes: 
         for new, changed in gen:
             if bud.left <= 0:
                 return
-            lay = _rebuild(bud, new, changed, g, mb)
+            lay = bud.rebuild(new, changed, g, mb)
             if lay is not None:
                 yield lay, changed
 
@@ -327,13 +359,13 @@ def _compound(bud: _Budget, layout: Layout, est: Estimate
     for new, changed in _device_moves(layout, est):
         if bud.left <= 0:
             return
-        moved = _rebuild(bud, new, changed, g, mb)
+        moved = bud.rebuild(new, changed, g, mb)
         if moved is None:
             continue
         for second, again in _tp_moves(bud.cm, moved, changed):
             if bud.left <= 0:
                 return
-            lay = _rebuild(bud, second, again, g, mb)
+            lay = bud.rebuild(second, again, g, mb)
             if lay is not None:
                 yield lay, changed
 
@@ -353,12 +385,14 @@ def _first_better(bud: _Budget, layout: Layout, est: Estimate,
 
 
 def refine(cm: CostModel, layout: Layout, budget: int = 3000,
-           micro_batch_sizes: Sequence[int] = ()) -> tuple[Layout, Estimate]:
+           micro_batch_sizes: Sequence[int] = (), memo: Optional[dict] = None
+           ) -> tuple[Layout, Estimate, int]:
     """Descend from `layout`: polish, then take the first structural move whose polished estimate is
     better; when none is, the first compound move (`_compound`) that is; until neither is or `budget`
-    estimates are spent. Returns the best layout and its estimate.
-    `micro_batch_sizes`: the other micro-batch sizes a move may switch to."""
-    bud = _Budget(cm, budget)
+    estimates are spent. Returns the best layout, its estimate and the budget left unspent.
+    `micro_batch_sizes`: the other micro-batch sizes a move may switch to; `memo`: shared by the
+    descents of one planning run (`_Budget`)."""
+    bud = _Budget(cm, budget, memo)
     est = bud.estimate(layout)
     layout, est = _polish(bud, layout, est, range(len(layout.pipelines)))
     while bud.left > 0:
@@ -369,4 +403,4 @@ def refine(cm: CostModel, layout: Layout, budget: int = 3000,
         if found is None:
             break
         layout, est = found
-    return layout, est
+    return layout, est, max(0, bud.left)

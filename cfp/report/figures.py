@@ -50,7 +50,10 @@ class BlockFigures:
         return self.memory_bytes * self.repeat
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.repeat == 1:      # outside loops: the plan files written before `repeat` existed, unchanged
+            del d["repeat"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockFigures":

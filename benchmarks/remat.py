@@ -24,7 +24,8 @@ import cfp  # noqa: E402
 from cfp.analysis.blocks import DotRole, data_parallel_choice  # noqa: E402
 from cfp.search.options import fmt_bytes  # noqa: E402
 from cfp.sharding.step import apply_choice  # noqa: E402
-from cfp.xla.compiled import compiled_memory, time_interleaved  # noqa: E402
+from cfp.xla.compiled import compiled_memory  # noqa: E402
+from side_by_side import time_side_by_side  # noqa: E402
 
 VOCAB, DIM, SEQ, HEADS = 256, 64, 32, 4
 POLICIES = ("default", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -114,8 +115,7 @@ def main() -> None:
         "plain, data parallel": apply_choice(plain.program, plain.analysis,
                                              data_parallel_choice(plain.analysis.graph, plain.analysis.blocks), mesh),
     }
-    runs = [(s.compile(*args), lambda s=s: jax.tree_util.tree_leaves(s.shard_args(*args))) for s in steps.values()]
-    timed = dict(zip(steps, time_interleaved(runs, a.rounds, 2)))
+    timed = time_side_by_side(steps, args, a.rounds)
     dp = timed["plain, data parallel"][0]
     print(f"plans, timed in turns ({a.rounds} rounds; the same program timed twice differs by noise):")
     for k, s in steps.items():

@@ -21,7 +21,8 @@ from cfp.analysis.blocks import data_parallel_choice  # noqa: E402
 from cfp.errors import InfeasibleError  # noqa: E402
 from cfp.search.options import fmt_bytes  # noqa: E402
 from cfp.sharding.step import apply_choice  # noqa: E402
-from cfp.xla.compiled import compiled_memory, time_interleaved  # noqa: E402
+from cfp.xla.compiled import compiled_memory  # noqa: E402
+from side_by_side import time_side_by_side  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STYLES = ("equinox_gpt", "flax_nnx", "scanned_linen")
@@ -34,15 +35,10 @@ def _example(name):
     return mod
 
 
-def _side_by_side(steps: dict, args, rounds: int) -> dict:
-    runs = [(s.compile(*args), lambda s=s: jax.tree_util.tree_leaves(s.shard_args(*args))) for s in steps.values()]
-    return dict(zip(steps, time_interleaved(runs, rounds, 2)))
-
-
 def _row(label, steps, args, rounds, budget):
     fits = {k: s for k, s in steps.items() if s is not None and
             (budget is None or compiled_memory(s.compile(*args)) <= budget)}
-    timed = _side_by_side(fits, args, rounds)
+    timed = time_side_by_side(fits, args, rounds)
     dp = timed.get("data parallel", (None,))[0]
     print(f"  {label}:")
     for k, s in steps.items():

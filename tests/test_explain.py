@@ -173,3 +173,40 @@ def test_plan_file_carries_estimates_and_old_files_still_load(tmp_path, gpt_view
     del d["estimates"], d["profile"]
     Path(path).write_text(json.dumps(d))
     assert load_plan(path).estimates == () and load_view(path).figures == ()
+
+
+def _stack_view(tmp_path, scanned: bool):
+    """The explain view of a data-parallel plan of a 3-layer MLP stack, scanned (`nn.scan`) or unrolled."""
+    import optax
+
+    from cfp.analysis.analysis import analyze_with_program
+    from cfp.analysis.blocks import data_parallel_choice
+    from cfp.report.estimates import with_estimates
+    from cfp.search.plan import make_plan
+    from cfp.sharding.specs import resolve
+    from programs import MlpStack, lm_step_problem
+    step, args = lm_step_problem(MlpStack(32, 16, 3, scanned), optax.adam(1e-2), 8, 4, 32)
+    analysis, _ = analyze_with_program(step, "2x4", *args)
+    plan = make_plan(analysis, resolve(analysis, data_parallel_choice(analysis.graph, analysis.blocks), ()))
+    path = tmp_path / f"{'scanned' if scanned else 'unrolled'}.json"
+    with_estimates(plan, analysis, None, "H100-SXM").save(str(path))
+    return analysis, load_view(str(path))
+
+
+def test_explain_a_scanned_plan_labels_per_iteration_figures_and_totals_every_iteration(tmp_path):
+    analysis, view = _stack_view(tmp_path, scanned=True)
+    _, twin = _stack_view(tmp_path, scanned=False)
+    body = next(s for s in analysis.segments if s.repeat > 1)
+    assert body.repeat == 3 and [f.repeat for f in view.figures] == [
+        next(s.repeat for s in analysis.segments if b in s.blocks) for b in range(len(view.figures))]
+    text = explain_text(view)
+    assert "runs" in text and "per iteration" in text and "x3 iterations: total" in text
+    # the unrolled twin spells out what the scan runs: its blocks summed equal the scanned plan's blocks
+    # summed over their iterations (the same shapes, the same cost model)
+    assert all(f.repeat == 1 for f in twin.figures) and "iterations" not in explain_text(twin)
+    scanned_total, twin_total = sum(f.step_time_s for f in view.figures), sum(f.time_s for f in twin.figures)
+    assert scanned_total == pytest.approx(twin_total, rel=1e-9)
+    assert sum(f.time_s for f in view.figures) < 0.8 * twin_total      # one iteration alone is not the step
+    assert f"{scanned_total * 1e3:.4f} ms" in text.splitlines()[-1]
+    per_iter = sum(f.time_s for f in view.figures if f.repeat > 1)
+    assert f"per iteration {per_iter * 1e3:.4f} ms" in text and f"total {per_iter * 3e3:.4f} ms" in text

@@ -23,6 +23,7 @@ from cfp.ir.graph import OpGraph
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import beam_width, candidate_choices, ranked_combinations
 from cfp.sharding.step import apply_choice
+from programs import MlpStack, lm_step_problem, train
 
 POLICIES = jax.checkpoint_policies
 VOCAB, DIM, SEQ, HEADS, LAYERS, BATCH = 32, 32, 8, 2, 2, 8
@@ -53,18 +54,7 @@ class _Transformer(nn.Module):
 
 def _linen_problem(remat=False, policy=None):
     """A 2-layer Linen transformer's SGD step `(params, opt_state, x, y) -> (loss, params, opt_state)`."""
-    model, opt = _Transformer(remat, policy), optax.sgd(0.1)
-
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return loss, optax.apply_updates(params, updates), opt_state
-
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SEQ + 1), 0, VOCAB)
-    params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])
-    return step, (params, opt.init(params), tokens[:, :-1], tokens[:, 1:])
+    return lm_step_problem(_Transformer(remat, policy), optax.sgd(0.1), BATCH, SEQ, VOCAB)
 
 
 def _structure(analysis):
@@ -145,6 +135,42 @@ def test_jax_checkpoint_over_the_whole_loss_analyses_like_its_plain_twin():
     plain = cfp.analyze(jax.value_and_grad(loss), "2x4", *args)
     analysis = cfp.analyze(whole, "2x4", *args)
     assert _structure(analysis) == _structure(plain) and _recomputed(analysis) > 0
+
+
+def _scanned_mlp_problem(wrap, layers=3, d=32, b=16):
+    """`_mlp_loss`'s layer over stacked weights applied by `lax.scan`, the scan body wrapped by `wrap`."""
+    def layer(x, p):
+        h = jax.nn.gelu(x @ p["w1"])
+        a = jax.nn.softmax(h @ h.T / 8.0) @ h
+        return x + a @ p["w2"], None
+
+    def loss(ps, x):
+        return jnp.mean(jax.lax.scan(wrap(layer), x, ps)[0] ** 2)
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    ps = {"w1": jax.random.normal(k[0], (layers, d, 2 * d)) * 0.1,
+          "w2": jax.random.normal(k[1], (layers, 2 * d, d)) * 0.1}
+    return jax.value_and_grad(loss), (ps, jax.random.normal(k[2], (b, d)))
+
+
+def _scanned_linen_problem(remat):
+    return lm_step_problem(MlpStack(VOCAB, DIM, 3, scanned=True, remat=remat), optax.sgd(0.1), BATCH, SEQ, VOCAB)
+
+
+@pytest.mark.parametrize("make,remat", [
+    (_scanned_linen_problem, True),
+    (_scanned_mlp_problem, jax.checkpoint),
+    (_scanned_mlp_problem, lambda f: jax.checkpoint(f, policy=POLICIES.nothing_saveable)),
+], ids=["nn.scan(nn.remat)", "lax.scan(jax.checkpoint)", "lax.scan(checkpoint nothing_saveable)"])
+def test_remat_inside_a_scan_analyses_like_its_plain_scanned_twin(make, remat):
+    """The body's recomputed dots join their forward dot's block, as in the unrolled remat model: unpaired, each
+    would be a block of its own and the body segment longer than the plain twin's."""
+    plain = cfp.analyze(*_flat(make(False if remat is True else (lambda f: f))))
+    analysis = cfp.analyze(*_flat(make(remat)))
+    assert _structure(analysis) == _structure(plain) and _recomputed(analysis) > 0
+    assert [s.repeat for s in analysis.segments] == [s.repeat for s in plain.segments] and analysis.segments[0].repeat == 3
+    body = analysis.segments[0].blocks
+    assert all(analysis.graph.operators[d.op].loop is not None
+               for b in body for d in analysis.blocks[b].dots if d.role is DotRole.RECOMPUTE)
 
 
 def _flat(problem, mesh="2x4"):
@@ -263,13 +289,7 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 
 
 def _train(step, args, steps=3):
-    params, opt_state, x, y = args
-    losses = []
-    for _ in range(steps):
-        loss, params, opt_state = step(params, opt_state, x, y)
-        losses.append(float(loss))
-    assert np.isfinite(losses).all()
-    return np.array(losses), params
+    return train(step, args, steps)[:2]
 
 
 def _assert_trains_like(step, ref_step, args):

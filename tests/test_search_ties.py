@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from cfp.errors import InfeasibleError
+from cfp.errors import ConfigError, InfeasibleError
 from cfp.search.options import SearchOptions
 from cfp.search.search import SearchResult, VerifiedChoice, _best_fitting
 
@@ -71,3 +71,22 @@ def test_time_label_follows_how_the_times_were_taken():
     assert label(summed, estimate) == "estimated: H100-SXM cost model"
     assert "measured" not in SearchResult(summed.choice, (), summed, (summed,), 1.0, None, 0.0,
                                           profiler=measure).report()
+
+
+def test_side_by_side_rounds_stop_at_the_timing_budget():
+    """Rounds past the first `min_rounds` stop once the timed runs took `budget` seconds (a deep model's slow
+    step is timed fewer times); without a budget, or within it, every round runs."""
+    from cfp.xla.compiled import time_in_turns
+    calls = [0, 0]
+
+    def prepare(k):
+        def run():
+            calls[k] += 1
+            return 0
+        return run
+    for budget, want in ((None, 10), (1e6, 10), (0.0, 3)):
+        calls[:] = [0, 0]
+        timed = time_in_turns([lambda: prepare(0), lambda: prepare(1)], 10, 2, budget, min_rounds=3)
+        assert calls == [2 + want] * 2 and len(timed) == 2
+    with pytest.raises(ConfigError, match="timing_budget"):
+        SearchOptions(timing_budget=0)

@@ -19,7 +19,7 @@ from collections import deque
 
 from cfp.analysis.strategies import (DotStrategy, Loop, batch_loop_order, dot_loops,
                                      enumerate_strategies)
-from cfp.analysis.loops import allowed_loops, port_view
+from cfp.analysis.loops import allowed_loops, port_role, port_view
 from cfp.ir.graph import BARRIER, SCAN_PORTS, OpGraph, Operator
 
 _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
@@ -74,7 +74,12 @@ def forward_twins(graph: OpGraph) -> dict[int, int]:
         return cached
     twin: dict[int, int] = {}
     claimed: set[int] = set()
+    remat = any(op.recomputed for op in graph.operators)
+    entered: dict[tuple[int, str], int] = {}
     for op in graph.operators:
+        if remat and op.primitive == "scan_enter":
+            _port_twin(graph, op, twin, entered)
+            continue
         if op.primitive == BARRIER:
             twin.update((o, twin.get(i, i)) for i, o in zip(op.inputs, op.outputs) if i is not None and o is not None)
             continue
@@ -91,6 +96,26 @@ def forward_twins(graph: OpGraph) -> dict[int, int]:
                 break
     graph.__dict__["_forward_twins"] = twin     # not a field: the graph stays frozen and comparable
     return twin
+
+
+def _port_twin(graph: OpGraph, op: Operator, twin: dict[int, int], entered: dict[tuple[int, str], int]) -> None:
+    """Under remat in a scan body, the backward scan's recomputation reads its operands through its own enter
+    ports: one layer's slice of a stacked operand the forward scan also sliced (a stacked weight), or of what
+    the forward scan stacked as its output (a saved activation). Either slice, at the same iteration, is the
+    forward body's value, so the port's output twins it (the carry, which changes every iteration, never)."""
+    src, out = op.inputs[0], op.outputs[0]
+    role = port_role(op)
+    if src is None or out is None or role == "carry":
+        return
+    prod = graph.producer.get(src)
+    if role == "xs" and prod is not None and graph.operators[prod].primitive == "scan_exit" \
+            and port_role(graph.operators[prod]) == "ys" and graph.operators[prod].inputs[0] is not None:
+        inner = graph.operators[prod].inputs[0]
+        twin[out] = twin.get(inner, inner)
+    elif (src, role) in entered:
+        twin[out] = entered[(src, role)]
+    else:
+        entered[(src, role)] = out
 
 
 def trace_view(graph: OpGraph, tid: int) -> tuple[int, tuple[int, ...]]:

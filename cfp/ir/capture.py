@@ -66,15 +66,18 @@ class Program:
         env = self.evaluate(dict(zip(t.invars, flat_args)), range(len(t.eqns)), on_output, scope_of, on_input)
         return [env[a] if kind == "var" else a for kind, a in t.outvars]
 
-    def evaluate(self, values: dict[int, Any], ops, on_output=None, scope_of=None, on_input=None) -> dict:
+    def evaluate(self, values: dict[int, Any], ops, on_output=None, scope_of=None, on_input=None,
+                 slices: bool = False) -> dict:
         """Evaluate operators `ops` (indices, in program order) given the tensors in `values`; returns all
         tensors known afterwards (constants included). Hooks as in `replay`; used to run one segment alone.
 
         A seen-through scan whose operators are all in `ops` runs as a `jax.lax.scan` (the hooks apply inside
-        its body); operators of a loop body given without their loop run once, as one iteration."""
+        its body); operators of a loop body given without their loop run once, as one iteration. With
+        `slices`, the stacked tensors outside the loop are given and computed as one iteration's slice (a
+        layer's weights and its share of their optimizer update): enter and exit ports pass values through."""
         env: dict[int, Any] = dict(self._traced.const_values)
         env.update(values)
-        self._run(env, list(ops), _Hooks(on_output, scope_of, on_input))
+        self._run(env, list(ops), _Hooks(on_output, scope_of, on_input, slices))
         return env
 
     def _run(self, env: dict, ops: list[int], hooks: "_Hooks") -> None:
@@ -118,7 +121,9 @@ class Program:
         if hooks.on_input:
             vals = [hooks.on_input(i, a, v) if kind == "var" else v for (kind, a), v in zip(eqn.invars, vals)]
         scope = hooks.scope_of(i) if hooks.scope_of else None
-        if scope:
+        if hooks.slices and self._is_port(i):
+            outs = vals
+        elif scope:
             with internals.named_scope(scope):
                 outs = internals.bind(eqn, vals)
         else:
@@ -219,8 +224,9 @@ class Program:
 class _Hooks:
     """The replay hooks of one evaluation (see `Program.replay`)."""
 
-    def __init__(self, on_output, scope_of, on_input):
+    def __init__(self, on_output, scope_of, on_input, slices: bool = False):
         self.on_output, self.scope_of, self.on_input = on_output, scope_of, on_input
+        self.slices = slices      # ports pass one iteration's slice through (see `Program.evaluate`)
 
 
 def capture(fn: Callable, *example_args) -> Program:

@@ -16,6 +16,8 @@ from cfp.report.figures import BlockFigures, plan_figures
 ESTIMATE_NOTE = ("all figures are cost-model estimates ({gpu}), per device and step: compute = dots at the "
                  "GPU's achievable rate for their dtype, precision and shape; comm = the block's predicted "
                  "collectives; memory = bytes of the tensors the block's layout places")
+LOOP_NOTE = ("  a block with runs xN is in a scan body: its compute, comm and memory are per iteration, and it runs "
+             "N times per step (the totals count every iteration)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,20 +66,40 @@ def explain_text(view: PlanView) -> str:
         lines += [f"  {b:>4}  {s}" for b, s in enumerate(view.strategies)]
         return "\n".join(lines)
     lines.append(ESTIMATE_NOTE.format(gpu=view.gpu))
+    looped = any(f.repeat > 1 for f in view.figures)
+    if looped:
+        lines.append(LOOP_NOTE)
     lines.append(f"  {'blk':>4} {'scope':<28} {'strategy':<34} {'compute ms':>10} {'comm ms':>9} "
-                 f"{'memory MB':>10}  runner-up (time difference)")
+                 f"{'memory MB':>10}{'  runs' if looped else ''}  runner-up (time difference)")
     for f in view.figures:
         ru = (f"{f.runner_up} ({'+' if f.runner_up_delta_s >= 0 else ''}{f.runner_up_delta_s * 1e3:.4f} ms)"
               if f.runner_up is not None else "none (single strategy)")
+        runs = f"  {'x' + str(f.repeat) if f.repeat > 1 else '1':>4}" if looped else ""
         lines.append(f"  {f.block:>4} {f.scope[-28:]:<28} {f.strategy[:34]:<34} {_ms(f.compute_s):>10} "
-                     f"{_ms(f.comm_s)} {f.memory_bytes / 1e6:10.3f}  {ru}")
+                     f"{_ms(f.comm_s)} {f.memory_bytes / 1e6:10.3f}{runs}  {ru}")
     if any(f.runner_up_delta_s is not None and f.runner_up_delta_s < 0 for f in view.figures):
         lines.append("  a negative difference: this block alone would be cheaper under the runner-up; the search "
                      "chose by profiled segment times including the resharding between blocks")
-    tot = sum(f.time_s for f in view.figures)
-    lines.append(f"  total (estimated, blocks summed, no resharding): {tot * 1e3:.4f} ms, "
-                 f"{sum(f.memory_bytes for f in view.figures) / 1e6:.3f} MB")
+    lines += _loop_lines(view.figures)
+    tot = sum(f.step_time_s for f in view.figures)
+    lines.append(f"  total (estimated, blocks summed{' over every iteration' if looped else ''}, no resharding): "
+                 f"{tot * 1e3:.4f} ms, {sum(f.step_memory_bytes for f in view.figures) / 1e6:.3f} MB")
     return "\n".join(lines)
+
+
+def _loop_lines(figures) -> list[str]:
+    """Per scan body (blocks sharing a segment that runs more than once): its figures per iteration and in total."""
+    bodies: dict[tuple[int, int], list] = {}
+    for f in figures:
+        if f.repeat > 1:
+            bodies.setdefault((f.segment, f.repeat), []).append(f)
+    out = []
+    for (seg, n), fs in bodies.items():
+        t, m = sum(f.time_s for f in fs), sum(f.memory_bytes for f in fs)
+        out.append(f"  scan body, segment {seg} (blocks {fs[0].block}..{fs[-1].block}): per iteration "
+                   f"{t * 1e3:.4f} ms, {m / 1e6:.3f} MB; x{n} iterations: total {t * n * 1e3:.4f} ms, "
+                   f"{m * n / 1e6:.3f} MB (estimated)")
+    return out
 
 
 def diff_text(a: PlanView, b: PlanView) -> str:
@@ -97,11 +119,13 @@ def diff_text(a: PlanView, b: PlanView) -> str:
         line = f"  {i:>4} {scope:<28} A {a.strategies[i]}  |  B {b.strategies[i]}"
         if both:
             fa, fb = a.figures[i], b.figures[i]
-            line += (f"  time {fa.time_s * 1e3:.4f} -> {fb.time_s * 1e3:.4f} ms "
-                     f"({(fb.time_s - fa.time_s) * 1e3:+.4f}), memory {(fb.memory_bytes - fa.memory_bytes) / 1e6:+.3f} MB")
+            line += (f"  time {fa.step_time_s * 1e3:.4f} -> {fb.step_time_s * 1e3:.4f} ms "
+                     f"({(fb.step_time_s - fa.step_time_s) * 1e3:+.4f}), memory "
+                     f"{(fb.step_memory_bytes - fa.step_memory_bytes) / 1e6:+.3f} MB"
+                     + (f" (per step: x{fa.repeat} iterations)" if fa.repeat > 1 else ""))
         lines.append(line)
     if both:
-        ta, tb = sum(f.time_s for f in a.figures), sum(f.time_s for f in b.figures)
+        ta, tb = sum(f.step_time_s for f in a.figures), sum(f.step_time_s for f in b.figures)
         lines.append(f"  estimated block time A {ta * 1e3:.4f} ms, B {tb * 1e3:.4f} ms, B - A {(tb - ta) * 1e3:+.4f} ms")
     else:
         lines.append("  (no cost delta: a plan file lacks per-block estimates)")

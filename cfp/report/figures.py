@@ -32,20 +32,39 @@ class BlockFigures:
     runner_up: str | None = None
     runner_up_delta_s: float | None = None     # runner-up minus this block; < 0: the analytic model alone prefers
     #                                           the runner-up (the search also weighs resharding, profiled times)
+    repeat: int = 1       # runs per step: a scan body's block has its figures for one iteration, run `repeat` times
 
     @property
     def time_s(self) -> float:
+        """Seconds of one run (one iteration of a scan body's block)."""
         return self.compute_s + self.comm_s
 
+    @property
+    def step_time_s(self) -> float:
+        """Seconds per step: every run of the block."""
+        return self.time_s * self.repeat
+
+    @property
+    def step_memory_bytes(self) -> int:
+        """Per-device bytes over every run: a scan body's iterations each place their own layer's tensors."""
+        return self.memory_bytes * self.repeat
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.repeat == 1:      # outside loops: the plan files written before `repeat` existed, unchanged
+            del d["repeat"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockFigures":
+        if not isinstance(d, dict) or isinstance(d.get("repeat", 1), bool) or not (
+                isinstance(d.get("repeat", 1), int) and d.get("repeat", 1) >= 1):
+            raise ConfigError(f"block estimate {d!r} is malformed: repeat must be an integer >= 1")
         try:
             return cls(int(d["block"]), str(d["scope"]), int(d.get("segment", -1)), str(d["strategy"]),
                        float(d["compute_s"]), float(d["comm_s"]), int(d["memory_bytes"]), d.get("runner_up"),
-                       None if d.get("runner_up_delta_s") is None else float(d["runner_up_delta_s"]))
+                       None if d.get("runner_up_delta_s") is None else float(d["runner_up_delta_s"]),
+                       int(d.get("repeat", 1)))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"block estimate {d!r} is malformed: {e}") from None
 
@@ -59,8 +78,22 @@ def block_scope(analysis: Analysis, block: int) -> str:
     return "/".join(parts) or f"block_{block}"
 
 
+def _tensor_runs(analysis: Analysis, tid: int) -> int:
+    """How many values of a tensor one step makes: its producer's trip counts (a scan body's tensor, an enter
+    port's slice included, has one per iteration); a step input or constant has one."""
+    g = analysis.graph
+    op = g.producer.get(tid)
+    if op is None:
+        return 1
+    if g.operators[op].primitive == "scan_enter":
+        return g.repeat(op) * g.loops[int(g.operators[op].param("loop"))].length
+    return g.repeat(op)
+
+
 def strategy_cost(analysis: Analysis, block: int, strategy: int, gpu: GpuSpec) -> tuple[float, float, int]:
-    """(compute seconds, communication seconds, per-device bytes) of one block under one strategy."""
+    """(compute seconds, communication seconds, per-device bytes) of one block under one strategy, for one run
+    of the block: a scan body's block counts one iteration's tensors and a 1/N share of the stacked tensors
+    (all N layers' weights, optimizer state, saved activations) it places, so N runs count them once."""
     g, shape = analysis.graph, analysis.mesh.shape
     mp = costmodel.matmul_precision()
     compute = sum(rates.dot_time(f, gpu, dt, mp, mnk)
@@ -68,25 +101,27 @@ def strategy_cost(analysis: Analysis, block: int, strategy: int, gpu: GpuSpec) -
     lay = block_layout(g, analysis.blocks[block], strategy, shape)
     comm = sum(costmodel.collective_seconds("all-reduce" if c.kind == "all-reduce" else "all-gather", c.bytes,
                                             costmodel.group_size(c.axes, shape), gpu) for c in lay.collectives)
-    memory = sum(g.tensor(t).nbytes // shards(spec, shape) for t, spec in lay.specs)
-    return compute, comm, int(memory)
+    runs = g.repeat(analysis.blocks[block].forward.op)
+    memory = sum(g.tensor(t).nbytes // shards(spec, shape) * _tensor_runs(analysis, t) for t, spec in lay.specs)
+    return compute, comm, int(memory // runs)
 
 
 def plan_figures(analysis: Analysis, choice: Sequence[int], gpu: GpuSpec) -> tuple[BlockFigures, ...]:
     """Figures of every block of `choice`, with each block's best other strategy by the same model."""
     if len(choice) != len(analysis.blocks):
         raise ConfigError(f"choice has {len(choice)} entries, the analysis {len(analysis.blocks)} blocks")
-    seg_of = {b: s.index for s in analysis.segments for b in s.blocks}
+    seg_of = {b: s for s in analysis.segments for b in s.blocks}
     out = []
     for b, chosen in enumerate(choice):
         costs = {s: strategy_cost(analysis, b, s, gpu) for s in range(len(analysis.blocks[b].strategies))}
         own = costs[chosen]
         others = sorted((c[0] + c[1], s) for s, c in costs.items() if s != chosen)
         ru = others[0][1] if others else None
-        out.append(BlockFigures(b, block_scope(analysis, b), seg_of.get(b, -1), analysis.notation(b, chosen),
+        seg = seg_of.get(b)
+        out.append(BlockFigures(b, block_scope(analysis, b), seg.index if seg else -1, analysis.notation(b, chosen),
                                 own[0], own[1], own[2],
                                 analysis.notation(b, ru) if ru is not None else None,
-                                others[0][0] - (own[0] + own[1]) if others else None))
+                                others[0][0] - (own[0] + own[1]) if others else None, seg.repeat if seg else 1))
     return tuple(out)
 
 

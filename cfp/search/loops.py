@@ -2,8 +2,9 @@
 
 XLA's cost analysis and the partitioned HLO count a while loop's body once, whatever its trip count (a 4-layer
 scanned transformer's compiled step reports about a third of its FLOPs). The body's segments were profiled
-for one iteration, so a whole step's FLOPs and its `estimate` time get `repeat - 1` more of each body
-segment's figures under the plan's choice; a choice the profile lacks is compiled for the purpose.
+for one iteration, with their layer's share of the stacked parameters' update (which the compiled step counts
+whole, outside the loop), so a whole step's FLOPs and its `estimate` time get `repeat - 1` more of each body
+segment's iteration alone under the plan's choice; what the profile lacks is compiled for the purpose.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from cfp.analysis.analysis import Analysis
 from cfp.hardware.gpus import GpuSpec
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel
-from cfp.profiling.subprogram import SegmentProgram
+from cfp.profiling.subprogram import SegmentPart, SegmentProgram, segment_io
 from cfp.profiling.table import ProfileTable
 from cfp.xla.compiled import compiled_figures
 
@@ -35,20 +36,29 @@ class LoopBodies:
         return seconds, flops
 
     def _iteration(self, seg, sub: tuple[int, ...]) -> tuple[float, float]:
-        """(estimated seconds, per-device FLOPs) of one iteration of a body segment under `sub`."""
+        """(estimated seconds, per-device FLOPs) of one iteration of a body segment under `sub`, without its
+        layer's share of the update."""
         key = (seg.kind, sub)
         if key not in self._cache:
             prof = self.table.segments.get(seg.kind)
             entry = next((e for e in prof.entries if tuple(e.choice) == sub), None) if prof else None
-            if entry is not None and (self.gpu is None or entry.measured is None):
+            has_update = bool(segment_io(self.analysis, seg, SegmentPart.UPDATE).ops)
+            if entry is not None and self.gpu is None:      # measured: only the FLOPs are added
+                update = self._figures(seg, sub, SegmentPart.UPDATE)[1] if has_update else 0.0
+                self._cache[key] = (entry.time, entry.flops - update)
+            elif entry is not None and entry.measured is None and not has_update:
                 self._cache[key] = (entry.time, entry.flops)
             else:
-                a = self.analysis
-                fig = compiled_figures(SegmentProgram(self.program, a, seg, sub, self.mesh).compile(), a.mesh.shape)
-                t = 0.0
-                if self.gpu is not None:
-                    dtype = costmodel.dominant_dtype(a, seg.blocks)
-                    t = costmodel.estimated_time(fig, a.mesh.shape, self.gpu, dtype,
-                                                 costmodel.dots_rate(a, zip(seg.blocks, sub), self.gpu))
-                self._cache[key] = (t, fig.flops)
+                self._cache[key] = self._figures(seg, sub, SegmentPart.ITERATION)
         return self._cache[key]
+
+    def _figures(self, seg, sub: tuple[int, ...], part: SegmentPart) -> tuple[float, float]:
+        """(estimated seconds, per-device FLOPs) of `part` of a body segment, compiled."""
+        a = self.analysis
+        fig = compiled_figures(SegmentProgram(self.program, a, seg, sub, self.mesh, part).compile(), a.mesh.shape)
+        t = 0.0
+        if self.gpu is not None:
+            dtype = costmodel.dominant_dtype(a, seg.blocks)
+            t = costmodel.estimated_time(fig, a.mesh.shape, self.gpu, dtype,
+                                         costmodel.dots_rate(a, zip(seg.blocks, sub), self.gpu))
+        return t, fig.flops

@@ -42,7 +42,10 @@ class SearchOptions:
     `link_gbps`: link bandwidth for resharding estimates (None: the GPU's under `estimate`, else measured).
     `shard_state`: under a budget, also consider each candidate with its parameters and optimizer state
     stored sharded (ZeRO-3) over the axes its strategy replicates them on. `donate`: the step donates its state
-    inputs (parameters, optimizer state) to its outputs, so the budget counts those buffers once."""
+    inputs (parameters, optimizer state) to its outputs, so the budget counts those buffers once.
+    `timing_budget`: seconds the side-by-side timing of the verified plans may take: its rounds (at least
+    `iters`, at most max(`iters`, 10)) stop once the timed runs have taken that long, so a deep model's slower
+    step is timed fewer times rather than for longer."""
 
     memory_per_device: int | None = None
     top_k: int = 4
@@ -52,6 +55,7 @@ class SearchOptions:
     link_gbps: float | None = None
     shard_state: bool = True
     donate: bool = False
+    timing_budget: float = 10.0
 
     def __post_init__(self):
         if self.memory_per_device is not None:
@@ -63,5 +67,8 @@ class SearchOptions:
         for name in ("shard_state", "donate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if isinstance(self.timing_budget, bool) or not isinstance(self.timing_budget, (int, float)) \
+                or not self.timing_budget > 0:
+            raise ConfigError(f"timing_budget={self.timing_budget!r} must be a positive number of seconds")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise ConfigError(f"link_gbps={self.link_gbps!r} must be positive")

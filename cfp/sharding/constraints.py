@@ -9,10 +9,11 @@ into a reduce-scatter.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Sequence
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.layout import BlockLayout, DimAxes
@@ -122,6 +123,16 @@ class ConstraintHooks:
         stored = {t: dim_axes(s, names, len(g.tensor(t).shape)) for t, s in zip(g.inputs, shardings.input_specs)}
         return cls(analysis, shardings.layouts, mesh, dots_only=frozenset(shardings.shard_state), sources=stored)
 
+    def sliced(self, dims: Mapping[int, int]) -> "ConstraintHooks":
+        """These hooks for a program that holds the tensors of `dims` (tensor -> stacked dim) as one iteration's
+        slice (a loop body's segment with its layer's share of the optimizer update): their constraints leave
+        the stacked dim out (it is never sharded)."""
+        out = copy.copy(self)
+        out.out_cons = {t: _drop_dim(s, dims[t]) if t in dims else s for t, s in self.out_cons.items()}
+        out.use_cons = {(i, t): tuple(_drop_dim(s, dims[t]) for s in path) if t in dims else path
+                        for (i, t), path in self.use_cons.items()}
+        return out
+
     @staticmethod
     def _sharding(mesh: jax.sharding.Mesh, names, spec: DimAxes) -> NamedSharding:
         return NamedSharding(mesh, partition_spec(spec, names))
@@ -142,3 +153,13 @@ class ConstraintHooks:
     def scope_of(self, i):
         b = self.block_of_op.get(i)
         return None if b is None else f"cfp_b{b}"
+
+
+def _drop_dim(sharding: NamedSharding, dim: int) -> NamedSharding:
+    """`sharding` of a tensor for its slice without dim `dim` (an unsharded stacked dim)."""
+    entries = list(sharding.spec)
+    if dim < len(entries):
+        if entries[dim] is not None:
+            raise ValueError(f"stacked dim {dim} is sharded in {sharding.spec}; a slice cannot drop it")
+        del entries[dim]
+    return NamedSharding(sharding.mesh, PartitionSpec(*entries))

@@ -59,29 +59,33 @@ def time_compiled_spread(compiled, args, iters: int, warmup: int,
 
 
 def time_interleaved(runs: Sequence[tuple[object, Callable[[], Sequence]]], rounds: int,
-                     warmup: int) -> list[tuple[float, float]]:
+                     warmup: int, budget: float | None = None, min_rounds: int = 3) -> list[tuple[float, float]]:
     """(median wall seconds, relative noise) of each `(compiled, make_args)` in `runs`, timed in turns (see
-    `time_in_turns`). Each program's arguments are made (placed) just before its run and dropped after, so
-    only one program's arguments live at a time."""
+    `time_in_turns`, also for `budget`). Each program's arguments are made (placed) just before its run and
+    dropped after, so only one program's arguments live at a time."""
     def prepare(compiled, make_args):
         args = make_args()
         jax.block_until_ready(args)
         return lambda: compiled(*args)
-    return time_in_turns([lambda c=c, m=m: prepare(c, m) for c, m in runs], rounds, warmup)
+    return time_in_turns([lambda c=c, m=m: prepare(c, m) for c, m in runs], rounds, warmup, budget, min_rounds)
 
 
 def time_in_turns(prepares: Sequence[Callable[[], Callable[[], object]]], rounds: int,
-                  warmup: int) -> list[tuple[float, float]]:
+                  warmup: int, budget: float | None = None, min_rounds: int = 3) -> list[tuple[float, float]]:
     """(median wall seconds, relative noise) of each run, timed in turn within each of `rounds` rounds, so
     that a burst of load on a shared host falls on all of them alike rather than on whichever was being timed
     alone. `prepares[k]()` (not timed) returns the function to time, whose result is waited for; noise as in
-    `time_compiled_spread`."""
+    `time_compiled_spread`. With `budget` (seconds), rounds past the first `min_rounds` stop once the timed
+    runs have taken that long: a slow program (a deep model's step) is timed fewer times, not for longer."""
     for prepare in prepares:
         fn = prepare()
         for _ in range(warmup):
             jax.block_until_ready(fn())
     times: list[list[float]] = [[] for _ in prepares]
-    for _ in range(rounds):
+    for r in range(rounds):
+        spent = sum(map(sum, times))
+        if budget is not None and r >= min_rounds and spent + spent / r > budget:
+            break
         for k, prepare in enumerate(prepares):
             fn = prepare()
             t0 = time.perf_counter()

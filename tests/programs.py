@@ -1,0 +1,67 @@
+"""Training steps as users write them, shared by the test modules (scan, remat, explain): a model's next-token
+step with an optax optimizer, a loop that runs a step several times, and a layer stack scanned or unrolled."""
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+
+class MlpBlock(nn.Module):
+    """A pre-norm residual MLP layer, written as a scan body `(x, _) -> (x, None)`."""
+
+    dim: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(4 * self.dim, use_bias=False)(nn.LayerNorm()(x))
+        return x + nn.Dense(self.dim, use_bias=False)(nn.gelu(h)), None
+
+
+class MlpStack(nn.Module):
+    """Embedding, `layers` `MlpBlock`s and a head: stacked and applied by `nn.scan` (`scanned`), or unrolled
+    (one module per layer); `remat` wraps the block in `nn.remat` (inside the scan when scanned)."""
+
+    vocab: int
+    dim: int
+    layers: int
+    scanned: bool
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.dim)(tokens)
+        block = nn.remat(MlpBlock) if self.remat else MlpBlock
+        if self.scanned:
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
+            x, _ = stack(self.dim, name="layers")(x, None)
+        else:
+            for i in range(self.layers):
+                x, _ = block(self.dim, name=f"layers_{i}")(x, None)
+        return nn.Dense(self.vocab, use_bias=False)(x)
+
+
+def lm_step_problem(model, optimizer, batch: int, seq: int, vocab: int):
+    """(step, (params, opt_state, x, y)) of `model` (a Flax module, tokens -> logits) trained by `optimizer` on
+    next-token cross-entropy, written `(params, opt_state, x, y) -> (loss, params, opt_state)`."""
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq + 1), 0, vocab)
+    params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])
+    return step, (params, optimizer.init(params), tokens[:, :-1], tokens[:, 1:])
+
+
+def train(step, args, steps: int):
+    """(losses, params, opt_state) after `steps` calls of `step` from `args` (params, opt_state, x, y), each
+    call fed the previous one's state; a NaN or Inf loss fails."""
+    params, opt_state, x, y = args
+    losses = []
+    for _ in range(steps):
+        loss, params, opt_state = step(params, opt_state, x, y)
+        losses.append(float(loss))
+    assert np.isfinite(losses).all(), f"non-finite losses {losses}"
+    return np.array(losses), params, opt_state

@@ -191,30 +191,15 @@ def fit_stage(points, gemm: tuple[float, float], softmax: float) -> float:
 
 def write(path: str, figures: dict, note: str) -> None:
     body = "\n".join(f"    {k}={v!r}," for k, v in figures.items())
-    with open(path, "w") as f:
-        f.write(f'''"""This machine's XLA:CPU devices as `benchmarks/calibrate_cpu.py --write` measured them (the `cpu`
+    from cfp.files import write_text_atomic
+    write_text_atomic(path, f'''"""This machine's XLA:CPU devices as `benchmarks/calibrate_cpu.py --write` measured them (the `cpu`
 entry of `cfp.hardware.gpus` and the "shared host memory" link of `cfp.hardware.collectives` read them).
 
 {note}
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class CpuCalibration:
-    """Per core-second figures (CPU time of all threads) of the host that the `devices` simulated devices share."""
-    cores: int                    # host cores the devices share
-    devices: int                  # simulated XLA:CPU devices (--xla_force_host_platform_device_count)
-    gemm_gflops_per_core: float   # float32 GEMM, large shapes
-    gemm_half_dim: float          # a GEMM dimension of this size halves that dimension's factor
-    mem_gbps_per_core: float      # elementwise bytes read + written, as a layer's norms, residuals... run
-    softmax_gbps_per_core: float  # softmax passes (exp), counted as bytes
-    link_gbps_per_core: float     # all-reduce, ring-model bytes
-    collective_cpu_us: float      # fixed CPU time of one collective per device taking part
-    host_memory_gb: float         # host memory the devices share
-
+from cfp.hardware.calibration import CpuCalibration
 
 CPU = CpuCalibration(
 {body}

@@ -25,7 +25,7 @@ from cfp.analysis.blocks import DotRole, data_parallel_choice  # noqa: E402
 from cfp.search.options import fmt_bytes  # noqa: E402
 from cfp.sharding.step import apply_choice  # noqa: E402
 from cfp.xla.compiled import compiled_memory  # noqa: E402
-from side_by_side import time_side_by_side  # noqa: E402
+from side_by_side import lm_step_problem, time_side_by_side  # noqa: E402
 
 VOCAB, DIM, SEQ, HEADS = 256, 64, 32, 4
 POLICIES = ("default", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -57,18 +57,7 @@ class Transformer(nn.Module):
 
 
 def problem(layers: int, batch: int, remat: bool, policy: str):
-    model, opt = Transformer(layers, remat, policy), optax.adam(1e-3)
-
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return loss, optax.apply_updates(params, updates), opt_state
-
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, SEQ + 1), 0, VOCAB)
-    params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])
-    return step, (params, opt.init(params), tokens[:, :-1], tokens[:, 1:])
+    return lm_step_problem(Transformer(layers, remat, policy), optax.adam(1e-3), batch, SEQ, VOCAB)
 
 
 def _temp(compiled) -> int:

@@ -29,7 +29,7 @@ from cfp.analysis.blocks import data_parallel_choice  # noqa: E402
 from cfp.search.options import fmt_bytes  # noqa: E402
 from cfp.sharding.step import apply_choice  # noqa: E402
 from cfp.xla.compiled import compiled_memory  # noqa: E402
-from side_by_side import time_side_by_side  # noqa: E402
+from side_by_side import lm_step_problem, time_side_by_side  # noqa: E402
 
 
 class Block(nn.Module):
@@ -66,19 +66,7 @@ class Transformer(nn.Module):
 
 def problem(layers: int, scanned: bool, dim: int = 64, seq: int = 16, batch: int = 16, vocab: int = 128):
     """(train_step, (params, opt_state, x, y)) of the transformer with optax Adam."""
-    model = Transformer(vocab, dim, 4, layers, scanned)
-    optimizer = optax.adam(1e-3)
-
-    def train_step(params, opt_state, x, y):
-        def loss_fn(p):
-            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return loss, optax.apply_updates(params, updates), opt_state
-
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq + 1), 0, vocab)
-    params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])
-    return train_step, (params, optimizer.init(params), tokens[:, :-1], tokens[:, 1:])
+    return lm_step_problem(Transformer(vocab, dim, 4, layers, scanned), optax.adam(1e-3), batch, seq, vocab)
 
 
 def _search(step_fn, args, mesh, profiler: str = "measure"):

@@ -2,6 +2,7 @@
 step with an optax optimizer, a loop that runs a step several times, and a layer stack scanned or unrolled."""
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -65,3 +66,13 @@ def train(step, args, steps: int):
         losses.append(float(loss))
     assert np.isfinite(losses).all(), f"non-finite losses {losses}"
     return np.array(losses), params, opt_state
+
+
+def two_layer_mlp():
+    """(params, x, y, loss) of a small seeded tanh MLP regression (32 -> 64 -> 32 features, 64 rows)."""
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    p = {"w1": jax.random.normal(k[0], (32, 64)) * .1, "w2": jax.random.normal(k[1], (64, 32)) * .1}
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+    return p, jax.random.normal(k[2], (64, 32)), jax.random.normal(k[3], (64, 32)), loss

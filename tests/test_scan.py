@@ -23,7 +23,7 @@ from cfp.search.loops import LoopBodies
 from cfp.search.search import _candidate_rows
 from cfp.xla.compiled import compiled_figures
 from cfp.sharding.step import apply_choice
-from programs import MlpStack, lm_step_problem, train
+from programs import MlpStack, lm_step_problem, train, two_layer_mlp
 
 DIM, SEQ, BATCH, VOCAB, LAYERS, STEPS = 16, 4, 8, 32, 3, 3
 # Measured on this host (3 Adam steps, lr 1e-2, fp32, DP x TP and data parallel, with and without sharded
@@ -144,12 +144,8 @@ def test_a_body_segment_counts_its_trip_count_in_the_search(scanned):
 
 def _accumulation_problem(micro=4):
     """An SGD step that scans over micro-batches, summing their gradients in the carry."""
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    p = {"w1": jax.random.normal(k[0], (32, 64)) * .1, "w2": jax.random.normal(k[1], (64, 32)) * .1}
+    p, x, y, loss = two_layer_mlp()
     opt = optax.sgd(0.1)
-
-    def loss(p, x, y):
-        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
     def step(p, s, x, y):
         def one(acc, xy):
@@ -159,7 +155,7 @@ def _accumulation_problem(micro=4):
         (l, g), _ = jax.lax.scan(one, zero, (x.reshape(micro, -1, 32), y.reshape(micro, -1, 32)))
         u, s = opt.update(jax.tree_util.tree_map(lambda v: v / micro, g), s, p)
         return l / micro, optax.apply_updates(p, u), s
-    return step, (p, opt.init(p), jax.random.normal(k[2], (64, 32)), jax.random.normal(k[3], (64, 32)))
+    return step, (p, opt.init(p), x, y)
 
 
 def test_gradient_accumulation_over_micro_batches_is_analysed():

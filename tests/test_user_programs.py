@@ -137,14 +137,10 @@ def test_a_searched_plan_slower_than_a_baseline_gives_way_to_it():
 
 def _micro_batch_problem():
     """An SGD step that cuts its batch into 4 micro-batches (reshape, then one slice each) and sums their grads."""
-    import jax.numpy as jnp
     import optax
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    p = {"w1": jax.random.normal(k[0], (32, 64)) * .1, "w2": jax.random.normal(k[1], (64, 32)) * .1}
+    from programs import two_layer_mlp
+    p, x, y, loss = two_layer_mlp()
     opt = optax.sgd(0.1)
-
-    def loss(p, x, y):
-        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
     def step(p, s, x, y):
         xs, ys = x.reshape(4, -1, 32), y.reshape(4, -1, 32)
@@ -152,7 +148,7 @@ def _micro_batch_problem():
         g = jax.tree_util.tree_map(lambda *gs: sum(gs), *[g for _, g in grads])
         u, s = opt.update(g, s, p)
         return sum(l for l, _ in grads) / 4, optax.apply_updates(p, u), s
-    return step, (p, opt.init(p), jax.random.normal(k[2], (64, 32)), jax.random.normal(k[3], (64, 32)))
+    return step, (p, opt.init(p), x, y)
 
 
 def test_a_batch_cut_into_micro_batches_is_still_sharded():

@@ -2,11 +2,9 @@
 a homogeneous Megatron-style layout and a speed-proportional greedy heuristic."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
-from cfp.planner.build import build_layout, split_layers, stage_layouts
-from cfp.planner.cluster import Cluster
+from cfp.planner.build import build_layout, stage_layouts
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.options import PlannerOptions

@@ -34,7 +34,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision

@@ -13,7 +13,6 @@ depend on micro-batch counts, and each pipeline's time is increasing in its coun
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Iterator, Optional, Sequence
 
 from cfp.errors import InfeasibleError

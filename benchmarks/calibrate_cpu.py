@@ -12,8 +12,9 @@ runs). Figures are per core-second; the catalog's per-device figures are cores x
   * softmax: float32 over [b, 128, 128] scores, counted as the cost model counts its bytes (4 passes);
   * the rest of the elementwise work (norms, residuals, activations, RoPE): the rate at which the cost model's
     stage time fits the measured forward + backward of a one-layer Llama-2 "small" stage at 1-8 sequences
-    (the runtime's compiled programs), its GEMMs and softmax at the rates above; a plain `x * a + b` over 1
-    and 4 MiB per device is printed beside it for reference;
+    (the runtime's compiled programs, one copy per core at once), its GEMMs and softmax at the rates above: two
+    rates, either side of the working set where it drops (the effective last-level cache, fitted); a plain
+    `x * a + b` over 1 and 4 MiB per device is printed beside it for reference;
   * all-reduce: a psum of B bytes over 2, 4 and 8 devices; its CPU time as the per-device time of all
     devices busy (x devices / (n cores)) is fitted to t = latency + 2(n-1)/n B / bandwidth (the ring model of
     `cfp.hardware.collectives` plus a fixed cost per collective: on a CPU a collective is a rendezvous of
@@ -47,6 +48,7 @@ GEMMS = ((256, 256, 256), (256, 688, 256), (256, 256, 688), (256, 64, 256), (256
          (1024, 256, 256), (1024, 688, 256), (1024, 256, 688), (1024, 64, 256), (1024, 32, 256),
          (1024, 2048, 256), (512, 512, 512), (128, 128, 128), (2048, 256, 256))
 BATCHED = ((16, 128, 128, 32), (16, 128, 32, 128), (64, 128, 128, 32))
+STAGE_MICRO_BATCHES = (1, 2, 3, 4, 5, 6, 8)
 
 
 def cpu_seconds(fn, args, repeats: int) -> float:
@@ -145,48 +147,69 @@ def softmax_rate(repeats: int) -> float:
     return statistics.median(rates)
 
 
-def stage_points(repeats: int) -> list[tuple[int, float]]:
-    """(micro-batch, CPU seconds) of the forward + backward programs of a middle one-layer Llama-2 "small"
-    stage (the runtime's compiled programs, `HeteroTrainer.compile_jobs`) at 1, 2, 4 and 8 sequences."""
+def stage_points(repeats: int, copies: int) -> list[tuple[int, float]]:
+    """(micro-batch, CPU seconds per copy) of the forward + backward programs of a middle one-layer Llama-2
+    "small" stage (the runtime's compiled programs, `HeteroTrainer.compile_jobs`) at 1-8 sequences, `copies`
+    of it (one per core, on distinct devices) run at once as a pipeline's busy stages are: they share the
+    last-level cache."""
+    from cfp.layout import Layout
     from cfp.models import get_config
     from cfp.runtime.engine import HeteroTrainer
-    from cfp.layout import Layout
     cfg = get_config("llama2", "small", num_layers=3)
     out = []
-    for mb in (1, 2, 4, 8):
-        trainer = HeteroTrainer("llama2", cfg, Layout.from_lists([[1, 1, 1]], [[1, 1, 1]], [2 * mb], [2]))
+    for mb in STAGE_MICRO_BATCHES:
+        trainer = HeteroTrainer("llama2", cfg, Layout.from_lists(
+            [[1, 1, 1]] * copies, [[1, 1, 1]] * copies, [2 * mb] * copies, [2] * copies))
+        jobs = [trainer.compile_jobs((p, 1))[:2] for p in range(copies)]
+        runs = [[(prog.lower(*like).compile(), like) for prog, like in pair] for pair in jobs]
         total = 0.0
-        for prog, like in trainer.compile_jobs((0, 1))[:2]:
-            compiled, times = prog.lower(*like).compile(), []
+        for step in range(2):                                   # the forward programs, then the backward ones
+            times = []
             for r in range(repeats + 1):                        # fresh arguments: the backward donates some
-                args = jax.block_until_ready(jax.tree_util.tree_map(
-                    lambda a: jax.device_put(jnp.full(a.shape, 0.01, a.dtype), a.sharding), like))
+                args = [jax.block_until_ready(jax.tree_util.tree_map(
+                    lambda a: jax.device_put(jnp.full(a.shape, 0.01, a.dtype), a.sharding), run[step][1]))
+                    for run in runs]
                 c0 = time.process_time()
-                jax.block_until_ready(compiled(*args))
+                jax.block_until_ready([run[step][0](*a) for run, a in zip(runs, args)])
                 if r:
-                    times.append(time.process_time() - c0)
+                    times.append((time.process_time() - c0) / copies)
             total += statistics.median(times)
         out.append((mb, total))
     return out
 
 
-def fit_stage(points, gemm: tuple[float, float], softmax: float) -> float:
-    """Bytes per CPU second of the rest of the elementwise work (norms, residuals, activations, RoPE) in the
-    cost model's stage time fwd + bwd = 4 (GEMMs + softmax bytes / `softmax` + other bytes / rate)
-    (`cfp.planner.costmodel`) fitted to `points` by least squares, the GEMMs at the fitted `gemm` curve (rate,
-    half dimension). (A fixed cost per kernel -- XLA fusions: 31 forward, 102 backward per layer -- fitted
-    beside it came out at 0: the points are linear in the micro-batch through the origin.)"""
+def fit_stage(points, gemm: tuple[float, float], softmax: float) -> tuple[float, float, float]:
+    """(in-cache rate, effective cache bytes, spilled rate): bytes per CPU second of the rest of the
+    elementwise work (norms, residuals, activations, RoPE) in the cost model's stage time fwd + bwd = 4 (GEMMs
+    + softmax bytes / `softmax` + other bytes / rate) (`cfp.planner.costmodel`), the GEMMs at the fitted
+    `gemm` curve (rate, half dimension). The rate is a step in the stage's working set (one micro-batch's
+    layer activations, `ModelCost.layer_activation_bytes`): each split of the points by micro-batch gets a
+    rate per side by least squares through the origin; the split with the least relative squared error wins,
+    its cache the midpoint of the working sets either side (no split: twice the largest point's).
+    (A fixed cost per kernel fitted beside it came out at 0: the points are linear through the origin.)"""
     from cfp.models import get_config
     from cfp.models.costs import ModelCost
     m = ModelCost(get_config("llama2", "small", num_layers=3))
     rate, half = gemm
-    x, y = [], []
+    x, y, ws = [], [], []
     for mb, t in points:
         dots = sum(f / (rate * np.prod([d / (d + half) for d in mnk])) for f, mnk in m.layer_gemms(1, mb))
         x.append(4 * mb * (m.layer_elementwise_bytes(1) - m.layer_score_bytes(1)))
         y.append(t - 4 * (dots + mb * m.layer_score_bytes(1) / softmax))
+        ws.append(mb * m.layer_activation_bytes(1))
     x, y = np.array(x), np.array(y)
-    return float(x @ x / (x @ y))
+    fit = lambda a, b: float(a @ a / (a @ b))                   # bytes per second: x = rate * y
+    err = lambda a, b, r: float(np.sum((b - a / r) ** 2 / b ** 2))
+    best = None
+    # points[:cut] in cache, the rest spilled (two or more on each side), or all in cache
+    for cut in (*range(2, len(points) - 1), len(points)):
+        r_in = fit(x[:cut], y[:cut])
+        r_out = fit(x[cut:], y[cut:]) if cut < len(points) else r_in
+        e = err(x[:cut], y[:cut], r_in) + (err(x[cut:], y[cut:], r_out) if cut < len(points) else 0.0)
+        cache = (ws[cut - 1] + ws[cut]) / 2 if cut < len(points) else 2 * ws[-1]
+        if best is None or e < best[0]:
+            best = (e, r_in, cache, r_out)
+    return best[1:]
 
 
 def write(path: str, figures: dict, note: str) -> None:
@@ -224,14 +247,15 @@ def main() -> None:
           f"(fitted; worst point off by {np.expm1(worst):.0%})")
     mem = memory_rate(args.repeats)
     print(f"elementwise x*a+b, 1 and 4 MiB per device, all devices: {mem / 1e9:.2f} GB per CPU second (measured)")
-    stage = stage_points(args.repeats)
+    stage = stage_points(args.repeats, cores)
     for mb, t in stage:
-        print(f"Llama-2 small middle stage of 1 layer, forward + backward, {mb} sequences: {t * 1e3:.2f} ms CPU "
-              "(measured)")
+        print(f"Llama-2 small middle stage of 1 layer, forward + backward, {mb} sequences, {cores} at once: "
+              f"{t * 1e3:.2f} ms CPU each (measured)")
     soft = softmax_rate(args.repeats)
     print(f"softmax float32 over [16 and 64, 128, 128]: {soft / 1e9:.2f} GB per CPU second (4 passes; measured)")
-    mem = fit_stage(stage, (rate, half), soft)
-    print(f"stage fit: other elementwise work {mem / 1e9:.2f} GB per CPU second (fitted)")
+    mem, cache, spilled = fit_stage(stage, (rate, half), soft)
+    print(f"stage fit: other elementwise work {mem / 1e9:.2f} GB per CPU second while a stage's activations "
+          f"fit {cache / 2 ** 20:.1f} MiB, {spilled / 1e9:.2f} beyond (fitted)")
     ar = all_reduce_points(args.repeats, cores)
     for n, b, s in ar:
         print(f"all-reduce {b / 2 ** 20:.3g} MiB over {n}: {s * 1e3:.3f} ms per device, all busy (measured)")
@@ -239,6 +263,7 @@ def main() -> None:
     print(f"all-reduce fit: latency {lat * 1e6:.0f} us, {link / 1e9:.2f} GB/s per device, all busy (fitted)")
     figures = dict(cores=cores, devices=devices, gemm_gflops_per_core=round(rate / 1e9, 2),
                    gemm_half_dim=half, mem_gbps_per_core=round(mem / 1e9, 2),
+                   cache_mib=round(cache / 2 ** 20, 1), spilled_mem_gbps_per_core=round(spilled / 1e9, 2),
                    softmax_gbps_per_core=round(soft / 1e9, 2),
                    link_gbps_per_core=round(link / 1e9 * devices / cores, 3),
                    collective_cpu_us=round(lat * 1e6 * cores / devices, 1),

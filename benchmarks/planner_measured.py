@@ -13,8 +13,9 @@ program (a GEMM on every device) measures the cores the host gives now (its CPU 
 the estimate at that share is the catalog's times cores / share -- one factor for all layouts, which leaves
 the ranking as it is. Prints per layout that estimate and the measured (median) wall step time and their
 ratio; the catalog's own estimate beside the step's measured CPU time (all threads) over the host's cores;
-the ranking by each, `rank order estimated vs measured: same/different`, and `worst estimate/measured
-ratio: R` (the ratio furthest from 1).
+the ranking by each, `rank order estimated vs measured: same/different` with each pair the two order
+differently and whether their measured medians differ by more than the runs' spread (half the range of the
+middle three), and `worst estimate/measured ratio: R` (the ratio furthest from 1).
 
     PYTHONPATH=$PWD python benchmarks/planner_measured.py [--model llama2 --config small --num-layers 8]
 """
@@ -48,7 +49,8 @@ def candidates(cm, options) -> list[tuple[str, object]]:
     out = [("planner", find_layout(cm.cluster, cm.config, options).layout)]
     b = options.global_batch_size
     for name, (t, p, d, mb) in (("data parallel 8", (1, 1, 8, b // 8)), ("2 pipelines x 4 stages", (1, 4, 2, 2)),
-                                ("1 pipeline x 8 stages", (1, 8, 1, 2)), ("4 x TP 2", (2, 1, 4, b // 4)),
+                                ("1 pipeline x 8 stages", (1, 8, 1, 2)),
+                                ("8 stages, micro-batch 8", (1, 8, 1, 8)), ("4 x TP 2", (2, 1, 4, b // 4)),
                                 ("2 x TP 4", (4, 1, 2, b // 2))):
         lay = _megatron(cm, t, p, d, b, mb)
         if lay is not None:
@@ -155,22 +157,49 @@ def report(layouts, est, wall, cpu, cores_now: float) -> None:
           f"below at that share are the catalog's (all {CPU.cores} cores) x {scale:.2f}")
     print(f"{'layout':<24} {'est. step (s)':>13} {'meas. wall (s)':>14} {'noise':>6} {'est/meas':>8} "
           f"{'est. idle (s)':>13} {'meas. CPU/cores (s)':>19} {'est/meas':>8}  shape")
-    ratios, med = [], []
+    ratios, med, spread = [], [], []
     for (name, lay), e, w, c in zip(layouts, est, wall, cpu):
         m, mc = statistics.median(w), statistics.median(c) / CPU.cores
         noise = (max(w) - min(w)) / 2 / m
         ratios.append(e * scale / m)
         med.append(m)
+        spread.append(_middle_spread(w))
         print(f"{name:<24} {e * scale:>13.4f} {m:>14.4f} {noise:>6.1%} {e * scale / m:>8.2f} {e:>13.4f} {mc:>19.4f} "
               f"{e / mc:>8.2f}  {lay.summary()}")
     by_est = [layouts[i][0] for i in sorted(range(len(est)), key=est.__getitem__)]
     by_meas = [layouts[i][0] for i in sorted(range(len(med)), key=med.__getitem__)]
     print(f"ranking by estimate: {' < '.join(by_est)}")
     print(f"ranking by measured: {' < '.join(by_meas)}")
-    print(f"rank order estimated vs measured: {'same' if by_est == by_meas else 'different'}")
+    swaps = swapped_pairs(est, med, spread)
+    real = sum(beyond for *_, beyond in swaps)
+    print(f"rank order estimated vs measured: {'same' if by_est == by_meas else 'different'}"
+          + (f" ({len(swaps)} pair(s) swapped, {real} by more than the measured spread)" if swaps else ""))
+    for i, j, beyond in swaps:
+        print(f"  swapped: {layouts[i][0]} (est. {est[i] * scale:.3f} s, meas. {med[i]:.3f} ± {spread[i]:.3f} s) "
+              f"vs {layouts[j][0]} (est. {est[j] * scale:.3f} s, meas. {med[j]:.3f} ± {spread[j]:.3f} s): "
+              f"{'beyond' if beyond else 'within'} the measured spread")
     worst = max(ratios, key=lambda r: max(r, 1 / r))
     print(f"planner's pick: estimate/measured ratio {ratios[0]:.2f}")
     print(f"worst estimate/measured ratio: {worst:.2f}")
+
+
+def _middle_spread(samples) -> float:
+    """Half the range of the middle three of `samples` (seconds): the spread the median is known to."""
+    t = sorted(samples)
+    mid = t[max(len(t) // 2 - 1, 0): len(t) // 2 + 2]
+    return (mid[-1] - mid[0]) / 2
+
+
+def swapped_pairs(est, med, spread) -> list[tuple[int, int, bool]]:
+    """(i, j, beyond): layouts the estimate orders i before j and the measured medians the other way round;
+    `beyond` when the medians differ by more than their two spreads together (a swap the noise does not
+    explain)."""
+    out = []
+    for i in range(len(est)):
+        for j in range(len(est)):
+            if est[i] < est[j] and med[i] > med[j]:
+                out.append((i, j, med[i] - med[j] > spread[i] + spread[j]))
+    return out
 
 
 def _calibration_note() -> str:

@@ -120,3 +120,38 @@ def test_step_feature_errors_name_the_value(kwargs, needle):
     with pytest.raises(ConfigError) as e:
         StepFeatures(**kwargs)
     assert needle in str(e.value)
+
+
+def test_gather_sync_moves_and_reads_each_other_pipelines_gradient_once(cfg):
+    """The runtime's sync (`GradSync.GATHER`): every stage gathers the other n - 1 pipelines' float32 gradients
+    over the link, and its update program reads them beside its own (the sum is fused into AdamW, whose
+    reads `update_time` prices): (n - 1) P 4 bytes over the link and (n - 1) P 4 more from memory."""
+    n, params = 4, _tree_params(cfg)
+    gpu = GPUS.machines[0].gpu
+    want = (n - 1) * params * 4 / BW + (n - 1) * params * 4 / (gpu.mem_gbps * 1e9)
+    assert CostModel(cfg, GPUS).dp_time(_data_parallel(n)) == pytest.approx(want, rel=1e-9)
+
+
+def test_a_stage_beyond_the_cache_runs_its_memory_bound_work_at_the_spilled_rate():
+    """`GpuSpec.spill` (the `cpu` entry's): a stage whose one micro-batch's activations exceed the cache
+    prices its elementwise bytes (the softmax passes aside) at the spilled rate; below it nothing changes.
+    Checked against the same cluster without a cache term, at the micro-batches either side of it."""
+    import dataclasses
+    cfg = get_config("llama2", "small", num_layers=4)
+    cpu = parse_cluster({"inter_machine_bandwidth": "1GB/s",
+                         "machines": [{"gpu": "cpu", "count": 8, "intra_bandwidth": "10GB/s"}]})
+    gpu = cpu.machines[0].gpu
+    plain = dataclasses.replace(cpu, machines=(dataclasses.replace(
+        cpu.machines[0], gpu=dataclasses.replace(gpu, spill=None)),))
+    m = ModelCost(cfg)
+    layers, (cache, spilled_gbps) = 2, gpu.spill
+    per_seq = layers * m.layer_activation_bytes(1)
+    below = int(cache // per_seq)
+    assert below >= 1, "the calibrated cache holds one sequence's activations of two layers"
+    for mb in (below, below + 1):
+        pipe = _pipe(1, (1, layers, 1), 2 * mb, 2)
+        est = [CostModel(cfg, c).stage_estimate(pipe.stages[1], 1, pipe, 1, pipe.stages[2]) for c in (cpu, plain)]
+        extra = 4 * layers * mb * (m.layer_elementwise_bytes(1) - m.layer_score_bytes(1)) * (
+            1 / (spilled_gbps * 1e9) - 1 / (gpu.mem_gbps * 1e9))      # forward + recomputed forward + backward
+        want = 0.0 if mb == below else extra
+        assert (est[0].fwd + est[0].bwd) - (est[1].fwd + est[1].bwd) == pytest.approx(want, abs=1e-12, rel=1e-9)

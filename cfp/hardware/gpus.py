@@ -32,6 +32,8 @@ Sources:
             load, unlike wall time) and gives per-device figures for all devices busy: the host's cores times
             the per-core rate, over the device count. Its GEMM curve (`gemm_curve`) is fitted to GEMMs of the
             models' shapes: on a CPU a GEMM reaches its large-shape rate at far smaller dimensions than on a GPU.
+            Its memory-bound rate has two values (`spill`): one for stage programs whose activations fit the
+            effective last-level cache, one for those that do not, both fitted to the runtime's stage programs.
 """
 from __future__ import annotations
 
@@ -75,6 +77,11 @@ class GpuSpec:
     # GB/s of softmax passes (exp, counted as bytes read + written); None: `mem_gbps` (memory-bound, as on a
     # GPU); a CPU computes the exponentials well below its memory speed
     softmax_gbps: float | None = None
+    # (bytes, GB/s): a program whose working set exceeds `cache_bytes` runs its memory-bound work at the
+    # second rate instead of `mem_gbps` (a CPU's last-level cache: streaming through a working set larger
+    # than an LRU cache misses on nearly every line, so the rate drops as a step); None: no cache term (on
+    # the GPUs here an activation working set is far larger than L2, `mem_gbps` is the HBM rate)
+    spill: tuple[float, float] | None = None
 
     def __post_init__(self):
         table = dict(self.tflops)
@@ -87,9 +94,17 @@ class GpuSpec:
             raise ConfigError(f"gpu {self.name!r}: collective_latency_s={self.collective_latency_s!r} must be >= 0")
         if self.softmax_gbps is not None and not self.softmax_gbps > 0:
             raise ConfigError(f"gpu {self.name!r}: softmax_gbps={self.softmax_gbps!r} must be positive")
+        if self.spill is not None and not (self.spill[0] > 0 and self.spill[1] > 0):
+            raise ConfigError(f"gpu {self.name!r}: spill={self.spill!r} must be (cache bytes, GB/s), both positive")
         if self.gemm_curve is not None and not (0 < self.gemm_curve[0] <= 1 and self.gemm_curve[1] >= 0):
             raise ConfigError(f"gpu {self.name!r}: gemm_curve={self.gemm_curve!r} must be (fraction in (0, 1], "
                               "half dimension >= 0)")
+
+    def mem_bandwidth(self, working_set: float = 0.0) -> float:
+        """Bytes/s of memory-bound work in a program touching `working_set` bytes (see `spill`)."""
+        if self.spill is not None and working_set > self.spill[0]:
+            return 1e9 * self.spill[1]
+        return 1e9 * self.mem_gbps
 
     @property
     def softmax_bandwidth(self) -> float:
@@ -111,11 +126,11 @@ class GpuSpec:
 
 
 def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None,
-         shared_host=False, gemm_curve=None, collective_latency_s=0.0, softmax_gbps=None) -> GpuSpec:
+         shared_host=False, gemm_curve=None, collective_latency_s=0.0, softmax_gbps=None, spill=None) -> GpuSpec:
     table = {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16 or bf16,
              Precision.FP8: fp8}
     return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source,
-                   shared_host, gemm_curve, collective_latency_s, softmax_gbps)
+                   shared_host, gemm_curve, collective_latency_s, softmax_gbps, spill)
 
 
 def _cpu() -> GpuSpec:
@@ -127,7 +142,8 @@ def _cpu() -> GpuSpec:
                 CPU.link_gbps_per_core * per_device, "shared host memory", "cpu", shared_host=True,
                 gemm_curve=(1.0, CPU.gemm_half_dim),
                 collective_latency_s=CPU.collective_cpu_us * 1e-6 / per_device,
-                softmax_gbps=CPU.softmax_gbps_per_core * per_device)
+                softmax_gbps=CPU.softmax_gbps_per_core * per_device,
+                spill=(CPU.cache_mib * 2 ** 20, CPU.spilled_mem_gbps_per_core * per_device))
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (

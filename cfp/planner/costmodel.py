@@ -161,21 +161,32 @@ class CostModel:
         return sum(f / rates.achievable_flops(gpu, prec, *mnk) for f, mnk in gemms)
 
     @_memo
-    def layer_seconds(self, machine: int, tp: int, mb: int) -> float:
+    def layer_seconds(self, machine: int, tp: int, mb: int, spilled: bool = False) -> float:
         """Forward compute of one layer on `mb` sequences: each dot at its shape's achievable rate
-        (`cfp.hardware.rates`), the elementwise and normalisation work at memory bandwidth (memory-bound)."""
+        (`cfp.hardware.rates`), the elementwise and normalisation work at memory bandwidth (memory-bound;
+        `spilled`: in a stage whose working set exceeds the device's cache, `spills`)."""
         m = self.model
         return (self._dot_seconds(machine, m.layer_gemms(tp, mb))
                 + self._elementwise_seconds(machine, mb * m.layer_elementwise_bytes(tp),
-                                            mb * m.layer_score_bytes(tp)))
+                                            mb * m.layer_score_bytes(tp), spilled))
 
     @_memo
-    def head_seconds(self, machine: int, tp: int, mb: int) -> float:
+    def head_seconds(self, machine: int, tp: int, mb: int, spilled: bool = False) -> float:
         """Forward compute of the LM head (and its loss) on `mb` sequences, like `layer_seconds`."""
         m = self.model
         return (self._dot_seconds(machine, m.head_gemms(tp, mb))
                 + self._elementwise_seconds(machine, mb * m.head_elementwise_bytes(tp),
-                                            mb * m.head_score_bytes(tp)))
+                                            mb * m.head_score_bytes(tp), spilled))
+
+    def spills(self, st: Stage, mb: int, last: bool) -> bool:
+        """Whether the stage's programs stream through more than its device's cache (`GpuSpec.spill`): the
+        activations one micro-batch leaves in the stage for its backward."""
+        spill = self.cluster.machines[st.machine].gpu.spill
+        if spill is None:
+            return False
+        m = self.model
+        return mb * (st.layers * m.layer_activation_bytes(st.tp)
+                     + (m.head_activation_bytes(st.tp) if last else 0.0)) > spill[0]
 
     @_memo
     def embed_seconds(self, machine: int, tp: int, mb: int) -> tuple[float, float]:
@@ -184,16 +195,17 @@ class CostModel:
         fwd, bwd = self.model.embed_elementwise_bytes(tp)
         return mb * fwd / self._mem_bw(machine), bwd / self._mem_bw(machine)
 
-    def _elementwise_seconds(self, machine: int, nbytes: float, softmax_bytes: float) -> float:
+    def _elementwise_seconds(self, machine: int, nbytes: float, softmax_bytes: float, spilled: bool) -> float:
         """Memory-bound work of `nbytes`, of which `softmax_bytes` are softmax passes (at the device's softmax
         rate: on a CPU the exponentials, not the memory, bound them)."""
         gpu = self.cluster.machines[machine].gpu
+        bw = gpu.spill[1] * 1e9 if spilled else self._mem_bw(machine)
         if gpu.softmax_gbps is None:
-            return nbytes / self._mem_bw(machine)
-        return (nbytes - softmax_bytes) / self._mem_bw(machine) + softmax_bytes / gpu.softmax_bandwidth
+            return nbytes / bw
+        return (nbytes - softmax_bytes) / bw + softmax_bytes / gpu.softmax_bandwidth
 
-    def _mem_bw(self, machine: int) -> float:
-        return self.cluster.machines[machine].gpu.mem_gbps * 1e9
+    def _mem_bw(self, machine: int, working_set: float = 0.0) -> float:
+        return self.cluster.machines[machine].gpu.mem_bandwidth(working_set)
 
     def precisions(self) -> tuple[Precision, ...]:
         """The arithmetic of the model's dots on each device type used (sorted, distinct)."""
@@ -287,8 +299,9 @@ class CostModel:
         first, last = idx == 0, idx == n - 1
         mb = pipe.micro_batch
         ff, fb = self.stage_flops(st, first, last, mb)
-        compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb)
-                   + (self.head_seconds(st.machine, st.tp, mb) if last else 0.0))
+        spilled = self.spills(st, mb, last)
+        compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb, spilled)
+                   + (self.head_seconds(st.machine, st.tp, mb, spilled) if last else 0.0))
         ar = m.layer_all_reduces() * self.tp_all_reduce_seconds(st.machine, st.tp, mb * m.boundary_bytes())
         emb_f, emb_b = self.embed_seconds(st.machine, st.tp, mb) if first else (0.0, 0.0)
         fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
@@ -302,8 +315,8 @@ class CostModel:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
         mem = self.stage_memory(st, idx, pipe, n_pipes)
         cap = self.cluster.machines[st.machine].memory
-        upd = 7 * PARAM_BYTES * self.stage_params(st, first, last) * self.features.state_share(n_pipes) / (
-            self.cluster.machines[st.machine].gpu.mem_gbps * 1e9)
+        upd_bytes = 7 * PARAM_BYTES * self.stage_params(st, first, last) * self.features.state_share(n_pipes)
+        upd = upd_bytes / self.cluster.machines[st.machine].gpu.mem_bandwidth(upd_bytes)
         return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
                              self.stage_params(st, first, last))
 
@@ -415,9 +428,12 @@ class CostModel:
 
     @_memo
     def _sync_seconds(self, params: float, n: int, bw: float, machine: int) -> float:
-        """Gather `params` float32 from each of `n` pipelines and sum them on `machine`'s devices."""
+        """Gather `params` float32 from each of `n` pipelines and sum them on `machine`'s devices: the sum is
+        fused into the update program (`StageProgram._update`), which reads the n - 1 other parts beside the
+        gradient `update_time` prices."""
         nbytes = params * PARAM_BYTES
-        return collective_time("all-gather", n * nbytes, n, bw) + (n - 1) * 3 * nbytes / self._mem_bw(machine)
+        reads = (n - 1) * nbytes
+        return collective_time("all-gather", n * nbytes, n, bw) + reads / self._mem_bw(machine, reads)
 
     def update_time(self, layout: Layout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;

@@ -99,7 +99,7 @@ def _measure_in_turns(programs, rounds: int) -> list[tuple[float, float]]:
 
 def test_relative_stage_times_match_measured_ones():
     """The planner's time of compiled stage programs relative to a middle TP-1 stage of 1 layer: a middle stage
-    of 4 layers, of 1 layer at twice the micro-batch, and last stages (layers + LM head and loss, the vocabulary
+    of 4 layers, of 1 layer at twice the micro-batch (2 and 4 sequences), and last stages (layers + LM head and loss, the vocabulary
     large enough that the head weighs about two layers) of 1 and 4 layers, against the same ratios measured on
     this machine's CPU devices (the runtime's compiled forward + backward programs, median CPU seconds of 7 runs
     in turns). Ratios, not seconds: the `cpu` entry's absolute rates hold for the CPU it was calibrated on
@@ -107,14 +107,17 @@ def test_relative_stage_times_match_measured_ones():
     (measured 1-5% in CPU time); a stage time that ignores the layer count, the micro-batch or the head is off
     by 40% or more on one of the ratios. TP stages are checked by their compiled all-reduces above, not here:
     the model prices a TP-2 stage's host work at 1.30x a TP-1 stage's where 1.09-1.15x was measured (its
-    replicated norm and residual passes at the fitted elementwise rate), too close to this bound to be robust."""
+    replicated norm and residual passes at the fitted elementwise rate), too close to this bound to be robust.
+    Every stage's activations (one micro-batch's: 1.4-17 MiB) stay below the `cpu` entry's cache (`GpuSpec.
+    spill`), whose place is the calibrated host's, not every CPU's; the cache term is checked in
+    `test_costmodel_features.py` and against measured steps by `benchmarks/planner_measured.py`."""
     from cfp.runtime.engine import HeteroTrainer
     from cfp.layout import Layout
     cfg = get_config("llama2", "tiny", num_layers=6, seq_len=64, hidden_size=128, ffn_size=256, vocab_size=2048)
     cm = CostModel(cfg, _cluster(1.75))
     S = lambda d, n: Stage(tuple(d), n, 0)
     programs, planned = [], []
-    for layers, mb in ((1, 4), (4, 4), (1, 8)):
+    for layers, mb in ((1, 2), (4, 2), (1, 4)):
         trainer = HeteroTrainer("llama2", cfg, Layout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]],
                                                                        [2 * mb], [2]))
         pipe = Pipeline((S([0], 1), S([1], layers), S([2], 5 - layers)), 2 * mb, 2)
@@ -125,7 +128,7 @@ def test_relative_stage_times_match_measured_ones():
     res = _measure_in_turns(programs, rounds=7)
     measured = [res[2 * i][0] + res[2 * i + 1][0] for i in range(len(planned))]
     noise = [max(res[2 * i][1], res[2 * i + 1][1]) for i in range(len(planned))]
-    # 0 middle 1L, 1 last 4L+head, 2 middle 4L, 3 last 1L+head, 4 middle 1L mb 8, 5 last 4L+head mb 8
+    # 0 middle 1L, 1 last 4L+head, 2 middle 4L, 3 last 1L+head, 4 middle 1L mb 4, 5 last 4L+head mb 4
     for i in range(1, len(planned)):
         ratio_m, ratio_p = measured[i] / measured[0], planned[i] / planned[0]
         print(i, f"planned {ratio_p:.3f}x, measured {ratio_m:.3f}x (noise {noise[i]:.1%}, {noise[0]:.1%})")

@@ -117,6 +117,7 @@ class _PipelineFigures:
     time: float                     # the pipeline's forward-backward time, seconds
     update: float                   # its slowest stage's optimizer update, seconds
     layer_tp: np.ndarray            # TP degree per layer
+    layer_bounds: np.ndarray        # the first layer of each stage, then the number of layers
     fits: bool
     peak: float                     # dense peak FLOP/s of its devices
     machines: frozenset
@@ -271,15 +272,34 @@ class CostModel:
 
     def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
                        nxt: Stage | None) -> StageEstimate:
-        """Memoised on what the figures depend on (not on which devices of the machine)."""
-        n = len(pipe.stages)
-        key = (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1,
-               self._stored(idx, n, pipe.chunks), pipe.micro_batch, n_pipes,
-               -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
+        """Memoised on what the figures depend on (`_stage_key`: not on which devices of the machine)."""
+        key = self._stage_key(st, idx, len(pipe.stages), pipe.chunks, pipe.micro_batch, n_pipes, nxt)
         memo = self._stage_memo
         if key not in memo:
             memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
         return memo[key]
+
+    def stage_estimates(self, pipe: Pipeline, n_pipes: int) -> tuple[StageEstimate, ...]:
+        """`stage_estimate` of every stage of `pipe`, in one loop (planning at scale asks ~10^6 times)."""
+        st, memo = pipe.stages, self._stage_memo
+        n, chunks, mb = len(st), pipe.chunks, pipe.micro_batch
+        out = []
+        for i, s in enumerate(st):
+            nxt = st[i + 1] if i + 1 < n else None
+            key = self._stage_key(s, i, n, chunks, mb, n_pipes, nxt)
+            e = memo.get(key)
+            if e is None:
+                e = memo[key] = self._stage_estimate(s, i, pipe, n_pipes, nxt)
+            out.append(e)
+        return tuple(out)
+
+    def _stage_key(self, st: Stage, idx: int, n: int, chunks: int, mb: int, n_pipes: int,
+                   nxt: Stage | None) -> tuple:
+        """What the figures of stage `idx` of `n` depend on: the machine's spec, TP degree, layers, place,
+        stored inputs, micro-batch, pipelines and the link to the next stage."""
+        return (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1,
+                self._stored(idx, n, chunks), mb, n_pipes,
+                -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
 
     def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
                         nxt: Stage | None) -> StageEstimate:
@@ -335,9 +355,9 @@ class CostModel:
         memo = self._pipe_memo
         if key not in memo:
             st = pipe.stages
-            ests = tuple(self.stage_estimate(s, i, pipe, n_pipes, st[i + 1] if i + 1 < len(st) else None)
-                         for i, s in enumerate(st))
-            layer_tp = np.repeat([len(s.devices) for s in st], [s.layers for s in st])
+            ests = self.stage_estimates(pipe, n_pipes)
+            layers = [s.layers for s in st]
+            layer_tp = np.repeat([len(s.devices) for s in st], layers)
             ms = self.cluster.machines
             share = tuple(len(s.devices) / ms[s.machine].count if ms[s.machine].gpu.shared_host else 0.0
                           for s in st)
@@ -348,7 +368,7 @@ class CostModel:
                     upd[s.machine] = upd.get(s.machine, 0.0) + e.update * f
             own = max([e.update for e, f in zip(ests, share) if not f], default=0.0)
             memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
-                                         layer_tp, all(e.memory <= e.capacity for e in ests),
+                                         layer_tp, np.cumsum([0] + layers), all(e.memory <= e.capacity for e in ests),
                                          sum(s.tp * self._peak[s.machine] for s in st),
                                          frozenset(s.machine for s in st), share, tuple(busy.items()),
                                          tuple(upd.items()), own)
@@ -360,34 +380,36 @@ class CostModel:
         the pipelines' pieces (the largest per-device shard among them) over the slowest link the layout spans
         -- and sums them (memory-bound); a stage syncs its layers one after another, stages at once, so the
         step waits for the slowest stage (on a shared host: for the host to do them all)."""
+        return self._dp_time(layout, self._figures(layout))
+
+    def _dp_time(self, layout: Layout, figs: list[_PipelineFigures]) -> float:
         n = len(layout.pipelines)
         if n == 1:
             return 0.0
         if self.features.grad_sync is not GradSync.GATHER:
             return self._collective_sync_time(layout)
-        figs = [self._pipeline(p, n) for p in layout.pipelines]
         machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
               else self.cluster.machines[next(iter(machines))].intra_bandwidth)
         machine = next(iter(machines))
         per_tp = self._sync_table(n, bw, self.kind[machine])
         layer_tp = np.stack([f.layer_tp for f in figs])
-        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)]))).tolist()
-        sync = lambda params, machine: self._sync_seconds(params, n, bw, self.kind[machine])
+        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)])))
         worst, host = 0.0, {}
         for p, f in zip(layout.pipelines, figs):
-            layer, last = 0, len(p.stages) - 1
-            for i, (st, share) in enumerate(zip(p.stages, f.share)):
-                t = prefix[layer + st.layers] - prefix[layer]
-                if i == 0 or i == last:
-                    extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last
-                                                                             else 0)
-                    t += sync(extra, st.machine)
+            t = (prefix[f.layer_bounds[1:]] - prefix[f.layer_bounds[:-1]]).tolist()   # per stage
+            last = len(t) - 1
+            for i in {0, last}:          # the embedding's and the head's gradients
+                extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last else 0)
+                t[i] += self._sync_seconds(extra, n, bw, self.kind[p.stages[i].machine])
+            if not any(f.share):
+                worst = max(worst, *t)
+                continue
+            for st, share, ti in zip(p.stages, f.share, t):
                 if share:
-                    host[st.machine] = host.get(st.machine, 0.0) + t * share
+                    host[st.machine] = host.get(st.machine, 0.0) + ti * share
                 else:
-                    worst = max(worst, t)
-                layer += st.layers
+                    worst = max(worst, ti)
         return max([worst, *host.values()])
 
     def _collective_sync_time(self, layout: Layout) -> float:
@@ -422,25 +444,32 @@ class CostModel:
     def update_time(self, layout: Layout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
         stages update at once, the step waits for the slowest (on a shared host: for the host to do them all)."""
-        n = len(layout.pipelines)
-        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        return self._update_time(self._figures(layout))
+
+    @staticmethod
+    def _update_time(figs: list[_PipelineFigures]) -> float:
         return max(max(f.own_update for f in figs), *_host_sums(f.host_update for f in figs))
 
     def compute_time(self, layout: Layout, times: tuple[float, ...]) -> float:
         """The forward-backward part of the step: the slowest pipeline; stages on a shared host (`GpuSpec.
         shared_host`) lend their bubbles to the others, so their host takes its stages' work over its devices
         (a pipeline wholly on shared hosts is bounded by them only)."""
-        n = len(layout.pipelines)
-        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        return self._compute_time(self._figures(layout), times)
+
+    @staticmethod
+    def _compute_time(figs: list[_PipelineFigures], times: tuple[float, ...]) -> float:
         worst = max([t for t, f in zip(times, figs) if not all(f.share)], default=0.0)
         return max(worst, *_host_sums(f.host_busy for f in figs))
 
-    def estimate(self, layout: Layout) -> Estimate:
+    def _figures(self, layout: Layout) -> list[_PipelineFigures]:
         n = len(layout.pipelines)
-        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        return [self._pipeline(p, n) for p in layout.pipelines]
+
+    def estimate(self, layout: Layout) -> Estimate:
+        figs = self._figures(layout)      # once: dp, update and compute time read the same figures
         times = tuple(f.time for f in figs)
-        dp, upd = self.dp_time(layout), self.update_time(layout)
-        step = self.features.step_seconds(self.compute_time(layout, times), dp, upd)
+        dp, upd = self._dp_time(layout, figs), self._update_time(figs)
+        step = self.features.step_seconds(self._compute_time(figs, times), dp, upd)
         seqs = layout.global_batch
         peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)

@@ -208,6 +208,11 @@ class CostModel:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
         return self._stored(stage_index, num_stages, chunks)
 
+    @_memo
+    def stored_row(self, num_stages: int, chunks: int) -> tuple[int, ...]:
+        """`stored_inputs` of every stage of a pipeline."""
+        return tuple(self._stored(i, num_stages, chunks) for i in range(num_stages))
+
     def stage_flops(self, st: Stage, first: bool, last: bool, mb: int) -> tuple[float, float]:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
         m = self.model
@@ -223,19 +228,23 @@ class CostModel:
                      ) -> tuple[float, float, float, float]:
         """(s0, s1, a0, a1): a stage of n layers peaks at 4*(s0 + n*s1) + max(a0 + n*a1, (P-1)*(s0 + n*s1))
         bytes per device (P pipelines), see `stage_memory`."""
-        m, n = self.model, len(pipe.stages)
-        first, last = idx == 0, idx == n - 1
+        n = len(pipe.stages)
+        return self._memory_terms(st.tp, idx == 0, idx == n - 1, self.stored_inputs(idx, n, pipe.chunks),
+                                  pipe.micro_batch, n_pipes)
+
+    @_memo
+    def _memory_terms(self, tp: int, first: bool, last: bool, stored: int, mb: int, n_pipes: int
+                      ) -> tuple[float, float, float, float]:
+        m = self.model
         share = PARAM_BYTES * self.features.state_share(n_pipes)
-        s0 = share * ((m.embed_params(st.tp) if first else 0.0) + (m.head_params(st.tp) if last else 0.0))
-        s1 = share * m.layer_params(st.tp)
-        mb = pipe.micro_batch
-        stored = self.stored_inputs(idx, n, pipe.chunks)
+        s0 = share * ((m.embed_params(tp) if first else 0.0) + (m.head_params(tp) if last else 0.0))
+        s1 = share * m.layer_params(tp)
         inputs = stored * mb * (
             m.config.seq_len * 4 if first else m.boundary_bytes())
         # the embedding's gradient is built densely (float32) before it joins the accumulator
-        a0 = (inputs + (mb * m.head_activation_bytes(st.tp) if last else 0.0)
-              + (PARAM_BYTES * m.embed_params(st.tp) if first else 0.0))
-        return s0, s1, a0, self.features.stored_activations(stored) * mb * m.layer_activation_bytes(st.tp)
+        a0 = (inputs + (mb * m.head_activation_bytes(tp) if last else 0.0)
+              + (PARAM_BYTES * m.embed_params(tp) if first else 0.0))
+        return s0, s1, a0, self.features.stored_activations(stored) * mb * m.layer_activation_bytes(tp)
 
     def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
@@ -250,12 +259,12 @@ class CostModel:
     def layer_capacities(self, pipe: Pipeline, n_pipes: int) -> list[int]:
         """`layer_capacity` of every stage of `pipe`, memoised on what it depends on (planning at scale asks
         ~10^6 times, hence the flat loop)."""
-        stages, memo, kind, stored = pipe.stages, self._memo, self.kind, self._stored
-        n, chunks, mb = len(stages), pipe.chunks, pipe.batch // pipe.chunks
+        stages, memo, kind = pipe.stages, self._memo, self.kind
+        n, mb = len(stages), pipe.batch // pipe.chunks
+        stored = self.stored_row(n, pipe.chunks)
         out = []
         for i, st in enumerate(stages):
-            key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == n - 1, stored(i, n, chunks),
-                   mb, n_pipes)
+            key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == n - 1, stored[i], mb, n_pipes)
             cap = memo.get(key)
             if cap is None:
                 cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes)
@@ -273,7 +282,8 @@ class CostModel:
     def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
                        nxt: Stage | None) -> StageEstimate:
         """Memoised on what the figures depend on (`_stage_key`: not on which devices of the machine)."""
-        key = self._stage_key(st, idx, len(pipe.stages), pipe.chunks, pipe.micro_batch, n_pipes, nxt)
+        n = len(pipe.stages)
+        key = self._stage_key(st, idx, n, self._stored(idx, n, pipe.chunks), pipe.micro_batch, n_pipes, nxt)
         memo = self._stage_memo
         if key not in memo:
             memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
@@ -282,23 +292,23 @@ class CostModel:
     def stage_estimates(self, pipe: Pipeline, n_pipes: int) -> tuple[StageEstimate, ...]:
         """`stage_estimate` of every stage of `pipe`, in one loop (planning at scale asks ~10^6 times)."""
         st, memo = pipe.stages, self._stage_memo
-        n, chunks, mb = len(st), pipe.chunks, pipe.micro_batch
+        n, mb = len(st), pipe.micro_batch
+        stored = self.stored_row(n, pipe.chunks)
         out = []
         for i, s in enumerate(st):
             nxt = st[i + 1] if i + 1 < n else None
-            key = self._stage_key(s, i, n, chunks, mb, n_pipes, nxt)
+            key = self._stage_key(s, i, n, stored[i], mb, n_pipes, nxt)
             e = memo.get(key)
             if e is None:
                 e = memo[key] = self._stage_estimate(s, i, pipe, n_pipes, nxt)
             out.append(e)
         return tuple(out)
 
-    def _stage_key(self, st: Stage, idx: int, n: int, chunks: int, mb: int, n_pipes: int,
+    def _stage_key(self, st: Stage, idx: int, n: int, stored: int, mb: int, n_pipes: int,
                    nxt: Stage | None) -> tuple:
         """What the figures of stage `idx` of `n` depend on: the machine's spec, TP degree, layers, place,
         stored inputs, micro-batch, pipelines and the link to the next stage."""
-        return (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1,
-                self._stored(idx, n, chunks), mb, n_pipes,
+        return (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1, stored, mb, n_pipes,
                 -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
 
     def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,

@@ -84,7 +84,10 @@ class _Search:
                 if parts not in self._balanced:
                     self._balanced[parts] = balanced_stages(cl, devices, parts[1], self.rate, heads)
                 cuts = split_stages(cl, cuts[0], self._balanced[parts])
-            orders = [stage_layouts(self.cm, o) for groups in cuts for o in stage_orders(cl, groups)]
+            orders = []
+            for groups in cuts:        # one `Stage` per group, shared by the orders (building them is costly)
+                made = {g[0]: st for g, st in zip(groups, stage_layouts(self.cm, groups))}
+                orders += [[made[g[0]] for g in o] for o in stage_orders(cl, groups)]
             self._phase2[key] = (orders, orders_signature(self.cm, orders))
         return self._phase2[key]
 

@@ -28,6 +28,7 @@ from cfp.models.configs import MODEL_FAMILIES, BertConfig, LlamaConfig, MoEConfi
 from cfp.models.dims import param_dims
 
 Gemm = tuple[float, tuple[float, float, float]]     # (FLOPs, per-device GEMM shape (m, n, k))
+_MISSING = object()
 PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
 
 
@@ -117,10 +118,10 @@ class ModelCost:
         object.__setattr__(self, "_memo", {})
 
     def _m(self, key, fn):
-        memo = self._memo
-        if key not in memo:
-            memo[key] = fn()
-        return memo[key]
+        value = self._memo.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._memo[key] = fn()
+        return value
 
     # -- the family
     @property

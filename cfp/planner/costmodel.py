@@ -45,15 +45,18 @@ from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, colle
 from cfp.runtime.schedules import SCHEDULES, ScheduleName
 
 
+_MISSING = object()
+
+
 def _memo(fn):
     """Per-instance memo of a figure (its arguments are small hashable numbers)."""
     @functools.wraps(fn)
     def wrapper(self, *args):
         key = (fn.__name__,) + args
-        table = self._memo
-        if key not in table:
-            table[key] = fn(self, *args)
-        return table[key]
+        value = self._memo.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._memo[key] = fn(self, *args)
+        return value
     return wrapper
 
 
@@ -284,10 +287,10 @@ class CostModel:
         """Memoised on what the figures depend on (`_stage_key`: not on which devices of the machine)."""
         n = len(pipe.stages)
         key = self._stage_key(st, idx, n, self._stored(idx, n, pipe.chunks), pipe.micro_batch, n_pipes, nxt)
-        memo = self._stage_memo
-        if key not in memo:
-            memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
-        return memo[key]
+        e = self._stage_memo.get(key)
+        if e is None:
+            e = self._stage_memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
+        return e
 
     def stage_estimates(self, pipe: Pipeline, n_pipes: int) -> tuple[StageEstimate, ...]:
         """`stage_estimate` of every stage of `pipe`, in one loop (planning at scale asks ~10^6 times)."""
@@ -362,27 +365,33 @@ class CostModel:
         """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
         in one or two pipelines)."""
         key = (pipe, n_pipes)
-        memo = self._pipe_memo
-        if key not in memo:
-            st = pipe.stages
-            ests = self.stage_estimates(pipe, n_pipes)
-            layers = [s.layers for s in st]
-            layer_tp = np.repeat([len(s.devices) for s in st], layers)
-            ms = self.cluster.machines
-            share = tuple(len(s.devices) / ms[s.machine].count if ms[s.machine].gpu.shared_host else 0.0
-                          for s in st)
-            busy, upd = {}, {}
-            for s, e, f in zip(st, ests, share):
-                if f:
-                    busy[s.machine] = busy.get(s.machine, 0.0) + pipe.chunks * (e.fwd + e.bwd) * f
-                    upd[s.machine] = upd.get(s.machine, 0.0) + e.update * f
-            own = max([e.update for e, f in zip(ests, share) if not f], default=0.0)
-            memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
-                                         layer_tp, np.cumsum([0] + layers), all(e.memory <= e.capacity for e in ests),
-                                         sum(s.tp * self._peak[s.machine] for s in st),
-                                         frozenset(s.machine for s in st), share, tuple(busy.items()),
-                                         tuple(upd.items()), own)
-        return memo[key]
+        figs = self._pipe_memo.get(key)
+        if figs is None:
+            figs = self._pipe_memo[key] = self._pipeline_figures(pipe, n_pipes)
+        return figs
+
+    def _pipeline_figures(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
+        ests = self.stage_estimates(pipe, n_pipes)
+        ms = self.cluster.machines
+        layers, widths, share, own = [], [], [], []
+        busy, upd, peak = {}, {}, 0
+        for s, e in zip(pipe.stages, ests):
+            m, width = s.machine, len(s.devices)
+            layers.append(s.layers)
+            widths.append(width)
+            f = width / ms[m].count if ms[m].gpu.shared_host else 0.0
+            share.append(f)
+            peak += s.tp * self._peak[m]
+            if f:
+                busy[m] = busy.get(m, 0.0) + pipe.chunks * (e.fwd + e.bwd) * f
+                upd[m] = upd.get(m, 0.0) + e.update * f
+            else:
+                own.append(e.update)
+        return _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
+                                np.repeat(widths, layers), np.cumsum([0] + layers),
+                                all(e.memory <= e.capacity for e in ests), peak,
+                                frozenset(s.machine for s in pipe.stages), tuple(share), tuple(busy.items()),
+                                tuple(upd.items()), max(own, default=0.0))
 
     def dp_time(self, layout: Layout) -> float:
         """Gradient sync as the runtime does it (`cfp.runtime.dispatch.sync_gradients`): every stage receives

@@ -31,7 +31,7 @@ def layer_time(cm: CostModel, st: Stage, mb: int) -> float:
 def _max_layers(cm: CostModel, pipe: Pipeline, i: int, n_pipes: int, limit: int) -> int:
     """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
     the number of layers)."""
-    return max(0, min(limit, cm.layer_capacities(pipe, n_pipes)[i]))
+    return max(0, min(limit, list(cm.layer_capacities(pipe, n_pipes))[i]))
 
 
 def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int,
@@ -43,9 +43,12 @@ def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int
     if len(stages) > L:
         return None
     mb = batch // chunks
-    pipe = Pipeline(tuple(stages), batch, chunks)
-    caps = [max(0, min(L, c)) for c in cm.layer_capacities(pipe, n_pipes)]
-    if min(caps) < 1 or sum(caps) < L:
+    caps = []
+    for c in cm.layer_capacities(Pipeline(tuple(stages), batch, chunks), n_pipes):
+        caps.append(max(0, min(L, c)))
+        if caps[-1] < 1:        # (mostly the first stage, under the embedding and the stored inputs)
+            return None
+    if sum(caps) < L:
         return None
     tau = [layer_time(cm, st, mb) for st in stages]
     last = stages[-1]
@@ -145,7 +148,9 @@ def _search_orders(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int
         st = split_layers(cm, stages, chunks * micro_batch, chunks, n_pipes)
         if st is not None:
             a, w = pipeline_terms(cm, st, micro_batch)
-            t = a + (chunks - 1) * w + cm.update_time(Layout.unchecked((Pipeline(st, chunks, chunks),)))
+            # the update depends on the stages alone: priced on `pipeline_terms`' probe, whose stage figures
+            # are memoised by now
+            t = a + (chunks - 1) * w + cm.update_time(Layout.unchecked((Pipeline(st, micro_batch, 1),)))
             if t < best_t:
                 best, best_t = (i, st), t
     return best

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -259,20 +259,18 @@ class CostModel:
         n2 = (cap / (4 + self.features.gathered_copies(n_pipes)) - s0) / s1
         return int(math.floor(min(n1, n2) * (1 + 1e-12)))
 
-    def layer_capacities(self, pipe: Pipeline, n_pipes: int) -> list[int]:
-        """`layer_capacity` of every stage of `pipe`, memoised on what it depends on (planning at scale asks
-        ~10^6 times, hence the flat loop)."""
+    def layer_capacities(self, pipe: Pipeline, n_pipes: int) -> Iterator[int]:
+        """`layer_capacity` of every stage of `pipe` in order, lazily (a caller may stop at a stage that cannot
+        hold a layer), memoised on what it depends on (planning at scale asks ~10^6 times, hence the flat loop)."""
         stages, memo, kind = pipe.stages, self._memo, self.kind
         n, mb = len(stages), pipe.batch // pipe.chunks
         stored = self.stored_row(n, pipe.chunks)
-        out = []
         for i, st in enumerate(stages):
             key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == n - 1, stored[i], mb, n_pipes)
             cap = memo.get(key)
             if cap is None:
                 cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes)
-            out.append(cap)
-        return out
+            yield cap
 
     def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> float:
         """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the

@@ -63,7 +63,8 @@ def param_parts(config: Any) -> dict[str, tuple[tuple[Param, ...], ...]]:
     model = build_model(model_name_of(config), dataclasses.replace(config, num_layers=kinds))
     # shapes do not depend on the batch: one token per row, as many rows as a MoE group needs
     tokens = jax.ShapeDtypeStruct((getattr(config, "expert_group_size", 1), 1), jnp.int32)
-    like = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"]
+    # the key made inside the trace: made eagerly it would run (and first compile) on a device
+    like = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)["params"]
 
     def flat(tree):
         return tuple(Param(path_keys(p), tuple(leaf.shape))

@@ -10,6 +10,7 @@ fastest estimate wins."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import time
@@ -22,8 +23,8 @@ from cfp.planner.cluster import Cluster
 from cfp.layout import Layout
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.options import PlannerOptions
-from cfp.planner.partition import (balanced_stages, machine_groups, split_by_type, split_pipelines,
-                                   split_stages, stage_orders)
+from cfp.planner.partition import (balanced_stages, cluster_graph, machine_groups, split_by_type,
+                                   split_pipelines, split_stages, stage_orders)
 from cfp.planner.refine import refine
 
 
@@ -65,11 +66,16 @@ class _Search:
         self._balanced: dict[tuple, list[list[int]]] = {}
         self.count = 0
 
+    @functools.cached_property
+    def _graph(self) -> tuple:
+        """Phase 1's METIS graph (`cluster_graph`), built once for every pipeline count."""
+        return cluster_graph(self.cm.cluster, self.rate)
+
     def pipelines(self, k: int, by_type: bool = False) -> list[list[int]]:
         """Phase 1: `k` pipelines by METIS, or (`by_type`) by dealing each device type out evenly."""
         if (k, by_type) not in self._phase1:
             self._phase1[k, by_type] = (split_by_type(self.cm.cluster, k) if by_type
-                                        else split_pipelines(self.cm.cluster, k, self.rate))
+                                        else split_pipelines(self.cm.cluster, k, self.rate, self._graph))
         return self._phase1[k, by_type]
 
     def stages(self, devices: list[int], tp_of, metis: bool) -> tuple[list, tuple]:

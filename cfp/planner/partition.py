@@ -242,6 +242,9 @@ def order_stages(cluster: Cluster, groups: list[list[int]]) -> list[list[int]]:
 
     chain, end = [take(start)], start
     while live:
+        if left[end] and machines[end].intra_bandwidth > cluster.inter_bandwidth:
+            chain.append(take(end))     # its own link beats every other machine's: the min below, sooner
+            continue
         gpu = machines[end].gpu.name
         # every other machine is one inter-machine link away: the best of them is the lowest of the same
         # type, else the lowest; the chain's own machine competes with its intra-machine link

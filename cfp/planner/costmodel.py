@@ -28,6 +28,7 @@ sharded state), data-parallel traffic overlapped with compute.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -120,7 +121,7 @@ class _PipelineFigures:
     time: float                     # the pipeline's forward-backward time, seconds
     update: float                   # its slowest stage's optimizer update, seconds
     layer_tp: np.ndarray            # TP degree per layer
-    layer_bounds: np.ndarray        # the first layer of each stage, then the number of layers
+    bounds: tuple[int, ...]         # the first layer of each stage, then the number of layers
     fits: bool
     peak: float                     # dense peak FLOP/s of its devices
     machines: frozenset
@@ -386,7 +387,7 @@ class CostModel:
             else:
                 own.append(e.update)
         return _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
-                                np.repeat(widths, layers), np.cumsum([0] + layers),
+                                np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
                                 all(e.memory <= e.capacity for e in ests), peak,
                                 frozenset(s.machine for s in pipe.stages), tuple(share), tuple(busy.items()),
                                 tuple(upd.items()), max(own, default=0.0))
@@ -411,10 +412,10 @@ class CostModel:
         machine = next(iter(machines))
         per_tp = self._sync_table(n, bw, self.kind[machine])
         layer_tp = np.stack([f.layer_tp for f in figs])
-        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)])))
+        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)]))).tolist()
         worst, host = 0.0, {}
         for p, f in zip(layout.pipelines, figs):
-            t = (prefix[f.layer_bounds[1:]] - prefix[f.layer_bounds[:-1]]).tolist()   # per stage
+            t = [prefix[b] - prefix[a] for a, b in zip(f.bounds, f.bounds[1:])]   # per stage: its layers' sync
             last = len(t) - 1
             for i in {0, last}:          # the embedding's and the head's gradients
                 extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last else 0)

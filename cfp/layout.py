@@ -23,11 +23,10 @@ from cfp.errors import ConfigError
 JSON_VERSION = 2    # of `Layout.to_json`; version 1 was the seed's five lists (hetero_configs, ...)
 
 
-def _cached_hash(obj) -> int:
-    h = obj.__dict__.get("_hash")
-    if h is None:
-        h = hash(tuple(getattr(obj, f) for f in obj.__dataclass_fields__))
-        object.__setattr__(obj, "_hash", h)
+def _cached_hash(obj, fields: tuple) -> int:
+    """`hash(fields)`, kept on `obj` (the dataclass' own hash of its fields, computed once)."""
+    h = hash(fields)
+    object.__setattr__(obj, "_hash", h)
     return h
 
 
@@ -45,7 +44,8 @@ class Stage:
         return len(self.devices) // self.cp
 
     def __hash__(self) -> int:      # cached: planning at scale hashes stages millions of times
-        return _cached_hash(self)
+        h = self.__dict__.get("_hash")
+        return _cached_hash(self, (self.devices, self.layers, self.machine, self.cp)) if h is None else h
 
 
 @dataclass(frozen=True, eq=True)
@@ -56,7 +56,8 @@ class Pipeline:
     chunks: int
 
     def __hash__(self) -> int:
-        return _cached_hash(self)
+        h = self.__dict__.get("_hash")
+        return _cached_hash(self, (self.stages, self.batch, self.chunks)) if h is None else h
 
     @property
     def micro_batch(self) -> int:

@@ -125,7 +125,7 @@ INLINE: dict[str, Run | Skip] = {
     "cfp train --layout": Skip(_NAME),
     "make demo": COMMANDS["make demo"], "make test": COMMANDS["make test"],
     "PYTHONPATH=$PWD python benchmarks/planner_scale.py": Skip(
-        "plans 64, 256 and 1024 GPUs (about 10 s of CPU each on a loaded host): a benchmark, whose planner "
+        "plans 64, 256 and 1024 GPUs (about 6 s of CPU in all): a benchmark, whose planner "
         "tests/test_planner.py checks on small clusters"),
     "PYTHONPATH=$PWD .venv/bin/python benchmarks/mutants.py": Skip(
         "injects each bug into a copy of the repository and runs its tests: about 15 minutes, a release check"),

@@ -28,6 +28,7 @@ from cfp.models.configs import MODEL_FAMILIES, BertConfig, LlamaConfig, MoEConfi
 from cfp.models.dims import param_dims
 
 Gemm = tuple[float, tuple[float, float, float]]     # (FLOPs, per-device GEMM shape (m, n, k))
+_MISSING = object()
 PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
 
 
@@ -62,7 +63,8 @@ def param_parts(config: Any) -> dict[str, tuple[tuple[Param, ...], ...]]:
     model = build_model(model_name_of(config), dataclasses.replace(config, num_layers=kinds))
     # shapes do not depend on the batch: one token per row, as many rows as a MoE group needs
     tokens = jax.ShapeDtypeStruct((getattr(config, "expert_group_size", 1), 1), jnp.int32)
-    like = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"]
+    # the key made inside the trace: made eagerly it would run (and first compile) on a device
+    like = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)["params"]
 
     def flat(tree):
         return tuple(Param(path_keys(p), tuple(leaf.shape))
@@ -117,10 +119,10 @@ class ModelCost:
         object.__setattr__(self, "_memo", {})
 
     def _m(self, key, fn):
-        memo = self._memo
-        if key not in memo:
-            memo[key] = fn()
-        return memo[key]
+        value = self._memo.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._memo[key] = fn()
+        return value
 
     # -- the family
     @property

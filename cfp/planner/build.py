@@ -19,19 +19,19 @@ def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[Stage]
 def layer_time(cm: CostModel, st: Stage, mb: int) -> float:
     """Seconds one layer adds to a stage's forward + backward of one micro-batch (memoised by machine spec)."""
     key = ("layer_time", cm.kind[st.machine], len(st.devices), mb)
-    memo = cm.build_memo
-    if key not in memo:
+    t = cm.build_memo.get(key)
+    if t is None:
         m = cm.model
         intra = cm.cluster.machines[st.machine].intra_bandwidth
         ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-        memo[key] = 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces() * ar
-    return memo[key]
+        t = cm.build_memo[key] = 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces() * ar
+    return t
 
 
 def _max_layers(cm: CostModel, pipe: Pipeline, i: int, n_pipes: int, limit: int) -> int:
     """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
     the number of layers)."""
-    return max(0, min(limit, cm.layer_capacities(pipe, n_pipes)[i]))
+    return max(0, min(limit, list(cm.layer_capacities(pipe, n_pipes))[i]))
 
 
 def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int,
@@ -43,16 +43,19 @@ def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int
     if len(stages) > L:
         return None
     mb = batch // chunks
-    pipe = Pipeline(tuple(stages), batch, chunks)
-    caps = [max(0, min(L, c)) for c in cm.layer_capacities(pipe, n_pipes)]
-    if min(caps) < 1 or sum(caps) < L:
+    caps = []
+    for c in cm.layer_capacities(Pipeline(tuple(stages), batch, chunks), n_pipes):
+        caps.append(max(0, min(L, c)))
+        if caps[-1] < 1:        # (mostly the first stage, under the embedding and the stored inputs)
+            return None
+    if sum(caps) < L:
         return None
     tau = [layer_time(cm, st, mb) for st in stages]
     last = stages[-1]
     # a stage's steady-state slot also holds its send and the previous stage's (not overlapped with
     # compute in the schedule's estimate): a stage behind a slow link gets fewer layers
-    sends = [mb * cm.model.boundary_bytes() / cm.cluster.link(a.machine, b.machine)
-             for a, b in zip(stages, stages[1:])] + [0.0]
+    sent, link = mb * cm.model.boundary_bytes(), cm.cluster.link
+    sends = [sent / link(a.machine, b.machine) for a, b in zip(stages, stages[1:])] + [0.0]
     fixed = [sends[i] + (sends[i - 1] if i else 0.0) for i in range(len(stages))]
     fixed[-1] += 4 * cm.head_seconds(last.machine, last.tp, mb)
     n = [1] * len(stages)
@@ -69,10 +72,7 @@ def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int
 def pipeline_terms(cm: CostModel, stages: Sequence[Stage], micro_batch: int) -> tuple[float, float]:
     """(A, W) with the pipeline's time at c micro-batches A + (c - 1) * W (stage times depend on the
     micro-batch size only)."""
-    n = len(stages)
-    probe = Pipeline(tuple(stages), micro_batch, 1)
-    ests = tuple(cm.stage_estimate(st, i, probe, 1, stages[i + 1] if i + 1 < n else None)
-                 for i, st in enumerate(stages))
+    ests = cm.stage_estimates(Pipeline(tuple(stages), micro_batch, 1), 1)
     a = cm.pipeline_time(ests, 1)
     return a, cm.pipeline_time(ests, 2) - a
 
@@ -148,7 +148,9 @@ def _search_orders(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int
         st = split_layers(cm, stages, chunks * micro_batch, chunks, n_pipes)
         if st is not None:
             a, w = pipeline_terms(cm, st, micro_batch)
-            t = a + (chunks - 1) * w + cm.update_time(Layout.unchecked((Pipeline(st, chunks, chunks),)))
+            # the update depends on the stages alone: priced on `pipeline_terms`' probe, whose stage figures
+            # are memoised by now
+            t = a + (chunks - 1) * w + cm.update_time(Layout.unchecked((Pipeline(st, micro_batch, 1),)))
             if t < best_t:
                 best, best_t = (i, st), t
     return best

@@ -28,9 +28,10 @@ sharded state), data-parallel traffic overlapped with compute.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -45,15 +46,18 @@ from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, colle
 from cfp.runtime.schedules import SCHEDULES, ScheduleName
 
 
+_MISSING = object()
+
+
 def _memo(fn):
     """Per-instance memo of a figure (its arguments are small hashable numbers)."""
     @functools.wraps(fn)
     def wrapper(self, *args):
         key = (fn.__name__,) + args
-        table = self._memo
-        if key not in table:
-            table[key] = fn(self, *args)
-        return table[key]
+        value = self._memo.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._memo[key] = fn(self, *args)
+        return value
     return wrapper
 
 
@@ -117,6 +121,7 @@ class _PipelineFigures:
     time: float                     # the pipeline's forward-backward time, seconds
     update: float                   # its slowest stage's optimizer update, seconds
     layer_tp: np.ndarray            # TP degree per layer
+    bounds: tuple[int, ...]         # the first layer of each stage, then the number of layers
     fits: bool
     peak: float                     # dense peak FLOP/s of its devices
     machines: frozenset
@@ -219,6 +224,11 @@ class CostModel:
         """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
         return self._stored(stage_index, num_stages, chunks)
 
+    @_memo
+    def stored_row(self, num_stages: int, chunks: int) -> tuple[int, ...]:
+        """`stored_inputs` of every stage of a pipeline."""
+        return tuple(self._stored(i, num_stages, chunks) for i in range(num_stages))
+
     def stage_flops(self, st: Stage, first: bool, last: bool, mb: int) -> tuple[float, float]:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
         m = self.model
@@ -234,19 +244,23 @@ class CostModel:
                      ) -> tuple[float, float, float, float]:
         """(s0, s1, a0, a1): a stage of n layers peaks at 4*(s0 + n*s1) + max(a0 + n*a1, (P-1)*(s0 + n*s1))
         bytes per device (P pipelines), see `stage_memory`."""
-        m, n = self.model, len(pipe.stages)
-        first, last = idx == 0, idx == n - 1
+        n = len(pipe.stages)
+        return self._memory_terms(st.tp, idx == 0, idx == n - 1, self.stored_inputs(idx, n, pipe.chunks),
+                                  pipe.micro_batch, n_pipes)
+
+    @_memo
+    def _memory_terms(self, tp: int, first: bool, last: bool, stored: int, mb: int, n_pipes: int
+                      ) -> tuple[float, float, float, float]:
+        m = self.model
         share = PARAM_BYTES * self.features.state_share(n_pipes)
-        s0 = share * ((m.embed_params(st.tp) if first else 0.0) + (m.head_params(st.tp) if last else 0.0))
-        s1 = share * m.layer_params(st.tp)
-        mb = pipe.micro_batch
-        stored = self.stored_inputs(idx, n, pipe.chunks)
+        s0 = share * ((m.embed_params(tp) if first else 0.0) + (m.head_params(tp) if last else 0.0))
+        s1 = share * m.layer_params(tp)
         inputs = stored * mb * (
             m.config.seq_len * 4 if first else m.boundary_bytes())
         # the embedding's gradient is built densely (float32) before it joins the accumulator
-        a0 = (inputs + (mb * m.head_activation_bytes(st.tp) if last else 0.0)
-              + (PARAM_BYTES * m.embed_params(st.tp) if first else 0.0))
-        return s0, s1, a0, self.features.stored_activations(stored) * mb * m.layer_activation_bytes(st.tp)
+        a0 = (inputs + (mb * m.head_activation_bytes(tp) if last else 0.0)
+              + (PARAM_BYTES * m.embed_params(tp) if first else 0.0))
+        return s0, s1, a0, self.features.stored_activations(stored) * mb * m.layer_activation_bytes(tp)
 
     def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
@@ -258,20 +272,18 @@ class CostModel:
         n2 = (cap / (4 + self.features.gathered_copies(n_pipes)) - s0) / s1
         return int(math.floor(min(n1, n2) * (1 + 1e-12)))
 
-    def layer_capacities(self, pipe: Pipeline, n_pipes: int) -> list[int]:
-        """`layer_capacity` of every stage of `pipe`, memoised on what it depends on (planning at scale asks
-        ~10^6 times, hence the flat loop)."""
-        stages, memo, kind, stored = pipe.stages, self._memo, self.kind, self._stored
-        n, chunks, mb = len(stages), pipe.chunks, pipe.batch // pipe.chunks
-        out = []
+    def layer_capacities(self, pipe: Pipeline, n_pipes: int) -> Iterator[int]:
+        """`layer_capacity` of every stage of `pipe` in order, lazily (a caller may stop at a stage that cannot
+        hold a layer), memoised on what it depends on (planning at scale asks ~10^6 times, hence the flat loop)."""
+        stages, memo, kind = pipe.stages, self._memo, self.kind
+        n, mb = len(stages), pipe.batch // pipe.chunks
+        stored = self.stored_row(n, pipe.chunks)
         for i, st in enumerate(stages):
-            key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == n - 1, stored(i, n, chunks),
-                   mb, n_pipes)
+            key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == n - 1, stored[i], mb, n_pipes)
             cap = memo.get(key)
             if cap is None:
                 cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes)
-            out.append(cap)
-        return out
+            yield cap
 
     def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> float:
         """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
@@ -283,15 +295,35 @@ class CostModel:
 
     def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
                        nxt: Stage | None) -> StageEstimate:
-        """Memoised on what the figures depend on (not on which devices of the machine)."""
+        """Memoised on what the figures depend on (`_stage_key`: not on which devices of the machine)."""
         n = len(pipe.stages)
-        key = (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1,
-               self._stored(idx, n, pipe.chunks), pipe.micro_batch, n_pipes,
-               -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
-        memo = self._stage_memo
-        if key not in memo:
-            memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
-        return memo[key]
+        key = self._stage_key(st, idx, n, self._stored(idx, n, pipe.chunks), pipe.micro_batch, n_pipes, nxt)
+        e = self._stage_memo.get(key)
+        if e is None:
+            e = self._stage_memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
+        return e
+
+    def stage_estimates(self, pipe: Pipeline, n_pipes: int) -> tuple[StageEstimate, ...]:
+        """`stage_estimate` of every stage of `pipe`, in one loop (planning at scale asks ~10^6 times)."""
+        st, memo = pipe.stages, self._stage_memo
+        n, mb = len(st), pipe.micro_batch
+        stored = self.stored_row(n, pipe.chunks)
+        out = []
+        for i, s in enumerate(st):
+            nxt = st[i + 1] if i + 1 < n else None
+            key = self._stage_key(s, i, n, stored[i], mb, n_pipes, nxt)
+            e = memo.get(key)
+            if e is None:
+                e = memo[key] = self._stage_estimate(s, i, pipe, n_pipes, nxt)
+            out.append(e)
+        return tuple(out)
+
+    def _stage_key(self, st: Stage, idx: int, n: int, stored: int, mb: int, n_pipes: int,
+                   nxt: Stage | None) -> tuple:
+        """What the figures of stage `idx` of `n` depend on: the machine's spec, TP degree, layers, place,
+        stored inputs, micro-batch, pipelines and the link to the next stage."""
+        return (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1, stored, mb, n_pipes,
+                -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
 
     def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
                         nxt: Stage | None) -> StageEstimate:
@@ -345,27 +377,33 @@ class CostModel:
         """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
         in one or two pipelines)."""
         key = (pipe, n_pipes)
-        memo = self._pipe_memo
-        if key not in memo:
-            st = pipe.stages
-            ests = tuple(self.stage_estimate(s, i, pipe, n_pipes, st[i + 1] if i + 1 < len(st) else None)
-                         for i, s in enumerate(st))
-            layer_tp = np.repeat([len(s.devices) for s in st], [s.layers for s in st])
-            ms = self.cluster.machines
-            share = tuple(len(s.devices) / ms[s.machine].count if ms[s.machine].gpu.shared_host else 0.0
-                          for s in st)
-            busy, upd = {}, {}
-            for s, e, f in zip(st, ests, share):
-                if f:
-                    busy[s.machine] = busy.get(s.machine, 0.0) + pipe.chunks * (e.fwd + e.bwd) * f
-                    upd[s.machine] = upd.get(s.machine, 0.0) + e.update * f
-            own = max([e.update for e, f in zip(ests, share) if not f], default=0.0)
-            memo[key] = _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
-                                         layer_tp, all(e.memory <= e.capacity for e in ests),
-                                         sum(s.tp * self._peak[s.machine] for s in st),
-                                         frozenset(s.machine for s in st), share, tuple(busy.items()),
-                                         tuple(upd.items()), own)
-        return memo[key]
+        figs = self._pipe_memo.get(key)
+        if figs is None:
+            figs = self._pipe_memo[key] = self._pipeline_figures(pipe, n_pipes)
+        return figs
+
+    def _pipeline_figures(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
+        ests = self.stage_estimates(pipe, n_pipes)
+        ms = self.cluster.machines
+        layers, widths, share, own = [], [], [], []
+        busy, upd, peak = {}, {}, 0
+        for s, e in zip(pipe.stages, ests):
+            m, width = s.machine, len(s.devices)
+            layers.append(s.layers)
+            widths.append(width)
+            f = width / ms[m].count if ms[m].gpu.shared_host else 0.0
+            share.append(f)
+            peak += s.tp * self._peak[m]
+            if f:
+                busy[m] = busy.get(m, 0.0) + pipe.chunks * (e.fwd + e.bwd) * f
+                upd[m] = upd.get(m, 0.0) + e.update * f
+            else:
+                own.append(e.update)
+        return _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
+                                np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
+                                all(e.memory <= e.capacity for e in ests), peak,
+                                frozenset(s.machine for s in pipe.stages), tuple(share), tuple(busy.items()),
+                                tuple(upd.items()), max(own, default=0.0))
 
     def dp_time(self, layout: Layout) -> float:
         """Gradient sync as the runtime does it (`cfp.runtime.dispatch.sync_gradients`): every stage receives
@@ -373,12 +411,14 @@ class CostModel:
         the pipelines' pieces (the largest per-device shard among them) over the slowest link the layout spans
         -- and sums them (memory-bound); a stage syncs its layers one after another, stages at once, so the
         step waits for the slowest stage (on a shared host: for the host to do them all)."""
+        return self._dp_time(layout, self._figures(layout))
+
+    def _dp_time(self, layout: Layout, figs: list[_PipelineFigures]) -> float:
         n = len(layout.pipelines)
         if n == 1:
             return 0.0
         if self.features.grad_sync is not GradSync.GATHER:
             return self._collective_sync_time(layout)
-        figs = [self._pipeline(p, n) for p in layout.pipelines]
         machines = frozenset().union(*(f.machines for f in figs))
         bw = (self.cluster.inter_bandwidth if len(machines) > 1
               else self.cluster.machines[next(iter(machines))].intra_bandwidth)
@@ -386,21 +426,21 @@ class CostModel:
         per_tp = self._sync_table(n, bw, self.kind[machine])
         layer_tp = np.stack([f.layer_tp for f in figs])
         prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)]))).tolist()
-        sync = lambda params, machine: self._sync_seconds(params, n, bw, self.kind[machine])
         worst, host = 0.0, {}
         for p, f in zip(layout.pipelines, figs):
-            layer, last = 0, len(p.stages) - 1
-            for i, (st, share) in enumerate(zip(p.stages, f.share)):
-                t = prefix[layer + st.layers] - prefix[layer]
-                if i == 0 or i == last:
-                    extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last
-                                                                             else 0)
-                    t += sync(extra, st.machine)
+            t = [prefix[b] - prefix[a] for a, b in zip(f.bounds, f.bounds[1:])]   # per stage: its layers' sync
+            last = len(t) - 1
+            for i in {0, last}:          # the embedding's and the head's gradients
+                extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last else 0)
+                t[i] += self._sync_seconds(extra, n, bw, self.kind[p.stages[i].machine])
+            if not any(f.share):
+                worst = max(worst, *t)
+                continue
+            for st, share, ti in zip(p.stages, f.share, t):
                 if share:
-                    host[st.machine] = host.get(st.machine, 0.0) + t * share
+                    host[st.machine] = host.get(st.machine, 0.0) + ti * share
                 else:
-                    worst = max(worst, t)
-                layer += st.layers
+                    worst = max(worst, ti)
         return max([worst, *host.values()])
 
     def _collective_sync_time(self, layout: Layout) -> float:
@@ -438,25 +478,32 @@ class CostModel:
     def update_time(self, layout: Layout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
         stages update at once, the step waits for the slowest (on a shared host: for the host to do them all)."""
-        n = len(layout.pipelines)
-        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        return self._update_time(self._figures(layout))
+
+    @staticmethod
+    def _update_time(figs: list[_PipelineFigures]) -> float:
         return max(max(f.own_update for f in figs), *_host_sums(f.host_update for f in figs))
 
     def compute_time(self, layout: Layout, times: tuple[float, ...]) -> float:
         """The forward-backward part of the step: the slowest pipeline; stages on a shared host (`GpuSpec.
         shared_host`) lend their bubbles to the others, so their host takes its stages' work over its devices
         (a pipeline wholly on shared hosts is bounded by them only)."""
-        n = len(layout.pipelines)
-        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        return self._compute_time(self._figures(layout), times)
+
+    @staticmethod
+    def _compute_time(figs: list[_PipelineFigures], times: tuple[float, ...]) -> float:
         worst = max([t for t, f in zip(times, figs) if not all(f.share)], default=0.0)
         return max(worst, *_host_sums(f.host_busy for f in figs))
 
-    def estimate(self, layout: Layout) -> Estimate:
+    def _figures(self, layout: Layout) -> list[_PipelineFigures]:
         n = len(layout.pipelines)
-        figs = [self._pipeline(p, n) for p in layout.pipelines]
+        return [self._pipeline(p, n) for p in layout.pipelines]
+
+    def estimate(self, layout: Layout) -> Estimate:
+        figs = self._figures(layout)      # once: dp, update and compute time read the same figures
         times = tuple(f.time for f in figs)
-        dp, upd = self.dp_time(layout), self.update_time(layout)
-        step = self.features.step_seconds(self.compute_time(layout, times), dp, upd)
+        dp, upd = self._dp_time(layout, figs), self._update_time(figs)
+        step = self.features.step_seconds(self._compute_time(figs, times), dp, upd)
         seqs = layout.global_batch
         peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)

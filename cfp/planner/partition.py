@@ -75,15 +75,22 @@ def _parts(n: int, devices: Sequence[int], membership: Sequence[int]) -> list[li
     return [sorted(groups[p]) for p in sorted(groups) if groups[p]][:n]
 
 
-def split_pipelines(cluster: Cluster, k: int, rate) -> list[list[int]]:
-    """Phase 1: `k` groups of devices (fewer if METIS leaves a part empty), balanced in `rate`."""
+def cluster_graph(cluster: Cluster, rate) -> tuple[tuple[int, ...], ...]:
+    """Phase 1's graph of the whole cluster, vertices weighted by `rate` (`_graph`'s lists as tuples): the same
+    for every pipeline count, so a search builds it once for `split_pipelines`."""
+    scale = 100.0 / min(rate(d) for d in cluster.devices)
+    return tuple(tuple(x) for x in _graph(cluster, range(cluster.num_devices), lambda d: rate(d) * scale))
+
+
+def split_pipelines(cluster: Cluster, k: int, rate, graph: tuple | None = None) -> list[list[int]]:
+    """Phase 1: `k` groups of devices (fewer if METIS leaves a part empty), balanced in `rate`; `graph`:
+    `cluster_graph(cluster, rate)` if the caller has it."""
     devices = list(range(cluster.num_devices))
     if k <= 1:
         return [devices]
     if k >= len(devices):
         return [[d] for d in devices]
-    scale = 100.0 / min(rate(d) for d in cluster.devices)
-    membership = _cut(k, _graph(cluster, devices, lambda d: rate(d) * scale))
+    membership = _metis(k, *(graph or cluster_graph(cluster, rate)))
     return sorted(_parts(k, devices, membership), key=lambda g: g[0])
 
 
@@ -235,6 +242,9 @@ def order_stages(cluster: Cluster, groups: list[list[int]]) -> list[list[int]]:
 
     chain, end = [take(start)], start
     while live:
+        if left[end] and machines[end].intra_bandwidth > cluster.inter_bandwidth:
+            chain.append(take(end))     # its own link beats every other machine's: the min below, sooner
+            continue
         gpu = machines[end].gpu.name
         # every other machine is one inter-machine link away: the best of them is the lowest of the same
         # type, else the lowest; the chain's own machine competes with its intra-machine link

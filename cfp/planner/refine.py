@@ -31,6 +31,7 @@ from cfp.planner.partition import size_cuts, size_orders
 
 _SHIFTS = (1, 2, 3, 4, 8, 16, 32, 64)
 _EPS = 1e-9
+_MISSING = object()
 
 
 class _Budget:
@@ -47,26 +48,29 @@ class _Budget:
         self._terms = memo.setdefault("terms", {})
 
     def estimate(self, layout: Layout) -> Estimate:
-        if layout not in self._estimates:
+        est = self._estimates.get(layout)
+        if est is None:
             self.left -= 1
-            self._estimates[layout] = self.cm.estimate(layout)
-        return self._estimates[layout]
+            est = self._estimates[layout] = self.cm.estimate(layout)
+        return est
 
     def rebuild(self, pipes: Sequence[Sequence[Stage]], changed: set[int], global_batch: int,
                 mb: int) -> Optional[Layout]:
         """`_rebuild`, counted as one estimate unless memoised."""
         key = (tuple(map(tuple, pipes)), frozenset(changed), global_batch, mb)
-        if key not in self._rebuilds:
+        lay = self._rebuilds.get(key, _MISSING)     # (a rebuild may be None: no layout)
+        if lay is _MISSING:
             self.left -= 1
-            self._rebuilds[key] = _rebuild(self, pipes, changed, global_batch, mb)
-        return self._rebuilds[key]
+            lay = self._rebuilds[key] = _rebuild(self, pipes, changed, global_batch, mb)
+        return lay
 
     def terms(self, stages: tuple[Stage, ...], mb: int, k: int, total: int) -> tuple[tuple, int]:
         """A pipeline's time terms and micro-batch cap (memoised: rebuilds repeat unchanged pipelines)."""
         key = (stages, mb, k, total)
-        if key not in self._terms:
-            self._terms[key] = (pipeline_terms(self.cm, stages, mb), max_chunks(self.cm, stages, mb, k, total))
-        return self._terms[key]
+        terms = self._terms.get(key)
+        if terms is None:
+            terms = self._terms[key] = (pipeline_terms(self.cm, stages, mb), max_chunks(self.cm, stages, mb, k, total))
+        return terms
 
 
 def _replace(layout: Layout, p: int, pipe: Pipeline) -> Layout:

@@ -269,6 +269,12 @@ def main() -> None:
                    collective_cpu_us=round(lat * 1e6 * cores / devices, 1),
                    host_memory_gb=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1))
     print("catalog values: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+    bad = [k for k, v in figures.items() if not (isinstance(v, (int, float)) and 0 < v < float("inf"))]
+    if bad:
+        # a stage time below what its GEMMs and softmax alone take leaves no time (or less) for the rest:
+        # the kernel rates and the stage were measured in different states of the host
+        raise SystemExit(f"calibrate_cpu: fitted {', '.join(f'{k}={figures[k]!r}' for k in bad)} must be "
+                         f"positive; nothing written (measure again on a quieter host)")
     if args.write:
         note = (f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on "
                 f"{_cpu_name()} ({cores} cores, {devices} devices), host load average {load:.1f}, "

@@ -110,7 +110,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
 
     from cfp.analysis.analysis import analyze_with_program
     from cfp.errors import CfpError
-    from cfp.baselines.ilp import CostModel, ilp_choice, ilp_step
+    from cfp.baselines.ilp import AlphaBeta, ilp_choice, ilp_step
     row = Row("alpa-ilp")
     try:
         t0 = time.perf_counter()
@@ -118,7 +118,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
         cm = CostModel()
         if args.gpu:
             from cfp.hardware.gpus import get_gpu
-            cm = CostModel.for_gpu(get_gpu(args.gpu))
+            cm = AlphaBeta.for_gpu(get_gpu(args.gpu))
         res = ilp_choice(analysis, memory_budget=budget, cost=cm, time_limit=args.ilp_time_limit)
         row.plan_time = time.perf_counter() - t0
         row.note = (f"{res.num_variables} vars, {'optimal' if res.optimal else 'time limit'}, "

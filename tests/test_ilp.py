@@ -6,7 +6,7 @@ import pytest
 from cfp.analysis.analysis import analyze_with_program
 from cfp.sharding.step import apply_choice
 from cfp.errors import InfeasibleError
-from cfp.baselines.ilp import CostModel, brute_force, build_problem, candidate_specs, ilp_choice, solve
+from cfp.baselines.ilp import AlphaBeta, brute_force, build_problem, candidate_specs, ilp_choice, solve
 
 
 def _mlp_step(p, x, y):
@@ -49,7 +49,7 @@ def test_ilp_equals_brute_force_slow_network_and_memory_budget():
     p = {"w1": jnp.ones((8, 8)), "w2": jnp.ones((8, 8)), "w3": jnp.ones((8, 4))}
     a, _ = analyze_with_program(_mlp3_step, "2", p, jnp.ones((4, 8)))
     # a slow network so the communication terms dominate and differ between plans
-    problem = build_problem(a.graph, a.mesh.shape, CostModel(bandwidth=1e6, latency=1e-6))
+    problem = build_problem(a.graph, a.mesh.shape, AlphaBeta(bandwidth=1e6, latency=1e-6))
     assert 1e3 < __import__("math").prod(n.k for n in problem.nodes) < 5e6
     _, cost, _, _ = solve(problem)
     assert cost == pytest.approx(brute_force(problem)[1], rel=1e-9)
@@ -101,8 +101,8 @@ def test_cost_model_for_a_gpu_reads_the_cost_floor():
     from cfp.planner.costmodel import achievable_flops, precision_of
     gpu = get_gpu("H100-SXM")
     for dtype, precision in (("float32", Precision.TF32), ("bfloat16", Precision.BF16)):
-        cm = CostModel.for_gpu(gpu, dtype)
+        cm = AlphaBeta.for_gpu(gpu, dtype)
         assert precision_of(dtype, gpu) == precision
         assert cm.flops == achievable_flops(gpu, precision) < gpu.peak(precision)
         assert cm.bw(0) == gpu.link_gbps * 1e9
-    assert CostModel.for_gpu(gpu, "bfloat16").flops > CostModel.for_gpu(gpu, "float32").flops
+    assert AlphaBeta.for_gpu(gpu, "bfloat16").flops > AlphaBeta.for_gpu(gpu, "float32").flops

@@ -50,7 +50,7 @@ from cfp.sharding.step import ShardedStep
 
 
 @dataclasses.dataclass(frozen=True)
-class CostModel:
+class AlphaBeta:
     """Alpha-beta network and compute rates (defaults: a generic NVLink-class GPU)."""
 
     bandwidth: float | tuple[float, ...] = 100e9   # bytes/s, per mesh axis when a tuple
@@ -61,7 +61,7 @@ class CostModel:
     flops: float = 100e12                           # dense FLOP/s per device
 
     @classmethod
-    def for_gpu(cls, gpu: GpuSpec, dtype: str = "float32") -> "CostModel":
+    def for_gpu(cls, gpu: GpuSpec, dtype: str = "float32") -> "AlphaBeta":
         """`gpu`'s figures from the cost floor the planner and the estimate profiler read: its link bandwidth
         (`cfp.hardware.gpus`) and the achievable FLOP/s of a large GEMM in the arithmetic JAX runs `dtype`'s
         dots in (`cfp.hardware.rates`: float32 as TF32 where the device has it), not the datasheet peak."""
@@ -152,9 +152,9 @@ class Problem:
         return float(sum(n.memory.min() for n in self.nodes))
 
 
-def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: CostModel | None = None) -> Problem:
+def build_problem(graph: OpGraph, mesh_shape: Sequence[int], cost: AlphaBeta | None = None) -> Problem:
     """Nodes, follow groups and edge matrices of `graph` on a mesh of `mesh_shape` (see module doc)."""
-    pb = _ProblemBuilder(graph, tuple(mesh_shape), cost or CostModel())
+    pb = _ProblemBuilder(graph, tuple(mesh_shape), cost or AlphaBeta())
     pb.add_inputs()
     for op in graph.operators:
         if op.is_dot:
@@ -169,7 +169,7 @@ class _ProblemBuilder:
     """The phases of `build_problem`: input nodes, dot nodes, followers joining their largest operand's node,
     step outputs' memory, then the edge matrices of every layout a consumer needs from another node."""
 
-    def __init__(self, graph: OpGraph, shape: tuple[int, ...], cm: CostModel):
+    def __init__(self, graph: OpGraph, shape: tuple[int, ...], cm: AlphaBeta):
         self.graph, self.shape, self.cm = graph, shape, cm
         self.nodes: list[Node] = []
         self.owner: dict[int, int] = {}          # tensor id -> node producing it (absent: fixed, replicated)
@@ -392,7 +392,7 @@ def brute_force(problem: Problem, memory_budget: float | None = None) -> tuple[t
     return best, best_cost
 
 
-def ilp_choice(analysis: Analysis, memory_budget: float | None = None, cost: CostModel | None = None,
+def ilp_choice(analysis: Analysis, memory_budget: float | None = None, cost: AlphaBeta | None = None,
              time_limit: float = 60.0) -> IlpResult:
     """Alpa-style ILP solution of `analysis`'s program, mapped to one strategy per ParallelBlock."""
     t0 = time.perf_counter()

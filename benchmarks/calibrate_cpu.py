@@ -184,7 +184,8 @@ def fit_stage(points, gemm: tuple[float, float], softmax: float) -> tuple[float,
     + softmax bytes / `softmax` + other bytes / rate) (`cfp.planner.costmodel`), the GEMMs at the fitted
     `gemm` curve (rate, half dimension). The rate is a step in the stage's working set (one micro-batch's
     layer activations, `ModelCost.layer_activation_bytes`): each split of the points by micro-batch gets a
-    rate per side by least squares through the origin; the split with the least relative squared error wins,
+    rate per side by least squares through the origin (the rate beyond lower than the one before, else the
+    split is no cache); the split with the least relative squared error wins,
     its cache the midpoint of the working sets either side (no split: twice the largest point's).
     (A fixed cost per kernel fitted beside it came out at 0: the points are linear through the origin.)"""
     from cfp.models import get_config
@@ -205,6 +206,8 @@ def fit_stage(points, gemm: tuple[float, float], softmax: float) -> tuple[float,
     for cut in (*range(2, len(points) - 1), len(points)):
         r_in = fit(x[:cut], y[:cut])
         r_out = fit(x[cut:], y[cut:]) if cut < len(points) else r_in
+        if cut < len(points) and not r_out < r_in:
+            continue                                            # not a cache: the rate must drop beyond it
         e = err(x[:cut], y[:cut], r_in) + (err(x[cut:], y[cut:], r_out) if cut < len(points) else 0.0)
         cache = (ws[cut - 1] + ws[cut]) / 2 if cut < len(points) else 2 * ws[-1]
         if best is None or e < best[0]:

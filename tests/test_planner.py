@@ -9,7 +9,7 @@ import pytest
 
 from cfp.errors import ConfigError
 from cfp.models import get_config, init_params
-from cfp.planner.build import _max_layers, allocate_chunks, max_chunks, split_layers
+from cfp.planner.build import allocate_chunks, max_chunks, split_layers
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.cluster import parse_cluster
 from cfp.planner.costmodel import CostModel
@@ -242,7 +242,8 @@ def test_closed_form_limits_match_brute_force():
             pipe = Pipeline(tuple(stages), 8, 4)
             fits = lambda n: cm.stage_memory(Stage(s.devices, n, s.machine), i, pipe, 2) <= \
                 cluster.machines[s.machine].memory
-            assert _max_layers(cm, pipe, i, 2, 40) == max([n for n in range(1, 41) if fits(n)] or [0])
+            cap = list(cm.layer_capacities(pipe, 2))[i]         # what split_layers bounds each stage by
+            assert max(0, min(40, cap)) == max([n for n in range(1, 41) if fits(n)] or [0])
         split = split_layers(cm, [Stage(s.devices, 0, s.machine) for s in stages], 4, 4, 1)
         assert split is not None and sum(s.layers for s in split) == 12
         pipe = Pipeline(split, 4, 4)

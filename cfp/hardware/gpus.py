@@ -100,11 +100,13 @@ class GpuSpec:
             raise ConfigError(f"gpu {self.name!r}: gemm_curve={self.gemm_curve!r} must be (fraction in (0, 1], "
                               "half dimension >= 0)")
 
-    def mem_bandwidth(self, working_set: float = 0.0) -> float:
-        """Bytes/s of memory-bound work in a program touching `working_set` bytes (see `spill`)."""
-        if self.spill is not None and working_set > self.spill[0]:
-            return 1e9 * self.spill[1]
-        return 1e9 * self.mem_gbps
+    def spills(self, working_set: float) -> bool:
+        """Whether memory-bound work streaming through `working_set` bytes runs beyond the cache (`spill`)."""
+        return self.spill is not None and working_set > self.spill[0]
+
+    def mem_bandwidth(self, spilled: bool = False) -> float:
+        """Bytes/s of memory-bound work, beyond the cache where `spilled` (`spills`; one rate without `spill`)."""
+        return 1e9 * (self.spill[1] if spilled and self.spill is not None else self.mem_gbps)
 
     @property
     def softmax_bandwidth(self) -> float:

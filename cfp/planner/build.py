@@ -28,12 +28,6 @@ def layer_time(cm: CostModel, st: Stage, mb: int) -> float:
     return t
 
 
-def _max_layers(cm: CostModel, pipe: Pipeline, i: int, n_pipes: int, limit: int) -> int:
-    """Most layers stage `i` can hold within its device memory (both terms of the peak are linear in
-    the number of layers)."""
-    return max(0, min(limit, list(cm.layer_capacities(pipe, n_pipes))[i]))
-
-
 def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int,
                  n_pipes: int) -> Optional[tuple[Stage, ...]]:
     """Layers per stage minimising the slowest stage (the head's time counted on the last; adding layers

@@ -119,7 +119,6 @@ class Estimate:
 class _PipelineFigures:
     stages: tuple[StageEstimate, ...]
     time: float                     # the pipeline's forward-backward time, seconds
-    update: float                   # its slowest stage's optimizer update, seconds
     layer_tp: np.ndarray            # TP degree per layer
     bounds: tuple[int, ...]         # the first layer of each stage, then the number of layers
     fits: bool
@@ -184,14 +183,11 @@ class CostModel:
                                             mb * m.head_score_bytes(tp), spilled))
 
     def spills(self, st: Stage, mb: int, last: bool) -> bool:
-        """Whether the stage's programs stream through more than its device's cache (`GpuSpec.spill`): the
+        """Whether the stage's programs stream through more than its device's cache (`GpuSpec.spills`): the
         activations one micro-batch leaves in the stage for its backward."""
-        spill = self.cluster.machines[st.machine].gpu.spill
-        if spill is None:
-            return False
         m = self.model
-        return mb * (st.layers * m.layer_activation_bytes(st.tp)
-                     + (m.head_activation_bytes(st.tp) if last else 0.0)) > spill[0]
+        return self.cluster.machines[st.machine].gpu.spills(
+            mb * (st.layers * m.layer_activation_bytes(st.tp) + (m.head_activation_bytes(st.tp) if last else 0.0)))
 
     @_memo
     def embed_seconds(self, machine: int, tp: int, mb: int) -> tuple[float, float]:
@@ -204,13 +200,18 @@ class CostModel:
         """Memory-bound work of `nbytes`, of which `softmax_bytes` are softmax passes (at the device's softmax
         rate: on a CPU the exponentials, not the memory, bound them)."""
         gpu = self.cluster.machines[machine].gpu
-        bw = gpu.spill[1] * 1e9 if spilled else self._mem_bw(machine)
+        bw = gpu.mem_bandwidth(spilled)
         if gpu.softmax_gbps is None:
             return nbytes / bw
         return (nbytes - softmax_bytes) / bw + softmax_bytes / gpu.softmax_bandwidth
 
-    def _mem_bw(self, machine: int, working_set: float = 0.0) -> float:
-        return self.cluster.machines[machine].gpu.mem_bandwidth(working_set)
+    def _mem_bw(self, machine: int) -> float:
+        return self.cluster.machines[machine].gpu.mem_bandwidth()
+
+    def _stream_seconds(self, machine: int, nbytes: float) -> float:
+        """One memory-bound pass over `nbytes` (beyond the cache where they exceed it, `GpuSpec.spills`)."""
+        gpu = self.cluster.machines[machine].gpu
+        return nbytes / gpu.mem_bandwidth(gpu.spills(nbytes))
 
     def precisions(self) -> tuple[Precision, ...]:
         """The arithmetic of the model's dots on each device type used (sorted, distinct)."""
@@ -295,35 +296,28 @@ class CostModel:
 
     def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
                        nxt: Stage | None) -> StageEstimate:
-        """Memoised on what the figures depend on (`_stage_key`: not on which devices of the machine)."""
+        """Memoised on what the figures depend on (`_cached_stage`: not on which devices of the machine)."""
+        return self._cached_stage(st, idx, pipe, self._stored(idx, len(pipe.stages), pipe.chunks), n_pipes, nxt)
+
+    def stage_estimates(self, pipe: Pipeline, n_pipes: int) -> tuple[StageEstimate, ...]:
+        """`stage_estimate` of every stage of `pipe` (the stored-input counts of its shape read once)."""
+        st = pipe.stages
+        n = len(st)
+        stored = self.stored_row(n, pipe.chunks)
+        return tuple(self._cached_stage(s, i, pipe, stored[i], n_pipes, st[i + 1] if i + 1 < n else None)
+                     for i, s in enumerate(st))
+
+    def _cached_stage(self, st: Stage, idx: int, pipe: Pipeline, stored: int, n_pipes: int,
+                      nxt: Stage | None) -> StageEstimate:
+        """`_stage_estimate` memoised on what its figures depend on: the machine's spec, TP degree, layers,
+        place, stored inputs, micro-batch, pipelines and the link to the next stage."""
         n = len(pipe.stages)
-        key = self._stage_key(st, idx, n, self._stored(idx, n, pipe.chunks), pipe.micro_batch, n_pipes, nxt)
+        key = (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1, stored, pipe.micro_batch,
+               n_pipes, -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
         e = self._stage_memo.get(key)
         if e is None:
             e = self._stage_memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
         return e
-
-    def stage_estimates(self, pipe: Pipeline, n_pipes: int) -> tuple[StageEstimate, ...]:
-        """`stage_estimate` of every stage of `pipe`, in one loop (planning at scale asks ~10^6 times)."""
-        st, memo = pipe.stages, self._stage_memo
-        n, mb = len(st), pipe.micro_batch
-        stored = self.stored_row(n, pipe.chunks)
-        out = []
-        for i, s in enumerate(st):
-            nxt = st[i + 1] if i + 1 < n else None
-            key = self._stage_key(s, i, n, stored[i], mb, n_pipes, nxt)
-            e = memo.get(key)
-            if e is None:
-                e = memo[key] = self._stage_estimate(s, i, pipe, n_pipes, nxt)
-            out.append(e)
-        return tuple(out)
-
-    def _stage_key(self, st: Stage, idx: int, n: int, stored: int, mb: int, n_pipes: int,
-                   nxt: Stage | None) -> tuple:
-        """What the figures of stage `idx` of `n` depend on: the machine's spec, TP degree, layers, place,
-        stored inputs, micro-batch, pipelines and the link to the next stage."""
-        return (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1, stored, mb, n_pipes,
-                -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
 
     def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
                         nxt: Stage | None) -> StageEstimate:
@@ -347,8 +341,8 @@ class CostModel:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
         mem = self.stage_memory(st, idx, pipe, n_pipes)
         cap = self.cluster.machines[st.machine].memory
-        upd_bytes = 7 * PARAM_BYTES * self.stage_params(st, first, last) * self.features.state_share(n_pipes)
-        upd = upd_bytes / self.cluster.machines[st.machine].gpu.mem_bandwidth(upd_bytes)
+        upd = self._stream_seconds(
+            st.machine, 7 * PARAM_BYTES * self.stage_params(st, first, last) * self.features.state_share(n_pipes))
         return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
                              self.stage_params(st, first, last))
 
@@ -399,8 +393,7 @@ class CostModel:
                 upd[m] = upd.get(m, 0.0) + e.update * f
             else:
                 own.append(e.update)
-        return _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), max(e.update for e in ests),
-                                np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
+        return _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
                                 all(e.memory <= e.capacity for e in ests), peak,
                                 frozenset(s.machine for s in pipe.stages), tuple(share), tuple(busy.items()),
                                 tuple(upd.items()), max(own, default=0.0))
@@ -420,8 +413,7 @@ class CostModel:
         if self.features.grad_sync is not GradSync.GATHER:
             return self._collective_sync_time(layout)
         machines = frozenset().union(*(f.machines for f in figs))
-        bw = (self.cluster.inter_bandwidth if len(machines) > 1
-              else self.cluster.machines[next(iter(machines))].intra_bandwidth)
+        bw = self._sync_bandwidth(machines)
         machine = next(iter(machines))
         per_tp = self._sync_table(n, bw, self.kind[machine])
         layer_tp = np.stack([f.layer_tp for f in figs])
@@ -447,9 +439,7 @@ class CostModel:
         """An all-reduce or sharded sync (`StepFeatures.grad_sync`): every stage's collectives across the
         pipelines over the slowest link the layout spans, stages at once; the step waits for the slowest."""
         n = len(layout.pipelines)
-        machines = {s.machine for p in layout.pipelines for s in p.stages}
-        bw = (self.cluster.inter_bandwidth if len(machines) > 1
-              else self.cluster.machines[next(iter(machines))].intra_bandwidth)
+        bw = self._sync_bandwidth({s.machine for p in layout.pipelines for s in p.stages})
         worst = 0.0
         for p in layout.pipelines:
             for i, st in enumerate(p.stages):
@@ -457,6 +447,12 @@ class CostModel:
                 worst = max(worst, collective_sync_seconds(self.features, params, n, p.chunks,
                                                            self.model.act_bytes, bw))
         return worst
+
+    def _sync_bandwidth(self, machines) -> float:
+        """The slowest link a layout over `machines` spans: between machines, or inside its one machine."""
+        if len(machines) > 1:
+            return self.cluster.inter_bandwidth
+        return self.cluster.machines[next(iter(machines))].intra_bandwidth
 
     @_memo
     def _sync_table(self, n: int, bw: float, machine: int) -> np.ndarray:
@@ -472,8 +468,7 @@ class CostModel:
         fused into the update program (`StageProgram._update`), which reads the n - 1 other parts beside the
         gradient `update_time` prices."""
         nbytes = params * PARAM_BYTES
-        reads = (n - 1) * nbytes
-        return collective_time("all-gather", n * nbytes, n, bw) + reads / self._mem_bw(machine, reads)
+        return collective_time("all-gather", n * nbytes, n, bw) + self._stream_seconds(machine, (n - 1) * nbytes)
 
     def update_time(self, layout: Layout) -> float:
         """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;

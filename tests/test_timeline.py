@@ -124,3 +124,32 @@ def test_uneven_action_times_may_idle_less_than_the_equal_time_figure():
     assert v["valid"] and v["bubble"] < 0.01 < v["theoretical_bubble"] == pytest.approx(1 / 3)
     assert "because the measured action times vary" in bubble_line(0, v)
     tl.check()
+
+
+def test_a_step_not_measured_in_full_still_writes_its_timeline_without_a_bubble(tmp_path):
+    """A busy host can miss when an action starts; the run still writes what it measured (the user asked for
+    a timeline) but reports no bubble, which the missing busy time would make too large."""
+    from types import SimpleNamespace
+
+    from cfp.layout import Layout
+    from cfp.runtime.schedules import ScheduleName
+    from cfp.runtime.training import _timeline
+    full = gpipe(Timeline(), 2, 2).events
+    opts = SimpleNamespace(timeline_dir=str(tmp_path / "tl"), model="gpt", schedule=ScheduleName.GPIPE,
+                           layout=Layout.from_lists([[1, 1]], [[1, 1]], [2], [2]))
+    said = []
+    bubbles = _timeline(opts, full[1:], said.append, len(full))
+    assert bubbles == {}
+    assert any(line.startswith("bubble not measured: no step had every action measured (1 of 8") for line in said)
+    data = json.loads((tmp_path / "tl" / "timeline.json").read_text())
+    assert data["unmeasured"] == 1 and len(data["events"]) == 7
+    assert (tmp_path / "tl" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loaded = Timeline.load_json(tmp_path / "tl" / "timeline.json")
+    with pytest.raises(ConfigError, match="no bubble: 1 actions of the step were not measured"):
+        loaded.summary()
+    said.clear()     # measured in full: the bubble is the events' own (1/3 for p=2, m=2 with equal times)
+    bubbles = _timeline(opts, full, said.append, len(full))
+    assert bubbles[0]["bubble"] == pytest.approx(1 / 3)
+    assert json.loads((tmp_path / "tl" / "timeline.json").read_text())["unmeasured"] == 0
+    with pytest.raises(ConfigError, match="unmeasured=-1 is invalid"):
+        Timeline(unmeasured=-1)

@@ -120,11 +120,17 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 class Timeline:
-    """A list of :class:`Event`; `record` from the engine, then `bubble_fraction`, `save_json`, `plot_png`."""
+    """A list of :class:`Event`; `record` from the engine, then `bubble_fraction`, `save_json`, `plot_png`.
 
-    def __init__(self, events: Iterable[Event] = (), clock=time.perf_counter):
+    ``unmeasured``: how many of the step's actions have no event (a busy host can miss when one starts). Such a
+    timeline still saves and plots what was measured, but has no bubble: busy time would be undercounted."""
+
+    def __init__(self, events: Iterable[Event] = (), clock=time.perf_counter, unmeasured: int = 0):
+        if isinstance(unmeasured, bool) or not isinstance(unmeasured, int) or unmeasured < 0:
+            raise ConfigError(f"unmeasured={unmeasured!r} is invalid (a count of actions, >= 0)")
         self._events: list[Event] = list(events)
         self.clock = clock
+        self.unmeasured = unmeasured
 
     @property
     def events(self) -> list[Event]:
@@ -191,6 +197,9 @@ class Timeline:
         action times, (p-1)/(m+p-1), and `minimum_bubble`, the least these measured action times allow (the
         makespan of the schedule's critical path; equal to the theoretical one when the times are equal).
         `valid` is False when the measured bubble is below that minimum, which only a measuring bug gives."""
+        if self.unmeasured:
+            raise ConfigError(f"no bubble: {self.unmeasured} actions of the step were not measured, so the "
+                              "stages' busy time is unknown")
         out = {}
         for q in self.pipelines():
             p, m = len(self.stages(q)), self.num_microbatches(q)
@@ -211,7 +220,7 @@ class Timeline:
 
     # ---- persistence ----
     def to_dict(self) -> dict:
-        return {"version": 1, "events": [dict(dataclasses.asdict(e), phase=e.phase.value) for e in self._events]}
+        return {"version": 1, "unmeasured": self.unmeasured, "events": [dict(dataclasses.asdict(e), phase=e.phase.value) for e in self._events]}
 
     def save_json(self, path: str | os.PathLike) -> None:
         write_json_atomic(path, self.to_dict(), indent=None)
@@ -222,7 +231,7 @@ class Timeline:
             data = json.load(f)
         if not isinstance(data, dict) or "events" not in data:
             raise ConfigError(f"{os.fspath(path)!r} is not a cfp timeline JSON (no 'events' list)")
-        tl = cls()
+        tl = cls(unmeasured=data.get("unmeasured", 0))
         for e in data["events"]:
             tl.record(e["pipeline"], e["stage"], e["microbatch"], e["phase"], e["start"], e["end"])
         return tl
@@ -257,13 +266,17 @@ class Timeline:
         ax.invert_yaxis()  # stage 0 on top, like the usual pipeline diagrams
         ax.set_xlabel(f"time ({unit})")
         ax.set_xlim(0, span * scale)
-        sep = "; " if len(self.pipelines()) <= 2 else "\n"
-        stats = sep.join(f"pipe {q}: bubble {v['bubble']:.1%}{'' if v['valid'] else ' INVALID'} "
-                          f"(theory {v['theoretical_bubble']:.1%}, p={v['stages']}, m={v['microbatches']})"
-                          for q, v in self.summary().items())
-        ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
+        ax.set_title(f"{title}\n{self._stats_line()}" if title else self._stats_line(), fontsize=9)
         ax.legend(handles=[Patch(color=_COLORS[p], label=p.value) for p in Phase], loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+    def _stats_line(self) -> str:
+        if self.unmeasured:
+            return f"bubble not measured: {self.unmeasured} actions of the step were not measured (not drawn)"
+        sep = "; " if len(self.pipelines()) <= 2 else "\n"
+        return sep.join(f"pipe {q}: bubble {v['bubble']:.1%}{'' if v['valid'] else ' INVALID'} "
+                        f"(theory {v['theoretical_bubble']:.1%}, p={v['stages']}, m={v['microbatches']})"
+                        for q, v in self.summary().items())

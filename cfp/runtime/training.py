@@ -6,6 +6,7 @@ state (full parameter tree + optax state), so a run can resume onto a different 
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import os
@@ -208,7 +209,7 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0,
 
 def _train_steps(opts, trainer, data, start, losses, config, log):
     """Steps ``start+1 .. opts.steps`` (checkpointing as asked); returns (result, last events)."""
-    timed, busy_sum, busy_steps, last_events, step = [], {}, {}, None, start
+    timed, busy_sum, busy_steps, last_events, full, step = [], {}, {}, None, False, start
     for step in range(start, opts.steps):
         stats = trainer.step(data.batch(step))
         losses[step + 1] = stats.loss
@@ -219,8 +220,8 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
             for k, v in stats.busy().items():     # a stage's busy time only from steps it was measured in full
                 if k not in stats.unmeasured:
                     busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
-        if not stats.unmeasured or last_events is None:   # the timeline: the last step measured in full
-            last_events = stats.events
+        if not stats.unmeasured or not full:   # the timeline: the last step measured in full, else the last step
+            last_events, full = stats.events, not stats.unmeasured
         if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
             _save(opts, trainer, losses)
         if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
@@ -315,27 +316,39 @@ def _all_events(events, n_max: int) -> np.ndarray:
 
 
 def _timeline(opts, events, log, n_max: int) -> dict[int, dict[str, float]]:
+    """Log the bubble of the last step measured in full and write its timeline where asked; with no such step,
+    write what was measured of the last one and say that its bubble is unknown."""
     from cfp.runtime.timeline import Timeline, bubble_line
     rows = _all_events(events, n_max)
-    if len(rows) < n_max:     # StepClock leaves out actions whose start it could not observe
-        log(f"bubble not measured: no step had every action measured ({n_max - len(rows)} of {n_max} actions of "
-            f"the last step ended no later than they could start as seen: the host was too busy to watch them); "
-            f"no timeline written")
-        return {}
-    tl = Timeline()
+    tl = Timeline(unmeasured=n_max - len(rows))
     for row in rows:
         tl.record(int(row[0]), int(row[1]), int(row[2]), "fwd" if row[3] == 0 else "bwd",
                   float(row[4]), float(row[5]))
-    summary = tl.summary()
-    for q, v in summary.items():
-        log(bubble_line(q, v))
-    if opts.timeline_dir and jax.process_index() == 0 and len(tl):
-        os.makedirs(opts.timeline_dir, exist_ok=True)
-        tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))
-        tl.plot_png(os.path.join(opts.timeline_dir, "timeline.png"),
-                    title=f"{opts.model} {opts.schedule.value} {opts.layout.summary()}")
-        log(f"timeline written to {opts.timeline_dir}/timeline.json and timeline.png")
+    summary = {}
+    if tl.unmeasured:     # StepClock leaves out actions whose start it could not observe
+        log(f"bubble not measured: no step had every action measured ({tl.unmeasured} of {n_max} actions of "
+            f"the last step ended no later than they could start as seen: the host was too busy to watch them)")
+    else:
+        summary = tl.summary()
+        for q, v in summary.items():
+            log(bubble_line(q, v))
+    if opts.timeline_dir and jax.process_index() == 0:
+        _write_timeline(opts, tl, log)
     return summary
+
+
+def _write_timeline(opts, tl, log) -> None:
+    os.makedirs(opts.timeline_dir, exist_ok=True)
+    tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))
+    if not len(tl):       # nothing measured: nothing to draw, and no stale picture of another run left
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(opts.timeline_dir, "timeline.png"))
+        log(f"timeline written to {opts.timeline_dir}/timeline.json (no action measured: no timeline.png)")
+        return
+    tl.plot_png(os.path.join(opts.timeline_dir, "timeline.png"),
+                title=f"{opts.model} {opts.schedule.value} {opts.layout.summary()}")
+    partial = f" ({tl.unmeasured} actions not measured: no bubble)" if tl.unmeasured else ""
+    log(f"timeline written to {opts.timeline_dir}/timeline.json and timeline.png{partial}")
 
 
 def _verify(opts, trainer, config, data, init_state, start, losses, result, log) -> None:

@@ -53,6 +53,7 @@ def main() -> int:
 
     from cfp.layout import Layout
     from cfp.runtime.schedules import ScheduleName
+    from cfp.runtime.timeline import theoretical_bubble
     from cfp.runtime.training import DataSource, TrainOptions, run_training
 
     rows = []
@@ -67,16 +68,21 @@ def main() -> int:
         print(f"== {name}")
         res = run_training(opts, log=lambda *a, **k: None)
         b = res.bubbles.get(0, {})
-        rows.append((name, res.tokens_per_s, b.get("bubble", float("nan")),
-                     b.get("theoretical_bubble", float("nan")), res.verify_error))
-        print(f"   tokens/s {res.tokens_per_s:,.0f}; pipeline 0 bubble {b.get('bubble', 0):.1%} "
-              f"(theory {b.get('theoretical_bubble', 0):.1%})"
-              + (f"; verify error {res.verify_error:.2e}" if res.verify_error is not None else ""))
-    print("\nlayout                          tokens/s   bubble  theory")
+        rows.append((name, _figure(res.tokens_per_s, ",.0f"), _figure(b.get("bubble"), ".1%"),
+                     format(theoretical_bubble(len(tps[0]), chunks[0]), ".1%"), res.verify_error))
+        print(f"   tokens/s {rows[-1][1]} (measured); pipeline 0 bubble {rows[-1][2]} (measured; theory "
+              f"{rows[-1][3]})" + (f"; verify error {res.verify_error:.2e}" if res.verify_error is not None else ""))
+    print("\nlayout                          tokens/s   bubble  theory   (measured, measured, equal-time formula)")
     for name, tps, bub, theo, _ in rows:
-        print(f"{name:30s} {tps:9,.0f} {bub:8.1%} {theo:7.1%}")
+        print(f"{name:30s} {tps:>9s} {bub:>8s} {theo:>7s}")
     print(f"timelines (JSON + PNG) under {args.out}/layout*/")
     return 0 if all(r[4] is None or r[4] < 1e-4 for r in rows) else 1
+
+
+def _figure(value, fmt: str) -> str:
+    """A measured figure, or "n/a" where the run measured none (a single, tracing step gives no rate; a step the
+    host was too busy to watch in full gives no bubble)."""
+    return "n/a" if value is None else format(value, fmt)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ class TrainOptions:
 @dataclass
 class TrainResult:
     losses: dict[int, float]             # step number (1-based) -> loss
-    tokens_per_s: float
+    tokens_per_s: Optional[float]        # measured over the steps after the first (which traces); None: no such step
     busy: dict[tuple[int, int], float]   # mean seconds per step each stage computed
     bubbles: dict[int, dict[str, float]]
     verify_error: Optional[float] = None
@@ -226,7 +226,7 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
             _save(opts, trainer, losses)
         if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
             break
-    result = TrainResult(losses, 0.0, {}, {})
+    result = TrainResult(losses, None, {}, {})
     if timed:
         result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
         result.busy = {k: v / busy_steps[k] for k, v in busy_sum.items()}

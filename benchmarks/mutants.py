@@ -48,7 +48,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "return (params,",
            ("tests/test_stage_plans.py",),
            "searched stages return the old parameters from their optimizer update"),
-    Mutant("searched-stage-program-rebuilt", "stage plans", "cfp/runtime/stage/build.py",
+    Mutant("searched-stage-program-rebuilt", "stage plans", "cfp/runtime/stage/cases.py",
            "return cache.get(Built.PROGRAM, case.program_key(plan_choice), build)",
            "return build()",
            ("tests/test_stage_plans.py::test_search_then_training_builds_each_stage_program_once",),

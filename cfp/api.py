@@ -5,8 +5,8 @@ import os
 from typing import Callable
 
 from cfp.analysis.analysis import analyze_with_program
+from cfp.ir.state import mapping_pairs, set_state_pairs
 from cfp.mesh import MeshSpec
-from cfp.sharding.specs import mapping_pairs, set_state_pairs
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile

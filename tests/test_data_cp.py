@@ -7,7 +7,7 @@ import pytest
 
 from cfp.mesh import MeshSpec
 from cfp.models.attention import ContextParallel, CpMethod, attend, context_parallel, cp_attention
-from cfp.models.common import dot_product_attention
+from cfp.models.attention import dot_product_attention
 
 # O(1) values; softmax rows of 32 keys in float32, online (ring) vs one-shot summation: a few ulps of
 # the O(1) outputs; 64·eps leaves margin for any SIMD summation order.

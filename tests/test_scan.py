@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from cfp.analysis.analysis import Analysis, analyze_with_program
 from cfp.analysis.blocks import data_parallel_choice, trace_view
 from cfp.analysis.loops import stacked_dims
-from cfp.sharding.specs import state_pairs
+from cfp.ir.state import state_pairs
 from cfp.baselines.uniform import dp_tp_choice
 from cfp.hardware.gpus import get_gpu
 from cfp.profiling.options import ProfileOptions

@@ -12,7 +12,7 @@ from cfp.analysis.blocks import data_parallel_choice
 from cfp.errors import ConfigError
 from cfp.search.options import SearchOptions
 from cfp.search.search import VerifiedChoice, _never_slower_than_baselines
-from cfp.sharding.specs import mapping_pairs, set_state_pairs, state_pairs
+from cfp.ir.state import mapping_pairs, set_state_pairs, state_pairs
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 3

@@ -21,6 +21,7 @@ from cfp.analysis.strategies import (DotStrategy, Loop, batch_loop_order, dot_lo
                                      enumerate_strategies)
 from cfp.analysis.loops import allowed_loops, port_role, port_view
 from cfp.ir.graph import BARRIER, SCAN_PORTS, OpGraph, Operator
+from cfp.ir.state import state_inputs
 
 _VIEW_OPS = {"convert_element_type", "copy", "transpose", "reduce_precision", "copy_p"}
 
@@ -311,7 +312,6 @@ def parameter_operand(graph: OpGraph, op: Operator) -> str | None:
     """"lhs" or "rhs": the dot operand that is a parameter — read (through views) from a flat input the step
     returns updated, else from a flat input while the other operand is computed — or None when that does not
     tell them apart."""
-    from cfp.sharding.specs import state_inputs     # deferred: the sharding layer imports the analysis
     state = {graph.inputs[i] for i in state_inputs(graph)}
     srcs = [trace_view(graph, t)[0] for t in op.inputs[:2]]
     for test in (lambda t: t in state, lambda t: t in graph.input_position):

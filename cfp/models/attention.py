@@ -1,4 +1,5 @@
-"""Attention dispatch: plain attention, or context parallelism (CP) when a `context_parallel` scope is active.
+"""The model zoo's attention: plain dot-product attention, or context parallelism (CP) when a
+`context_parallel` scope is active.
 
 CP shards the sequence dim of q/k/v over a mesh axis. Each device keeps its query chunk; keys/values are either
 all-gathered (GATHER: simple, memory O(S) per device) or passed around a ring with an online softmax (RING:
@@ -18,7 +19,31 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from cfp.errors import ConfigError
-from cfp.models.common import MASK_VALUE, dot_product_attention
+
+
+MASK_VALUE = -1e9  # finite so fully-masked rows never produce NaN
+
+
+def dot_product_attention(q, k, v, causal: bool, segment_ids=None):
+    """q [B,S,H,D], k/v [B,T,Hkv,D] with H % Hkv == 0 (grouped-query when Hkv < H).
+
+    `segment_ids` int32[B,S] (packed sequences, S == T): a query attends only to keys of its own segment,
+    so attention never crosses sequences. Returns [B,S,H,D] in q's dtype.
+    """
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    # Query head h uses kv head h // (H // Hkv): group consecutive query heads.
+    q = q.reshape(b, s, hkv, h // hkv, d) * jnp.asarray(d ** -0.5, q.dtype)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32)
+    if causal:
+        mask = jnp.tril(jnp.ones((s, k.shape[1]), dtype=bool))
+        scores = jnp.where(mask, scores, MASK_VALUE)
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,S,T]
+        scores = jnp.where(same[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, d)
 
 
 class CpMethod(enum.Enum):

@@ -1,6 +1,6 @@
 """Building blocks shared by the model zoo.
 
-Attention is written with explicit einsums (no fused kernels) so the analysis pass
+Attention (`cfp.models.attention`) is written with explicit einsums (no fused kernels) so the analysis pass
 sees every dot_general.  Parameters are float32; activations use the config's
 compute dtype; softmax runs in float32 for stability.
 """
@@ -12,11 +12,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from cfp.errors import ConfigError
+from cfp.models.attention import attend
 
 PARAM_DTYPE = jnp.float32
 # GPT-2 style small init keeps initial logits near zero, so the loss starts at log(V).
 INIT = nn.initializers.normal(stddev=0.02)
-MASK_VALUE = -1e9  # finite so fully-masked rows never produce NaN
 
 
 def compute_dtype(config: Any) -> jnp.dtype:
@@ -50,28 +50,6 @@ def token_and_position(module: nn.Module, config: Any, tokens: Any, positions: A
     return tok + pos[:s].astype(dt)
 
 
-def dot_product_attention(q, k, v, causal: bool, segment_ids=None):
-    """q [B,S,H,D], k/v [B,T,Hkv,D] with H % Hkv == 0 (grouped-query when Hkv < H).
-
-    `segment_ids` int32[B,S] (packed sequences, S == T): a query attends only to keys of its own segment,
-    so attention never crosses sequences. Returns [B,S,H,D] in q's dtype.
-    """
-    b, s, h, d = q.shape
-    hkv = k.shape[2]
-    # Query head h uses kv head h // (H // Hkv): group consecutive query heads.
-    q = q.reshape(b, s, hkv, h // hkv, d) * jnp.asarray(d ** -0.5, q.dtype)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32)
-    if causal:
-        mask = jnp.tril(jnp.ones((s, k.shape[1]), dtype=bool))
-        scores = jnp.where(mask, scores, MASK_VALUE)
-    if segment_ids is not None:
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B,S,T]
-        scores = jnp.where(same[:, None, None], scores, MASK_VALUE)
-    probs = nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
-
-
 class Attention(nn.Module):
     """Multi-head (or grouped-query) self-attention with separate q/k/v projections.
 
@@ -90,7 +68,6 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, segment_ids=None, positions=None):
-        from cfp.models.attention import attend  # late: attention.py imports this module
         hidden = x.shape[-1]
         q = dense((self.num_heads, self.head_dim), self.dtype, self.use_bias, name="query")(x)
         k = dense((self.num_kv_heads, self.head_dim), self.dtype, self.use_bias, name="key")(x)

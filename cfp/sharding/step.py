@@ -11,8 +11,9 @@ from cfp.analysis.analysis import Analysis
 from cfp.errors import ConfigError
 from cfp.ir.capture import Program
 from cfp.mesh import MeshSpec
+from cfp.ir.state import state_inputs
 from cfp.sharding.constraints import ConstraintHooks
-from cfp.sharding.specs import StepShardings, resolve, state_inputs
+from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.hlo import Collective, parse_collectives
 from cfp.xla.log import Rematerialization, capture_log
 

@@ -13,24 +13,10 @@ from cfp.errors import ConfigError
 from cfp.models import init_params, min_batch_size, stage_modules
 from cfp.layout import Layout
 from cfp.runtime.stage.cache import Built, CompileCache
-from cfp.runtime.stage.cases import StageCase, analysed_step, megatron_program, stage_cases
+from cfp.runtime.stage.cases import StageCase, analysed_step, megatron_program, replay_program, stage_cases
 from cfp.runtime.stage.plans import PLANS_FILE, StagePlan, StagePlanMode, StagePlanOptions, StagePlans, entries
-from cfp.runtime.stage.program import StageProgram
-from cfp.runtime.stage.replay import StageReplay
+from cfp.runtime.stage.search import search_stage_plans
 from cfp.sharding.specs import resolve
-
-
-def replay_program(case: StageCase, plan_choice: tuple, applied: Any, cache: CompileCache) -> StageProgram:
-    """The stage's `StageProgram` running searched choice `plan_choice` ((choice, shard_state), resolved as
-    `applied`), cut from its analysed step; replay and program built once per cache."""
-    def build():
-        step = analysed_step(case, cache)
-        st = case.prog.stage
-        replay = cache.get(Built.REPLAY, (case.step_key, plan_choice),
-                           lambda: StageReplay(step.program, step.analysis, applied, st.is_first, st.is_last))
-        p = case.prog
-        return StageProgram(st, (p.embed, p.layer_mods, p.head), list(p.devices), p.params_like, cache.tx, replay)
-    return cache.get(Built.PROGRAM, case.program_key(plan_choice), build)
 
 
 def _planned_programs(plans: StagePlans, config: Any, layout: Layout, cache: CompileCache,
@@ -97,7 +83,6 @@ def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: 
     """The stage plans of a training run (None: Megatron rules). A resumed run reuses the plans saved next
     to its checkpoints; a searched run saves them there (``<checkpoint_dir>/stage_plans``) and leaves the
     programs it built in `cache`."""
-    from cfp.runtime.stage.search import search_stage_plans
     if options is None or options.mode is StagePlanMode.MEGATRON:
         return None
     saved_dir = os.path.join(checkpoint_dir, "stage_plans") if checkpoint_dir else None

@@ -14,7 +14,7 @@ from cfp.ir.capture import Program
 from cfp.layout import Layout
 from cfp.runtime.stage.cache import Built, CompileCache, ProgramKey, StepKey
 from cfp.runtime.stage.program import StageProgram
-from cfp.runtime.stage.replay import stage_step
+from cfp.runtime.stage.replay import StageReplay, stage_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,19 @@ def megatron_program(model: str, config: Any, st, devices: list, params_like: An
     """The stage's `StageProgram` under the Megatron rules, built once per cache."""
     key = ProgramKey(model, config, st, tuple(devices))
     return cache.get(Built.PROGRAM, key, lambda: StageProgram(st, modules, devices, params_like, cache.tx))
+
+
+def replay_program(case: StageCase, plan_choice: tuple, applied: Any, cache: CompileCache) -> StageProgram:
+    """The stage's `StageProgram` running searched choice `plan_choice` ((choice, shard_state), resolved as
+    `applied`), cut from its analysed step; replay and program built once per cache."""
+    def build():
+        step = analysed_step(case, cache)
+        st = case.prog.stage
+        replay = cache.get(Built.REPLAY, (case.step_key, plan_choice),
+                           lambda: StageReplay(step.program, step.analysis, applied, st.is_first, st.is_last))
+        p = case.prog
+        return StageProgram(st, (p.embed, p.layer_mods, p.head), list(p.devices), p.params_like, cache.tx, replay)
+    return cache.get(Built.PROGRAM, case.program_key(plan_choice), build)
 
 
 def stage_cases(model: str, config: Any, layout: Layout, cache: CompileCache,

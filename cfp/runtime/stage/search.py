@@ -30,9 +30,8 @@ from cfp.errors import InfeasibleError
 from cfp.profiling.profiler import profile
 from cfp.layout import Layout
 from cfp.runtime.stage.boundary import boundary_seconds
-from cfp.runtime.stage.build import replay_program
 from cfp.runtime.stage.cache import CompileCache
-from cfp.runtime.stage.cases import AnalysedStep, StageCase, analysed_step, stage_cases
+from cfp.runtime.stage.cases import AnalysedStep, StageCase, analysed_step, replay_program, stage_cases
 from cfp.runtime.stage.compare import compare_with_megatron
 from cfp.runtime.stage.plans import (SearchedSharding, SearchFigures, StagePlan, StagePlanOptions, StagePlans,
                                      Timing, entries)

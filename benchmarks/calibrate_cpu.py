@@ -189,7 +189,7 @@ def fit_stage(points, gemm: tuple[float, float], softmax: float) -> tuple[float,
     its cache the midpoint of the working sets either side (no split: twice the largest point's).
     (A fixed cost per kernel fitted beside it came out at 0: the points are linear through the origin.)"""
     from cfp.models import get_config
-    from cfp.models.costs import ModelCost
+    from cfp.costs import ModelCost
     m = ModelCost(get_config("llama2", "small", num_layers=3))
     rate, half = gemm
     x, y, ws = [], [], []

@@ -4,7 +4,7 @@
     python benchmarks/validate_costmodel.py --local    # also: estimate vs measured step on 8 CPU devices (minutes)
 
 Published rows: each run is priced by the planner's own cost model -- `cfp.planner.costmodel.CostModel` over
-`cfp.models.costs.ModelCost` (per-device parameters from the model's parameter tree under the TP rules, every
+`cfp.costs.ModelCost` (per-device parameters from the model's parameter tree under the TP rules, every
 dot's GEMM shape, memory-bound bytes) and the schedule's `pipeline_time` -- for the published model (a GPT or
 Llama-2 config of the zoo with the published sizes; parameter shapes from `jax.eval_shape`, nothing allocated),
 on a cluster of the published devices and links, in the published (TP, PP, DP, micro-batch) layout. How the
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cfp.hardware.collectives import get_link  # noqa: E402
 from cfp.hardware.gpus import get_gpu  # noqa: E402
 from cfp.models.configs import GPTConfig, LlamaConfig  # noqa: E402
-from cfp.models.costs import ModelCost  # noqa: E402
+from cfp.costs import ModelCost  # noqa: E402
 from cfp.planner.baselines import _megatron, megatron_layout  # noqa: E402
 from cfp.planner.cluster import Cluster, Machine  # noqa: E402
 from cfp.layout import Layout  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 
 from cfp.errors import ConfigError
 from cfp.models import build_model, get_config
-from cfp.models.costs import ModelCost
+from cfp.costs import ModelCost
 from cfp.planner.cluster import parse_cluster
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel

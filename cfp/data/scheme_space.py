@@ -11,7 +11,7 @@ Estimated (GPU cost model, bf16, flash-style varlen attention): per stage and mi
     flops  = 3·F_token·s·L/pp + 6·h·s²·L/pp  (causal attention: half of 12·h·s² per layer)  [+ the head on the
              last stage, 3·F_head·s/pp spread]
 with F_token a layer's forward dot FLOPs per token and F_head the head's, and the parameter counts of
-`cfp.models.costs.ModelCost` (the figures every pricing pass reads)
+`cfp.costs.ModelCost` (the figures every pricing pass reads)
     time   = flops / (cp·tp · peak_bf16 · MFU) + TP all-reduces 4·2(tp-1)/tp·s·h·2 B·L/pp / link
              + CP ring 2·2·(cp-1)/cp·s·kv·2 B·L/pp / link  (not overlapped: pessimistic)
     memory = 16 B·params/(tp·pp) + 34·h·s·L/(tp·cp) B  (1F1B keeps ~pp micro-batches on stage 0, each
@@ -53,7 +53,7 @@ def estimate_space(model: str, config_name: str, cfg, gpu_name: str, max_devices
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * cfg.head_dim
     link = gpu.link_gbps * 1e9
     peak = gpu.peak_flops("bfloat16") * mfu
-    from cfp.models.costs import ModelCost
+    from cfp.costs import ModelCost
     cost = ModelCost(cfg)
     p_total = cost.layer_params(1) * L + cost.embed_params(1) + cost.head_params(1)
     token_flops, head_flops = cost.layer_token_flops(1), cost.head_dot_flops(1) / cfg.seq_len

@@ -1,7 +1,7 @@
 """The planner's cost model of one training step of a model of the zoo on a heterogeneous layout.
 
 The model's figures -- per-device parameters, each dot's FLOPs and GEMM shape, memory-bound bytes, kept
-activations, the TP all-reduces -- come from `cfp.models.costs.ModelCost`, which describes every model once
+activations, the TP all-reduces -- come from `cfp.costs.ModelCost`, which describes every model once
 (GPT, Llama-2, GShard MoE, BERT). The runtime keeps only each micro-batch's stage input between forward and
 backward and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
 (recompute + 2x for the gradients) and its activation peak is one micro-batch's whole stage.
@@ -39,7 +39,7 @@ from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.layout import Layout, Pipeline, Stage
-from cfp.models.costs import PARAM_BYTES, ModelCost
+from cfp.costs import PARAM_BYTES, ModelCost
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
 from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, collective_sync_seconds

@@ -1,5 +1,5 @@
 """The boundary transfer a stage's activation layouts imply, priced from the one cost floor
-(`cfp.models.costs.ModelCost`): the search adds it to every candidate's step time, and to Megatron's."""
+(`cfp.costs.ModelCost`): the search adds it to every candidate's step time, and to Megatron's."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from jax.sharding import PartitionSpec as P
 
-from cfp.models.costs import ModelCost
+from cfp.costs import ModelCost
 
 if TYPE_CHECKING:
     from cfp.runtime.stage.cases import StageCase

@@ -8,7 +8,7 @@ the same sub-mesh are shared by stages, pipelines and later runs) and per-block 
 the memory budget, parameter/optimizer-state sharding (ZeRO-3) included. Among the verified plans the search's
 step time plus the boundary transfer — the bytes each of the stage's devices receives for its incoming
 activation and outgoing activation's gradient in the layouts that plan gives them, per sequence from
-`cfp.models.costs.ModelCost` — picks the winner, which is then timed side by side with the stage's Megatron
+`cfp.costs.ModelCost` — picks the winner, which is then timed side by side with the stage's Megatron
 sharding (`cfp.runtime.stage.compare`: both stages' runtime programs, timed in turns); the faster one runs, so
 a stage plan is never slower than Megatron beyond the measured noise.
 

@@ -23,9 +23,14 @@ import functools
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from cfp.errors import ConfigError
+from cfp.models.api import build_model
 from cfp.models.configs import MODEL_FAMILIES, BertConfig, LlamaConfig, MoEConfig
 from cfp.models.dims import param_dims
+from cfp.sharding.rules import path_keys, tensor_dim
 
 Gemm = tuple[float, tuple[float, float, float]]     # (FLOPs, per-device GEMM shape (m, n, k))
 _MISSING = object()
@@ -54,11 +59,6 @@ class Param:
 @functools.lru_cache(maxsize=64)
 def param_parts(config: Any) -> dict[str, tuple[tuple[Param, ...], ...]]:
     """The model's parameters by part: "embed", "layers" (one tuple per layer kind), "head"."""
-    import jax
-    import jax.numpy as jnp
-
-    from cfp.models.api import build_model
-    from cfp.sharding.rules import path_keys
     kinds = 2 if isinstance(config, MoEConfig) else 1
     model = build_model(model_name_of(config), dataclasses.replace(config, num_layers=kinds))
     # shapes do not depend on the batch: one token per row, as many rows as a MoE group needs
@@ -74,7 +74,6 @@ def param_parts(config: Any) -> dict[str, tuple[tuple[Param, ...], ...]]:
 
 
 def _split_dim(p: Param, tp: int) -> int | None:
-    from cfp.sharding.rules import tensor_dim
     return tensor_dim(p.keys, p.shape, tp)
 
 

@@ -154,6 +154,7 @@ INLINE: dict[str, Run | Skip] = {
         "data", (("benchmarks/", "python benchmarks/"), ("--steps 4", "--steps 1"),
                  ("ps.json", "parallel_scheme_space.json"))),
     "cfp plan is the fsdp sharding ...: same sharding, no ratio": Skip(_OUTPUT),
+    "cfp plan vs the best other baseline within the budget (fsdp): 1.11x": Skip(_OUTPUT),
     "cfp plan --cluster examples/clusters/local.yaml --model moe --num-layers 4 --out m.json": Run(
         "plan_moe", (), ("m.json",)),
     "cfp train --layout m.json --steps 3 --verify": Run("plan_moe", (("--steps 3", "--steps 1"),)),

@@ -64,6 +64,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "PYTHONPATH=$PWD python examples/flax_nnx.py": Run("nnx", _EXAMPLE, ("nnx_plan.json",)),
     "PYTHONPATH=$PWD python examples/scanned_linen.py": Run("linen", _EXAMPLE, ("scanned_plan.json",)),
     "PYTHONPATH=$PWD python examples/equinox_gpt.py": Run("equinox", _EXAMPLE, ("equinox_plan.json",)),
+    "PYTHONPATH=$PWD python examples/linen_cnn.py": Run("cnn", _EXAMPLE, ("cnn_plan.json",)),
     "PYTHONPATH=$PWD python benchmarks/user_programs.py": Run(
         "user_programs", ((".py", ".py --styles flax_nnx --rounds 3"),)),
     # The CFP passes from the shell

@@ -1,4 +1,4 @@
-"""The examples' user programs (Equinox, Flax NNX, scanned Linen) sharded by cfp: each trains like its
+"""The examples' user programs (Equinox, Flax NNX, scanned Linen, a Linen CNN with BatchNorm) sharded by cfp: each trains like its
 unsharded step, chains (state outputs leave with their inputs' shardings, donated), on an Explicit mesh."""
 import importlib.util
 from pathlib import Path
@@ -33,7 +33,7 @@ def _autoshard(step_fn, mesh, args, **kw):
     return cfp.autoshard(step_fn, mesh, *args, profiler="estimate", gpu="H100-SXM", max_combinations=3, **kw)
 
 
-@pytest.fixture(scope="module", params=["equinox_gpt", "flax_nnx", "scanned_linen"])
+@pytest.fixture(scope="module", params=["equinox_gpt", "flax_nnx", "scanned_linen", "linen_cnn"])
 def searched(request, tmp_path_factory):
     mod = _example(request.param)
     step_fn, args, _ = mod.problem()

@@ -1,5 +1,6 @@
-"""The examples' user programs (Equinox, Flax NNX, scanned Linen, a Linen CNN with BatchNorm) sharded by cfp: each trains like its
-unsharded step, chains (state outputs leave with their inputs' shardings, donated), on an Explicit mesh."""
+"""The examples' user programs (Equinox, Flax NNX, scanned Linen, a Linen CNN with BatchNorm) sharded by cfp:
+each trains like its unsharded step, chains (state outputs leave with their inputs' shardings, donated), on an
+Explicit mesh."""
 import importlib.util
 from pathlib import Path
 

@@ -220,7 +220,8 @@ class Timeline:
 
     # ---- persistence ----
     def to_dict(self) -> dict:
-        return {"version": 1, "unmeasured": self.unmeasured, "events": [dict(dataclasses.asdict(e), phase=e.phase.value) for e in self._events]}
+        return {"version": 1, "unmeasured": self.unmeasured,
+                "events": [dict(dataclasses.asdict(e), phase=e.phase.value) for e in self._events]}
 
     def save_json(self, path: str | os.PathLike) -> None:
         write_json_atomic(path, self.to_dict(), indent=None)

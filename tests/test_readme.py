@@ -122,6 +122,7 @@ _TEMPLATE = "a template with placeholders ({}); its concrete form is a fenced co
 INLINE: dict[str, Run | Skip] = {
     "cfp explain": Skip(_NAME), "cfp diff": Skip(_NAME), "cfp plan": Skip(_NAME), "cfp data": Skip(_NAME),
     "cfp launch": Skip(_NAME), "cfp search --plan-out": Skip(_NAME),
+    "PYTHONPATH=$PWD python examples/linen_cnn.py": Skip(_NAME),
     "cfp train --stage-plans search": Skip(_NAME), "cfp plan --stage-times": Skip(_NAME),
     "cfp train --layout": Skip(_NAME),
     "make demo": COMMANDS["make demo"], "make test": COMMANDS["make test"],

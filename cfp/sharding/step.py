@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding
 from cfp.analysis.analysis import Analysis
 from cfp.errors import ConfigError
 from cfp.ir.capture import Program
-from cfp.mesh import MeshSpec
 from cfp.ir.state import state_inputs
+from cfp.mesh import MeshSpec
 from cfp.sharding.constraints import ConstraintHooks
 from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.hlo import Collective, parse_collectives

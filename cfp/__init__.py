@@ -12,6 +12,7 @@ The public API, re-exported here from the passes that own each name (one argumen
 from cfp.analysis.analysis import Analysis, analyze
 from cfp.api import apply_plan, autoshard
 from cfp.errors import CaptureError, CfpError, ConfigError, InfeasibleError, PlanError
+from cfp.layered.model import LayeredModel
 from cfp.layout import Layout
 from cfp.mesh import MeshSpec
 from cfp.planner.cluster import Cluster, parse_cluster
@@ -32,7 +33,7 @@ __all__ = [
     "analyze", "autoshard", "apply_plan", "load_plan", "Plan", "MeshSpec", "ShardedStep", "StepShardings",
     "Analysis", "SearchResult", "ProfileTable", "check_collectives",
     # heterogeneous clusters: planner and training runtime
-    "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "Layout",
+    "LayeredModel", "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "Layout",
     "TrainOptions", "TrainResult", "run_training",
     # errors
     "CfpError", "ConfigError", "PlanError", "CaptureError", "InfeasibleError",

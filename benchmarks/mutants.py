@@ -64,7 +64,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_runtime.py",),
            "the engine's AdamW has no weight decay"),
     Mutant("planner-ignores-tp-all-reduce", "planner", "cfp/planner/costmodel.py",
-           "ar = m.layer_all_reduces() * self.tp_all_reduce_seconds(st.machine, st.tp, mb * m.boundary_bytes())",
+           "ar = m.layer_all_reduces(st.tp) * self.tp_all_reduce_seconds(st.machine, st.tp, mb * m.boundary_bytes())",
            "ar = 0.0",
            ("tests/test_planner_measured.py", "tests/test_planner.py"),
            "the planner's stage time leaves out tensor-parallel all-reduces"),

@@ -52,9 +52,19 @@ def tensor_dim(keys: Sequence[str], shape: Sequence[int], tp: int, strict: bool 
                rules: Sequence[Rule] = TENSOR_RULES) -> int | None:
     """The dim of the parameter at `keys` with `shape` that takes the tensor-parallel axes of size `tp`, or None
     (replicated). `strict` raises ConfigError where a required rule's dim does not divide."""
+    return named_tensor_dim(param_dims(keys, len(shape)), shape, tp, strict, rules, keys)
+
+
+def named_tensor_dim(names: Sequence[str | None], shape: Sequence[int], tp: int, strict: bool = False,
+                     rules: Sequence[Rule] = TENSOR_RULES, keys: Sequence[str] = ()) -> int | None:
+    """`tensor_dim` of a parameter whose dims carry the logical names `names` (Flax logical partitioning,
+    `LayeredModel.logical_names`), not found by its key path; `keys` only names it in errors."""
     if tp <= 1:
         return None
-    dims = param_dims(keys, len(shape))
+    dims = tuple(names)
+    if len(dims) != len(shape):
+        raise ConfigError(f"logical names {dims} of {'/'.join(keys) or 'a parameter'} do not match its shape "
+                          f"{tuple(shape)}")
     for rule in rules:
         if rule.dim not in dims:
             continue

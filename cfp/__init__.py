@@ -16,6 +16,7 @@ from cfp.layered.model import LayeredModel
 from cfp.layout import Layout
 from cfp.mesh import MeshSpec
 from cfp.planner.cluster import Cluster, parse_cluster
+from cfp.planner.layered import plan_layout
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
 from cfp.profiling.table import ProfileTable
@@ -33,7 +34,8 @@ __all__ = [
     "analyze", "autoshard", "apply_plan", "load_plan", "Plan", "MeshSpec", "ShardedStep", "StepShardings",
     "Analysis", "SearchResult", "ProfileTable", "check_collectives",
     # heterogeneous clusters: planner and training runtime
-    "LayeredModel", "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "Layout",
+    "LayeredModel", "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "plan_layout",
+    "Layout",
     "TrainOptions", "TrainResult", "run_training",
     # errors
     "CfpError", "ConfigError", "PlanError", "CaptureError", "InfeasibleError",

@@ -42,7 +42,7 @@ from cfp.layered.model import LayeredModel
 from cfp.sharding.rules import named_tensor_dim
 from cfp.xla.compiled import compiled_cost, device_kind
 
-DEFAULT_TP_DEGREES = (1, 2, 4, 8, 16)
+DEFAULT_TP_DEGREES = tuple(range(1, 17))     # the planner may cut a machine into groups of any size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +399,11 @@ def _compile_last(model: LayeredModel, p: Any, x: Any, batch: Any) -> _Compiled:
 
 
 # ----------------------------------------------------------------------------- the model
+def _power_of_two(n: int) -> int:
+    """The largest power of two up to `n`: the planner's TP degrees are powers of two dividing `tp_divisor`."""
+    return 1 << (int(n).bit_length() - 1)
+
+
 def _rows(batch: Any) -> int:
     return int(np.shape(jax.tree_util.tree_leaves(batch)[0])[0])
 
@@ -490,7 +495,7 @@ def derive_facts(model: LayeredModel, example_batch: Any, *, optimizer: Any = No
     act = max(_floats(x), key=lambda a: math.prod(a.shape), default=None)
     return CostFacts(
         name=model.name, num_layers=model.num_layers, seq_len=options.tokens_per_row, dtype=_dot_dtype(traced),
-        tp_divisor=math.gcd(model.heads[0], max(tps)) if model.heads else max(tps),
+        tp_divisor=math.gcd(model.heads[0], _power_of_two(max(tps))) if model.heads else _power_of_two(max(tps)),
         act_itemsize=jnp.dtype(act.dtype).itemsize if act is not None else 4, boundary=boundary,
         tokens=_used_bytes(first, n_first, rows),
         first=_table(f_first, _compile_first(model, params["first"], batch, x, rows, f_first[1].dot_bytes),

@@ -7,7 +7,8 @@ projection), after which the output is whole. Otherwise one split of the dot car
 the order batch, rhs free, lhs free dims. With `guess` (a model without logical names), a dot whose operands are
 not split and one of which carries no rows (a weight) splits that operand's free loop at its major dim the
 degree divides (column-parallel; a [H, heads, D] kernel splits its heads), and a dot that contracts a split
-splits its weight's matching dim (row-parallel). That reproduces Megatron's MLP and attention; it is a guess
+splits its weight's matching dim (row-parallel); a weight added or multiplied into a split result (a bias) splits
+alike. That reproduces Megatron's MLP and attention; it is a guess
 from shapes, which named parameters replace.
 """
 from __future__ import annotations
@@ -69,9 +70,19 @@ class _Walk:
                 self._dot(op)
                 continue
             outs = {t for t in op.outputs if t is not None}
-            for ta, da, tb, db in links(op, self.g):
-                if tb in outs and da in self.of(ta):
+            found = [k for k in links(op, self.g) if k[2] in outs]
+            for ta, da, tb, db in found:
+                if da in self.of(ta):
                     self.mark(tb, db)
+            if self.guess:
+                self._weights_alike(found)
+
+    def _weights_alike(self, found) -> None:
+        """A guessing walk: a weight combined elementwise with a split result (a column-parallel bias) is split
+        alike."""
+        for ta, da, tb, db in found:
+            if db in self.of(tb) and da not in self.of(ta) and not (self.rows or {}).get(ta):
+                self._note(ta, da)
 
     def _dot(self, op: Operator) -> None:
         lhs, rhs = op.inputs[:2]

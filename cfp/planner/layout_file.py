@@ -1,6 +1,8 @@
 """The layout file `cfp plan` writes and `cfp train --layout FILE` runs: JSON holding the planned
-`cfp.layout.Layout` (its `to_json`), the model it is for, the schedule, the estimate and the cluster it was
-planned for. Loading validates every field and builds the `Layout` the runtime takes as is."""
+`cfp.layout.Layout` (its `to_json`), the model it is for (a zoo name and named config, or a user's
+``module:factory`` / ``file.py:factory`` with no config), the schedule, the estimate and the cluster it was
+planned for. Loading validates every field and builds the `Layout` the runtime takes as is (a zoo model's against
+its config; a user model's layer count is checked where the model is loaded, `cfp train --model`)."""
 from __future__ import annotations
 
 import json
@@ -33,6 +35,11 @@ class LayoutFile:
                 "layout": self.layout.to_json(), "estimate": dict(self.estimate), "cluster": dict(self.cluster)}
 
 
+def is_factory_spec(model: str) -> bool:
+    """Whether a layout file's model names a user's factory (``module:factory``), not a zoo model."""
+    return ":" in model
+
+
 def write_layout_file(path: str, layout_file: LayoutFile) -> None:
     """Write atomically (a temporary file in the same directory, then rename)."""
     write_text_atomic(path, json.dumps(layout_file.to_dict(), indent=1) + "\n")
@@ -55,14 +62,19 @@ def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:
         if not isinstance(data.get(key, {}), Mapping):
             raise ConfigError(f"{where}: {key}={data[key]!r} must be a mapping")
     overrides = dict(data.get("overrides", {}))
+    factory = is_factory_spec(data["model"])
+    if factory and (data["config"] or overrides):
+        raise ConfigError(f"{where}: model {data['model']!r} is a factory; it takes no config or overrides "
+                          f"(config={data['config']!r}, overrides={overrides!r})")
     try:
-        config = get_config(data["model"], data["config"], **overrides)
+        config = None if factory else get_config(data["model"], data["config"], **overrides)
         schedule = ScheduleName.parse(data["schedule"])
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     layout = Layout.from_json(data["layout"], f"{where}: layout")
     try:
-        layout.validate_for(config)
+        if config is not None:
+            layout.validate_for(config)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return LayoutFile(data["model"], data["config"], overrides, schedule, layout,

@@ -72,6 +72,16 @@ def adamw(learning_rate: float, weight_decay: float) -> optax.GradientTransforma
     return optax.adamw(learning_rate, weight_decay=weight_decay)
 
 
+def zoo_trainer(model_name: str, config: Any, layout: Layout, schedule: "str | ScheduleName" = ScheduleName.GPIPE,
+                *, learning_rate: float = 1e-3, weight_decay: float = 0.01, seed: int = 0, abstract: bool = False,
+                **kw: Any) -> "HeteroTrainer":
+    """A trainer of the zoo model ``model_name`` (its `LayeredModel`, parameters from ``seed``; ``abstract``: shapes
+    only, for compiling without running) with AdamW; ``kw`` as `HeteroTrainer`'s."""
+    from cfp.models.layered import zoo_model
+    return HeteroTrainer(zoo_model(model_name, config, seed, abstract=abstract), adamw(learning_rate, weight_decay),
+                         layout, schedule, **kw)
+
+
 class HeteroTrainer:
     """Holds each local stage's parameters and optimizer state of ``model`` and runs training steps with
     ``optimizer`` on its layout (the strategy; ``set_layout`` switches it between steps). Its stage programs are

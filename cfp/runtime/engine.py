@@ -346,12 +346,21 @@ class HeteroTrainer:
             ok = np.asarray(flags[key])
             if ok.all():
                 continue
-            names = [jax.tree_util.keystr(p) for p, _ in
+            st = self.programs[key].stage
+            names = [_global_name(jax.tree_util.keystr(p), st.layer_start, self.model.stacked) for p, _ in
                      jax.tree_util.tree_flatten_with_path(self.programs[key].params_like)[0]]
             what, leaf = ("gradient", int(np.argmin(ok[0]))) if not ok[0].all() else (
                 "parameter after the update", int(np.argmin(ok[1])))
             raise NumericalError(f"step {self.step_count + 1}: {what} of {names[leaf]} (stage {key}) "
                                  f"is NaN or Inf")
+
+
+def _global_name(path: str, layer_start: int, stacked: bool) -> str:
+    """A stage's parameter path as the model's: list-form layer indices are the stage's own (from 0)."""
+    if stacked or not path.startswith("['layers']["):
+        return path
+    i = path.index("]", len("['layers']["))
+    return f"['layers'][{int(path[len("['layers']["):i]) + layer_start}]" + path[i + 1:]
 
 
 def _like(tree: Any) -> Any:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cfp.errors import ConfigError
+from cfp.planner.layout_file import is_factory as is_factory
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -27,11 +28,6 @@ class UserModel:
     batches: Callable[[int, int], Any]
     optimizer: Any
     spec: str
-
-
-def is_factory(spec: str) -> bool:
-    """Whether ``--model`` names a factory (``X:Y``) rather than a zoo model."""
-    return ":" in spec
 
 
 def load_factory(spec: str) -> UserModel:

@@ -39,7 +39,7 @@ from cfp.ir.graph import SCAN_PORTS, OpGraph
 from cfp.layered.facts import CostFacts, GemmFact, PartFacts, PartTable
 from cfp.layered.marks import Walked, dot_loops, walk
 from cfp.layered.model import LayeredModel
-from cfp.sharding.rules import named_tensor_dim
+from cfp.sharding.rules import names_tensor_dim
 from cfp.xla.compiled import compiled_cost, device_kind
 
 DEFAULT_TP_DEGREES = tuple(range(1, 17))     # the planner may cut a machine into groups of any size
@@ -163,7 +163,7 @@ class _Traced:
         if named:
             for t, names in zip(self.params, self.names):
                 if names is not None:
-                    d = named_tensor_dim(names, self.graph.tensor(t).shape, tp)
+                    d = names_tensor_dim(names, self.graph.tensor(t).shape, tp)
                     if d is not None:
                         seeds[t] = {d}
         return walk(self.graph, seeds, tp, self.rows.marks, guess=not named)

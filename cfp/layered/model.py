@@ -40,6 +40,7 @@ class LayeredModel:
     dim), the tree of ``params`` with tuples as leaves, as Flax's logical partitioning gives them; None: no
     names (tensor-parallel stages then take searched stage plans). ``heads``: (query, key/value) head counts of
     an attention that honours cfp's context-parallel scope (the zoo's); None: no context-parallel stages.
+    ``config``: the zoo config the model was built from (None for a user's model), recorded with stage plans.
     Compared by identity (it holds functions and arrays)."""
     first: Callable[[Any, Any], Any]
     layer: Union[LayerFn, Sequence[LayerFn]]
@@ -48,6 +49,7 @@ class LayeredModel:
     logical_names: Optional[Mapping[str, Any]] = None
     name: str = "model"
     heads: Optional[tuple[int, int]] = None
+    config: Any = None
 
     def __post_init__(self):
         for f in ("first", "last"):
@@ -135,14 +137,24 @@ class LayeredModel:
 
 
 # -------------------------------------------------------------------- layers: lists and stacks alike
+def _index(a: Any, i: Any) -> Any:
+    """``a[i]`` of an array, or the ShapeDtypeStruct it would have (abstract parameters)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        rows = len(range(a.shape[0])[i]) if isinstance(i, slice) else None
+        return jax.ShapeDtypeStruct(((rows,) if rows is not None else ()) + tuple(a.shape[1:]), a.dtype)
+    return a[i]
+
+
 def layer_at(layers: Any, i: int, stacked: bool) -> Any:
     """Layer ``i``'s parameters of a list (``layers[i]``) or a stacked tree (every leaf's ``[i]``)."""
-    return jax.tree_util.tree_map(lambda a: a[i], layers) if stacked else layers[i]
+    return jax.tree_util.tree_map(lambda a: _index(a, i), layers) if stacked else layers[i]
 
 
 def slice_layers(layers: Any, start: int, stop: int, stacked: bool) -> Any:
     """Layers ``start .. stop-1`` in the same form (a shorter list, or a stack of ``stop - start``)."""
-    return jax.tree_util.tree_map(lambda a: a[start:stop], layers) if stacked else list(layers[start:stop])
+    if stacked:
+        return jax.tree_util.tree_map(lambda a: _index(a, slice(start, stop)), layers)
+    return list(layers[start:stop])
 
 
 def concat_layers(pieces: Sequence[Any], stacked: bool) -> Any:

@@ -71,7 +71,7 @@ def zoo_model(model_name: str, config: Union[Config, str, None] = None, seed: An
     layer = fns[0] if kinds == 1 else [fns[i % kinds] for i in range(cfg.num_layers)]
     heads = (cfg.num_heads, getattr(cfg, "num_kv_heads", cfg.num_heads))
     return LayeredModel(first=first, layer=layer, last=last, params=params, logical_names=names,
-                        name=model_name, heads=heads)
+                        name=model_name, heads=heads, config=cfg)
 
 
 def _layer_fn(module):

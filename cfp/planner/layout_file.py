@@ -1,8 +1,6 @@
 """The layout file `cfp plan` writes and `cfp train --layout FILE` runs: JSON holding the planned
-`cfp.layout.Layout` (its `to_json`), the model it is for (a zoo name and named config, or a user's
-``module:factory`` / ``file.py:factory`` with no config), the schedule, the estimate and the cluster it was
-planned for. Loading validates every field and builds the `Layout` the runtime takes as is (a zoo model's against
-its config; a user model's layer count is checked where the model is loaded, `cfp train --model`)."""
+`cfp.layout.Layout` (its `to_json`), the model it is for, the schedule, the estimate and the cluster it was
+planned for. Loading validates every field and builds the `Layout` the runtime takes as is."""
 from __future__ import annotations
 
 import json
@@ -19,8 +17,15 @@ FORMAT = "cfp-layout/2"     # 2: the layout is `Layout.to_json`; 1 had the seed'
 OLD_FORMATS = ("cfp-layout/1",)
 
 
+def is_factory(model: str) -> bool:
+    """Whether a layout file's model is a user's factory (``module:factory`` / ``file.py:factory``), not a zoo name."""
+    return ":" in model
+
+
 @dataclass(frozen=True)
 class LayoutFile:
+    """A planned layout: ``model`` a zoo name (with ``config`` and ``overrides``) or a user's factory spec (``config``
+    empty)."""
     model: str
     config: str
     overrides: Mapping[str, Any]
@@ -33,11 +38,6 @@ class LayoutFile:
         return {"format": FORMAT, "model": self.model, "config": self.config,
                 "overrides": dict(self.overrides), "schedule": self.schedule.value,
                 "layout": self.layout.to_json(), "estimate": dict(self.estimate), "cluster": dict(self.cluster)}
-
-
-def is_factory_spec(model: str) -> bool:
-    """Whether a layout file's model names a user's factory (``module:factory``), not a zoo model."""
-    return ":" in model
 
 
 def write_layout_file(path: str, layout_file: LayoutFile) -> None:
@@ -62,10 +62,7 @@ def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:
         if not isinstance(data.get(key, {}), Mapping):
             raise ConfigError(f"{where}: {key}={data[key]!r} must be a mapping")
     overrides = dict(data.get("overrides", {}))
-    factory = is_factory_spec(data["model"])
-    if factory and (data["config"] or overrides):
-        raise ConfigError(f"{where}: model {data['model']!r} is a factory; it takes no config or overrides "
-                          f"(config={data['config']!r}, overrides={overrides!r})")
+    factory = is_factory(data["model"])     # a user's model: checked against the layout when it is loaded
     try:
         config = None if factory else get_config(data["model"], data["config"], **overrides)
         schedule = ScheduleName.parse(data["schedule"])
@@ -74,7 +71,7 @@ def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:
     layout = Layout.from_json(data["layout"], f"{where}: layout")
     try:
         if config is not None:
-            layout.validate_for(config)
+            layout.validate_for(config.num_layers, heads=(config.num_heads, config.num_heads))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return LayoutFile(data["model"], data["config"], overrides, schedule, layout,

@@ -182,7 +182,7 @@ def test_facts_are_per_row_whatever_the_example_micro_batch(mixer_facts):
 def test_mixer_splits_follow_names_or_megatron_guess(mixer_facts):
     """Independent counts from the mixer's shapes. Named: only the channel MLP ("embed", "mlp") splits (its
     fc_out bias stays whole), one all-reduce per layer. Guessed: both MLPs split column- then row-parallel
-    (their second bias whole), two all-reduces per layer; the stem and head split their output dim."""
+    (their second bias whole), two all-reduces per layer."""
     P, C, T, F = mixer.PATCHES, mixer.CHANNELS, mixer.TOKEN_HIDDEN, mixer.CHANNEL_HIDDEN
     norms = 4 * C
     for tp in (2, 4):
@@ -193,8 +193,11 @@ def test_mixer_splits_follow_names_or_megatron_guess(mixer_facts):
         assert mixer_facts[False].layer_params(tp) == pytest.approx(guessed)
         assert mixer_facts[True].layer_all_reduces(tp) == pytest.approx(1.0)
         assert mixer_facts[False].layer_all_reduces(tp) == pytest.approx(2.0)
-        assert mixer_facts[False].embed_params(tp) == pytest.approx(_dense_params(mixer.PATCH_DIM, C, tp_out=tp))
-        assert mixer_facts[True].embed_params(tp) == pytest.approx(_dense_params(mixer.PATCH_DIM, C))
+        # the stem's result is the activation between stages: a guess that splits it is withdrawn
+        for named in (False, True):
+            assert mixer_facts[named].embed_params(tp) == pytest.approx(_dense_params(mixer.PATCH_DIM, C))
+        # the head's classes split column-parallel when guessed (its loss reduces them: no result is split)
+        assert mixer_facts[False].head_params(tp) == pytest.approx(2 * C + _dense_params(C, mixer.CLASSES, tp_out=tp))
     # a degree that divides none of its dims splits nothing
     assert mixer_facts[False].layer_params(3) == mixer_facts[False].layer_params(1)
     assert mixer_facts[False].layer_all_reduces(3) == 0

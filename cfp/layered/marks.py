@@ -8,7 +8,8 @@ the order batch, rhs free, lhs free dims. With `guess` (a model without logical 
 not split and one of which carries no rows (a weight) splits that operand's free loop at its major dim the
 degree divides (column-parallel; a [H, heads, D] kernel splits its heads), and a dot that contracts a split
 splits its weight's matching dim (row-parallel); a weight added or multiplied into a split result (a bias) splits
-alike. That reproduces Megatron's MLP and attention; it is a guess
+alike; a guess whose split would reach the part's results (the activation between layers) is withdrawn. That
+reproduces Megatron's MLP and attention; it is a guess
 from shapes, which named parameters replace.
 """
 from __future__ import annotations
@@ -51,11 +52,13 @@ def dot_sizes(op: Operator, graph: OpGraph) -> tuple[int, int, int, int]:
 
 class _Walk:
     def __init__(self, graph: OpGraph, seeds: Mapping[int, Iterable[int]], divisor: int,
-                 rows: Optional[Marks], guess: bool):
+                 rows: Optional[Marks], guess: bool, forbidden: frozenset = frozenset()):
         self.g, self.divisor, self.rows, self.guess = graph, divisor, rows, guess
+        self.forbidden = forbidden                      # dots a guess may not split
         self.marks: Marks = {t: frozenset(d) for t, d in seeds.items() if d}
         self.dots: list[DotSplit] = []
         self.guessed: dict[int, frozenset[int]] = {}    # graph inputs split by a guess: tensor -> dims
+        self.guessed_dots: set[int] = set()
 
     def of(self, t: Optional[int]) -> frozenset[int]:
         return self.marks.get(t, frozenset()) if t is not None else frozenset()
@@ -92,8 +95,9 @@ class _Walk:
         b, lf, rf, k = dot_loops(op, self.g)
         out = op.outputs[0]
         lm, rm = self.of(lhs), self.of(rhs)
-        if self.guess and not (lm or rm):
+        if self.guess and not (lm or rm) and op.index not in self.forbidden:
             self._guess(op, lhs, rhs, lf, rf)
+            self.guessed_dots.add(op.index)
             lm, rm = self.of(lhs), self.of(rhs)
         nb = len(b)
         split = None
@@ -184,7 +188,34 @@ class Walked:
 def walk(graph: OpGraph, seeds: Mapping[int, Iterable[int]], divisor: int = 1, rows: Optional[Marks] = None,
          guess: bool = False) -> Walked:
     """Marks of every tensor from the `seeds` (tensor -> dims), kept only on dims `divisor` divides; `rows`
-    (a rows walk's marks) and `guess` as in the module doc."""
-    w = _Walk(graph, seeds, divisor, rows, guess)
-    w.run()
-    return Walked(w.marks, tuple(w.dots), dict(w.guessed))
+    (a rows walk's marks) and `guess` as in the module doc. A guessing walk keeps the part's results whole (the
+    activation between layers and stages is not split in Megatron's layout): a guessed split that reaches them
+    is withdrawn, latest first, and the walk redone."""
+    forbidden: frozenset = frozenset()
+    while True:
+        w = _Walk(graph, seeds, divisor, rows, guess, forbidden)
+        w.run()
+        culprits = _reaching_outputs(graph, w) & w.guessed_dots if guess else set()
+        if not culprits:
+            return Walked(w.marks, tuple(w.dots), dict(w.guessed))
+        forbidden |= {max(culprits)}
+
+
+def _reaching_outputs(graph: OpGraph, w: _Walk) -> set[int]:
+    """Dots whose split result reaches a result of the part through split tensors."""
+    prod = graph.producer
+    stack = [t for t in graph.outputs if t is not None and w.of(t)]
+    seen, dots = set(stack), set()
+    while stack:
+        i = prod.get(stack.pop())
+        if i is None:
+            continue
+        op = graph.operators[i]
+        if op.is_dot:
+            dots.add(i)
+            continue
+        for t in op.inputs:
+            if t is not None and t not in seen and w.of(t):
+                seen.add(t)
+                stack.append(t)
+    return dots

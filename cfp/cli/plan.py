@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-row", type=common.positive_int, default=1,
                    help="a factory's model: tokens per batch row, for the tokens/s estimate (1: rows/s)")
     p.add_argument("--global-batch-size", type=common.positive_int, default=None,
-                   help="sequences per step (default: 4 per device)")
+                   help="sequences (a factory's model: batch rows) per step (default: 4 per device)")
     common.add_schedule(p)
     p.add_argument("--out", default=None, metavar="FILE", help="write the layout file (JSON) here")
     p.add_argument("--stage-times", default=None, metavar="DIR",

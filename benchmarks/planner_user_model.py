@@ -19,7 +19,7 @@ both ratios, the rankings, `planner's pick: estimate/measured ratio R` (wall) an
 ratio: R`. With `--zoo NAME:CONFIG:LAYERS` the model is a zoo model as a LayeredModel, priced by its derived
 facts and, beside them, by its hand-written `ModelCost`: the same measured runs against both.
 
-    PYTHONPATH=$PWD python benchmarks/planner_user_model.py [--model tests/layered_mixer.py:make] [--rounds 5]
+    PYTHONPATH=$PWD python benchmarks/planner_user_model.py [--model tests/layered_mixer.py:make_bench] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from cfp.planner.options import PlannerOptions  # noqa: E402
 from planner_measured import _middle_spread, _reference, candidates, host_share, swapped_pairs  # noqa: E402
 
 CLUSTER = os.path.join(ROOT, "examples", "clusters", "local.yaml")
-DEFAULT_MODEL = os.path.join(ROOT, "tests", "layered_mixer.py") + ":make"
+DEFAULT_MODEL = os.path.join(ROOT, "tests", "layered_mixer.py") + ":make_bench"
 
 
 def measure(user, layouts, rounds: int, steps: int, log) -> tuple[list[list[float]], list[list[float]], list[float]]:

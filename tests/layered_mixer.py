@@ -49,6 +49,7 @@ def init(key, layers: int, patches=PATCHES, channels=CHANNELS, token_hidden=TOKE
 
 
 def first(p, batch):
+    """Patches [B, P, patch dim] -> channels [B, P, C]."""
     return batch["patches"] @ p["stem"]["kernel"] + p["stem"]["bias"]
 
 
@@ -76,17 +77,26 @@ def names(layers_stacked: bool = True):
             "last": {"norm": {"scale": (None,), "bias": (None,)}, "head": {"kernel": (None, None), "bias": (None,)}}}
 
 
-def model(layers: int = 4, named: bool = False, seed: int = 0) -> LayeredModel:
-    return LayeredModel(first=first, layer=layer, last=last, params=init(jax.random.PRNGKey(seed), layers),
+def model(layers: int = 4, named: bool = False, seed: int = 0, **dims) -> LayeredModel:
+    """`dims`: `init`'s patches, channels, token_hidden, channel_hidden (default: the module's sizes)."""
+    return LayeredModel(first=first, layer=layer, last=last, params=init(jax.random.PRNGKey(seed), layers, **dims),
                         logical_names=names() if named else None, name="mlp-mixer")
 
 
-def batch(rows: int, seed: int = 1) -> dict:
+def batch(rows: int, seed: int = 1, patches: int = PATCHES) -> dict:
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return {"patches": np.asarray(jax.random.normal(k1, (rows, PATCHES, PATCH_DIM), jnp.float32)),
+    return {"patches": np.asarray(jax.random.normal(k1, (rows, patches, PATCH_DIM), jnp.float32)),
             "labels": np.asarray(jax.random.randint(k2, (rows,), 0, CLASSES, jnp.int32))}
 
 
 def make():
     """The `--model tests/layered_mixer.py:make` factory: 8 layers, 64 rows of data, AdamW."""
     return model(8), batch(64), optax.adamw(1e-3)
+
+
+def make_bench():
+    """A larger mixer for `benchmarks/planner_user_model.py` (8 layers of 128 patches x 256 channels, MLPs of 256
+    and 1024 units): enough work per program that the runtime's dispatch between programs, which the cost model
+    leaves out, is a small part of a step."""
+    dims = dict(patches=128, channels=256, token_hidden=256, channel_hidden=1024)
+    return model(8, **dims), batch(64, patches=dims["patches"]), optax.adamw(1e-3)

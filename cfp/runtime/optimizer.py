@@ -554,6 +554,7 @@ class OptimizerPartition:
     def __init__(self, analysis: _Analysis):
         self._an = analysis
         self._stages: dict[StageHolding, StageOptimizer] = {}
+        self._programs: dict = {}      # (unit, stacked rows, donate) -> the unit's compiled update
 
     @classmethod
     def of(cls, tx: optax.GradientTransformation, params_like: Any, grads_like: Any = None) -> "OptimizerPartition":
@@ -594,7 +595,7 @@ class OptimizerPartition:
         if holding.stop > self.layers:
             raise ConfigError(f"stage layers [{holding.start}, {holding.stop}) exceed the model's {self.layers}")
         if holding not in self._stages:
-            self._stages[holding] = StageOptimizer(self._an, holding)
+            self._stages[holding] = StageOptimizer(self._an, holding, self._programs)
         return self._stages[holding]
 
     def combine(self, round: int, partials: Sequence[dict], globals_: dict) -> dict:
@@ -661,6 +662,22 @@ def _gather(key, unit: Unit | None, tables: list) -> np.ndarray:
     return value if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended) else np.asarray(value)
 
 
+def _unit_order(unit: Unit) -> tuple:
+    return [Part.FIRST, Part.LAYERS, Part.LAST].index(unit.part), -1 if unit.layer is None else unit.layer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """The update of one unit's leaves (unit None: the replicated state leaves) as its own program."""
+
+    unit: Unit | None
+    leaves: tuple             # ("param", whole-tree leaf index) or ("state", state leaf index), per output
+    atoms: tuple              # the traced output of each
+    order: tuple              # equations it evaluates
+    reads: tuple              # value ids it reads: its unit's inputs, replicated state, global values
+    own: tuple                # positions in ``reads`` of its unit's own buffers (donated on request)
+
+
 @dataclasses.dataclass(frozen=True)
 class _StagePartial:
     """What a stage sends in one exchange, and the equations computing it."""
@@ -677,8 +694,9 @@ def _stage_params_like(leaves: _Leaves, params_like: Any, holding: StageHolding)
     start, stop = holding.rows
     layers = params_like["layers"]
     tree = {"first": params_like["first"]} if holding.first else {}
-    tree["layers"] = (list(layers[start:stop]) if leaves.listed else
-                      jax.tree.map(lambda x: jax.ShapeDtypeStruct((stop - start,) + x.shape[1:], x.dtype), layers))
+    if stop > start:
+        tree["layers"] = (list(layers[start:stop]) if leaves.listed else
+                          jax.tree.map(lambda x: jax.ShapeDtypeStruct((stop - start,) + x.shape[1:], x.dtype), layers))
     if holding.last:
         tree["last"] = params_like["last"]
     index = {k: i for i, k in enumerate(leaves.keys)}
@@ -693,8 +711,8 @@ class StageOptimizer:
     """One stage's part of the update (`OptimizerPartition.stage`): its inputs cut from the whole trees, the
     values it sends per exchange (`partials`), its update (`update`) and initial state (`init`)."""
 
-    def __init__(self, an: _Analysis, holding: StageHolding):
-        self._an, self.holding = an, holding
+    def __init__(self, an: _Analysis, holding: StageHolding, programs: dict):
+        self._an, self.holding, self._programs = an, holding, programs
         self.params_like, self._treedef, self.param_leaves = _stage_params_like(an.leaves, an.params_like, holding)
         self._held = tuple(j for j, c in enumerate(an.state_cls) if holding.holds(c.unit))
         self.state_like = {an.state_keys[j]: self._rows_like(an.state_like[j], an.state_cls[j].unit)
@@ -703,10 +721,9 @@ class StageOptimizer:
         self._inputs = {*(io.grads[i] for i in self.param_leaves), *(io.params[i] for i in self.param_leaves),
                         *(io.state[j] for j in self._held), *an.prog.consts}
         self._partials = tuple(self._partial_plan(r, plan) for r, plan in enumerate(an.rounds))
-        targets = [a[1] for a in (*(io.new_params[i] for i in self.param_leaves),
-                                  *(io.new_state[j] for j in self._held)) if a[0] == "var"]
-        self._update = _needed(an.flow, an.producers, targets, self._inputs | set(an.glob))
-        self._check(an.flow, self._update)
+        units = [None] + sorted({an.leaves.units[i] for i in self.param_leaves}
+                                | {an.state_cls[j].unit for j in self._held} - {None}, key=_unit_order)
+        self._groups = tuple(self._group(u) for u in units)
 
     @property
     def state_keys(self) -> tuple[str, ...]:
@@ -718,6 +735,47 @@ class StageOptimizer:
             start, stop = self.holding.rows
             return jax.ShapeDtypeStruct((stop - start,) + tuple(like.shape[1:]), like.dtype)
         return like
+
+    def _group(self, unit: Unit | None) -> "_Group":
+        """The update of ``unit``'s leaves (None: the replicated state) from its inputs and global values."""
+        an, io = self._an, self._an.io
+        leaves = (tuple(("param", i) for i in self.param_leaves if an.leaves.units[i] == unit)
+                  + tuple(("state", j) for j in self._held if an.state_cls[j].unit == unit))
+        atoms = tuple(io.new_params[i] if kind == "param" else io.new_state[i] for kind, i in leaves)
+        have = self._inputs | set(an.glob)
+        targets = [a[1] for a in atoms if a[0] == "var"]
+        order = _needed(an.flow, an.producers, targets, have)
+        self._check(an.flow, order)
+        reads = {a[1] for k in order for a in an.flow.eqns[k].invars if a[0] == "var"} | set(targets)
+        reads = tuple(sorted((reads & have) - set(an.prog.consts)))
+        own = {*(io.grads[i] for kind, i in leaves if kind == "param"), *(io.params[i] for kind, i in leaves
+               if kind == "param"), *(io.state[j] for kind, j in leaves if kind == "state" and unit is not None)}
+        return _Group(unit, leaves, atoms, order, reads, tuple(k for k, v in enumerate(reads) if v in own))
+
+    def _like(self, leaf: tuple):
+        kind, i = leaf
+        an = self._an
+        if kind == "param":
+            return self._rows_like(an.leaves.likes[i], an.leaves.units[i]), an.leaves.units[i]
+        return self.state_like[an.state_keys[i]], an.state_cls[i].unit
+
+    def _program(self, group: "_Group", donate: bool) -> Callable:
+        """The compiled update of ``group``: one program per unit (and rows of the stacked layers), shared by
+        every stage and pipeline holding it, so they compute the same bits (XLA rewrites an expression by its
+        program's context: contracts a*b+c into an FMA, turns x/y into x*(1/y))."""
+        rows = self.holding.rows if group.unit is not None and group.unit.stacked else None
+        key = (group.unit, rows, donate, group.reads)
+        if key not in self._programs:
+            an, likes = self._an, [self._like(leaf) for leaf in group.leaves]
+
+            def program(*args):
+                env = {**an.prog.consts, **dict(zip(group.reads, args))}
+                _run(an.flow, group.order, env, self.holding.rows)
+                return tuple(self._output(env, an.flow, atom, unit, like)
+                             for atom, (like, unit) in zip(group.atoms, likes))
+
+            self._programs[key] = jax.jit(program, donate_argnums=group.own if donate else ())
+        return self._programs[key]
 
     def _partial_plan(self, r: int, plan: _Round) -> _StagePartial:
         an, holds = self._an, self.holding.holds
@@ -777,20 +835,19 @@ class StageOptimizer:
         return {"export": {a: env[v] for a, v in plan.exports}, "reduce": {v: env[v] for v in plan.reductions},
                 "shared": {v: env[v] for v in plan.shared}}
 
-    def update(self, grads: Any, opt_state: dict, params: Any, globals_: dict) -> tuple[Any, dict]:
+    def update(self, grads: Any, opt_state: dict, params: Any, globals_: dict,
+               donate: bool = False) -> tuple[Any, dict]:
         """This stage's new ``(params, opt_state)``: ``tx.update`` and ``apply_updates`` on its part, with the
-        global values of every round (``{}`` when `OptimizerPartition.rounds` is 0)."""
+        global values of every round (``{}`` when `OptimizerPartition.rounds` is 0). Each unit's leaves are
+        updated by their own compiled program (`_program`); call it outside ``jax.jit`` to keep them apart.
+        ``donate``: the unit's gradient, parameter and state buffers are given to its program."""
         an = self._an
         env = self._env(grads, opt_state, params, globals_, tuple(an.glob))
-        _run(an.flow, self._update, env, self.holding.rows)
-        new_params = [self._output(env, an.flow, an.io.new_params[i], an.leaves.units[i], self._treedef_like(i))
-                      for i in self.param_leaves]
-        new_state = {an.state_keys[j]: self._output(env, an.flow, an.io.new_state[j], an.state_cls[j].unit,
-                                                    self.state_like[an.state_keys[j]]) for j in self._held}
-        return jax.tree_util.tree_unflatten(self._treedef, new_params), new_state
-
-    def _treedef_like(self, i: int):
-        return self._rows_like(self._an.leaves.likes[i], self._an.leaves.units[i])
+        new = {}
+        for group in self._groups:
+            new.update(zip(group.leaves, self._program(group, donate)(*(env[v] for v in group.reads))))
+        return (jax.tree_util.tree_unflatten(self._treedef, [new[("param", i)] for i in self.param_leaves]),
+                {an.state_keys[j]: new[("state", j)] for j in self._held})
 
     def _output(self, env: dict, flow: _Flow, atom, unit: Unit | None, like) -> Any:
         """An output value at this stage: a literal broadcast, a replicated value of a stacked leaf cut to rows."""

@@ -213,14 +213,19 @@ def test_flatten_is_refused(stacked):
     assert "params['" in message and ("concatenate" in message or "reshape" in message)
 
 
-def test_mixing_two_leaves_whole_gradients_is_refused():
+@pytest.mark.parametrize("into", ["first", "last"])
+def test_mixing_two_leaves_whole_gradients_is_refused(into):
+    """The mix is refused where it happens, whichever leaf receives it."""
     def update(g, s, p=None):
-        mixed = g["first"]["emb"][:8, :3] + g["last"]["head"]
-        return {**g, "last": {"head": mixed}}, s
+        mixed = g["first"]["scale"] + g["last"]["head"][:, 0]
+        if into == "first":
+            return {**g, "first": {**g["first"], "scale": mixed}}, s
+        return {**g, "last": {"head": g["last"]["head"] + mixed[:, None]}}, s
 
     tx = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
     message = _one_line_error(tx, layered(False))
-    assert "params['first']['emb']" in message and "params['last']['head']" in message
+    assert "`add` combines" in message
+    assert "params['first']['scale']" in message and "params['last']['head']" in message
 
 
 def test_mixing_layers_of_a_stacked_leaf_is_refused():

@@ -2,48 +2,60 @@
 
 A layered model's parameters are ``{"first": tree, "layers": L, "last": tree}``, where ``layers`` is a list of
 L per-layer trees (the **list form**) or one tree whose every leaf has a leading layer dim of size L (the
-**stacked form**). A stage holds (`StageHolding`) "first" or not, layers ``[start, stop)`` and "last" or not.
-`OptimizerPartition.of(tx, params_like)` traces ``tx.update`` followed by ``optax.apply_updates`` once on the
-whole abstract tree (nothing allocated) and proves that each stage can compute its own part of it:
+**stacked form**: ``nn.scan``, ``nnx.vmap``, ``eqx.filter_vmap``). A stage holds (`StageHolding`) "first" or
+not, layers ``[start, stop)`` and "last" or not. ``OptimizerPartition.of(tx, params_like)`` traces
+``tx.update`` followed by ``optax.apply_updates`` once on the whole abstract tree (nothing is allocated), in the
+user's own structure, and proves that each stage can compute its own part of exactly that:
 
 * every parameter leaf has a **unit**, the place that holds it: "first", "last", list layer i, or the stacked
   layers (a stage holds rows ``[start, stop)`` of every stacked leaf). An optimizer-state leaf takes the unit
-  of the value that replaces it (a fixpoint over the update); one that depends on no parameter (``count``,
-  a schedule's step) is **replicated**: every stage keeps its own copy, and the copies stay equal;
-* an operation on one unit's values (and replicated ones) stays on that unit's stage. On stacked values it must
-  keep the layer dim independent row by row (elementwise ops, reductions over other dims, dims moved around it,
-  dot_general batched over it, ...; `cfp.ir._jax_internals.layer_rule`), and then runs on the stage's rows with
-  its shape params rewritten; replicated operands of layer size are sliced to the stage's rows;
-* a **global** value depends on several units: a scalar that one unit's stage computes and **exports** (e.g. a
-  leaf's squared norm), or a reduction over the layer dim of a stacked leaf, computed per stage on its rows and
-  **combined** (sum, max, min, product, and, or) in stage order. Everything then computed from global values
-  only (the global norm, adafactor's RMS of a stacked leaf) is evaluated once by `combine`.
+  of the value that replaces it (a fixpoint over the update); one that depends on no parameter (``count``, a
+  schedule's step, a PRNG key) is **replicated**: every stage keeps its own copy, and the copies stay equal;
+* an operation on one unit's values (and replicated ones) runs on that unit's stage. On stacked values it must
+  keep the layers apart (elementwise ops, reductions over other dims, dims moved around the layer dim,
+  dot_general batched over it, reshapes that keep each layer's elements whole rows, ...: the rules are
+  `cfp.ir._jax_internals.layer_rule`); it then runs on the stage's rows with its shape params rewritten, and
+  replicated operands of layer size are sliced to those rows. ``lax.cond`` is seen through (both branches,
+  then a select), so ``optax.apply_if_finite`` and ``optax.MultiSteps`` split too;
+* a **global** value depends on several units: a scalar that one unit's stage computes and **exports** (a
+  leaf's squared norm), or a reduction over the layers of a stacked leaf, computed per stage on its rows and
+  **combined** (sum, max, min, product, and, or) in stage order, at most `GLOBAL_LIMIT` values. What is then
+  computed from global values only (the global norm and clip factor, adafactor's RMS of a stacked leaf) is
+  evaluated once by `OptimizerPartition.combine`.
 
-Refused, before any training, with a one-line `ConfigError` naming the leaves and the primitive: an operation
-that combines the whole non-scalar values of two units (``optax.flatten``'s concatenation of every leaf, a
-transform adding one leaf's gradient to another's), an operation on a stacked leaf that mixes its layers other
-than by a reduction (a slice of some layers, a reshape merging the layer dim, control flow over it), a
-reduction over the layers that yields more than `GLOBAL_LIMIT` values, and a new parameter or state value that
-depends on a unit other than its own. Control flow (``cond``, ``while``, ``scan``) is fine on one unit's
-unstacked values.
+Refused before any training, with a one-line `ConfigError` naming the leaves and the primitive: an operation
+combining the whole (non-scalar) values of two units (``optax.flatten``'s concatenation, a transform adding
+one leaf's gradient to another's), an operation on a stacked leaf that mixes its layers other than by a
+reduction (``x[::-1]``, a reshape cutting through a layer, opaque control flow), a reduction over the layers
+yielding more than `GLOBAL_LIMIT` values, and a new parameter value depending on another unit. Not supported:
+``tx.update`` needing extra arguments (``value=`` of polyak_sgd, lbfgs' line search).
 
-Per step, with ``p = partition``, ``st = p.stage(holding)`` for each stage (inputs per stage: its gradients and
-parameters as ``st.cut_params`` cuts them -- the keys "first", "layers", "last" it holds, stacked leaves as
-rows ``[start, stop)`` -- and its optimizer state as ``st.cut_state`` cuts it, a ``{keystr(path): array}``
-dict; the gradients are the ones summed over every pipeline):
+**Per step** (inputs per stage: its gradients -- summed over every pipeline -- and parameters as
+``st.cut_params`` cuts them from whole trees: the keys "first", "layers", "last" it holds, stacked leaves as
+rows ``[start, stop)``; its optimizer state as ``st.cut_state`` cuts it: ``{keystr(path): leaf}``)::
 
+    p = OptimizerPartition.of(tx, params_like)
+    stages = [p.stage(h) for h in holdings]              # per pipeline, in stage order
     glob = {}
-    for r in range(p.rounds):                    # 0 when no value crosses stages (adam, lion, sgd, ...)
+    for r in range(p.rounds):                            # 0 when nothing crosses stages (adam, lion, sgd...)
         parts = [st.partials(r, g, s, w, glob) for st, g, s, w in pipeline_0]   # in stage order
-        glob = p.combine(r, parts, glob)
+        glob = p.combine(r, parts, glob)                 # small: scalars and layer reductions
     for every stage of every pipeline: w, s = st.update(g, s, w, glob)
 
-`partials`, `combine` and `update` are pure and jit-able. Usually ``rounds`` is 0 or 1; a global value that
-needs another one first (a second global norm after a clip) takes one more round. **Bit-identity across
-pipelines:** global values are combined from pipeline 0's partials only, and every stage of every pipeline
-receives the same ones; everything else a stage computes is row by row or within one unit, the same operations
-on the same values whatever the stage boundaries. NaN and Inf propagate as on one device (nothing is masked).
-`merge` rebuilds the user's whole ``(params, opt_state)`` (host numpy) from one pipeline's stages.
+``partials`` and ``combine`` are pure and jit-able. ``rounds`` is 1 for a global norm over any number of
+units; a global value needing another one first takes a round more (adafactor's parameter scale on a stacked
+leaf, a second global norm after a clip). ``update`` runs each unit's part as its own compiled program
+(cached per unit shape; list layers of equal shapes share one), so call it outside ``jax.jit``.
+
+**Bit-identity across pipelines.** The global values come from pipeline 0's partials only, and every stage of
+every pipeline gets the same ones. Everything else a stage computes is one unit's values, and a unit's update
+is the same compiled program in every pipeline holding it: XLA compiles an expression according to the program
+around it (it contracts ``a*b+c`` into an FMA and turns ``x/y`` into ``x*(1/y)`` by context: two stages with
+other boundaries, compiled as one program each, differed in the last bit), so one program per unit keeps the
+bits equal. The stacked layers' program differs by its row count only. Stage programs compiled for other
+shardings (another TP degree) may still differ where a unit's update reduces over a sharded dim. NaN and Inf
+propagate as on one device (nothing is masked). `OptimizerPartition.merge` rebuilds the user's whole
+``(params, opt_state)`` (host numpy) from one pipeline's stages, for checkpoints and verification.
 """
 from __future__ import annotations
 
@@ -149,10 +161,6 @@ class _Leaves:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple("params" + k for k in self.keys)
-
-    @property
-    def stacked(self) -> bool:
-        return any(u.stacked for u in self.units)
 
     def describe(self, leaves) -> str:
         names = [self.names[i] for i in sorted(leaves)]
@@ -554,7 +562,7 @@ class OptimizerPartition:
     def __init__(self, analysis: _Analysis):
         self._an = analysis
         self._stages: dict[StageHolding, StageOptimizer] = {}
-        self._programs: dict = {}      # (unit, stacked rows, donate) -> the unit's compiled update
+        self._programs: dict = {}      # (unit update's shape, stacked rows, donate) -> its compiled program
 
     @classmethod
     def of(cls, tx: optax.GradientTransformation, params_like: Any, grads_like: Any = None) -> "OptimizerPartition":
@@ -578,6 +586,11 @@ class OptimizerPartition:
     def state_like(self) -> Any:
         """The whole optimizer state, as ShapeDtypeStructs in the user's structure."""
         return jax.tree_util.tree_unflatten(self._an.state_treedef, self._an.state_like)
+
+    def globals_like(self) -> dict:
+        """``{id: ShapeDtypeStruct}`` of every global value `combine` gives (empty when ``rounds`` is 0)."""
+        avals = self._an.flow.avals
+        return {v: jax.ShapeDtypeStruct(avals[v][0], avals[v][1]) for v in sorted(self._an.glob)}
 
     def param_of_state(self) -> dict[str, str]:
         """``{state key: parameter key}`` (keystr paths) for each state leaf derived from exactly one
@@ -662,6 +675,29 @@ def _gather(key, unit: Unit | None, tables: list) -> np.ndarray:
     return value if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended) else np.asarray(value)
 
 
+def _shape(flow: _Flow, consts: dict, order, reads, atoms) -> tuple:
+    """The computation of ``order`` from ``reads`` to ``atoms`` with value ids replaced by positions: two list
+    layers' updates with equal shapes run one compiled program (compiled once, the same bits)."""
+    local = {v: ("in", i) for i, v in enumerate(reads)}
+
+    def name(a) -> tuple:
+        if a[0] == "lit":
+            return "lit", repr(a[1]), str(getattr(a[1], "dtype", type(a[1]).__name__))
+        if a[1] in local:
+            return local[a[1]]
+        value = consts[a[1]]      # a scalar constant by value (each layer's update binds its own), else by id
+        dtype = getattr(value, "dtype", type(value).__name__)
+        return ("const", repr(value), str(dtype)) if getattr(value, "size", 1) == 1 else ("const", a[1])
+
+    eqns = []
+    for n, k in enumerate(order):
+        eqn, rule = flow.eqns[k], flow.rules.get(k)
+        sliced = rule and tuple(ax if flow.of(a).unit is None else None for a, ax in zip(eqn.invars, rule.axes))
+        eqns.append((jxi.eqn_text(eqn), tuple(map(name, eqn.invars)), sliced))
+        local.update({o: ("v", n, j) for j, o in enumerate(eqn.outvars) if o is not None})
+    return tuple(eqns), tuple(map(name, atoms)), tuple(flow.avals[v] for v in reads)
+
+
 def _unit_order(unit: Unit) -> tuple:
     return [Part.FIRST, Part.LAYERS, Part.LAST].index(unit.part), -1 if unit.layer is None else unit.layer
 
@@ -675,7 +711,8 @@ class _Group:
     atoms: tuple              # the traced output of each
     order: tuple              # equations it evaluates
     reads: tuple              # value ids it reads: its unit's inputs, replicated state, global values
-    own: tuple                # positions in ``reads`` of its unit's own buffers (donated on request)
+    own: tuple                # positions in ``reads`` of its unit's parameters and state (donated on request)
+    shape: tuple              # its computation up to value ids: equal for list layers that share a program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -748,9 +785,12 @@ class StageOptimizer:
         self._check(an.flow, order)
         reads = {a[1] for k in order for a in an.flow.eqns[k].invars if a[0] == "var"} | set(targets)
         reads = tuple(sorted((reads & have) - set(an.prog.consts)))
-        own = {*(io.grads[i] for kind, i in leaves if kind == "param"), *(io.params[i] for kind, i in leaves
-               if kind == "param"), *(io.state[j] for kind, j in leaves if kind == "state" and unit is not None)}
-        return _Group(unit, leaves, atoms, order, reads, tuple(k for k, v in enumerate(reads) if v in own))
+        own = {*(io.params[i] for kind, i in leaves if kind == "param"),
+               *(io.state[j] for kind, j in leaves if kind == "state" and unit is not None)}
+        outs = tuple((like, unit is not None and unit.stacked, an.flow.of(a).unit is None)
+                     for (like, unit), a in zip(map(self._like, leaves), atoms))
+        return _Group(unit, leaves, atoms, order, reads, tuple(k for k, v in enumerate(reads) if v in own),
+                      _shape(an.flow, an.prog.consts, order, reads, atoms) + (outs,))
 
     def _like(self, leaf: tuple):
         kind, i = leaf
@@ -761,10 +801,11 @@ class StageOptimizer:
 
     def _program(self, group: "_Group", donate: bool) -> Callable:
         """The compiled update of ``group``: one program per unit (and rows of the stacked layers), shared by
-        every stage and pipeline holding it, so they compute the same bits (XLA rewrites an expression by its
-        program's context: contracts a*b+c into an FMA, turns x/y into x*(1/y))."""
+        every stage and pipeline holding it -- and by list layers of equal shapes -- so they compute the same
+        bits (XLA rewrites an expression by its program's context: contracts a*b+c into an FMA, turns x/y
+        into x*(1/y))."""
         rows = self.holding.rows if group.unit is not None and group.unit.stacked else None
-        key = (group.unit, rows, donate, group.reads)
+        key = (group.shape, rows, donate)
         if key not in self._programs:
             an, likes = self._an, [self._like(leaf) for leaf in group.leaves]
 
@@ -840,7 +881,7 @@ class StageOptimizer:
         """This stage's new ``(params, opt_state)``: ``tx.update`` and ``apply_updates`` on its part, with the
         global values of every round (``{}`` when `OptimizerPartition.rounds` is 0). Each unit's leaves are
         updated by their own compiled program (`_program`); call it outside ``jax.jit`` to keep them apart.
-        ``donate``: the unit's gradient, parameter and state buffers are given to its program."""
+        ``donate``: each unit's parameter and state buffers are given to its program (for the new ones)."""
         an = self._an
         env = self._env(grads, opt_state, params, globals_, tuple(an.glob))
         new = {}

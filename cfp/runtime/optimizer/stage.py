@@ -126,8 +126,8 @@ class StageOptimizer:
         reads = tuple(sorted((reads & have) - set(an.prog.consts)))
         own = {*(io.params[i] for kind, i in leaves if kind == "param"),
                *(io.state[j] for kind, j in leaves if kind == "state" and unit is not None)}
-        outs = tuple((like, unit is not None and unit.stacked, an.flow.of(a).unit is None)
-                     for (like, unit), a in zip(map(self._like, leaves), atoms))
+        outs = tuple((like, u is not None and u.stacked, an.flow.of(a).unit is None)
+                     for (like, u), a in zip(map(self._like, leaves), atoms))
         return _Group(unit, leaves, atoms, order, reads, tuple(k for k, v in enumerate(reads) if v in own),
                       _shape(an.flow, an.prog.consts, order, reads, atoms) + (outs,))
 

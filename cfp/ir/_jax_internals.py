@@ -363,8 +363,8 @@ def eqn_text(eqn: FlatEqn) -> str:
 # ==============================================================================================================
 # Optimizer programs (used by cfp.runtime.optimizer only)
 #
-# An optax update is traced whole (call-like primitives inlined, control flow kept as one equation), and its
-# equations are described to the partitioner as plain values. A stage holding layers [a, b) of a layer-stacked
+# An optax update is traced whole (call-like primitives inlined, `cond` as both branches and a select, `while`
+# and `scan` kept as one equation), and its equations are described to the partitioner as plain values. A stage holding layers [a, b) of a layer-stacked
 # leaf runs the equations on that leaf's rows only. A value is *layer-aligned* when its dim 0 has size L * K and
 # layer l owns rows [l * K, (l + 1) * K) (K = 1 for a stacked leaf; a reshape may flatten the rows of a layer
 # into dim 0, as `jnp.vdot` does). `layer_rule` says, from the primitive's params, whether an equation keeps the
@@ -401,8 +401,8 @@ class OptProgram:
 
 def trace_whole(fn: Callable, *args) -> OptProgram:
     """Trace `fn(*args)` (pytrees of arrays or `jax.ShapeDtypeStruct`s; nothing is allocated) with call-like
-    primitives (`CALL_PRIMITIVES`) inlined and every other equation -- `scan`, `while`, `cond` included -- kept
-    as one equation."""
+    primitives (`CALL_PRIMITIVES`) inlined, a pure `cond` spelt out (`_WholeWalker._cond`) and every other
+    equation -- `scan` and `while` included -- kept as one equation."""
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
 
     def flat_fn(*flat):
@@ -413,7 +413,7 @@ def trace_whole(fn: Callable, *args) -> OptProgram:
 
 
 class _WholeWalker:
-    """Numbers every value of a jaxpr and inlines call-like primitives (`trace_whole`)."""
+    """Numbers every value of a jaxpr, inlines call-like primitives and spells out conds (`trace_whole`)."""
 
     def __init__(self):
         self.avals: dict[int, tuple] = {}

@@ -9,12 +9,14 @@ in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pi
 1. Every pipeline runs its schedule (GPipe / 1F1B) on its micro-batches (``dispatch.ScheduleRun``); each stage
    accumulates the gradient of its micro-batches' summed ``loss_sum``; the step's loss is
    ``sum(loss_sum) / sum(weight)`` over every micro-batch of every pipeline.
-2. Gradient sync (``dispatch.sync_gradients``): every stage gathers its parameters' gradients from every
-   pipeline (resharded from that pipeline's stages onto this stage's shardings) and sums them in pipeline order
-   -- the same elementwise sums everywhere, so all pipelines keep bit-identical parameters.
-3. The optimizer per stage (`cfp.runtime.stage.optim`): the user's optax transformation on the stage's part,
-   on the summed gradient scaled by ``1 / sum(weight)``. A NaN or Inf in the loss, a summed gradient or a new
-   parameter raises ``NumericalError`` naming the step and the leaf.
+2. Gradient sync (``dispatch.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from
+   every pipeline (resharded from that pipeline's stages onto this stage's shardings) and sums them in pipeline
+   order.
+3. The optimizer per stage of pipeline 0 (`cfp.runtime.stage.optim`): the user's optax transformation on the
+   stage's part, on the summed gradient scaled by ``1 / sum(weight)``; then every other pipeline's stages get
+   the new parameters from pipeline 0's (``dispatch.broadcast_params``), so all pipelines hold the same bits
+   whatever their stage boundaries and TP degrees, and only pipeline 0 holds optimizer state. A NaN or Inf in
+   the loss, a summed gradient or a new parameter raises ``NumericalError`` naming the step and the leaf.
 
 ``set_layout`` switches the strategy between steps: the state is gathered and placed on the new layout's stages
 (a copy, bit-exact). Per-action start/end times are measured by ``timing.StepClock``.
@@ -35,8 +37,8 @@ import optax
 from cfp.errors import ConfigError, NumericalError
 from cfp.layered.model import LayeredModel, merge_stage_params, stage_params
 from cfp.layout import Layout
-from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, check_micro_batches, grad_pieces, split_batch,
-                                  sync_gradients)
+from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, broadcast_params, check_micro_batches,
+                                  grad_pieces, split_batch, sync_gradients)
 from cfp.runtime.schedules import SCHEDULES, ScheduleName, check_schedule, global_order
 from cfp.runtime.stage.build import build_programs
 from cfp.runtime.stage.cache import CompileCache
@@ -149,7 +151,8 @@ class HeteroTrainer:
             st = prog.stage
             mine = stage_params(params, st.layer_start, st.layer_end, st.is_first, st.is_last, m.stacked)
             self.params[key] = prog.place_params(mine)
-            self.opt_state[key] = prog.place_opt_state(prog.optimizer.cut(opt_state))
+            if st.pipeline == 0:        # pipeline 0 updates for all: the others hold no optimizer state
+                self.opt_state[key] = prog.place_opt_state(prog.optimizer.cut(opt_state))
         self.step_count = int(step)
         self._initialized = True
         return self
@@ -188,7 +191,8 @@ class HeteroTrainer:
         """Compile every local stage program ahead of time, several at once (XLA compiles outside the GIL); the
         first step then only traces. Returns the seconds it took."""
         t0 = time.perf_counter()
-        jobs = [job for key in self._local for job in self.compile_jobs(key)]
+        # the other pipelines' stages take pipeline 0's new parameters: they compile no update
+        jobs = [job for key in self._local for job in self.compile_jobs(key)[:None if key[0] == 0 else 3]]
         with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(lambda j: j[0].lower(*j[1]).compile(), jobs))
         return time.perf_counter() - t0
@@ -232,6 +236,8 @@ class HeteroTrainer:
         for key, g in grads.items():
             self.params[key], self.opt_state[key], flags[key] = self.programs[key].apply_update(
                 g, self.opt_state[key], self.params[key], globals_)
+        broadcast_params(self.layout, self.programs, self.params, self._slice,
+                         lambda key, pieces: self.programs[key].join_layers(pieces))
         jax.block_until_ready(list(self.params.values()))
         seconds = time.perf_counter() - t_start
         self._check_finite(flags)
@@ -304,6 +310,8 @@ class HeteroTrainer:
         if ("update", self.layout) not in self._warmed:
             self._warmed.add(("update", self.layout))
             for key, prog in self._local.items():
+                if key[0] != 0:
+                    continue
                 copy = jax.tree_util.tree_map(jnp.copy, (self.params[key], self.opt_state[key]))
                 parts = [prog.grad_parts_zeros(p) for p in grad_pieces(self.layout, prog.stage)]
                 g = prog.gradient(parts, np.float32(1.0))

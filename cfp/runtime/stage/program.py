@@ -227,11 +227,22 @@ class StageProgram:
         """ShapeDtypeStructs of the stage's local layers ``start .. stop-1`` (a gradient piece sent to others)."""
         return stage_params(self.params_like, start, stop, False, False, self.model.stacked)["layers"]
 
-    def layer_shardings(self, start: int, stop: int) -> Any:
-        """Gradient shardings of the stage's local layers ``start .. stop-1`` (a stacked leaf's sharding holds
-        for any number of layers)."""
-        layers = self.grad_shardings["layers"]
+    def layer_shardings(self, start: int, stop: int, params: bool = False) -> Any:
+        """Gradient (``params``: parameter) shardings of the stage's local layers ``start .. stop-1`` (a stacked
+        leaf's sharding holds for any number of layers)."""
+        layers = (self.shardings if params else self.grad_shardings)["layers"]
         return layers if self.model.stacked else list(layers[start:stop])
+
+    def join_layers(self, pieces: list) -> Any:
+        """Consecutive layer pieces as the stage's own layers (a jitted concatenation of stacked pieces, on its
+        devices, onto its parameter shardings)."""
+        if not self.model.stacked:
+            return [layer for piece in pieces for layer in piece]
+        if len(pieces) == 1:
+            return pieces[0]
+        if not hasattr(self, "_join"):
+            self._join = jax.jit(lambda ps: concat_layers(ps, True), out_shardings=self.shardings["layers"])
+        return self._join(pieces)
 
     def grad_parts_like(self, lengths: list[int]) -> Any:
         """One pipeline's gradient for this stage, its layers in pieces of ``lengths`` layers."""

@@ -93,3 +93,27 @@ def assert_adam_step_matches(params0, got, want, lr: float = 1e-3):
         decisive, total = decisive + int(sure.sum()), total + sure.size
     assert decisive >= 0.5 * total, f"only {decisive} of {total} gradients are above float noise: check is vacuous"
 # ---- end of the API/plan/search block ----
+
+
+# ---- optional per-test CPU-time log (CFP_TEST_CPU_LOG=FILE): where the suite's time goes, read on a loaded host
+# too, since CPU seconds (this process and its finished children) do not grow with other processes' load
+CPU_LOG_ENV = "CFP_TEST_CPU_LOG"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get(CPU_LOG_ENV)
+    if not path:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    c0, w0 = cpu(), time.perf_counter()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{cpu() - c0:.2f}\t{time.perf_counter() - w0:.2f}\t{item.nodeid}\n")

@@ -100,3 +100,9 @@ def make_bench():
     leaves out, is a small part of a step."""
     dims = dict(patches=128, channels=256, token_hidden=256, channel_hidden=1024)
     return model(8, **dims), batch(64, patches=dims["patches"]), optax.adamw(1e-3)
+
+
+def make_clipped():
+    """`make` with logical dim names (its TP stages sharded by the rules table, no search) and a global-norm clip
+    before AdamW: the optimizer exchanges a value over every stage each step."""
+    return model(8, named=True), batch(64), optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3))

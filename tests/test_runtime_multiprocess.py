@@ -60,6 +60,21 @@ def test_two_processes_match_single_process():
                                rtol=1e-6)
 
 
+def test_user_model_with_a_global_norm_clip_across_processes():
+    """A factory's model whose optimizer exchanges a global value (the gradient norm) between stages held by
+    different processes each step (a shape-only `eval_shape` of the exchange on the processes not holding a
+    stage), verified against one device."""
+    mixer = os.path.join(os.path.dirname(__file__), "layered_mixer.py") + ":make_clipped"
+    layout = LAYOUT[:3] + ["[[3,3,2],[2,3,3]]"] + LAYOUT[4:]
+    cmd = CFP + ["launch", "--nprocs", "2", "--devices-per-proc", "4", "--timeout", "400", "--"] \
+        + CFP + ["train", "--model", mixer] + layout + ["--steps", "2", "--verify"]
+    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=450)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rank0 = "\n".join(l[len("[rank 0] "):] for l in out.stdout.splitlines() if l.startswith("[rank 0] "))
+    assert "2 process(es)" in rank0 and sorted(_losses(rank0)) == [1, 2]
+    assert re.search(r"verify: max relative error \S+ over 2 steps \(ok", rank0), rank0[-2000:]
+
+
 def test_dead_process_ends_the_job_with_an_error():
     """No launcher (as on several hosts): kill rank 1; rank 0 must fail, not hang."""
     from cfp.runtime.launch import free_port

@@ -147,5 +147,6 @@ def test_cli_defaults_are_the_api_defaults():
     assert train.steps == data.steps == TrainOptions.steps == common.DEFAULT_STEPS
     assert train.lr == data.lr == TrainOptions.learning_rate
     assert train.weight_decay == TrainOptions.weight_decay and train.seed == data.seed == TrainOptions.seed
-    assert train.config == plan.config == data.config == TrainOptions.config_name
+    # `cfp plan --config` defaults to None so that one given beside a factory is refused; unset, it is the zoo's
+    assert plan.config is None and train.config == data.config == TrainOptions.config_name == common.DEFAULT_CONFIG
     assert train.keep_checkpoints == TrainOptions.keep_checkpoints

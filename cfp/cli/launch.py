@@ -52,14 +52,20 @@ def _check_train_layout(command: list[str], args) -> None:
     if train_args is None:
         return
     from cfp.cli.main import build_parser
-    from cfp.cli.train import layout_from_args
+    from cfp.cli.train import layout_from_args, parse_nested_list
+    from cfp.planner.layout_file import is_factory
     from cfp.runtime.launch import check_layout_fills_processes
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             parsed = build_parser().parse_args(["train", *train_args])
     except SystemExit:        # bad train options: the ranks report them themselves
         return
-    _, _, layout = layout_from_args(parsed)
+    num_layers = None
+    if parsed.model is not None and is_factory(parsed.model) and not parsed.layout:
+        if parsed.layer_partitions is None:   # the layer count is the factory's own: each rank checks
+            return
+        num_layers = sum(parse_nested_list(parsed.layer_partitions, "layer_partitions")[0])
+    _, _, layout = layout_from_args(parsed, num_layers)
     check_layout_fills_processes(list(layout.devices),
                                  args.num_processes or args.nprocs, args.devices_per_proc)
 

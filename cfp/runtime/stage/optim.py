@@ -9,6 +9,7 @@ pipeline computes the same bits.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Sequence
 
@@ -74,8 +75,9 @@ class StageOptimizer:
         return self._partials(round_, grads, opt_state, params, globals_)
 
     def partials_like(self, round_: int) -> Any:
-        return jax.eval_shape(self.part.partials, round_, self.params_like, self.like, self.params_like,
-                              self.globals_like)
+        # the round picks the plan, so it stays a Python int (bound, not traced)
+        return jax.eval_shape(functools.partial(self.part.partials, round_), self.params_like, self.like,
+                              self.params_like, self.globals_like)
 
     def update(self, grads: Any, opt_state: dict, params: Any, globals_: dict) -> tuple[Any, dict]:
         """New ``(params, opt_state)``: the stage's units, each its own compiled program (donating its buffers)."""

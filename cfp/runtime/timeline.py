@@ -23,7 +23,7 @@ from cfp.files import write_json_atomic
 from cfp.runtime.schedules import Phase
 
 
-_COLORS = {Phase.FWD: "#4C72B0", Phase.BWD: "#DD8452"}
+_COLORS = {Phase.FWD: "#4C72B0", Phase.BWD: "#DD8452", Phase.BWD_INPUT: "#C44E52", Phase.BWD_WEIGHT: "#55A868"}
 
 
 def _phase(phase) -> Phase:

@@ -1,0 +1,197 @@
+"""Schedules generated from each virtual stage's F, B and W times under a per-stage memory limit.
+
+The generator runs the event simulation (`cfp.runtime.simulate.run_events`) with a policy in place of a table:
+whenever a stage is idle it runs one of the actions whose inputs have arrived --
+
+* a backward (B, or the whole backward): the oldest micro-batch's, the later virtual stage first (it is on the
+  critical path and frees memory);
+* a forward, the later virtual stage first (a micro-batch in flight before a new one), if memory admits it;
+* a deferred W (the oldest), which fills what would otherwise be idle time --
+
+and otherwise waits for the next arrival, recording each stage's picks as its order. So a fast stage next to a
+slow one fills its waiting with deferred Ws, and with forwards as far as memory allows, where a fixed pattern
+leaves the slots it planned for equal times. Which of backward and forward goes first, and how memory admits a
+forward, are the policy's knobs (`Policy`); `generate` runs every policy of a small fixed set, plus the given
+seed tables (a fixed pattern) replayed, and keeps the shortest by simulated makespan (ties: the first), so the
+result is never longer than the pattern under the same times.
+
+Memory: per stage, what its micro-batches keep (`KeptBytes`) is charged at their forward as ``max(inputs,
+weight)`` (so their B never needs more), drops to ``weight`` at their B and is freed at their W (or whole
+backward). A forward waits unless the charge stays within the stage's limit while leaving room for what other
+micro-batches in flight still need on the stage's later virtual stages (*spare*: the most any one of them needs,
+except for the pipeline's oldest unfinished micro-batch; or *pinned*: a micro-batch's first forward on a stage
+charges all its virtual stages there at once). Either way the oldest unfinished micro-batch can always move, so
+the generator cannot deadlock once a stage's limit holds one micro-batch, and a generated table keeps within its
+limits (`check_table` checks it again).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from cfp.errors import ConfigError
+from cfp.runtime.schedule_table import Action, KeptBytes, Phase, ScheduleTable, peak_kept
+from cfp.runtime.simulate import ActionCosts, EventState, Simulation, finish, run_events, simulate
+
+
+@dataclass(frozen=True)
+class Policy:
+    """``alternate``: after a forward a backward goes first and after a backward a forward (1F1B's rhythm);
+    otherwise backwards always go first. ``pinned``: memory admission charges a micro-batch's virtual stages on a
+    stage at its first forward there (else *spare*, module docstring). ``eager_w``: with that many Ws waiting, a
+    stage runs them before any new forward (0: never)."""
+    alternate: bool
+    pinned: bool
+    eager_w: int = 0
+
+
+def policies(num_stages: int) -> tuple[Policy, ...]:
+    """The policies `generate` tries."""
+    return tuple(Policy(a, pin, w) for a in (False, True) for pin in (False, True)
+                 for w in sorted({0, 2, num_stages}))
+
+
+class _Greedy:
+    """One policy's picks (module docstring); ``order`` holds each stage's."""
+
+    def __init__(self, placement: Sequence[int], m: int, split: bool, kept: KeptBytes, limit: Sequence[float],
+                 policy: Policy):
+        self.m, self.split, self.policy = m, split, policy
+        self.S = len(placement)
+        p = max(placement) + 1
+        self.mine = [sorted((c for c in range(self.S) if placement[c] == d), reverse=True) for d in range(p)]
+        self.hold = [max(kept.inputs[c], kept.weight[c]) if split else kept.inputs[c] for c in range(self.S)]
+        self.after_b = tuple(kept.weight)
+        self.limit = tuple(x * (1 + 1e-9) for x in limit)
+        for d in range(p):
+            need = sum(self.hold[c] for c in self.mine[d])
+            if need > self.limit[d]:
+                raise ConfigError(f"stage {d}'s memory limit {limit[d]:.4g} is below what one micro-batch keeps "
+                                  f"there ({need:.4g}): no schedule fits")
+        self.next_f, self.next_b = [0] * self.S, [0] * self.S
+        self.pending_w: list[deque] = [deque() for _ in range(p)]
+        self.charged = [0.0] * p
+        self.need: list[dict[int, float]] = [{} for _ in range(p)]    # micro-batch -> charges still to come
+        self.remaining = [self.S * (3 if split else 2)] * m
+        self.oldest = 0
+        self.order: list[list[Action]] = [[] for _ in range(p)]
+        self.back = Phase.BWD_INPUT if split else Phase.BWD
+        self.last_fwd = [False] * p
+
+    def __call__(self, d: int, t: float, st: EventState) -> Optional[Action]:
+        pol = self.policy
+        if pol.eager_w and len(self.pending_w[d]) >= pol.eager_w:
+            a = self._backward(d, t, st) or self._weight(d)
+        elif pol.alternate and not self.last_fwd[d]:
+            a = self._forward(d, t, st) or self._backward(d, t, st) or self._weight(d)
+        else:
+            a = self._backward(d, t, st) or self._forward(d, t, st) or self._weight(d)
+        if a is not None:
+            self._ran(d, a)
+        return a
+
+    def _ran(self, d: int, a: Action) -> None:
+        self.order[d].append(a)
+        if a.phase is not Phase.BWD_WEIGHT:
+            self.last_fwd[d] = a.phase is Phase.FWD
+        j, c = a.microbatch, a.vstage
+        self.remaining[j] -= 1
+        while self.oldest < self.m and not self.remaining[self.oldest]:
+            self.oldest += 1
+        if a.phase is Phase.BWD_INPUT:
+            self.charged[d] -= self.hold[c] - self.after_b[c]
+        elif a.phase is Phase.BWD_WEIGHT:
+            self.charged[d] -= self.after_b[c]
+        elif a.phase is Phase.BWD:
+            self.charged[d] -= self.hold[c]
+        if a.phase is not Phase.FWD and self.need[d].get(j) == 0 and all(self.next_b[x] > j for x in self.mine[d]) \
+                and not any(w.microbatch == j for w in self.pending_w[d]):
+            del self.need[d][j]       # done on this stage
+
+    def _admit(self, d: int, j: int, c: int) -> bool:
+        need = self.need[d]
+        later = sum(self.hold[x] for x in self.mine[d] if x >= c)
+        if self.policy.pinned:
+            if j in need:
+                need[j] -= self.hold[c]
+                return True
+            if self.charged[d] + later > self.limit[d]:
+                return False
+            self.charged[d] += later
+            need[j] = later - self.hold[c]
+            return True
+        left = (need[j] if j in need else later) - self.hold[c]
+        spare = max([left] + [n for i, n in need.items() if i != j]) if j > self.oldest else 0.0
+        if self.charged[d] + self.hold[c] + spare > self.limit[d]:
+            return False
+        self.charged[d] += self.hold[c]
+        need[j] = left
+        return True
+
+    def _backward(self, d: int, t: float, st: EventState) -> Optional[Action]:
+        best = None
+        for c in self.mine[d]:
+            j = self.next_b[c]
+            if j < self.m and (best is None or j < best.microbatch) and st.ready_at(self.back, c, j, t):
+                best = Action(self.back, j, c)
+        if best is None:
+            return None
+        self.next_b[best.vstage] += 1
+        if self.split:
+            self.pending_w[d].append(Action(Phase.BWD_WEIGHT, best.microbatch, best.vstage))
+        return best
+
+    def _forward(self, d: int, t: float, st: EventState) -> Optional[Action]:
+        for c in self.mine[d]:
+            j = self.next_f[c]
+            if j < self.m and st.ready_at(Phase.FWD, c, j, t) and self._admit(d, j, c):
+                self.next_f[c] += 1
+                return Action(Phase.FWD, j, c)
+        return None
+
+    def _weight(self, d: int) -> Optional[Action]:
+        return self.pending_w[d].popleft() if self.pending_w[d] else None
+
+
+def run_policy(name: str, placement: Sequence[int], microbatches: int, costs: ActionCosts, split: bool,
+               limit: Sequence[float], kept: KeptBytes, policy: Policy) -> tuple[ScheduleTable, Simulation]:
+    """The table one policy builds, and its simulation."""
+    greedy = _Greedy(placement, microbatches, split, kept, limit, policy)
+    p = len(greedy.mine)
+    counts = [len(greedy.mine[d]) * microbatches * (3 if split else 2) for d in range(p)]
+    spans = run_events(placement, microbatches, counts, greedy, lambda d, a: costs.duration(a.phase, a.vstage),
+                       costs.send)
+    table = ScheduleTable(name, tuple(placement), microbatches, tuple(tuple(o) for o in greedy.order))
+    return table, finish(table, spans)
+
+
+def generate(name: str, placement: Sequence[int], microbatches: int, costs: ActionCosts, split: bool,
+             limit: Sequence[float], kept: Optional[KeptBytes] = None, seeds: Sequence[ScheduleTable] = ()
+             ) -> tuple[ScheduleTable, Simulation]:
+    """The shortest table, by simulation with ``costs``, of the ``seeds`` (replayed as they are) and the tables
+    every `policies` entry builds under ``limit`` (per stage, in the units of ``kept``; default: one unit per live
+    micro-batch of a whole stage)."""
+    S = len(placement)
+    if costs.num_vstages != S:
+        raise ConfigError(f"costs for {costs.num_vstages} virtual stages, placement has {S}")
+    if microbatches < 1:
+        raise ConfigError(f"microbatches={microbatches} must be >= 1")
+    p = max(placement) + 1
+    if len(limit) != p:
+        raise ConfigError(f"memory limit has {len(limit)} entries for {p} stages")
+    v = S // p
+    kept = kept or KeptBytes((1.0 / v,) * S, (1.0 / v,) * S)
+    best = None
+    for seed in seeds:
+        if tuple(seed.placement) != tuple(placement) or any(
+                a > b * (1 + 1e-9) for a, b in zip(peak_kept(seed, kept), limit)):
+            continue
+        sim = simulate(seed, costs)
+        if best is None or sim.makespan < best[1].makespan:
+            best = (seed, sim)
+    for pol in policies(p):
+        table, sim = run_policy(name, placement, microbatches, costs, split, limit, kept, pol)
+        if best is None or sim.makespan < best[1].makespan * (1 - 1e-12):
+            best = (table, sim)
+    return best

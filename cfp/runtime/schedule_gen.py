@@ -15,14 +15,15 @@ forward, are the policy's knobs (`Policy`); `generate` runs every policy of a sm
 seed tables (a fixed pattern) replayed, and keeps the shortest by simulated makespan (ties: the first), so the
 result is never longer than the pattern under the same times.
 
-Memory: per stage, what its micro-batches keep (`KeptBytes`) is charged at their forward as ``max(inputs,
-weight)`` (so their B never needs more), drops to ``weight`` at their B and is freed at their W (or whole
-backward). A forward waits unless the charge stays within the stage's limit while leaving room for what other
-micro-batches in flight still need on the stage's later virtual stages (*spare*: the most any one of them needs,
-except for the pipeline's oldest unfinished micro-batch; or *pinned*: a micro-batch's first forward on a stage
-charges all its virtual stages there at once). Either way the oldest unfinished micro-batch can always move, so
-the generator cannot deadlock once a stage's limit holds one micro-batch, and a generated table keeps within its
-limits (`check_table` checks it again).
+Memory: a stage keeps what its micro-batches keep (`KeptBytes`): ``inputs`` from a forward to its B (or whole
+backward), ``weight`` from a B to its W. A B runs only if what it adds (``weight - inputs``) fits, else the
+stage's Ws run first; a forward only if it leaves free, beyond its own input, room for one B to grow and for
+what other micro-batches in flight still bring to the stage's later virtual stages (*spare*: the most any one of
+them brings, except for the pipeline's oldest unfinished micro-batch; or *pinned*: a micro-batch's first forward
+on a stage reserves its later virtual stages' inputs there at once). So a ready B always fits once its stage's
+Ws have run and the oldest unfinished micro-batch can always move: the generator cannot deadlock once a stage's
+limit holds one micro-batch's inputs and one B's growth, and a generated table keeps within its limits
+(`check_table` checks it again).
 """
 from __future__ import annotations
 
@@ -61,18 +62,22 @@ class _Greedy:
         self.S = len(placement)
         p = max(placement) + 1
         self.mine = [sorted((c for c in range(self.S) if placement[c] == d), reverse=True) for d in range(p)]
-        self.hold = [max(kept.inputs[c], kept.weight[c]) if split else kept.inputs[c] for c in range(self.S)]
-        self.after_b = tuple(kept.weight)
+        self.inputs = tuple(kept.inputs)
+        self.grow = tuple(max(0.0, w - i) for i, w in zip(kept.inputs, kept.weight)) if split else (0.0,) * self.S
+        self.weight = tuple(kept.weight)
+        # room kept free on a stage so that a ready B always fits once its stage's Ws have run
+        self.reserve = [max(self.grow[c] for c in self.mine[d]) for d in range(p)]
         self.limit = tuple(x * (1 + 1e-9) for x in limit)
         for d in range(p):
-            need = sum(self.hold[c] for c in self.mine[d])
+            need = sum(self.inputs[c] for c in self.mine[d]) + self.reserve[d]
             if need > self.limit[d]:
                 raise ConfigError(f"stage {d}'s memory limit {limit[d]:.4g} is below what one micro-batch keeps "
                                   f"there ({need:.4g}): no schedule fits")
         self.next_f, self.next_b = [0] * self.S, [0] * self.S
         self.pending_w: list[deque] = [deque() for _ in range(p)]
-        self.charged = [0.0] * p
-        self.need: list[dict[int, float]] = [{} for _ in range(p)]    # micro-batch -> charges still to come
+        self.kept = [0.0] * p           # what each stage keeps now
+        self.pinned = [0.0] * p         # inputs pinned micro-batches will still bring (pinned admission)
+        self.need: list[dict[int, float]] = [{} for _ in range(p)]    # micro-batch -> inputs still to come
         self.remaining = [self.S * (3 if split else 2)] * m
         self.oldest = 0
         self.order: list[list[Action]] = [[] for _ in range(p)]
@@ -100,40 +105,44 @@ class _Greedy:
         while self.oldest < self.m and not self.remaining[self.oldest]:
             self.oldest += 1
         if a.phase is Phase.BWD_INPUT:
-            self.charged[d] -= self.hold[c] - self.after_b[c]
+            self.kept[d] += self.weight[c] - self.inputs[c]
         elif a.phase is Phase.BWD_WEIGHT:
-            self.charged[d] -= self.after_b[c]
+            self.kept[d] -= self.weight[c]
         elif a.phase is Phase.BWD:
-            self.charged[d] -= self.hold[c]
-        if a.phase is not Phase.FWD and self.need[d].get(j) == 0 and all(self.next_b[x] > j for x in self.mine[d]) \
-                and not any(w.microbatch == j for w in self.pending_w[d]):
-            del self.need[d][j]       # done on this stage
+            self.kept[d] -= self.inputs[c]
+        if a.phase is not Phase.FWD and self.need[d].get(j) == 0 and all(self.next_b[x] > j for x in self.mine[d]):
+            del self.need[d][j]       # its forwards on this stage are all done: it claims no more room
 
     def _admit(self, d: int, j: int, c: int) -> bool:
-        need = self.need[d]
-        later = sum(self.hold[x] for x in self.mine[d] if x >= c)
+        need, x = self.need[d], self.inputs[c]
+        later = sum(self.inputs[y] for y in self.mine[d] if y >= c)
+        base = self.kept[d] + self.pinned[d] + self.reserve[d]
         if self.policy.pinned:
             if j in need:
-                need[j] -= self.hold[c]
-                return True
-            if self.charged[d] + later > self.limit[d]:
+                need[j] -= x
+                self.pinned[d] -= x
+            elif base + later > self.limit[d]:
                 return False
-            self.charged[d] += later
-            need[j] = later - self.hold[c]
+            else:
+                need[j] = later - x
+                self.pinned[d] += later - x
+            self.kept[d] += x
             return True
-        left = (need[j] if j in need else later) - self.hold[c]
+        left = (need[j] if j in need else later) - x
         spare = max([left] + [n for i, n in need.items() if i != j]) if j > self.oldest else 0.0
-        if self.charged[d] + self.hold[c] + spare > self.limit[d]:
+        if base + x + spare > self.limit[d]:
             return False
-        self.charged[d] += self.hold[c]
+        self.kept[d] += x
         need[j] = left
         return True
 
     def _backward(self, d: int, t: float, st: EventState) -> Optional[Action]:
         best = None
+        room = self.limit[d] - self.kept[d] - self.pinned[d]
         for c in self.mine[d]:
             j = self.next_b[c]
-            if j < self.m and (best is None or j < best.microbatch) and st.ready_at(self.back, c, j, t):
+            if j < self.m and (best is None or j < best.microbatch) and self.grow[c] <= room \
+                    and st.ready_at(self.back, c, j, t):
                 best = Action(self.back, j, c)
         if best is None:
             return None

@@ -153,6 +153,24 @@ def add_schedule(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE, help="pipeline schedule")
 
 
+def schedule_text(text: str) -> str:
+    """argparse type of `cfp plan --schedule`: a schedule name, ``interleaved:V`` or ``auto``."""
+    from cfp.errors import ConfigError
+    from cfp.runtime.schedules import schedule_choices
+    try:
+        schedule_choices(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"{e}, interleaved:V or auto") from None
+    return text
+
+
+def add_plan_schedule(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", type=schedule_text, default=DEFAULT_SCHEDULE, metavar="SCHEDULE",
+                   help="pipeline schedule to price: gpipe, 1f1b, interleaved (interleaved:V for V virtual stages "
+                        "per stage, default 2), zb-h1, zb-v, or auto (each pipeline the fastest of 1f1b, "
+                        "interleaved:2, zb-h1 and zb-v whose memory fits)")
+
+
 def add_steps(p: argparse.ArgumentParser, help: str = "training steps") -> None:
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help=help)
 

@@ -303,3 +303,23 @@ def check_schedule(actions: "ScheduleTable | StageActions", num_microbatches: in
     if table.microbatches != num_microbatches:
         raise ConfigError(f"schedule {table.name} is for {table.microbatches} micro-batches, not {num_microbatches}")
     check_table(table)
+
+
+AUTO = "auto"
+AUTO_SCHEDULES = ("1f1b", "interleaved:2", "zb-h1", "zb-v")   # what `auto` chooses from; 1F1B (the leanest) first
+
+
+def schedule_choices(value) -> tuple[ScheduleSpec, ...]:
+    """The schedules a pipeline may run: ``"auto"`` (`AUTO_SCHEDULES`), one schedule (a `ScheduleName`,
+    `ScheduleSpec` or its text), or a sequence of them; the first is the base the planner sizes stages by."""
+    if isinstance(value, str) and value == AUTO:
+        value = AUTO_SCHEDULES
+    if isinstance(value, (str, ScheduleName, ScheduleSpec)):
+        return (ScheduleSpec.parse(value),)
+    try:
+        out = tuple(ScheduleSpec.parse(v) for v in value)
+    except TypeError:
+        raise ConfigError(f"schedule={value!r} is not a schedule, a list of them or {AUTO!r}") from None
+    if not out:
+        raise ConfigError("an empty list of schedules")
+    return tuple(dict.fromkeys(out))

@@ -185,9 +185,9 @@ class CostModel:
                                             mb * m.layer_score_bytes(tp), spilled))
 
     @_memo
-    def layer_dot_seconds(self, machine: int, tp: int, mb: int) -> float:
-        """The dots of one layer's forward on `mb` sequences (as many FLOPs as its weight gradient)."""
-        return self._dot_seconds(machine, self.model.layer_gemms(tp, mb))
+    def layer_weight_dot_seconds(self, machine: int, tp: int, mb: int) -> float:
+        """The parameter dots of one layer's forward on `mb` sequences (as many FLOPs as its weight gradient)."""
+        return self._dot_seconds(machine, self.model.layer_weight_gemms(tp, mb))
 
     @_memo
     def head_dot_seconds(self, machine: int, tp: int, mb: int) -> float:
@@ -287,9 +287,10 @@ class CostModel:
         a0 = (inputs + (mb * m.head_activation_bytes(tp) if last else 0.0)
               + (PARAM_BYTES * m.embed_params(tp) if first else 0.0))
         # one micro-batch's stage activations in the backward (recomputed: the one running; else every kept
-        # input's virtual stage), plus the W stashes of a split backward (what W needs: a virtual stage's)
-        live = max(1.0, self.features.stored_activations(n_in) / v) + n_stash / v
-        return s0, s1, a0, live * mb * m.layer_activation_bytes(tp)
+        # input's virtual stage), plus the W stashes of a split backward (a virtual stage's parameter dots' inputs
+        # and output gradients each)
+        live = max(1.0, self.features.stored_activations(n_in) / v)
+        return s0, s1, a0, mb * (live * m.layer_activation_bytes(tp) + n_stash / v * m.layer_weight_stash_bytes(tp))
 
     def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
@@ -368,7 +369,7 @@ class CostModel:
         k = self.features.backward_passes                        # (recomputed forward +) backward (2x)
         bwd = k * compute + (k - 2) * emb_f + emb_b + (k - 1) * st.layers * ar
         # W: the weight-gradient dots (as many FLOPs as the forward's dots) and the embedding's gradient
-        wgrad = (st.layers * self.layer_dot_seconds(st.machine, st.tp, mb)
+        wgrad = (st.layers * self.layer_weight_dot_seconds(st.machine, st.tp, mb)
                  + (self.head_dot_seconds(st.machine, st.tp, mb) if last else 0.0) + emb_b)
         measured = self._measured(st, first, last, mb)
         if measured is not None:                        # split 1:3 like the modelled compute

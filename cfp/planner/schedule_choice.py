@@ -76,13 +76,13 @@ class ScheduleReport:
 
 def kept_bytes(cm: CostModel, pipe: Pipeline, spec: ScheduleSpec) -> KeptBytes:
     """Per virtual stage, the bytes one micro-batch keeps: its input (token ids for the first) from F to B, and
-    what its W needs (its layers' stage activations) from B to W."""
+    what its W needs (its layers' parameter dots' inputs and output gradients) from B to W."""
     m, mb = cm.model, pipe.micro_batch
     placement = spec.entry.placement.stages(pipe.num_stages, spec.v)
     layers = vstage_layers([s.layers for s in pipe.stages], placement)
     tp = [pipe.stages[d].tp for d in placement]
     inputs = tuple(mb * (m.token_bytes() if c == 0 else m.boundary_bytes()) for c in range(len(placement)))
-    weight = tuple(mb * n * m.layer_activation_bytes(t) if spec.entry.split else 0.0 for n, t in zip(layers, tp))
+    weight = tuple(mb * n * m.layer_weight_stash_bytes(t) if spec.entry.split else 0.0 for n, t in zip(layers, tp))
     return KeptBytes(inputs, weight)
 
 
@@ -98,7 +98,7 @@ def memory_limit(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec
         n_in, n_stash = counts[i]
         # the kept part of the cost model's peak, as `CostModel._memory_terms` counts it
         kept = (n_in * mb * (m.token_bytes() if i == 0 and spec.v == 1 else m.boundary_bytes())
-                + n_stash / spec.v * st.layers * mb * m.layer_activation_bytes(st.tp))
+                + n_stash / spec.v * st.layers * mb * m.layer_weight_stash_bytes(st.tp))
         others = 4 * (s0 + st.layers * s1) + a0 + st.layers * a1 - kept
         out.append(cm.cluster.machines[st.machine].memory - others)
     return tuple(out)

@@ -21,6 +21,7 @@ from cfp.runtime.schedules import ScheduleSpec
 from cfp.runtime.simulate import ActionCosts, Simulation
 
 MAX_SIMULATED_ACTIONS = 20000   # larger pipelines are chosen by the formula only (the generator is pure Python)
+SIMULATED_WITHIN = 1.15          # candidates slower than this times the fastest fitting one by formula: not simulated
 
 
 @dataclass(frozen=True)
@@ -121,15 +122,17 @@ def action_costs(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec
 
 
 def schedule_reports(cm: CostModel, layout: Layout, est: Estimate) -> list[ScheduleReport]:
-    """`ScheduleReport` of every pipeline of an estimated layout: each candidate that fits simulated (its table
-    generated under `memory_limit`) when every fitting one has at most `MAX_SIMULATED_ACTIONS` actions."""
+    """`ScheduleReport` of every pipeline of an estimated layout: each candidate that fits and is within
+    `SIMULATED_WITHIN` of the fastest by formula simulated (its table generated under `memory_limit`), when every
+    such one has at most `MAX_SIMULATED_ACTIONS` actions."""
     out = []
     n = len(layout.pipelines)
     for p, (pipe, options) in enumerate(zip(layout.pipelines, est.schedule_options)):
-        fitting = [spec for spec, _, ok in options if ok]
+        best = min([t for _, t, ok in options if ok], default=0.0)
+        near = [spec for spec, t, ok in options if ok and t <= SIMULATED_WITHIN * best]
         small = all(pipe.num_stages * s.v * pipe.chunks * (3 if s.entry.split else 2) <= MAX_SIMULATED_ACTIONS
-                    for s in fitting)
-        cands = [_candidate(cm, pipe, n, spec, t, ok, simulate_it=ok and small) for spec, t, ok in options]
+                    for s in near)
+        cands = [_candidate(cm, pipe, n, spec, t, ok, simulate_it=small and spec in near) for spec, t, ok in options]
         sims = [c for c in cands if c.simulation is not None]
         if sims:
             chosen = min(sims, key=lambda c: c.simulation.makespan)

@@ -237,8 +237,10 @@ def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
 
 
 def test_skipped_update_is_caught(monkeypatch):
-    """The parameter checks above fail when one stage's optimizer update is skipped: pipeline 0's
-    (its values are what ``state()`` returns) and pipeline 1's (the cross-pipeline check)."""
+    """The parameter checks above fail when pipeline 0's update of one stage is skipped (its values are what
+    ``state()`` returns) and when a stage of pipeline 1 misses pipeline 0's new parameters (the cross-pipeline
+    check)."""
+    import cfp.runtime.engine as engine
     from cfp.runtime.verify import identical_across_pipelines, tree_error
     layout = Layout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
     cfg = tiny(3)
@@ -247,7 +249,16 @@ def test_skipped_update_is_caught(monkeypatch):
         prog = trainer.programs[skipped]
         n = len(__import__("jax").tree_util.tree_leaves(prog.params_like))
         with monkeypatch.context() as m:
-            m.setattr(prog, "update", lambda p, o, g, scale, glob: (p, o, np.ones((2, n), bool)))
+            if skipped[0] == 0:
+                m.setattr(prog, "apply_update", lambda g, o, p, glob: (p, o, np.ones((2, n), bool)))
+            else:
+                real = engine.broadcast_params
+
+                def broadcast(layout, programs, params, *a, _real=real):
+                    kept = params[skipped]
+                    _real(layout, programs, params, *a)
+                    params[skipped] = kept
+                m.setattr(engine, "broadcast_params", broadcast)
             with pytest.raises(AssertionError):
                 check_steps(trainer, "llama2", cfg)
         _, _, ref_params, _ = microbatched_reference("llama2", cfg, layout)

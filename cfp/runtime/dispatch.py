@@ -220,32 +220,52 @@ def grad_pieces(layout: Layout, dst: PlacedStage) -> list[list[int]]:
 
 
 def sync_gradients(layout: Layout, programs: dict, acc: dict, slicer: Any) -> dict:
-    """For every local stage, its gradient from every pipeline (in pipeline order): ``first`` and ``last`` from
-    that pipeline's first and last stages, its layers as the pieces of the stages holding them there, each moved
-    onto this stage's gradient shardings. Their sum is the step's gradient (`StageProgram.summed`).
-
-    The same elementwise sums in the same order happen everywhere a parameter is held, so all pipelines keep
-    bit-identical parameters. ``slicer(key, layers, start, stop)``: a stage's accumulated layer gradients cut to
-    its local layers ``start .. stop-1`` (on its devices)."""
+    """For every local stage of pipeline 0 (which updates the parameters for all), its gradient from every pipeline
+    (in pipeline order): ``first`` and ``last`` from that pipeline's first and last stages, its layers as the
+    pieces of the stages holding them there, each moved onto this stage's gradient shardings. Their sum is the
+    step's gradient (`StageProgram.summed`). ``slicer(key, layers, start, stop)``: a stage's accumulated layer
+    gradients cut to its local layers ``start .. stop-1`` (on its devices)."""
     out = {}
-    for dst in layout.placed:
+    for dst in layout.placed_in(0):
         dprog = programs[dst.key]
-        parts = []
-        for p in range(len(layout.pipelines)):
-            srcs = layout.placed_in(p)
-            part = {"layers": []}
-            for src, lo, hi in _layer_pieces(dst, srcs):
-                sprog = programs[src.key]
-                a, b = lo - src.layer_start, hi - src.layer_start
-                sub = slicer(src.key, acc[src.key]["layers"], a, b) if sprog.is_local else None
-                part["layers"].append(move(programs, sub, src, dst, dprog.layer_shardings(
-                    lo - dst.layer_start, hi - dst.layer_start), sprog.layers_like(a, b)))
-            for name, src in (("first", srcs[0]), ("last", srcs[-1])):
-                if name in dprog.params_like:
-                    sub = acc[src.key][name] if programs[src.key].is_local else None
-                    part[name] = move(programs, sub, src, dst, dprog.grad_shardings[name], dprog.params_like[name])
-            if dprog.is_local:
-                parts.append(part)
+        parts = [_gather_from(programs, layout.placed_in(p), dst, acc, slicer, dprog.layer_shardings,
+                              dprog.grad_shardings) for p in range(len(layout.pipelines))]
         if dprog.is_local:
             out[dst.key] = parts
     return out
+
+
+def broadcast_params(layout: Layout, programs: dict, params: dict, slicer: Any, joiner: Any) -> None:
+    """Every stage of the other pipelines gets pipeline 0's new parameters (in place in ``params``): its layers from
+    the pipeline-0 stages holding them (pieces joined by ``joiner(key, pieces)`` on its devices), ``first`` and
+    ``last`` from pipeline 0's first and last stage. So all pipelines hold the same bits, whatever their stage
+    boundaries and TP degrees."""
+    src_stages = layout.placed_in(0)
+    for p in range(1, len(layout.pipelines)):
+        for dst in layout.placed_in(p):
+            dprog = programs[dst.key]
+            got = _gather_from(programs, src_stages, dst, params, slicer,
+                               lambda a, b: dprog.layer_shardings(a, b, params=True), dprog.shardings)
+            if dprog.is_local:
+                params[dst.key] = dict(got, layers=joiner(dst.key, got["layers"]))
+
+
+def _gather_from(programs: dict, srcs, dst: PlacedStage, trees: dict, slicer: Any, layer_shardings: Any,
+                 shardings: Any) -> dict:
+    """Stage ``dst``'s part of the trees the stages ``srcs`` (one pipeline) hold: its layers as one piece per source
+    stage holding some of them, ``first``/``last`` from the first/last source, all moved onto ``dst``'s shardings
+    (None where this process holds neither end)."""
+    dprog = programs[dst.key]
+    part = {"layers": []}
+    for src, lo, hi in _layer_pieces(dst, srcs):
+        sprog = programs[src.key]
+        a, b = lo - src.layer_start, hi - src.layer_start
+        sub = slicer(src.key, trees[src.key]["layers"], a, b) if sprog.is_local else None
+        part["layers"].append(move(programs, sub, src, dst, layer_shardings(lo - dst.layer_start,
+                                                                            hi - dst.layer_start),
+                                   sprog.layers_like(a, b)))
+    for name, src in (("first", srcs[0]), ("last", srcs[-1])):
+        if name in dprog.params_like:
+            sub = trees[src.key][name] if programs[src.key].is_local else None
+            part[name] = move(programs, sub, src, dst, shardings[name], dprog.params_like[name])
+    return part

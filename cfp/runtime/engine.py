@@ -9,12 +9,14 @@ in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pi
 1. Every pipeline runs its schedule (GPipe / 1F1B) on its micro-batches (``dispatch.ScheduleRun``); each stage
    accumulates the gradient of its micro-batches' summed ``loss_sum``; the step's loss is
    ``sum(loss_sum) / sum(weight)`` over every micro-batch of every pipeline.
-2. Gradient sync (``dispatch.sync_gradients``): every stage gathers its parameters' gradients from every
-   pipeline (resharded from that pipeline's stages onto this stage's shardings) and sums them in pipeline order
-   -- the same elementwise sums everywhere, so all pipelines keep bit-identical parameters.
-3. The optimizer per stage (`cfp.runtime.stage.optim`): the user's optax transformation on the stage's part,
-   on the summed gradient scaled by ``1 / sum(weight)``. A NaN or Inf in the loss, a summed gradient or a new
-   parameter raises ``NumericalError`` naming the step and the leaf.
+2. Gradient sync (``dispatch.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from
+   every pipeline (resharded from that pipeline's stages onto this stage's shardings) and sums them in pipeline
+   order.
+3. The optimizer per stage of pipeline 0 (`cfp.runtime.stage.optim`): the user's optax transformation on the
+   stage's part, on the summed gradient scaled by ``1 / sum(weight)``; then every other pipeline's stages get
+   the new parameters from pipeline 0's (``dispatch.broadcast_params``), so all pipelines hold the same bits
+   whatever their stage boundaries and TP degrees, and only pipeline 0 holds optimizer state. A NaN or Inf in
+   the loss, a summed gradient or a new parameter raises ``NumericalError`` naming the step and the leaf.
 
 ``set_layout`` switches the strategy between steps: the state is gathered and placed on the new layout's stages
 (a copy, bit-exact). Per-action start/end times are measured by ``timing.StepClock``.
@@ -35,8 +37,8 @@ import optax
 from cfp.errors import ConfigError, NumericalError
 from cfp.layered.model import LayeredModel, merge_stage_params, stage_params
 from cfp.layout import Layout
-from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, check_micro_batches, grad_pieces, split_batch,
-                                  sync_gradients)
+from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, broadcast_params, check_micro_batches,
+                                  grad_pieces, split_batch, sync_gradients)
 from cfp.runtime.schedules import SCHEDULES, ScheduleName, check_schedule, global_order
 from cfp.runtime.stage.build import build_programs
 from cfp.runtime.stage.cache import CompileCache
@@ -149,7 +151,8 @@ class HeteroTrainer:
             st = prog.stage
             mine = stage_params(params, st.layer_start, st.layer_end, st.is_first, st.is_last, m.stacked)
             self.params[key] = prog.place_params(mine)
-            self.opt_state[key] = prog.place_opt_state(prog.optimizer.cut(opt_state))
+            if st.pipeline == 0:        # pipeline 0 updates for all: the others hold no optimizer state
+                self.opt_state[key] = prog.place_opt_state(prog.optimizer.cut(opt_state))
         self.step_count = int(step)
         self._initialized = True
         return self
@@ -161,9 +164,8 @@ class HeteroTrainer:
         local = lambda k: self.programs[k].is_local
         params = gather_stages(keys, self.params, lambda k: self.programs[k].params_like, local)
         opts = gather_stages(keys, self.opt_state, lambda k: self.programs[k].optimizer.like, local)
-        stages = self.layout.placed_in(0)
-        return (merge_stage_params(params, self.model.stacked), self.optimizer.merge(opts, stages),
-                self.step_count)
+        full, opt = self.optimizer.merge(params, opts, self.layout.placed_in(0))
+        return full, opt, self.step_count
 
     def compile_jobs(self, key: tuple[int, int], batch_like: Optional[Any] = None) -> list:
         """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update, for
@@ -189,7 +191,8 @@ class HeteroTrainer:
         """Compile every local stage program ahead of time, several at once (XLA compiles outside the GIL); the
         first step then only traces. Returns the seconds it took."""
         t0 = time.perf_counter()
-        jobs = [job for key in self._local for job in self.compile_jobs(key)]
+        # the other pipelines' stages take pipeline 0's new parameters: they compile no update
+        jobs = [job for key in self._local for job in self.compile_jobs(key)[:None if key[0] == 0 else 3]]
         with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(lambda j: j[0].lower(*j[1]).compile(), jobs))
         return time.perf_counter() - t0
@@ -227,11 +230,14 @@ class HeteroTrainer:
         _check_loss(loss, self.step_count + 1)
         parts = sync_gradients(self.layout, self.programs, acc, self._slice)
         scale = np.float32(1.0) / np.float32(weight)
-        globals_ = self._globals(parts, scale)
+        grads = {key: self.programs[key].gradient(g, scale) for key, g in parts.items()}
+        globals_ = self._globals(grads)
         flags = {}
-        for key, g in parts.items():
-            self.params[key], self.opt_state[key], flags[key] = self.programs[key].update(
-                self.params[key], self.opt_state[key], g, scale, globals_)
+        for key, g in grads.items():
+            self.params[key], self.opt_state[key], flags[key] = self.programs[key].apply_update(
+                g, self.opt_state[key], self.params[key], globals_)
+        broadcast_params(self.layout, self.programs, self.params, self._slice,
+                         lambda key, pieces: self.programs[key].join_layers(pieces))
         jax.block_until_ready(list(self.params.values()))
         seconds = time.perf_counter() - t_start
         self._check_finite(flags)
@@ -242,17 +248,19 @@ class HeteroTrainer:
         return StepStats(self.step_count, loss, seconds, slots, int(round(weight)), events,
                          tuple(self._clock.unmeasured))
 
-    def _globals(self, parts: dict, scale: np.float32) -> Any:
-        """The optimizer's values taken over every stage (e.g. a global gradient norm), from pipeline 0's stages;
-        () when the optimizer needs none."""
-        if not self.optimizer.has_globals:
-            return self.optimizer.globals_like
+    def _globals(self, grads: dict) -> dict:
+        """The optimizer's values taken over every stage (e.g. a global gradient norm), exchanged round by round
+        from pipeline 0's stages (every stage of every pipeline then gets the same ones); {} when the optimizer
+        needs none."""
+        glob: dict = {}
         keys = [st.key for st in self.layout.placed_in(0)]
-        partial = {k: self.programs[k].partials(self.params[k], self.opt_state[k], parts[k], scale)
-                   for k in keys if self.programs[k].is_local}
-        got = gather_stages(keys, partial, lambda k: self.programs[k].optimizer.partials_like,
-                            lambda k: self.programs[k].is_local)
-        return self.optimizer.combine(got)
+        local = lambda k: self.programs[k].is_local
+        for r in range(self.optimizer.rounds):
+            mine = {k: self.programs[k].optimizer.partials(r, grads[k], self.opt_state[k], self.params[k], glob)
+                    for k in keys if local(k)}
+            got = gather_stages(keys, mine, lambda k: self.programs[k].optimizer.partials_like(r), local)
+            glob = self.optimizer.combine(r, got, glob)
+        return glob
 
     def _slice(self, key: tuple[int, int], layers: Any, start: int, stop: int) -> Any:
         """A stage's layer gradients cut to its local layers ``start .. stop-1`` (a jitted slice of stacked
@@ -274,17 +282,11 @@ class HeteroTrainer:
         self._clock.events(order, 0.0)  # drain the watchers
         parts = sync_gradients(self.layout, self.programs, acc, self._slice)
         scale = np.float32(1.0) / np.float32(weight)
-        summed = {k: self._summed(k)(parts[k], scale) for k in parts}
+        summed = {k: self.programs[k].gradient(parts[k], scale) for k in parts}
         keys = [st.key for st in self.layout.placed_in(0)]
         trees = gather_stages(keys, summed, lambda k: self.programs[k].params_like,
                               lambda k: self.programs[k].is_local)
         return merge_stage_params(trees, self.model.stacked), loss
-
-    def _summed(self, key):
-        prog = self.programs[key]
-        if not hasattr(prog, "_summed_jit"):
-            prog._summed_jit = jax.jit(prog.summed)
-        return prog._summed_jit
 
     def warm(self, batch: Any) -> float:
         """Run (and discard) one micro-batch of each shape in ``batch`` that this layout's pipelines have not run
@@ -308,9 +310,13 @@ class HeteroTrainer:
         if ("update", self.layout) not in self._warmed:
             self._warmed.add(("update", self.layout))
             for key, prog in self._local.items():
+                if key[0] != 0:
+                    continue
                 copy = jax.tree_util.tree_map(jnp.copy, (self.params[key], self.opt_state[key]))
                 parts = [prog.grad_parts_zeros(p) for p in grad_pieces(self.layout, prog.stage)]
-                jax.block_until_ready(prog.update(*copy, parts, np.float32(1.0), self.optimizer.globals_like))
+                g = prog.gradient(parts, np.float32(1.0))
+                glob = {v: jnp.zeros(l.shape, l.dtype) for v, l in self.optimizer.globals_like.items()}
+                jax.block_until_ready(prog.apply_update(g, copy[1], copy[0], glob))
         dt = time.perf_counter() - t0
         self.warm_s += dt
         return dt

@@ -134,6 +134,8 @@ class TrainResult:
     verify_error: Optional[float] = None
     verify_ok: bool = True
     step_seconds: list[float] = field(default_factory=list)   # measured, per step after the first
+    params: Any = None                   # train_pipelines: the trained parameters (host numpy, the model's structure)
+    opt_state: Any = None                # ... and the optimizer state
 
 
 class _Data:
@@ -226,18 +228,20 @@ def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformat
     opts = RunOptions(layout=layout, steps=steps, schedule=ScheduleName.parse(schedule), verify=verify,
                       checkpoint_dir=checkpoint_dir, **run_options)
     user = UserModel(model, batches if callable(batches) else cycled_rows(batches), optimizer, model.name)
-    return train_user_model(user, opts, log, cache)
+    return train_user_model(user, opts, log, cache, keep_state=True)
 
 
 def train_user_model(user: Any, opts: RunOptions, log: Callable[..., None] = None,
-                     cache: Optional["CompileCache"] = None) -> "TrainResult":
-    """A user's model, batches and optimizer (`cfp.cli.factory.UserModel`) trained as `opts` says."""
+                     cache: Optional["CompileCache"] = None, keep_state: bool = False) -> "TrainResult":
+    """A user's model, batches and optimizer (`cfp.cli.factory.UserModel`) trained as `opts` says; ``keep_state``:
+    the result holds the trained parameters and optimizer state."""
     from cfp.runtime.verify import model_reference
     model, rows = user.model, opts.layout.global_batch
     job = _Job(model, user.optimizer, lambda step: user.batches(step, rows), _model_settings(model, rows),
                lambda: model_reference(model, user.optimizer),
-               f"model {model.name} from {user.spec} ({model.num_layers} layers)")
-    return _run(job, opts, log or _print0, cache)
+               f"model {model.name}{'' if user.spec == model.name else ' from ' + user.spec} "
+               f"({model.num_layers} layers)")
+    return _run(job, opts, log or _print0, cache, keep_state)
 
 
 def _layout_of(layout: Any) -> Layout:
@@ -277,7 +281,8 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0,
     return _run(job, opts, log, cache)
 
 
-def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional["CompileCache"]) -> "TrainResult":
+def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional["CompileCache"],
+         keep_state: bool = False) -> "TrainResult":
     """The run's steps in order: stage plans, trainer, initial state, training, report, timeline, verification."""
     from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.stage.build import plans_for_run
@@ -305,6 +310,8 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
         result.bubbles = _timeline(opts, job, last_events, log, len(trainer.order))
     if opts.verify:
         _verify(opts, job, trainer, init_state, start, losses, result, log)
+    if keep_state:
+        result.params, result.opt_state, _ = trainer.state()
     return result
 
 

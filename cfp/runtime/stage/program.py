@@ -10,11 +10,12 @@ on the first stage, ``batch`` None on middle stages):
   gradient of the *summed* loss into the accumulator (donated) and returns the input activation's gradient
   (its floating leaves, `activations`) for the previous stage; the last stage's cotangent is 1 on
   ``loss_sum`` and 0 on ``weight``;
-* ``update(params, opt_state, grad_parts, scale, globals)`` -- sums the pipelines' gradients (in pipeline
-  order), scales them by ``1 / total weight`` (so they are the gradient of ``sum(loss_sum) / sum(weight)``, the
-  single-device loss) and applies the stage's part of the user's optimizer (`cfp.runtime.stage.optim`); it
-  also returns, per parameter, whether its gradient and new value are finite, so NaN/Inf is caught in the step
-  it appears.
+* ``gradient(grad_parts, scale)`` -- sums the pipelines' gradients (in pipeline order) and scales them by
+  ``1 / total weight``, so they are the gradient of ``sum(loss_sum) / sum(weight)``, the single-device loss;
+* ``apply_update(grads, opt_state, params, globals)`` -- the stage's part of the user's optimizer
+  (`cfp.runtime.stage.optim`: one compiled program per unit, outside any jit, so every pipeline computes the
+  same bits), and per parameter whether its gradient and new value are finite, so NaN/Inf is caught in the
+  step it appears.
 
 Under the rules table (`cfp.runtime.sharding`: the model's logical dim names, Megatron-style) activations and
 their gradients enter and leave replicated over the stage's ``tp`` axis (and sharded on their sequence dim
@@ -57,8 +58,7 @@ class StageProgram:
         self._cp = _context_parallel(self.mesh, stage, model) if stage.cp > 1 else None
         self.replay = replay
         self.is_local = all(d.process_index == jax.process_index() for d in devices)
-        fwd, bwd, self._apply_update = (self._apply_rules() if replay is None
-                                        else self._apply_searched_plan(replay))
+        fwd, bwd = self._apply_rules() if replay is None else self._apply_searched_plan(replay)
         self._jit(fwd, bwd)
 
     # ------------------------------------------------------------------ layouts
@@ -67,12 +67,12 @@ class StageProgram:
         names = _stage_names(self.model, self.stage)     # None: every parameter replicated
         self.shardings = param_shardings(self.params_like, names, self.mesh)
         self.grad_shardings = self.shardings
-        self.opt_shardings = _mirror(self.optimizer.like, self.shardings, self.repl)
+        self.opt_shardings = self.optimizer.state_shardings(self.shardings, self.repl)
         spec = _cp_spec if self.stage.cp > 1 else (lambda leaf: P())
         self.act_in_spec = self.act_out_spec = self.g_x_spec = self.g_y_spec = spec
         self.batch_spec = spec
         self.out_spec = (lambda leaf: P()) if self.stage.is_last else spec
-        return self._forward, self._backward, self._rules_update
+        return self._forward, self._backward
 
     def _apply_searched_plan(self, replay: "StageReplay") -> tuple:
         """A searched stage plan: every layout from the plan, the programs cut from its analysed step."""
@@ -85,7 +85,8 @@ class StageProgram:
         self.act_in_spec, self.g_x_spec = replay.act_in(), replay.g_x_spec()
         self.act_out_spec, self.g_y_spec, self.out_spec = replay.act_out(), replay.g_y_spec(), replay.out_spec()
         self.batch_spec = replay.batch_spec()
-        return replay.functions(self.mesh)
+        # the update is the optimizer partition's in every case: one program per unit, the same in every pipeline
+        return replay.functions(self.mesh)[:2]
 
     def _named(self, specs: Any) -> Any:
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
@@ -112,9 +113,12 @@ class StageProgram:
         self.bwd = jax.jit(bwd, donate_argnums=(4,))
         self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.grad_shardings)
-        self.update = jax.jit(self._update, donate_argnums=(0, 1),
-                              out_shardings=(self.shardings, self.opt_shardings, self.repl))
-        self.partials = jax.jit(self._partials)
+        self.gradient = jax.jit(self.summed)
+        self._finite = jax.jit(_finite_flags)
+        # the whole update as one program: for compiling ahead of time and for memory figures only (the runtime
+        # runs the partition's per-unit programs, `apply_update`)
+        self.fused_update = jax.jit(self._fused_update, donate_argnums=(0, 1),
+                                    out_shardings=(self.shardings, self.opt_shardings))
 
     # ------------------------------------------------------------------ pure stage functions
     def _scope(self):
@@ -160,16 +164,19 @@ class StageProgram:
         acc = jax.tree_util.tree_map(jnp.add, acc, g_p)
         return acc, _constrain_list(list(g_x), self.mesh, self.g_x_spec), jnp.zeros((), jnp.float32)
 
-    def _rules_update(self, total, scale, opt_state, params, globals_):
-        return self.optimizer.update(_scaled(total, scale), opt_state, params, globals_)
+    def update(self, params, opt_state, grad_parts, scale, globals_):
+        """New ``(params, opt_state, finite flags)`` from the pipelines' gradient pieces; ``globals_``: the
+        optimizer's values over all stages (`cfp.runtime.engine.HeteroTrainer` exchanges them)."""
+        return self.apply_update(self.gradient(grad_parts, scale), opt_state, params, globals_)
 
-    def _update(self, params, opt_state, grad_parts, scale, globals_):
-        # The pipelines' gradients are summed here, in list order, fused with the update (one program).
-        total = self.total(grad_parts)
-        params, opt_state = self._apply_update(total, scale, opt_state, params, globals_)
-        finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)])
-        # [2, leaves]: gradient / new parameter finite, in tree_leaves order of the stage's params
-        return params, opt_state, jnp.stack([finite(total), finite(params)])
+    def apply_update(self, grads, opt_state, params, globals_):
+        """The optimizer on the step's gradient, and per parameter whether its gradient and new value are finite
+        ([2, leaves] in tree_leaves order), so NaN/Inf is caught in the step it appears."""
+        params, opt_state = self.optimizer.update(grads, opt_state, params, globals_)
+        return params, opt_state, self._finite(grads, params)
+
+    def _fused_update(self, params, opt_state, grad_parts, scale, globals_):
+        return self.optimizer.update(self.summed(grad_parts, scale), opt_state, params, globals_)
 
     def total(self, grad_parts):
         """The pipelines' gradients of the summed loss (each with its layers in consecutive pieces), joined and
@@ -184,10 +191,6 @@ class StageProgram:
     def summed(self, grad_parts, scale):
         """The step's gradient: `total` scaled by ``scale`` (1 / the step's total weight)."""
         return _scaled(self.total(grad_parts), scale)
-
-    def _partials(self, params, opt_state, grad_parts, scale):
-        """The stage's contributions to the optimizer's values over all stages (e.g. a global norm)."""
-        return self.optimizer.partials(self.summed(grad_parts, scale), opt_state, params)
 
     # ------------------------------------------------------------------ placement, compiling
     def place_params(self, params: Any) -> Any:
@@ -213,7 +216,7 @@ class StageProgram:
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         parts = [self.grad_parts_like(p) for p in pieces]
         return [(self.fwd, (params, x, b)), (self.bwd, (params, x, b, g_y, grads)), (self.zeros, ()),
-                (self.update, (params, opt, parts, scalar, self.optimizer.globals_like))]
+                (self.fused_update, (params, opt, parts, scalar, self.optimizer.globals_like))]
 
     def grad_parts_zeros(self, lengths: list[int]) -> Any:
         """Zeros shaped like `grad_parts_like` (warming the update up)."""
@@ -224,11 +227,22 @@ class StageProgram:
         """ShapeDtypeStructs of the stage's local layers ``start .. stop-1`` (a gradient piece sent to others)."""
         return stage_params(self.params_like, start, stop, False, False, self.model.stacked)["layers"]
 
-    def layer_shardings(self, start: int, stop: int) -> Any:
-        """Gradient shardings of the stage's local layers ``start .. stop-1`` (a stacked leaf's sharding holds
-        for any number of layers)."""
-        layers = self.grad_shardings["layers"]
+    def layer_shardings(self, start: int, stop: int, params: bool = False) -> Any:
+        """Gradient (``params``: parameter) shardings of the stage's local layers ``start .. stop-1`` (a stacked
+        leaf's sharding holds for any number of layers)."""
+        layers = (self.shardings if params else self.grad_shardings)["layers"]
         return layers if self.model.stacked else list(layers[start:stop])
+
+    def join_layers(self, pieces: list) -> Any:
+        """Consecutive layer pieces as the stage's own layers (a jitted concatenation of stacked pieces, on its
+        devices, onto its parameter shardings)."""
+        if not self.model.stacked:
+            return [layer for piece in pieces for layer in piece]
+        if len(pieces) == 1:
+            return pieces[0]
+        if not hasattr(self, "_join"):
+            self._join = jax.jit(lambda ps: concat_layers(ps, True), out_shardings=self.shardings["layers"])
+        return self._join(pieces)
 
     def grad_parts_like(self, lengths: list[int]) -> Any:
         """One pipeline's gradient for this stage, its layers in pieces of ``lengths`` layers."""
@@ -254,19 +268,9 @@ def _stage_names(model: LayeredModel, st: PlacedStage) -> Any:
     return out
 
 
-def _mirror(opt_like: Any, shardings: Any, repl: NamedSharding) -> Any:
-    """Optimizer-state leaves mirroring a parameter (Adam's mu/nu: the same key path suffix and shape) share its
-    sharding; the rest (step counts, factored statistics) are replicated on the stage mesh."""
-    flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
-    by_path = {jax.tree_util.keystr(p): s for p, s in flat}
-
-    def pick(path, leaf):
-        text = jax.tree_util.keystr(path)
-        for suffix, sh in by_path.items():
-            if text.endswith(suffix) and len(sh.spec) <= len(leaf.shape):
-                return sh
-        return repl
-    return jax.tree_util.tree_map_with_path(pick, opt_like)
+def _finite_flags(grads, params):
+    finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)])
+    return jnp.stack([finite(grads), finite(params)])
 
 
 def _cp_spec(leaf) -> P:

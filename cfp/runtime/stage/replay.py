@@ -9,10 +9,10 @@ captured program under the searched choice, every block tensor constrained to it
 * forward  -- the operators the stage output (activation, or the last stage's ``(loss_sum, weight)``) needs;
 * backward -- the operators the new accumulator and the input gradient need (the forward recomputed, as the
   Megatron stage programs do too);
-* update   -- the operators the new parameters and optimizer state need, with the summed gradients of all
-  micro-batches and pipelines substituted for the accumulator the step computed.
-
-So what runs is what was searched: same operators, same layouts, same named scopes (``cfp_b<N>``).
+The update is not cut from it: every stage runs the optimizer partition's per-unit programs
+(`cfp.runtime.stage.optim`), so all pipelines compute the same bits; the plan's parameter and optimizer-state
+layouts are where those programs find their inputs. So what runs forward and backward is what was searched:
+same operators, same layouts, same named scopes (``cfp_b<N>``).
 """
 from __future__ import annotations
 
@@ -102,13 +102,12 @@ class StageReplay:
         return self._specs("g_x", outputs=True)
 
     # ------------------------------------------------------------------ programs
-    def functions(self, mesh: jax.sharding.Mesh) -> tuple[Callable, Callable, Callable]:
-        """(forward, backward, update) for a stage on `mesh`:
+    def functions(self, mesh: jax.sharding.Mesh) -> tuple[Callable, Callable]:
+        """(forward, backward) for a stage on `mesh` (the update is the optimizer partition's, per unit, as on every
+        stage: `cfp.runtime.stage.optim`):
 
         * forward(params, x, batch) -> out
         * backward(params, x, batch, g_y, acc) -> (acc, g_x, done)
-        * update(total, scale, opt_state, params, globals) -> (params, opt_state), ``total`` the summed
-          gradients of all micro-batches and pipelines put in place of the step's accumulator
         """
         hooks = ConstraintHooks.for_step(self.analysis, self.shardings, mesh)
         run = lambda inputs, outs, given=None: self.program.replay_part(
@@ -126,15 +125,7 @@ class StageReplay:
             return (jax.tree_util.tree_unflatten(self._params_tree, flat[:n]), list(flat[n:]),
                     jnp.zeros((), jnp.float32))
 
-        def update(total, scale, opt_state, params, globals_):
-            acc_ids = [self.program.graph.outputs[i] for i in self.out["acc"]]
-            given = dict(zip(acc_ids, jax.tree_util.tree_leaves(total)))
-            flat = run(self._bind(("params", "opt", "scale", "globals"), (params, opt_state, scale, globals_)),
-                       self.out["params"] + self.out["opt"], given)
-            n = len(self.out["params"])
-            return (jax.tree_util.tree_unflatten(self._params_tree, flat[:n]),
-                    jax.tree_util.tree_unflatten(self._opt_tree, flat[n:]))
-        return forward, backward, update
+        return forward, backward
 
     def _bind(self, names, args) -> dict[int, Any]:
         """Flat input position -> value for the named argument groups."""

@@ -24,7 +24,7 @@ def layer_time(cm: CostModel, st: Stage, mb: int) -> float:
         m = cm.model
         intra = cm.cluster.machines[st.machine].intra_bandwidth
         ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-        t = cm.build_memo[key] = 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces() * ar
+        t = cm.build_memo[key] = 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces(st.tp) * ar
     return t
 
 
@@ -33,7 +33,7 @@ def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int
     """Layers per stage minimising the slowest stage (the head's time counted on the last; adding layers
     one at a time where the stage stays fastest is exact for this min-max) subject to each stage's
     memory; None when the model does not fit."""
-    L = cm.config.num_layers
+    L = cm.model.num_layers
     if len(stages) > L:
         return None
     mb = batch // chunks

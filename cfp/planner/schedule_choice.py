@@ -95,12 +95,12 @@ def memory_limit(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec
     m, mb = cm.model, pipe.micro_batch
     _, counts = cm.placed(pipe.num_stages, pipe.chunks, spec)
     for i, st in enumerate(pipe.stages):
-        s0, s1, a0, a1 = cm.memory_terms(st, i, pipe, n_pipes, spec)
+        t = cm.memory_terms(st, i, pipe, n_pipes, spec)
         n_in, n_stash = counts[i]
         # the kept part of the cost model's peak, as `CostModel._memory_terms` counts it
         kept = (n_in * mb * (m.token_bytes() if i == 0 and spec.v == 1 else m.boundary_bytes())
                 + n_stash / spec.v * st.layers * mb * m.layer_weight_stash_bytes(st.tp))
-        others = 4 * (s0 + st.layers * s1) + a0 + st.layers * a1 - kept
+        others = t.state(st.layers) + t.a0 + st.layers * t.a1 - kept
         out.append(cm.cluster.machines[st.machine].memory - others)
     return tuple(out)
 

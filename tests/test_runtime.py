@@ -76,7 +76,8 @@ def test_cli_invalid_config_is_one_line_exit_2(capsys):
 
 
 def test_schedules_are_data_and_respect_dependencies():
-    assert {n for n, s in SCHEDULES.items() if s.runs_on_engine} == {ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B}
+    assert {n for n, s in SCHEDULES.items() if s.runs_on_engine} == {ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B,
+                                                                     ScheduleName.ZB_H1}
     f = lambda m, s=0: (Phase.FWD, m, s)
     b = lambda m, s=0: (Phase.BWD, m, s)
     assert gpipe(2, 2)[0] == [f(0), f(1), b(0), b(1)]
@@ -230,8 +231,10 @@ def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
     cfg = tiny(layout.num_layers)
     trainer = make_trainer(cfg, layout)
     check_gradients(trainer.init(), "llama2", cfg)
-    for schedule in ("gpipe", "1f1b"):  # stage programs are schedule-independent: compile once
+    for schedule in ("gpipe", "1f1b", "zb-h1"):  # F and whole-backward programs are schedule-independent
         trainer.set_schedule(schedule)
+        if schedule == "zb-h1":     # B and W: the gradient before the optimizer too
+            check_gradients(trainer.init(), "llama2", cfg)
         trainer.init()
         check_steps(trainer, "llama2", cfg)
 

@@ -6,7 +6,8 @@ sub-mesh. ``HeteroTrainer.step(batch)`` takes either a global batch (any pytree;
 in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pipeline, its list of micro-batches
 (e.g. packed variable-length rows with segment ids; any count, any shape, none at all):
 
-1. Every pipeline runs its schedule (GPipe / 1F1B) on its micro-batches (``dispatch.ScheduleRun``); each stage
+1. Every pipeline runs its schedule (GPipe, 1F1B or ZB-H1: each backward as B then a deferred W) on its
+   micro-batches (``dispatch.ScheduleRun``); each stage
    accumulates the gradient of its micro-batches' summed ``loss_sum``; the step's loss is
    ``sum(loss_sum) / sum(weight)`` over every micro-batch of every pipeline.
 2. Gradient sync (``dispatch.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from
@@ -199,8 +200,15 @@ class HeteroTrainer:
 
     # ------------------------------------------------------------------ one step
     def set_schedule(self, schedule: "str | ScheduleName") -> None:
-        """Switch GPipe/1F1B; compiled stage programs do not depend on the schedule."""
-        self.schedule = ScheduleName.parse(schedule)
+        """Switch the schedule (one the runtime runs: `Schedule.runs_on_engine`); the forward and whole-backward
+        programs do not depend on it, B and W compile on first use."""
+        name = ScheduleName.parse(schedule)
+        if SCHEDULES[name].split:
+            whole = sorted(k for k, pr in self.programs.items() if not pr.splits)
+            if whole:
+                raise ConfigError(f"schedule {name.value} splits the backward into B and W, but stage(s) {whole} "
+                                  "run a searched stage plan's whole backward only (use gpipe or 1f1b)")
+        self.schedule = name
         self.order = self._order([p.chunks for p in self.layout.pipelines])
 
     def _order(self, chunks: list[int]) -> list:

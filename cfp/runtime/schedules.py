@@ -290,7 +290,7 @@ SCHEDULES: dict[ScheduleName, Schedule] = {
                                        lambda p, m, v: interleaved(p, m, v) if m % p == 0 else None,
                                        _counts_interleaved, schedule_time.interleaved_seconds, default_v=2),
     ScheduleName.ZB_H1: Schedule(ScheduleName.ZB_H1, Placement.LINEAR, True, lambda p, m, v: zb_h1(p, m),
-                                 _counts_zb_h1, schedule_time.zb_h1_seconds),
+                                 _counts_zb_h1, schedule_time.zb_h1_seconds, runs_on_engine=True),
     ScheduleName.ZB_V: Schedule(ScheduleName.ZB_V, Placement.V, True, lambda p, m, v: None, _counts_zb_v,
                                 schedule_time.zb_v_seconds, default_v=2),
 }

@@ -62,7 +62,8 @@ class MeasurementError(ConfigError):
 def critical_path(events: list[Event]) -> float:
     """The shortest makespan one pipeline's actions could have with their measured durations: the longest path
     through the schedule's dependencies (a forward after the previous stage's forward of its micro-batch, a
-    backward after the next stage's backward and its own forward, and each stage's actions in turn). `inf`
+    backward or B after the next stage's backward or B and its own forward, a W after its B, and each stage's
+    actions in turn). `inf`
     when the events contradict the schedule (a cycle: a stage ran an action before one it depends on)."""
     by_key = {(e.stage, e.microbatch, e.phase): e for e in events}
     deps: dict = {k: [] for k in by_key}
@@ -71,7 +72,8 @@ def critical_path(events: list[Event]) -> float:
         for a, b in zip(turn, turn[1:]):
             deps[(b.stage, b.microbatch, b.phase)].append((a.stage, a.microbatch, a.phase))
     for (st, mb, ph) in by_key:
-        want = [(st - 1, mb, Phase.FWD)] if ph is Phase.FWD else [(st + 1, mb, Phase.BWD), (st, mb, Phase.FWD)]
+        want = ([(st - 1, mb, Phase.FWD)] if ph is Phase.FWD else [(st, mb, Phase.BWD_INPUT)]
+                if ph is Phase.BWD_WEIGHT else [(st + 1, mb, ph), (st, mb, Phase.FWD)])
         deps[(st, mb, ph)] += [d for d in want if d in by_key]
     finish: dict = {}
     for k in sorted(by_key, key=lambda k: (by_key[k].start, by_key[k].end)):

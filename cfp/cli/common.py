@@ -37,7 +37,7 @@ DEFAULT_WEIGHT_DECAY = 0.01
 DEFAULT_SEED = 0
 DEFAULT_CATALOG_GPU = DEFAULT_GPU     # where a command needs some GPU of the catalog for its estimates
 DEFAULT_KEEP_CHECKPOINTS = 3
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")   # the registry's (`cfp.runtime.schedules`)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -150,7 +150,9 @@ def add_num_layers(p: argparse.ArgumentParser) -> None:
 
 
 def add_schedule(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE, help="pipeline schedule")
+    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+                   help="pipeline schedule (the runtime runs gpipe, 1f1b and zb-h1; interleaved and zb-v are priced "
+                        "and simulated by cfp plan only)")
 
 
 def schedule_text(text: str) -> str:

@@ -168,16 +168,17 @@ class HeteroTrainer:
         full, opt = self.optimizer.merge(params, opts, self.layout.placed_in(0))
         return full, opt, self.step_count
 
-    def compile_jobs(self, key: tuple[int, int], batch_like: Optional[Any] = None) -> list:
-        """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update, for
-        micro-batches shaped like ``batch_like`` (default: the model's example batch cut to the micro-batch)."""
+    def compile_jobs(self, key: tuple[int, int], batch_like: Optional[Any] = None, split: bool = False) -> list:
+        """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update (``split``: and
+        its B and W), for micro-batches shaped like ``batch_like`` (default: the model's example batch cut to the
+        micro-batch)."""
         prog = self.programs[key]
         st = prog.stage
         b = batch_like if batch_like is not None else self.micro_batch_like(key[0])
         x_like = None if st.is_first else self._act_shape((key[0], key[1] - 1), b)
         y_like = None if st.is_last else self._act_shape(key, b)
         return prog.compile_jobs(x_like, b if (st.is_first or st.is_last) else None, y_like,
-                                 grad_pieces(self.layout, st))
+                                 grad_pieces(self.layout, st), split)
 
     def micro_batch_like(self, pipeline: int) -> Any:
         """ShapeDtypeStructs of pipeline ``pipeline``'s micro-batch, from the example batch the trainer was
@@ -193,7 +194,9 @@ class HeteroTrainer:
         first step then only traces. Returns the seconds it took."""
         t0 = time.perf_counter()
         # the other pipelines' stages take pipeline 0's new parameters: they compile no update
-        jobs = [job for key in self._local for job in self.compile_jobs(key)[:None if key[0] == 0 else 3]]
+        split = SCHEDULES[self.schedule].split
+        jobs = [job for key, prog in self._local.items() for job in self.compile_jobs(key, split=split)
+                if key[0] == 0 or job[0] is not prog.fused_update]
         with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(lambda j: j[0].lower(*j[1]).compile(), jobs))
         return time.perf_counter() - t0

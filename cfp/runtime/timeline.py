@@ -92,6 +92,31 @@ def critical_path(events: list[Event]) -> float:
     return max(finish.values(), default=0.0)
 
 
+def replay_measured(events: list[Event], table) -> "Simulation":
+    """One pipeline's measured actions replayed in the event simulation (`cfp.runtime.simulate`) of the table it
+    ran (one virtual stage per stage): each action takes its measured duration, every stage owns its compute, so
+    the makespan and bubble are those of devices that do not share cores (on a shared host an idle device gives
+    its cores to the others and wall time hides the bubble)."""
+    from cfp.runtime.simulate import ActionCosts, simulate
+    if table.v != 1:
+        raise ConfigError(f"schedule {table.name}: replaying measured actions needs one virtual stage per stage")
+    measured = {(e.phase, e.stage, e.microbatch): e.duration for e in events}
+    zeros = (0.0,) * table.num_vstages
+    return simulate(table, ActionCosts(zeros, zeros, zeros), measured)
+
+
+def mean_action_seconds(events: list[Event], num_stages: int) -> tuple[list[float], list[float], list[float]]:
+    """Per stage, the mean measured seconds of its F, B (a whole backward counts here) and W."""
+    out = []
+    for phases in ((Phase.FWD,), (Phase.BWD_INPUT, Phase.BWD), (Phase.BWD_WEIGHT,)):
+        row = []
+        for st in range(num_stages):
+            d = [e.duration for e in events if e.stage == st and e.phase in phases]
+            row.append(sum(d) / len(d) if d else 0.0)
+        out.append(row)
+    return out[0], out[1], out[2]
+
+
 def bubble_line(pipeline: int, v: dict) -> str:
     """One line per pipeline: the measured bubble next to the theoretical one; INVALID when below the minimum
     that its own measured action times allow (only a measuring bug gives that)."""

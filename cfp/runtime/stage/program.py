@@ -237,10 +237,11 @@ class StageProgram:
         return jax.device_put(jax.tree_util.tree_map(lambda a: np.array(a, copy=True), opt_state),
                               self.opt_shardings)
 
-    def compile_jobs(self, x_like: Any, batch_like: Any, y_like: Any, pieces: list) -> list:
-        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time. ``x_like`` /
-        ``batch_like`` / ``y_like``: the stage's input activation / micro-batch / output (None where the stage has
-        none); ``pieces``: per pipeline, the layer-slice lengths its gradient arrives in."""
+    def compile_jobs(self, x_like: Any, batch_like: Any, y_like: Any, pieces: list, split: bool = False) -> list:
+        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time (``split``: B and W
+        too, after the others). ``x_like`` / ``batch_like`` / ``y_like``: the stage's input activation /
+        micro-batch / output (None where the stage has none); ``pieces``: per pipeline, the layer-slice lengths its
+        gradient arrives in."""
         params = _with_sharding(self.params_like, self.shardings)
         grads = _with_sharding(self.params_like, self.grad_shardings)
         opt = _with_sharding(self.optimizer.like, self.opt_shardings)
@@ -250,8 +251,11 @@ class StageProgram:
             activations.gradient_like(y_like), self.act_out_shardings(y_like))]
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         parts = [self.grad_parts_like(p) for p in pieces]
-        return [(self.fwd, (params, x, b)), (self.bwd, (params, x, b, g_y, grads)), (self.zeros, ()),
+        jobs = [(self.fwd, (params, x, b)), (self.bwd, (params, x, b, g_y, grads)), (self.zeros, ()),
                 (self.fused_update, (params, opt, parts, scalar, self.optimizer.globals_like))]
+        if split and self.splits:
+            jobs += [(self._bwd_input, (params, x, b, g_y)), (self.bwd_weight, (params, x, b, g_y, grads))]
+        return jobs
 
     def grad_parts_zeros(self, lengths: list[int]) -> Any:
         """Zeros shaped like `grad_parts_like` (warming the update up)."""

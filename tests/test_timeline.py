@@ -163,7 +163,7 @@ def test_split_backward_replays_and_bounds_its_makespan():
     import dataclasses
     from cfp.runtime.schedules import SCHEDULES, ScheduleName
     from cfp.runtime.simulate import ActionCosts, simulate
-    from cfp.runtime.timeline import Event, critical_path, mean_action_seconds, replay_measured
+    from cfp.runtime.timeline import Event, critical_path, median_action_seconds, replay_measured
     table = SCHEDULES[ScheduleName.ZB_H1].pattern(3, 6)
     costs = ActionCosts.per_stage([1.0, 2.0, 1.0], [1.0, 1.5, 1.2], [0.5, 1.0, 0.7], table.placement)
     sim = simulate(table, costs)
@@ -171,7 +171,7 @@ def test_split_backward_replays_and_bounds_its_makespan():
     got = replay_measured(events, table)
     assert got.makespan == pytest.approx(sim.makespan) and got.bubble == pytest.approx(sim.bubble)
     assert critical_path(events) == pytest.approx(sim.makespan)
-    f, b, w = mean_action_seconds(events, 3)
+    f, b, w = median_action_seconds(events, 3)
     assert (f, b, w) == (pytest.approx([1.0, 2.0, 1.0]), pytest.approx([1.0, 1.5, 1.2]), pytest.approx([0.5, 1.0, 0.7]))
     slow = [dataclasses.replace(e, end=e.start + 3 * e.duration) if e.phase is Phase.BWD_WEIGHT and e.stage == 1
             else e for e in events]     # a slower W on the middle stage: the replay takes it

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import time
 from collections.abc import Iterable
 
@@ -105,14 +106,15 @@ def replay_measured(events: list[Event], table) -> "Simulation":
     return simulate(table, ActionCosts(zeros, zeros, zeros), measured)
 
 
-def mean_action_seconds(events: list[Event], num_stages: int) -> tuple[list[float], list[float], list[float]]:
-    """Per stage, the mean measured seconds of its F, B (a whole backward counts here) and W."""
+def median_action_seconds(events: list[Event], num_stages: int) -> tuple[list[float], list[float], list[float]]:
+    """Per stage, the median measured seconds of its F, B (a whole backward counts here) and W: robust to the
+    stalls a shared host puts into a few actions."""
     out = []
     for phases in ((Phase.FWD,), (Phase.BWD_INPUT, Phase.BWD), (Phase.BWD_WEIGHT,)):
         row = []
         for st in range(num_stages):
             d = [e.duration for e in events if e.stage == st and e.phase in phases]
-            row.append(sum(d) / len(d) if d else 0.0)
+            row.append(statistics.median(d) if d else 0.0)
         out.append(row)
     return out[0], out[1], out[2]
 

@@ -460,21 +460,26 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
 
 
 def _simulated_line(opts, tl, q: int, v: dict) -> str:
-    """Pipeline q's measured actions replayed with every stage owning its compute (`replay_measured`), next to
-    the schedule's time formula with each stage's mean measured F, B and W (`cfp.runtime.schedule_time`)."""
+    """Pipeline q's measured actions replayed with every stage owning its compute (`replay_measured`), the same
+    with each stage's median measured F, B and W (a shared host stalls a few actions for far longer than they
+    compute), and the schedule's time formula on those medians (`cfp.runtime.schedule_time`)."""
     from cfp.runtime.schedule_time import bubble_of
     from cfp.runtime.schedules import SCHEDULES
-    from cfp.runtime.timeline import mean_action_seconds, replay_measured
+    from cfp.runtime.simulate import ActionCosts, simulate
+    from cfp.runtime.timeline import median_action_seconds, replay_measured
     entry = SCHEDULES[opts.schedule]
     p, m = v["stages"], v["microbatches"]
     events = [e for e in tl.events if e.pipeline == q]
-    sim = replay_measured(events, entry.pattern(p, m))
-    f, b, w = mean_action_seconds(events, p)
+    table = entry.pattern(p, m)
+    raw = replay_measured(events, table)
+    f, b, w = median_action_seconds(events, p)
+    med = simulate(table, ActionCosts.per_stage(f, b, w, table.placement))
     theory = entry.seconds(f, b, w, m, 1)
     busiest = max(x + y + z for x, y, z in zip(f, b, w))
     return (f"pipeline {q}: simulated from the measured action times (each stage owning its compute): makespan "
-            f"{sim.makespan:.4f} s, bubble {sim.bubble:.1%} (the busiest stage idle), imbalance {sim.imbalance:.1%}; "
-            f"{opts.schedule.value}'s formula on the mean measured F/B/W per stage: {theory:.4f} s, bubble "
+            f"{raw.makespan:.4f} s, bubble {raw.bubble:.1%} (the busiest stage idle), imbalance {raw.imbalance:.1%}; "
+            f"with each stage's median F/B/W: {med.makespan:.4f} s, bubble {med.bubble:.1%}, imbalance "
+            f"{med.imbalance:.1%}; {opts.schedule.value}'s formula on those medians: {theory:.4f} s, bubble "
             f"{bubble_of(theory, m, busiest):.1%} (estimated)")
 
 

@@ -264,6 +264,14 @@ def test_runtime_refuses_what_its_stage_programs_do_not_run():
         assert SCHEDULES[name](3, 4) == SCHEDULES[name].pattern(3, 4)
 
 
+def test_equal_time_bubbles():
+    """With equal F, B and W: GPipe and 1F1B idle (p-1)/(m+p-1); ZB-H1 fills all but (p-1) F of it with W."""
+    p, m = 4, 8
+    for name in (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B):
+        assert SCHEDULES[name].equal_bubble(p, m) == pytest.approx((p - 1) / (m + p - 1))
+    assert SCHEDULES[ScheduleName.ZB_H1].equal_bubble(p, m) == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
 def test_tables_round_trip_as_json_data():
     t = SCHEDULES[ScheduleName.ZB_V].pattern(2, 3)
     assert ScheduleTable.from_dict(t.to_dict()) == t

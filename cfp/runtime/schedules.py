@@ -240,6 +240,12 @@ class Schedule:
                               f"does not run it yet (it runs {runs})")
         return self.pattern(num_stages, num_microbatches)
 
+    def equal_bubble(self, num_stages: int, microbatches: int, v: Optional[int] = None) -> float:
+        """The bubble of its time formula with equal stages whose F, B and W take the same time (GPipe and 1F1B:
+        (p - 1) / (m + p - 1))."""
+        t = self.theory(num_stages, microbatches, 1.0, 1.0, 1.0, v)
+        return schedule_time.bubble_of(t, microbatches, 3.0)
+
     def theory(self, num_stages: int, microbatches: int, fwd: float, bwd_input: float, bwd_weight: float,
                v: Optional[int] = None) -> float:
         """The pass's seconds with ``num_stages`` equal stages (`cfp.runtime.schedule_time`)."""

@@ -23,7 +23,7 @@ import numpy as np
 from cfp.errors import ConfigError
 from cfp.files import check_output_dir
 from cfp.layout import Layout
-from cfp.runtime.schedules import Phase, ScheduleName
+from cfp.runtime.schedules import SCHEDULES, Phase, ScheduleName
 
 if TYPE_CHECKING:
     import optax
@@ -451,7 +451,8 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
             f"the last step ended no later than they could start as seen: the host was too busy to watch them)")
     else:
         summary = tl.summary()
-        for q, v in summary.items():
+        for q, v in summary.items():     # the run's schedule's equal-time bubble (the timeline's is 1F1B's)
+            v["theoretical_bubble"] = SCHEDULES[opts.schedule].equal_bubble(v["stages"], v["microbatches"])
             log(bubble_line(q, v))
             log(_simulated_line(opts, tl, q, v))
     if opts.timeline_dir and jax.process_index() == 0:
@@ -464,7 +465,6 @@ def _simulated_line(opts, tl, q: int, v: dict) -> str:
     with each stage's median measured F, B and W (a shared host stalls a few actions for far longer than they
     compute), and the schedule's time formula on those medians (`cfp.runtime.schedule_time`)."""
     from cfp.runtime.schedule_time import bubble_of
-    from cfp.runtime.schedules import SCHEDULES
     from cfp.runtime.simulate import ActionCosts, simulate
     from cfp.runtime.timeline import median_action_seconds, replay_measured
     entry = SCHEDULES[opts.schedule]

@@ -63,6 +63,8 @@ class ModelFigures(Protocol):
     def act_bytes(self) -> int: ...                 # bytes per element of the activations
 
     def layer_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]: ...    # forward dots of one layer on mb rows
+    def layer_weight_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]: ...  # those with a parameter operand
+    def layer_weight_stash_bytes(self, tp: int = 1) -> float: ...      # per row, what a split backward's W keeps
     def head_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]: ...
     def embed_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]: ...
     def layer_elementwise_bytes(self, tp: int = 1) -> float: ...        # memory-bound bytes, forward
@@ -272,7 +274,19 @@ class ModelCost:
         both kinds', halved); a dot's backward GEMMs permute (m, n, k), which the rates treat alike."""
         return self._m(("lg", tp, mb), lambda: self._layer_gemms(tp, mb))
 
-    def _layer_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]:
+    def layer_weight_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]:
+        """`layer_gemms`' dots with a parameter operand (a split backward's W computes their weight gradients:
+        as many FLOPs as their forward)."""
+        return self._m(("lwg", tp, mb), lambda: self._layer_gemms(tp, mb, kernels_only=True))
+
+    def layer_weight_stash_bytes(self, tp: int = 1) -> float:
+        """Bytes per sequence a split backward's W needs of one layer: each parameter dot's input and output
+        gradient (a dot's FLOPs 2 rows k n give its rows), in the activation dtype."""
+        def stash() -> float:
+            return sum(f / (2 * k * n) * (k + n) for f, (_, n, k) in self.layer_weight_gemms(tp, 1)) * self.act_bytes
+        return self._m(("lws", tp), stash)
+
+    def _layer_gemms(self, tp: int, mb: int, kernels_only: bool = False) -> tuple[Gemm, ...]:
         c, s = self.config, self.config.seq_len
         t = mb * s
         heads, _ = self._heads(tp)
@@ -288,6 +302,8 @@ class ModelCost:
                 g = _kernel_gemm(p, tp, slots / c.num_experts if expert else t)
                 if g is not None:
                     out.append(g)
+            if kernels_only:
+                continue
             out += attn
             if routed:                                  # dispatch and combine einsums over local experts
                 gsz, e_loc = c.expert_group_size, self._experts(tp)

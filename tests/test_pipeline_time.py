@@ -30,6 +30,15 @@ def test_formula_is_the_longest_path_when_stages_or_microbatches_cost_alike(seed
 
 
 def test_every_schedule_prices_and_stores():
-    for sched in SCHEDULES.values():
-        assert sched.time([1.0, 2.0], 3) == pytest.approx(1 + 2 + 2 * 2)
-        assert all(1 <= sched.stored_inputs(i, 4, 8) <= 8 for i in range(4))
+    third = lambda xs: [x / 3 for x in xs]
+    for name, sched in SCHEDULES.items():
+        # stages of 1 s and 2 s per micro-batch (F = B = W), 3 micro-batches: 1F1B's 1 + 2 + 2 * 2, and no
+        # schedule beats the slower stage's own 3 * 2 s
+        t = sched.seconds(third([1.0, 2.0]), third([1.0, 2.0]), third([1.0, 2.0]), 3, sched.default_v)
+        if not sched.split and sched.default_v == 1:
+            assert t == pytest.approx(1 + 2 + 2 * 2)
+        assert 3 * 2 <= t <= 1 + 2 + 2 * 2 + 1e-12, name
+        for i in range(4):
+            inputs, stashes = sched.counts(i, 4, 8, sched.default_v)
+            assert 1 <= inputs <= 8 * sched.default_v and 0 <= stashes <= 8 * sched.default_v
+            assert (stashes > 0) == sched.split

@@ -76,13 +76,14 @@ def test_cli_invalid_config_is_one_line_exit_2(capsys):
 
 
 def test_schedules_are_data_and_respect_dependencies():
-    assert set(SCHEDULES) == {ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B}
-    f = lambda m: (Phase.FWD, m)
-    b = lambda m: (Phase.BWD, m)
+    assert {n for n, s in SCHEDULES.items() if s.runs_on_engine} == {ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B,
+                                                                     ScheduleName.ZB_H1}
+    f = lambda m, s=0: (Phase.FWD, m, s)
+    b = lambda m, s=0: (Phase.BWD, m, s)
     assert gpipe(2, 2)[0] == [f(0), f(1), b(0), b(1)]
     acts = one_f_one_b(3, 4)
     assert acts[0] == [f(0), f(1), f(2), b(0), f(3), b(1), b(2), b(3)]
-    assert acts[2] == [f(0), b(0), f(1), b(1), f(2), b(2), f(3), b(3)]
+    assert acts[2] == [f(0, 2), b(0, 2), f(1, 2), b(1, 2), f(2, 2), b(2, 2), f(3, 2), b(3, 2)]
     for s, stage in enumerate(acts):  # 1F1B keeps at most p - s micro-batches in flight
         live = peak = 0
         for a in stage:
@@ -98,7 +99,7 @@ def test_schedules_are_data_and_respect_dependencies():
             assert (g.pipeline, g.stage + 1, Phase.BWD, g.microbatch) in done
         done.add((g.pipeline, g.stage, g.phase, g.microbatch))
     assert len(order) == 3 * 8 + 4
-    with pytest.raises(ConfigError, match="unknown schedule 'zb'; valid choices: gpipe, 1f1b"):
+    with pytest.raises(ConfigError, match="unknown schedule 'zb'; valid choices: gpipe, 1f1b, interleaved, zb-h1, zb-v"):
         ScheduleName.parse("zb")
 
 # ----------------------------------------------------------------------------- equivalence
@@ -230,8 +231,10 @@ def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
     cfg = tiny(layout.num_layers)
     trainer = make_trainer(cfg, layout)
     check_gradients(trainer.init(), "llama2", cfg)
-    for schedule in ("gpipe", "1f1b"):  # stage programs are schedule-independent: compile once
+    for schedule in ("zb-h1", "gpipe", "1f1b"):  # F and whole-backward programs are schedule-independent
         trainer.set_schedule(schedule)
+        if schedule == "zb-h1":     # B and W: the gradient before the optimizer too
+            check_gradients(trainer.init(), "llama2", cfg)
         trainer.init()
         check_steps(trainer, "llama2", cfg)
 

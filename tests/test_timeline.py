@@ -154,3 +154,29 @@ def test_a_step_not_measured_in_full_still_writes_its_timeline_without_a_bubble(
     assert json.loads((tmp_path / "tl" / "timeline.json").read_text())["unmeasured"] == 0
     with pytest.raises(ConfigError, match="unmeasured=-1 is invalid"):
         Timeline(unmeasured=-1)
+
+
+def test_split_backward_replays_and_bounds_its_makespan():
+    """A ZB-H1 step's measured B and W (here: a simulated one's spans, uneven stages) replayed by the event
+    simulation give that step's makespan; the critical path through B and W (B after the next stage's B, W after
+    its B) is that makespan too, and a W recorded before its B contradicts the schedule (inf)."""
+    import dataclasses
+    from cfp.runtime.schedules import SCHEDULES, ScheduleName
+    from cfp.runtime.simulate import ActionCosts, simulate
+    from cfp.runtime.timeline import Event, critical_path, median_action_seconds, replay_measured
+    table = SCHEDULES[ScheduleName.ZB_H1].pattern(3, 6)
+    costs = ActionCosts.per_stage([1.0, 2.0, 1.0], [1.0, 1.5, 1.2], [0.5, 1.0, 0.7], table.placement)
+    sim = simulate(table, costs)
+    events = [Event(0, s.stage, s.microbatch, s.phase, s.start, s.end) for s in sim.spans]
+    got = replay_measured(events, table)
+    assert got.makespan == pytest.approx(sim.makespan) and got.bubble == pytest.approx(sim.bubble)
+    assert critical_path(events) == pytest.approx(sim.makespan)
+    f, b, w = median_action_seconds(events, 3)
+    assert (f, b, w) == (pytest.approx([1.0, 2.0, 1.0]), pytest.approx([1.0, 1.5, 1.2]), pytest.approx([0.5, 1.0, 0.7]))
+    slow = [dataclasses.replace(e, end=e.start + 3 * e.duration) if e.phase is Phase.BWD_WEIGHT and e.stage == 1
+            else e for e in events]     # a slower W on the middle stage: the replay takes it
+    assert replay_measured(slow, table).makespan > sim.makespan
+    b0 = next(e for e in events if (e.stage, e.microbatch, e.phase) == (0, 0, Phase.BWD_INPUT))
+    early = [dataclasses.replace(e, start=b0.start - 2.0, end=b0.start - 1.0)
+             if (e.stage, e.microbatch, e.phase) == (0, 0, Phase.BWD_WEIGHT) else e for e in events]
+    assert critical_path(early) == float("inf")

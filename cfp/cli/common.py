@@ -37,7 +37,7 @@ DEFAULT_WEIGHT_DECAY = 0.01
 DEFAULT_SEED = 0
 DEFAULT_CATALOG_GPU = DEFAULT_GPU     # where a command needs some GPU of the catalog for its estimates
 DEFAULT_KEEP_CHECKPOINTS = 3
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")   # the registry's (`cfp.runtime.schedules`)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -150,7 +150,27 @@ def add_num_layers(p: argparse.ArgumentParser) -> None:
 
 
 def add_schedule(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE, help="pipeline schedule")
+    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+                   help="pipeline schedule (the runtime runs gpipe, 1f1b and zb-h1; interleaved and zb-v are priced "
+                        "and simulated by cfp plan only)")
+
+
+def schedule_text(text: str) -> str:
+    """argparse type of `cfp plan --schedule`: a schedule name, ``interleaved:V`` or ``auto``."""
+    from cfp.errors import ConfigError
+    from cfp.runtime.schedules import schedule_choices
+    try:
+        schedule_choices(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"{e}, interleaved:V or auto") from None
+    return text
+
+
+def add_plan_schedule(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", type=schedule_text, default=DEFAULT_SCHEDULE, metavar="SCHEDULE",
+                   help="pipeline schedule to price: gpipe, 1f1b, interleaved (interleaved:V for V virtual stages "
+                        "per stage, default 2), zb-h1, zb-v, or auto (each pipeline the fastest of 1f1b, "
+                        "interleaved:2, zb-h1 and zb-v whose memory fits)")
 
 
 def add_steps(p: argparse.ArgumentParser, help: str = "training steps") -> None:

@@ -34,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a factory's model: tokens per batch row, for the tokens/s estimate (1: rows/s)")
     p.add_argument("--global-batch-size", type=common.positive_int, default=None,
                    help="sequences (a factory's model: batch rows) per step (default: 4 per device)")
-    common.add_schedule(p)
+    common.add_plan_schedule(p)
     p.add_argument("--out", default=None, metavar="FILE", help="write the layout file (JSON) here")
     p.add_argument("--stage-times", default=None, metavar="DIR",
                    help="stage plans saved by `cfp train --stage-plans search` (CHECKPOINT_DIR/stage_plans): "
@@ -100,6 +100,22 @@ def _table(cm, layout, est) -> str:
     return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows])
 
 
+def _schedule_lines(reports) -> list[str]:
+    """Per pipeline: its schedule, its simulated and formula time, the other candidates and why
+    (`cfp.planner.schedule_choice`)."""
+    out = ["schedule per pipeline (formula: the schedule's time formula with the cost model's stage times; "
+           "simulated: its table generated from those times, replayed with every stage owning its compute):"]
+    for r in reports:
+        out.append("  " + r.line())
+        c = r.chosen
+        if c.peak:
+            worst = max(range(len(c.peak)), key=lambda i: c.peak[i] / c.limit[i])
+            out.append(f"    kept activations (est.) at most {c.peak[worst] / 1e9:.2f} of the {c.limit[worst] / 1e9:.2f}"
+                       f" GB stage {worst} has for them ({c.spec.entry.placement.value} placement, "
+                       f"{'B and W split' if c.spec.entry.split else 'whole backward'})")
+    return out
+
+
 def _compare(cm, options, planned) -> list[str]:
     from cfp.planner.baselines import greedy_layout, megatron_layout
     from cfp.planner.exhaustive import MAX_DEVICES, exhaustive_layout
@@ -151,8 +167,11 @@ def run(args: argparse.Namespace) -> int:
     cm = CostModel(config, cluster, options.schedule, stage_times)
     est = result.estimate
     print(f"cluster: {cluster.summary()} ({cluster.num_devices} devices); model {what}; global batch "
-          f"{options.global_batch_size}; schedule {options.schedule.value}")
+          f"{options.global_batch_size}; schedule {args.schedule}")
     print(_table(cm, result.layout, est))
+    from cfp.planner.schedule_choice import schedule_reports
+    reports = schedule_reports(cm, result.layout, est)
+    print("\n".join(_schedule_lines(reports)))
     if stage_times is not None:
         n, total = sum(e.measured for ests in est.stages for e in ests), sum(map(len, est.stages))
         print(f"stage times: {n} of {total} stages priced by times measured on {stage_times.device} "
@@ -165,8 +184,9 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         print("\n".join(_compare(cm, options, est)))
     if args.out:
-        lf = LayoutFile(args.model, args.config or "", overrides, options.schedule, result.layout,
-                        _estimate_dict(est), cluster.to_dict())
+        chosen = [r.chosen.spec for r in reports]
+        lf = LayoutFile(args.model, args.config or "", overrides, chosen[0].name, result.layout,
+                        _estimate_dict(est, chosen), cluster.to_dict(), tuple(str(s) for s in chosen))
         write_layout_file(args.out, lf)
         print(f"layout written to {args.out}")
     print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog's dense "
@@ -210,7 +230,8 @@ def _stderr_console():
     return Console(stderr=True)
 
 
-def _estimate_dict(est) -> dict:
+def _estimate_dict(est, chosen) -> dict:
     return {"step_time_s": est.step_time, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
             "pipeline_time_s": list(est.pipeline_time), "gradient_sync_s": est.dp_time,
-            "stage_memory_bytes": [[s.memory for s in row] for row in est.stages], "estimated": True}
+            "stage_memory_bytes": [[s.memory for s in row] for row in est.stages],
+            "schedules": [str(s) for s in chosen], "estimated": True}

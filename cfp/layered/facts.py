@@ -117,6 +117,15 @@ class CostFacts:
     def layer_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]:
         return tuple(g.at(mb, k.share) for k in self.kinds for g in k.at(tp, self.name).gemms)
 
+    def layer_weight_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]:
+        """The layer's dots whose rows run along m (an activation against an operand that does not grow with
+        the rows: a parameter's); a split backward's W computes their weight gradients."""
+        return tuple(g.at(mb, k.share) for k in self.kinds for g in k.at(tp, self.name).gemms if g.scale == "m")
+
+    def layer_weight_stash_bytes(self, tp: int = 1) -> float:
+        """Bytes per row W needs of one layer: each parameter dot's input and output gradient."""
+        return sum(f / (2 * k * n) * (k + n) for f, (_, n, k) in self.layer_weight_gemms(tp, 1)) * self.act_bytes
+
     def head_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]:
         return tuple(g.at(mb) for g in self.last.at(tp, self.name).gemms)
 

@@ -72,24 +72,25 @@ def pipeline_terms(cm: CostModel, stages: Sequence[Stage], micro_batch: int) -> 
 
 
 def max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes: int, limit: int) -> int:
-    """Most micro-batches (<= limit) the pipeline holds within memory: only the stored stage inputs grow
-    with them (without bound under GPipe, up to the number of stages from it on under 1F1B)."""
-    n, best = len(stages), limit
-    probe = Pipeline(tuple(stages), micro_batch, 1)   # one stored input per stage
-    gathered = cm.features.gathered_copies(n_pipes)
-    for i, st in enumerate(stages):
-        t = cm.memory_terms(st, i, probe, n_pipes)
-        per_input = micro_batch * (cm.model.token_bytes() if i == 0 else cm.model.boundary_bytes())
-        state = t.state(st.layers)
-        cap = cm.cluster.machines[st.machine].memory
-        if state + gathered * (t.s0 + st.layers * t.s1) > cap:
-            return 0
-        stored = math.floor((cap - state - (t.a0 - per_input) - st.layers * t.a1) / per_input * (1 + 1e-12))
-        if stored < 1:
-            return 0
-        if cm.stored_inputs(i, n, limit) > stored:   # the schedule would store more than fits
-            best = min(best, stored)
-    return best
+    """Most micro-batches (<= limit) the pipeline holds within memory under the cost model's base schedule:
+    only what the stages keep between forward and backward grows with them (without bound under GPipe, up to a
+    schedule's most in flight otherwise) and never falls, so the largest count whose every stage fits is found
+    by bisection; 0 when one micro-batch does not fit."""
+    caps = [cm.cluster.machines[st.machine].memory for st in stages]
+
+    def fits(c: int) -> bool:
+        pipe = Pipeline(tuple(stages), c * micro_batch, c)
+        return all(cm.stage_memory(st, i, pipe, n_pipes) <= cap for i, (st, cap) in enumerate(zip(stages, caps)))
+
+    if limit < 1 or not fits(1):
+        return 0
+    lo, hi = 1, limit
+    if fits(hi):
+        return hi
+    while hi - lo > 1:          # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], total: int) -> Optional[list[int]]:

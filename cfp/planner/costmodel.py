@@ -44,7 +44,8 @@ from cfp.costs import Part, model_figures
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
 from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, collective_sync_seconds
-from cfp.runtime.schedules import SCHEDULES, ScheduleName
+from cfp.runtime import schedule_time
+from cfp.runtime.schedules import ScheduleName, ScheduleSpec, schedule_choices
 
 
 _MISSING = object()
@@ -96,6 +97,7 @@ class StageEstimate:
     update: float = 0.0  # seconds of the AdamW update (memory-bound)
     measured: bool = False  # fwd/bwd from a measured stage time (`MeasuredStageTimes`), not the model
     params: float = 0.0     # parameters per device
+    wgrad: float = 0.0      # the part of `bwd` that is the weight gradient (W of a split backward)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class Estimate:
     stages: tuple[tuple[StageEstimate, ...], ...]
     fits: bool
     peak_flops: float = field(repr=False, default=0.0)
+    schedules: tuple[ScheduleSpec, ...] = ()    # per pipeline, the schedule it is priced with
+    # per pipeline, every schedule tried: (schedule, pipeline seconds, whether its stages fit in memory)
+    schedule_options: tuple[tuple[tuple[ScheduleSpec, float, bool], ...], ...] = field(repr=False, default=())
 
     @property
     def objective(self) -> float:
@@ -146,17 +151,21 @@ class _PipelineFigures:
     host_busy: tuple[tuple[int, float], ...]    # (shared-host machine, its compute seconds for this pipeline)
     host_update: tuple[tuple[int, float], ...]  # (shared-host machine, its update seconds for this pipeline)
     own_update: float               # the slowest update among stages on machines of their own
+    schedule: ScheduleSpec = None   # the schedule it is priced with
+    options: tuple = ()             # (schedule, seconds, fits) of every schedule tried
 
 
 @dataclass(frozen=True)
 class CostModel:
     """Estimates a `Layout` of `config` (a zoo model config, or a model's `ModelFigures`: its derived
-    `CostFacts`) on `cluster` with `schedule`; stages whose shape and device `stage_times` has measured are
+    `CostFacts`) on `cluster` with `schedule` (one schedule, a list of them or "auto",
+    `cfp.runtime.schedules.schedule_choices`: each pipeline is priced with the fastest of them whose activation
+    memory fits; stages are sized by the first); stages whose shape and device `stage_times` has measured are
     priced by the measured time (their TP collectives included in it); `features`: how the step runs (default:
     cfp's runtime)."""
     config: Any
     cluster: Cluster
-    schedule: ScheduleName = ScheduleName.GPIPE
+    schedule: Any = ScheduleName.GPIPE
     stage_times: Optional[MeasuredStageTimes] = None
     features: StepFeatures = CFP_RUNTIME
 
@@ -169,7 +178,8 @@ class CostModel:
         object.__setattr__(self, "_precision", prec)
         object.__setattr__(self, "_peak", [m.gpu.peak(p) for m, p in zip(self.cluster.machines, prec)])
         object.__setattr__(self, "_rate", [achievable_flops(m.gpu, p) for m, p in zip(self.cluster.machines, prec)])
-        object.__setattr__(self, "_stored", SCHEDULES[self.schedule].stored_inputs)
+        object.__setattr__(self, "choices", schedule_choices(self.schedule))
+        object.__setattr__(self, "spec", self.choices[0])
         object.__setattr__(self, "_stage_memo", {})
         object.__setattr__(self, "_pipe_memo", {})
         object.__setattr__(self, "_memo", {})
@@ -192,6 +202,16 @@ class CostModel:
         return (self._dot_seconds(machine, m.layer_gemms(tp, mb))
                 + self._elementwise_seconds(machine, mb * m.layer_elementwise_bytes(tp),
                                             mb * m.layer_score_bytes(tp), spilled))
+
+    @_memo
+    def layer_weight_dot_seconds(self, machine: int, tp: int, mb: int) -> float:
+        """The parameter dots of one layer's forward on `mb` sequences (as many FLOPs as its weight gradient)."""
+        return self._dot_seconds(machine, self.model.layer_weight_gemms(tp, mb))
+
+    @_memo
+    def head_dot_seconds(self, machine: int, tp: int, mb: int) -> float:
+        """The dots of the LM head's forward on `mb` sequences."""
+        return self._dot_seconds(machine, self.model.head_gemms(tp, mb))
 
     @_memo
     def head_seconds(self, machine: int, tp: int, mb: int, spilled: bool = False) -> float:
@@ -243,14 +263,18 @@ class CostModel:
         """Dense peak FLOP/s of `machine`'s devices in the arithmetic the model's dots run in."""
         return self._peak[machine]
 
-    def stored_inputs(self, stage_index: int, num_stages: int, chunks: int) -> int:
-        """Micro-batch inputs a stage keeps between its forward and backward under the schedule."""
-        return self._stored(stage_index, num_stages, chunks)
+    def stored_inputs(self, stage_index: int, num_stages: int, chunks: int, spec: ScheduleSpec = None) -> int:
+        """Virtual-stage inputs a stage keeps between forward and backward at most under the schedule."""
+        return self.placed(num_stages, chunks, spec)[1][stage_index][0]
 
     @_memo
-    def stored_row(self, num_stages: int, chunks: int) -> tuple[int, ...]:
-        """`stored_inputs` of every stage of a pipeline."""
-        return tuple(self._stored(i, num_stages, chunks) for i in range(num_stages))
+    def placed(self, num_stages: int, chunks: int, spec: ScheduleSpec = None) -> tuple[int, tuple]:
+        """(the stage holding the head, per stage its (inputs, W stashes) at most: `Schedule.counts`) of a
+        pipeline under ``spec`` (default: the base schedule)."""
+        spec = spec or self.spec
+        e = spec.entry
+        return (e.head_stage(num_stages, spec.v),
+                tuple(e.counts(i, num_stages, chunks, spec.v) for i in range(num_stages)))
 
     def stage_flops(self, st: Stage, first: bool, last: bool, mb: int) -> tuple[float, float]:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
@@ -275,87 +299,101 @@ class CostModel:
         return (3 * self._stage_bytes(m.param_bytes, st, first, last)
                 + 2 * self._stage_bytes(m.optimizer_bytes, st, first, last))
 
-    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> MemoryTerms:
-        """A stage's `MemoryTerms` (P pipelines), see `stage_memory`."""
-        n = len(pipe.stages)
-        return self._memory_terms(st.tp, idx == 0, idx == n - 1, self.stored_inputs(idx, n, pipe.chunks),
-                                  pipe.micro_batch, n_pipes)
+    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None
+                     ) -> MemoryTerms:
+        """A stage's `MemoryTerms` (P pipelines) under ``spec`` (default: the base schedule), see `stage_memory`."""
+        spec = spec or self.spec
+        head, counts = self.placed(len(pipe.stages), pipe.chunks, spec)
+        return self._memory_terms(st.tp, idx == 0, idx == head, counts[idx], spec.v, pipe.micro_batch, n_pipes)
 
     @_memo
-    def _memory_terms(self, tp: int, first: bool, last: bool, stored: int, mb: int, n_pipes: int) -> MemoryTerms:
+    def _memory_terms(self, tp: int, first: bool, last: bool, stored: tuple[int, int], v: int, mb: int,
+                      n_pipes: int) -> MemoryTerms:
         m = self.model
         share = self.features.state_share(n_pipes)
         ends = lambda fig: share * ((fig(Part.EMBED, tp) if first else 0.0) + (fig(Part.HEAD, tp) if last else 0.0))
-        inputs = stored * mb * (m.token_bytes() if first else m.boundary_bytes())
+        n_in, n_stash = stored
+        # kept virtual-stage inputs (token ids only where the stage's one virtual stage is the first)
+        inputs = n_in * mb * (m.token_bytes() if first and v == 1 else m.boundary_bytes())
         # the embedding's backward transients (the zoo's: its gradient built densely before it joins the
         # accumulator) and one layer's backward transients
         a0 = (inputs + (mb * m.head_activation_bytes(tp) if last else 0.0)
               + (m.embed_backward_bytes(tp) if first else 0.0) + mb * m.layer_temp_bytes(tp))
-        a1 = self.features.stored_activations(stored) * mb * m.layer_activation_bytes(tp)
+        # one micro-batch's stage activations in the backward (recomputed: the one running; else every kept
+        # input's virtual stage), plus the W stashes of a split backward (a virtual stage's parameter dots' inputs
+        # and output gradients each)
+        live = max(1.0, self.features.stored_activations(n_in) / v)
+        a1 = mb * (live * m.layer_activation_bytes(tp) + n_stash / v * m.layer_weight_stash_bytes(tp))
         return MemoryTerms(ends(m.param_bytes), share * m.param_bytes(Part.LAYER, tp), a0, a1,
                            ends(m.optimizer_bytes), share * m.optimizer_bytes(Part.LAYER, tp))
 
-    def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> int:
+    def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
         the number of layers)."""
         cap = self.cluster.machines[st.machine].memory
-        t = self.memory_terms(st, idx, pipe, n_pipes)
+        t = self.memory_terms(st, idx, pipe, n_pipes, spec)
         g = self.features.gathered_copies(n_pipes)
         # 2(s0 + n s1) + o0 + n o1 + a0 + n a1 <= cap  and  (2 + G)(s0 + n s1) + o0 + n o1 <= cap
         n1 = (cap - 2 * t.s0 - t.o0 - t.a0) / (2 * t.s1 + t.o1 + t.a1)
         n2 = (cap - (2 + g) * t.s0 - t.o0) / ((2 + g) * t.s1 + t.o1)
         return int(math.floor(min(n1, n2) * (1 + 1e-12)))
 
-    def layer_capacities(self, pipe: Pipeline, n_pipes: int) -> Iterator[int]:
+    def layer_capacities(self, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None) -> Iterator[int]:
         """`layer_capacity` of every stage of `pipe` in order, lazily (a caller may stop at a stage that cannot
         hold a layer), memoised on what it depends on (planning at scale asks ~10^6 times, hence the flat loop)."""
+        spec = spec or self.spec
         stages, memo, kind = pipe.stages, self._memo, self.kind
         n, mb = len(stages), pipe.batch // pipe.chunks
-        stored = self.stored_row(n, pipe.chunks)
+        head, stored = self.placed(n, pipe.chunks, spec)
         for i, st in enumerate(stages):
-            key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == n - 1, stored[i], mb, n_pipes)
+            key = ("layer_capacity", kind[st.machine], len(st.devices), i == 0, i == head, stored[i], spec.v, mb,
+                   n_pipes)
             cap = memo.get(key)
             if cap is None:
-                cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes)
+                cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes, spec)
             yield cap
 
-    def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> float:
+    def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None) -> float:
         """Peak bytes per device: params + optimizer state + gradient accumulator, plus the larger of the
-        backward's working set (stored inputs + one micro-batch's stage activations and transients) and the
-        gradients received from the other pipelines at the update."""
-        t = self.memory_terms(st, idx, pipe, n_pipes)
+        backward's working set (kept inputs and W stashes + one micro-batch's stage activations and transients)
+        and the gradients received from the other pipelines at the update."""
+        t = self.memory_terms(st, idx, pipe, n_pipes, spec)
         n = st.layers
         return t.state(n) + max(t.a0 + n * t.a1, self.features.gathered_copies(n_pipes) * (t.s0 + n * t.s1))
 
     def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
-                       nxt: Stage | None) -> StageEstimate:
+                       nxt: Stage | None, spec: ScheduleSpec = None) -> StageEstimate:
         """Memoised on what the figures depend on (`_cached_stage`: not on which devices of the machine)."""
-        return self._cached_stage(st, idx, pipe, self._stored(idx, len(pipe.stages), pipe.chunks), n_pipes, nxt)
+        spec = spec or self.spec
+        head, stored = self.placed(len(pipe.stages), pipe.chunks, spec)
+        return self._cached_stage(st, idx, pipe, (idx == head, stored[idx], spec), n_pipes, nxt)
 
-    def stage_estimates(self, pipe: Pipeline, n_pipes: int) -> tuple[StageEstimate, ...]:
-        """`stage_estimate` of every stage of `pipe` (the stored-input counts of its shape read once)."""
+    def stage_estimates(self, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None
+                        ) -> tuple[StageEstimate, ...]:
+        """`stage_estimate` of every stage of `pipe` under ``spec`` (default: the base schedule)."""
+        spec = spec or self.spec
         st = pipe.stages
         n = len(st)
-        stored = self.stored_row(n, pipe.chunks)
-        return tuple(self._cached_stage(s, i, pipe, stored[i], n_pipes, st[i + 1] if i + 1 < n else None)
-                     for i, s in enumerate(st))
+        head, stored = self.placed(n, pipe.chunks, spec)
+        return tuple(self._cached_stage(s, i, pipe, (i == head, stored[i], spec), n_pipes,
+                                        st[i + 1] if i + 1 < n else None) for i, s in enumerate(st))
 
-    def _cached_stage(self, st: Stage, idx: int, pipe: Pipeline, stored: int, n_pipes: int,
+    def _cached_stage(self, st: Stage, idx: int, pipe: Pipeline, place: tuple, n_pipes: int,
                       nxt: Stage | None) -> StageEstimate:
         """`_stage_estimate` memoised on what its figures depend on: the machine's spec, TP degree, layers,
-        place, stored inputs, micro-batch, pipelines and the link to the next stage."""
-        n = len(pipe.stages)
-        key = (self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == n - 1, stored, pipe.micro_batch,
+        place (first, holding the head, kept inputs and stashes, schedule), micro-batch, pipelines and the link to
+        the next stage."""
+        key = (self.kind[st.machine], len(st.devices), st.layers, idx == 0, place, pipe.micro_batch,
                n_pipes, -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
         e = self._stage_memo.get(key)
         if e is None:
-            e = self._stage_memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt)
+            e = self._stage_memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt, place[0], place[2])
         return e
 
     def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
-                        nxt: Stage | None) -> StageEstimate:
-        m, n = self.model, len(pipe.stages)
-        first, last = idx == 0, idx == n - 1
+                        nxt: Stage | None, last: bool, spec: ScheduleSpec) -> StageEstimate:
+        m = self.model
+        first = idx == 0
         mb = pipe.micro_batch
         ff, fb = self.stage_flops(st, first, last, mb)
         spilled = self.spills(st, mb, last)
@@ -366,17 +404,22 @@ class CostModel:
         fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
         k = self.features.backward_passes                        # (recomputed forward +) backward (2x)
         bwd = k * compute + (k - 2) * emb_f + emb_b + (k - 1) * st.layers * ar
+        # W: the weight-gradient dots (as many FLOPs as the forward's dots) and the embedding's gradient
+        wgrad = (st.layers * self.layer_weight_dot_seconds(st.machine, st.tp, mb)
+                 + (self.head_dot_seconds(st.machine, st.tp, mb) if last else 0.0) + emb_b)
         measured = self._measured(st, first, last, mb)
         if measured is not None:                        # split 1:3 like the modelled compute
+            share = wgrad / bwd if bwd > 0 else 0.0
             fwd, bwd = measured / 4, 3 * measured / 4
+            wgrad = share * bwd
         send = 0.0
         if nxt is not None:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
-        mem = self.stage_memory(st, idx, pipe, n_pipes)
+        mem = self.stage_memory(st, idx, pipe, n_pipes, spec)
         cap = self.cluster.machines[st.machine].memory
         upd = self._stream_seconds(st.machine, self.update_bytes(st, first, last) * self.features.state_share(n_pipes))
         return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
-                             self.stage_params(st, first, last))
+                             self.stage_params(st, first, last), wgrad)
 
     def tp_all_reduce_seconds(self, machine: int, tp: int, nbytes: float) -> float:
         """One ring all-reduce of `nbytes` per device over a TP group of `machine` (`collective_time` at the
@@ -392,12 +435,26 @@ class CostModel:
         gpu = self.cluster.machines[st.machine].gpu.name
         return self.stage_times.lookup(gpu, StageShape(st.tp, st.layers, first, last, mb))
 
-    def pipeline_time(self, stages: tuple[StageEstimate, ...], chunks: int) -> float:
-        """The schedule's pipeline time (`cfp.runtime.schedules.pipeline_time`) of stages that each take their
-        forward, backward and the sends in and out of them (not overlapped with compute) per micro-batch."""
+    def pipeline_time(self, stages: tuple[StageEstimate, ...], chunks: int, spec: ScheduleSpec = None) -> float:
+        """The schedule's pipeline time (`cfp.runtime.schedule_time`) of stages that each take their forward,
+        backward (B, then W) and the sends in and out of them (not overlapped with compute; v times over with v
+        virtual stages per stage, half with the forward, half with B) per micro-batch."""
+        spec = spec or self.spec
+        if spec.entry.seconds is schedule_time.one_f_one_b_seconds:       # the sums are all it needs (planning at scale)
+            prev_send = [0.0] + [s.send for s in stages[:-1]]
+            return schedule_time.pipeline_time([s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send)],
+                                               chunks)
+        f, b, w = self.action_seconds(stages, spec)
+        return spec.entry.seconds(f, b, w, chunks, spec.v)
+
+    @staticmethod
+    def action_seconds(stages: tuple[StageEstimate, ...], spec: ScheduleSpec
+                       ) -> tuple[list[float], list[float], list[float]]:
+        """Per stage, the seconds of its F, B and W per micro-batch (sends included, see `pipeline_time`)."""
         prev_send = [0.0] + [s.send for s in stages[:-1]]
-        per_stage = [s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send)]
-        return SCHEDULES[self.schedule].time(per_stage, chunks)
+        sends = [spec.v * (s.send + p) / 2 for s, p in zip(stages, prev_send)]
+        return ([s.fwd + x for s, x in zip(stages, sends)], [s.bwd - s.wgrad + x for s, x in zip(stages, sends)],
+                [s.wgrad for s in stages])
 
     def _pipeline(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
         """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
@@ -409,7 +466,15 @@ class CostModel:
         return figs
 
     def _pipeline_figures(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
-        ests = self.stage_estimates(pipe, n_pipes)
+        options, best = [], None
+        for spec in self.choices:       # the fastest schedule whose stages fit; else the base one
+            ests = self.stage_estimates(pipe, n_pipes, spec)
+            t = self.pipeline_time(ests, pipe.chunks, spec)
+            fits = all(e.memory <= e.capacity for e in ests)
+            options.append((spec, t, fits))
+            if best is None or (fits and (not best[3] or t < best[2])):
+                best = (spec, ests, t, fits)
+        spec, ests, time, _ = best
         ms = self.cluster.machines
         layers, widths, share, own = [], [], [], []
         busy, upd, peak = {}, {}, 0
@@ -425,10 +490,10 @@ class CostModel:
                 upd[m] = upd.get(m, 0.0) + e.update * f
             else:
                 own.append(e.update)
-        return _PipelineFigures(ests, self.pipeline_time(ests, pipe.chunks), np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
+        return _PipelineFigures(ests, time, np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
                                 all(e.memory <= e.capacity for e in ests), peak,
                                 frozenset(s.machine for s in pipe.stages), tuple(share), tuple(busy.items()),
-                                tuple(upd.items()), max(own, default=0.0))
+                                tuple(upd.items()), max(own, default=0.0), spec, tuple(options))
 
     def dp_time(self, layout: Layout) -> float:
         """Gradient sync as the runtime does it (`cfp.runtime.dispatch.sync_gradients`): every stage receives
@@ -535,7 +600,8 @@ class CostModel:
         peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)
         return Estimate(step, seqs * self.model.seq_len / step, mfu, times, dp, upd,
-                        tuple(f.stages for f in figs), all(f.fits for f in figs), peak)
+                        tuple(f.stages for f in figs), all(f.fits for f in figs), peak,
+                        tuple(f.schedule for f in figs), tuple(f.options for f in figs))
 
     def mfu_with_peaks(self, est: Estimate, layout: Layout, tflops: dict[str, float]) -> float:
         """MFU of `est` against another peak table (TFLOP/s by catalog name), e.g. a paper's."""

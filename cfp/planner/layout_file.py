@@ -11,7 +11,7 @@ from cfp.errors import ConfigError
 from cfp.files import write_text_atomic
 from cfp.layout import Layout
 from cfp.models import get_config
-from cfp.runtime.schedules import ScheduleName
+from cfp.runtime.schedules import ScheduleName, ScheduleSpec
 
 FORMAT = "cfp-layout/2"     # 2: the layout is `Layout.to_json`; 1 had the seed's five list fields
 OLD_FORMATS = ("cfp-layout/1",)
@@ -33,11 +33,15 @@ class LayoutFile:
     layout: Layout
     estimate: Mapping[str, Any]
     cluster: Mapping[str, Any]
+    schedules: tuple[str, ...] = ()     # per pipeline, the schedule `cfp plan` priced it with (empty: `schedule`)
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "model": self.model, "config": self.config,
-                "overrides": dict(self.overrides), "schedule": self.schedule.value,
-                "layout": self.layout.to_json(), "estimate": dict(self.estimate), "cluster": dict(self.cluster)}
+        out = {"format": FORMAT, "model": self.model, "config": self.config,
+               "overrides": dict(self.overrides), "schedule": self.schedule.value,
+               "layout": self.layout.to_json(), "estimate": dict(self.estimate), "cluster": dict(self.cluster)}
+        if self.schedules:
+            out["schedules"] = list(self.schedules)
+        return out
 
 
 def write_layout_file(path: str, layout_file: LayoutFile) -> None:
@@ -74,8 +78,16 @@ def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:
             layout.validate_for(config.num_layers, heads=(config.num_heads, config.num_heads))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    schedules = data.get("schedules", [])
+    if not isinstance(schedules, list) or (schedules and len(schedules) != len(layout.pipelines)):
+        raise ConfigError(f"{where}: schedules={schedules!r} must list one schedule per pipeline "
+                          f"({len(layout.pipelines)})")
+    try:
+        schedules = tuple(str(ScheduleSpec.parse(s)) for s in schedules)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     return LayoutFile(data["model"], data["config"], overrides, schedule, layout,
-                      dict(data.get("estimate", {})), dict(data.get("cluster", {})))
+                      dict(data.get("estimate", {})), dict(data.get("cluster", {})), schedules)
 
 
 def load_layout_file(path: str) -> LayoutFile:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from cfp.errors import ConfigError
 from cfp.planner.measured import MeasuredStageTimes
-from cfp.runtime.schedules import ScheduleName
+from cfp.runtime.schedules import ScheduleName, ScheduleSpec, schedule_choices
 
 
 def _positive(name: str, v) -> int:
@@ -20,12 +20,14 @@ def _positive(name: str, v) -> int:
 class PlannerOptions:
     """`global_batch_size` sequences per step; `micro_batch_sizes` tried per micro-batch;
     `max_pipelines` caps the data-parallel degree searched (None: as many as the batch allows);
+    `schedule`: one schedule, a list of them or "auto" (`cfp.runtime.schedules.schedule_choices`): each pipeline
+    runs the fastest of them whose memory fits;
     `refine_evaluations` bounds the local refinement (a count, not a time, so plans are deterministic);
     `phase2_metis` offers METIS' compute-balanced stage cut next to one TP degree per device type
     (off: the latter only, for comparison); `stage_times`: measured stage times that replace the
     analytic ones for stages of their shape and device (`cfp plan --stage-times`)."""
     global_batch_size: int
-    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    schedule: Any = ScheduleName.ONE_F_ONE_B
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     max_pipelines: int | None = None
     refine: bool = True
@@ -35,7 +37,7 @@ class PlannerOptions:
 
     def __post_init__(self):
         _positive("global_batch_size", self.global_batch_size)
-        object.__setattr__(self, "schedule", ScheduleName.parse(self.schedule))
+        schedule_choices(self.schedule)      # validates
         if not self.micro_batch_sizes:
             raise ConfigError("PlannerOptions.micro_batch_sizes=() must list at least one size")
         object.__setattr__(self, "micro_batch_sizes",
@@ -45,3 +47,8 @@ class PlannerOptions:
         _positive("refine_evaluations", self.refine_evaluations)
         if self.stage_times is not None and not isinstance(self.stage_times, MeasuredStageTimes):
             raise ConfigError(f"PlannerOptions.stage_times={self.stage_times!r} must be a MeasuredStageTimes")
+
+    @property
+    def choices(self) -> tuple[ScheduleSpec, ...]:
+        """The schedules a pipeline may run, the base (what stages are sized by) first."""
+        return schedule_choices(self.schedule)

@@ -115,6 +115,7 @@ class ScheduleRun:
         self.act_shape, self.clock = act_shape, clock
         # buffers between actions, keyed by (pipeline, stage, microbatch) or (stage key, microbatch)
         self.acts, self.grads_back, self.saved, self.batches = {}, {}, {}, {}
+        self.kept: dict[tuple, tuple] = {}   # (stage key, microbatch) -> what W needs: B's input and gradient in
         self.acc: dict[tuple[int, int], Any] = {}
         self.loss_parts: dict[int, Any] = {}
 
@@ -122,7 +123,12 @@ class ScheduleRun:
         self.mbs = per_pipeline
         for idx, a in enumerate(self.order):
             t0 = time.perf_counter()
-            done = self._forward(idx, a) if a.phase is Phase.FWD else self._backward(a)
+            if a.phase is Phase.FWD:
+                done = self._forward(idx, a)
+            elif a.phase is Phase.BWD_WEIGHT:
+                done = self._backward_weight(a)
+            else:
+                done = self._backward(a)
             if done is not None:  # None: another process's stage
                 self.clock.dispatched((a.pipeline, a.stage), a.microbatch, a.phase, t0, done)
         for key, prog in self.programs.items():  # a pipeline without micro-batches adds zeros
@@ -165,6 +171,7 @@ class ScheduleRun:
         return out
 
     def _backward(self, a) -> Optional[Any]:
+        """The whole backward (`Phase.BWD`) or its B (`Phase.BWD_INPUT`, keeping what W needs)."""
         key, m = (a.pipeline, a.stage), a.microbatch
         prog = self.programs[key]
         st = prog.stage
@@ -177,14 +184,32 @@ class ScheduleRun:
         if not prog.is_local:
             return None
         x = self.saved.pop((key, m))
-        if key not in self.acc:
-            self.acc[key] = prog.zeros()
         batch = self._batch(a, prog)
-        acc, g_x, done = prog.bwd(self.params[key], x, batch, g, self.acc[key])
-        self.acc[key] = acc
+        if a.phase is Phase.BWD_INPUT:
+            g_x, done = prog.bwd_input(self.params[key], x, batch, g)
+            self.kept[(key, m)] = (x, g)
+        else:
+            acc, g_x, done = prog.bwd(self.params[key], x, batch, g, self._acc(key, prog))
+            self.acc[key] = acc
         if not st.is_first:
             self.grads_back[(a.pipeline, st.index, m)] = g_x
         return done
+
+    def _backward_weight(self, a) -> Optional[Any]:
+        """W: the micro-batch's parameter gradient into the stage's accumulator, from what its B kept."""
+        key, m = (a.pipeline, a.stage), a.microbatch
+        prog = self.programs[key]
+        if not prog.is_local:
+            return None
+        x, g = self.kept.pop((key, m))
+        acc, done = prog.bwd_weight(self.params[key], x, self._batch(a, prog), g, self._acc(key, prog))
+        self.acc[key] = acc
+        return done
+
+    def _acc(self, key, prog) -> Any:
+        if key not in self.acc:
+            self.acc[key] = prog.zeros()
+        return self.acc[key]
 
     def _loss(self) -> tuple[float, float]:
         """(loss, total weight): the micro-batches' ``loss_sum`` and ``weight`` by position in the global order,

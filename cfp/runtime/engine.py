@@ -6,7 +6,8 @@ sub-mesh. ``HeteroTrainer.step(batch)`` takes either a global batch (any pytree;
 in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pipeline, its list of micro-batches
 (e.g. packed variable-length rows with segment ids; any count, any shape, none at all):
 
-1. Every pipeline runs its schedule (GPipe / 1F1B) on its micro-batches (``dispatch.ScheduleRun``); each stage
+1. Every pipeline runs its schedule (GPipe, 1F1B or ZB-H1: each backward as B then a deferred W) on its
+   micro-batches (``dispatch.ScheduleRun``); each stage
    accumulates the gradient of its micro-batches' summed ``loss_sum``; the step's loss is
    ``sum(loss_sum) / sum(weight)`` over every micro-batch of every pipeline.
 2. Gradient sync (``dispatch.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from
@@ -167,16 +168,17 @@ class HeteroTrainer:
         full, opt = self.optimizer.merge(params, opts, self.layout.placed_in(0))
         return full, opt, self.step_count
 
-    def compile_jobs(self, key: tuple[int, int], batch_like: Optional[Any] = None) -> list:
-        """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update, for
-        micro-batches shaped like ``batch_like`` (default: the model's example batch cut to the micro-batch)."""
+    def compile_jobs(self, key: tuple[int, int], batch_like: Optional[Any] = None, split: bool = False) -> list:
+        """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update (``split``: and
+        its B and W), for micro-batches shaped like ``batch_like`` (default: the model's example batch cut to the
+        micro-batch)."""
         prog = self.programs[key]
         st = prog.stage
         b = batch_like if batch_like is not None else self.micro_batch_like(key[0])
         x_like = None if st.is_first else self._act_shape((key[0], key[1] - 1), b)
         y_like = None if st.is_last else self._act_shape(key, b)
         return prog.compile_jobs(x_like, b if (st.is_first or st.is_last) else None, y_like,
-                                 grad_pieces(self.layout, st))
+                                 grad_pieces(self.layout, st), split)
 
     def micro_batch_like(self, pipeline: int) -> Any:
         """ShapeDtypeStructs of pipeline ``pipeline``'s micro-batch, from the example batch the trainer was
@@ -192,15 +194,24 @@ class HeteroTrainer:
         first step then only traces. Returns the seconds it took."""
         t0 = time.perf_counter()
         # the other pipelines' stages take pipeline 0's new parameters: they compile no update
-        jobs = [job for key in self._local for job in self.compile_jobs(key)[:None if key[0] == 0 else 3]]
+        split = SCHEDULES[self.schedule].split
+        jobs = [job for key, prog in self._local.items() for job in self.compile_jobs(key, split=split)
+                if key[0] == 0 or job[0] is not prog.fused_update]
         with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(lambda j: j[0].lower(*j[1]).compile(), jobs))
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one step
     def set_schedule(self, schedule: "str | ScheduleName") -> None:
-        """Switch GPipe/1F1B; compiled stage programs do not depend on the schedule."""
-        self.schedule = ScheduleName.parse(schedule)
+        """Switch the schedule (one the runtime runs: `Schedule.runs_on_engine`); the forward and whole-backward
+        programs do not depend on it, B and W compile on first use."""
+        name = ScheduleName.parse(schedule)
+        if SCHEDULES[name].split:
+            whole = sorted(k for k, pr in self.programs.items() if not pr.splits)
+            if whole:
+                raise ConfigError(f"schedule {name.value} splits the backward into B and W, but stage(s) {whole} "
+                                  "run a searched stage plan's whole backward only (use gpipe or 1f1b)")
+        self.schedule = name
         self.order = self._order([p.chunks for p in self.layout.pipelines])
 
     def _order(self, chunks: list[int]) -> list:

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import time
 from collections.abc import Iterable
 
@@ -23,7 +24,7 @@ from cfp.files import write_json_atomic
 from cfp.runtime.schedules import Phase
 
 
-_COLORS = {Phase.FWD: "#4C72B0", Phase.BWD: "#DD8452"}
+_COLORS = {Phase.FWD: "#4C72B0", Phase.BWD: "#DD8452", Phase.BWD_INPUT: "#C44E52", Phase.BWD_WEIGHT: "#55A868"}
 
 
 def _phase(phase) -> Phase:
@@ -62,7 +63,8 @@ class MeasurementError(ConfigError):
 def critical_path(events: list[Event]) -> float:
     """The shortest makespan one pipeline's actions could have with their measured durations: the longest path
     through the schedule's dependencies (a forward after the previous stage's forward of its micro-batch, a
-    backward after the next stage's backward and its own forward, and each stage's actions in turn). `inf`
+    backward or B after the next stage's backward or B and its own forward, a W after its B, and each stage's
+    actions in turn). `inf`
     when the events contradict the schedule (a cycle: a stage ran an action before one it depends on)."""
     by_key = {(e.stage, e.microbatch, e.phase): e for e in events}
     deps: dict = {k: [] for k in by_key}
@@ -71,7 +73,8 @@ def critical_path(events: list[Event]) -> float:
         for a, b in zip(turn, turn[1:]):
             deps[(b.stage, b.microbatch, b.phase)].append((a.stage, a.microbatch, a.phase))
     for (st, mb, ph) in by_key:
-        want = [(st - 1, mb, Phase.FWD)] if ph is Phase.FWD else [(st + 1, mb, Phase.BWD), (st, mb, Phase.FWD)]
+        want = ([(st - 1, mb, Phase.FWD)] if ph is Phase.FWD else [(st, mb, Phase.BWD_INPUT)]
+                if ph is Phase.BWD_WEIGHT else [(st + 1, mb, ph), (st, mb, Phase.FWD)])
         deps[(st, mb, ph)] += [d for d in want if d in by_key]
     finish: dict = {}
     for k in sorted(by_key, key=lambda k: (by_key[k].start, by_key[k].end)):
@@ -88,6 +91,32 @@ def critical_path(events: list[Event]) -> float:
             e = by_key[top]
             finish[top] = e.duration + max((finish[d] for d in deps[top]), default=0.0)
     return max(finish.values(), default=0.0)
+
+
+def replay_measured(events: list[Event], table) -> "Simulation":
+    """One pipeline's measured actions replayed in the event simulation (`cfp.runtime.simulate`) of the table it
+    ran (one virtual stage per stage): each action takes its measured duration, every stage owns its compute, so
+    the makespan and bubble are those of devices that do not share cores (on a shared host an idle device gives
+    its cores to the others and wall time hides the bubble)."""
+    from cfp.runtime.simulate import ActionCosts, simulate
+    if table.v != 1:
+        raise ConfigError(f"schedule {table.name}: replaying measured actions needs one virtual stage per stage")
+    measured = {(e.phase, e.stage, e.microbatch): e.duration for e in events}
+    zeros = (0.0,) * table.num_vstages
+    return simulate(table, ActionCosts(zeros, zeros, zeros), measured)
+
+
+def median_action_seconds(events: list[Event], num_stages: int) -> tuple[list[float], list[float], list[float]]:
+    """Per stage, the median measured seconds of its F, B (a whole backward counts here) and W: robust to the
+    stalls a shared host puts into a few actions."""
+    out = []
+    for phases in ((Phase.FWD,), (Phase.BWD_INPUT, Phase.BWD), (Phase.BWD_WEIGHT,)):
+        row = []
+        for st in range(num_stages):
+            d = [e.duration for e in events if e.stage == st and e.phase in phases]
+            row.append(statistics.median(d) if d else 0.0)
+        out.append(row)
+    return out[0], out[1], out[2]
 
 
 def bubble_line(pipeline: int, v: dict) -> str:

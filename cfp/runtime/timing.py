@@ -73,9 +73,11 @@ class StepClock:
         if phase is Phase.FWD:
             producers = [((pipeline, stage - 1), microbatch, Phase.FWD)]
             consumers = int((pipeline, stage + 1) in self._watchers) + 1     # the next stage's fwd, own bwd
-        else:
-            producers = [((pipeline, stage + 1), microbatch, Phase.BWD), (key, microbatch, Phase.FWD)]
-            consumers = int((pipeline, stage - 1) in self._watchers)
+        elif phase is Phase.BWD_WEIGHT:
+            producers, consumers = [(key, microbatch, Phase.BWD_INPUT)], 0
+        else:                            # the whole backward, or B (whose W is one more consumer)
+            producers = [((pipeline, stage + 1), microbatch, phase), (key, microbatch, Phase.FWD)]
+            consumers = int((pipeline, stage - 1) in self._watchers) + int(phase is Phase.BWD_INPUT)
         k = (key, microbatch, phase)
         self._inputs[k] = [p for p in producers if p in self._done]     # another process's: not watched here
         self._dispatched[k] = t0

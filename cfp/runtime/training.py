@@ -23,7 +23,7 @@ import numpy as np
 from cfp.errors import ConfigError
 from cfp.files import check_output_dir
 from cfp.layout import Layout
-from cfp.runtime.schedules import ScheduleName
+from cfp.runtime.schedules import SCHEDULES, Phase, ScheduleName
 
 if TYPE_CHECKING:
     import optax
@@ -422,10 +422,10 @@ def _save(opts, job, trainer, losses) -> None:
 
 
 def _all_events(events, n_max: int) -> np.ndarray:
-    """Rows (pipeline, stage, microbatch, phase 0/1, start, end) of every process's events.
+    """Rows (pipeline, stage, microbatch, phase (its index in `Phase`), start, end) of every process's events.
 
     Each process measures its own stages against its own clock, from the same step boundary."""
-    rows = np.array([[e.pipeline, e.stage, e.microbatch, 0 if e.phase.value == "fwd" else 1,
+    rows = np.array([[e.pipeline, e.stage, e.microbatch, list(Phase).index(e.phase),
                       e.start, e.end] for e in events], np.float32).reshape(-1, 6)
     if jax.process_count() == 1:
         return rows
@@ -443,7 +443,7 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
     rows = _all_events(events, n_max)
     tl = Timeline(unmeasured=n_max - len(rows))
     for row in rows:
-        tl.record(int(row[0]), int(row[1]), int(row[2]), "fwd" if row[3] == 0 else "bwd",
+        tl.record(int(row[0]), int(row[1]), int(row[2]), list(Phase)[int(row[3])],
                   float(row[4]), float(row[5]))
     summary = {}
     if tl.unmeasured:     # StepClock leaves out actions whose start it could not observe
@@ -451,11 +451,36 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
             f"the last step ended no later than they could start as seen: the host was too busy to watch them)")
     else:
         summary = tl.summary()
-        for q, v in summary.items():
+        for q, v in summary.items():     # the run's schedule's equal-time bubble (the timeline's is 1F1B's)
+            v["theoretical_bubble"] = SCHEDULES[opts.schedule].equal_bubble(v["stages"], v["microbatches"])
             log(bubble_line(q, v))
+            log(_simulated_line(opts, tl, q, v))
     if opts.timeline_dir and jax.process_index() == 0:
         _write_timeline(opts, job, tl, log)
     return summary
+
+
+def _simulated_line(opts, tl, q: int, v: dict) -> str:
+    """Pipeline q's measured actions replayed with every stage owning its compute (`replay_measured`), the same
+    with each stage's median measured F, B and W (a shared host stalls a few actions for far longer than they
+    compute), and the schedule's time formula on those medians (`cfp.runtime.schedule_time`)."""
+    from cfp.runtime.schedule_time import bubble_of
+    from cfp.runtime.simulate import ActionCosts, simulate
+    from cfp.runtime.timeline import median_action_seconds, replay_measured
+    entry = SCHEDULES[opts.schedule]
+    p, m = v["stages"], v["microbatches"]
+    events = [e for e in tl.events if e.pipeline == q]
+    table = entry.pattern(p, m)
+    raw = replay_measured(events, table)
+    f, b, w = median_action_seconds(events, p)
+    med = simulate(table, ActionCosts.per_stage(f, b, w, table.placement))
+    theory = entry.seconds(f, b, w, m, 1)
+    busiest = max(x + y + z for x, y, z in zip(f, b, w))
+    return (f"pipeline {q}: simulated from the measured action times (each stage owning its compute): makespan "
+            f"{raw.makespan:.4f} s, bubble {raw.bubble:.1%} (the busiest stage idle), imbalance {raw.imbalance:.1%}; "
+            f"with each stage's median F/B/W: {med.makespan:.4f} s, bubble {med.bubble:.1%}, imbalance "
+            f"{med.imbalance:.1%}; {opts.schedule.value}'s formula on those medians: {theory:.4f} s, bubble "
+            f"{bubble_of(theory, m, busiest):.1%} (estimated)")
 
 
 def _write_timeline(opts, job, tl, log) -> None:

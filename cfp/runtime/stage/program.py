@@ -10,6 +10,12 @@ on the first stage, ``batch`` None on middle stages):
   gradient of the *summed* loss into the accumulator (donated) and returns the input activation's gradient
   (its floating leaves, `activations`) for the previous stage; the last stage's cotangent is 1 on
   ``loss_sum`` and 0 on ``weight``;
+* ``bwd_input(params, x, batch, g_y)`` and ``bwd_weight(params, x, batch, g_y, acc)`` -- the backward split in
+  two for the zero-bubble schedules: B returns the input activation's gradient only (XLA leaves out the weight
+  gradient's dots), W adds the parameter gradient into the accumulator; W is given what B was (the stage input and
+  the output's gradient, the dispatcher keeps them from B to W) and recomputes the stage forward and its backward
+  chain from them, so B + W cost more than ``bwd`` but each is exact; the first stage's B has no input gradient
+  and only marks its turn;
 * ``gradient(grad_parts, scale)`` -- sums the pipelines' gradients (in pipeline order) and scales them by
   ``1 / total weight``, so they are the gradient of ``sum(loss_sum) / sum(weight)``, the single-device loss;
 * ``apply_update(grads, opt_state, params, globals)`` -- the stage's part of the user's optimizer
@@ -115,6 +121,11 @@ class StageProgram:
             lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.grad_shardings)
         self.gradient = jax.jit(self.summed)
         self._finite = jax.jit(_finite_flags)
+        # B and W (split backward) under the rules table only: a searched plan's programs are cut from its step
+        self.splits = self.replay is None
+        if self.splits:
+            self._bwd_input = jax.jit(self._backward_input)
+            self.bwd_weight = jax.jit(self._backward_weight, donate_argnums=(4,))
         # the whole update as one program: for compiling ahead of time and for memory figures only (the runtime
         # runs the partition's per-unit programs, `apply_update`)
         self.fused_update = jax.jit(self._fused_update, donate_argnums=(0, 1),
@@ -164,6 +175,30 @@ class StageProgram:
         acc = jax.tree_util.tree_map(jnp.add, acc, g_p)
         return acc, _constrain_list(list(g_x), self.mesh, self.g_x_spec), jnp.zeros((), jnp.float32)
 
+    def bwd_input(self, params, x, batch, g_y):
+        """B: ``(input gradient as a list of x's differentiable leaves, done)``; the first stage has none and runs
+        only a marker (``done``, on its devices)."""
+        if not self.splits:
+            raise ConfigError(f"stage {self.stage.key}: a searched stage plan runs the whole backward only, not B "
+                              "and W (use gpipe or 1f1b, or the rules table)")
+        return self._bwd_input(params, x, batch, g_y)
+
+    def _backward_input(self, params, x, batch, g_y):
+        done = jnp.zeros((), jnp.float32)
+        if self.stage.is_first:
+            return [], done
+        floats, others, how = activations.split(x)
+        out, pull = jax.vjp(lambda xf: self.run(params, activations.join(xf, others, how), batch), floats)
+        (g_x,) = pull(self.cotangent(out, g_y))
+        return _constrain_list(list(g_x), self.mesh, self.g_x_spec), done
+
+    def _backward_weight(self, params, x, batch, g_y, acc):
+        """W: ``(acc + the micro-batch's parameter gradient, done)`` from the stage input and its output's
+        gradient."""
+        out, pull = jax.vjp(lambda p: self.run(p, x, batch), params)
+        (g_p,) = pull(self.cotangent(out, g_y))
+        return jax.tree_util.tree_map(jnp.add, acc, g_p), jnp.zeros((), jnp.float32)
+
     def update(self, params, opt_state, grad_parts, scale, globals_):
         """New ``(params, opt_state, finite flags)`` from the pipelines' gradient pieces; ``globals_``: the
         optimizer's values over all stages (`cfp.runtime.engine.HeteroTrainer` exchanges them)."""
@@ -202,10 +237,11 @@ class StageProgram:
         return jax.device_put(jax.tree_util.tree_map(lambda a: np.array(a, copy=True), opt_state),
                               self.opt_shardings)
 
-    def compile_jobs(self, x_like: Any, batch_like: Any, y_like: Any, pieces: list) -> list:
-        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time. ``x_like`` /
-        ``batch_like`` / ``y_like``: the stage's input activation / micro-batch / output (None where the stage has
-        none); ``pieces``: per pipeline, the layer-slice lengths its gradient arrives in."""
+    def compile_jobs(self, x_like: Any, batch_like: Any, y_like: Any, pieces: list, split: bool = False) -> list:
+        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time (``split``: B and W
+        too, after the others). ``x_like`` / ``batch_like`` / ``y_like``: the stage's input activation /
+        micro-batch / output (None where the stage has none); ``pieces``: per pipeline, the layer-slice lengths its
+        gradient arrives in."""
         params = _with_sharding(self.params_like, self.shardings)
         grads = _with_sharding(self.params_like, self.grad_shardings)
         opt = _with_sharding(self.optimizer.like, self.opt_shardings)
@@ -215,8 +251,11 @@ class StageProgram:
             activations.gradient_like(y_like), self.act_out_shardings(y_like))]
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         parts = [self.grad_parts_like(p) for p in pieces]
-        return [(self.fwd, (params, x, b)), (self.bwd, (params, x, b, g_y, grads)), (self.zeros, ()),
+        jobs = [(self.fwd, (params, x, b)), (self.bwd, (params, x, b, g_y, grads)), (self.zeros, ()),
                 (self.fused_update, (params, opt, parts, scalar, self.optimizer.globals_like))]
+        if split and self.splits:
+            jobs += [(self._bwd_input, (params, x, b, g_y)), (self.bwd_weight, (params, x, b, g_y, grads))]
+        return jobs
 
     def grad_parts_zeros(self, lengths: list[int]) -> Any:
         """Zeros shaped like `grad_parts_like` (warming the update up)."""

@@ -252,10 +252,11 @@ class HeteroTrainer:
             self._clock.events(order, 0.0)  # drain the watchers
         if ("update", self.layout) not in self._warmed:
             self._warmed.add(("update", self.layout))
-            n = len(self.layout.pipelines)
+            # the gradient sync's transfers too: their first use builds programs, which a step would time
+            synced = sync_gradients(self.layout, self.programs, {k: p.zeros() for k, p in self._local.items()})
             for key, prog in self._local.items():
                 copy = jax.tree_util.tree_map(jnp.copy, (self.params[key], self.opt_state[key]))
-                jax.block_until_ready(prog.update(*copy, [prog.zeros()] * n))
+                jax.block_until_ready(prog.update(*copy, synced[key]))
         dt = time.perf_counter() - t0
         self.warm_s += dt
         return dt

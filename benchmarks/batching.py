@@ -70,9 +70,10 @@ def _space(args, cfg, params, shapes):
         space = SchemeSpace.load(args.schemes)
         if (space.model, space.config) != (args.model, args.config) or space.longest > args.max_seq_len:
             space = None
-    if space is None:   # --quick: only the schemes of the strategies
+    if space is None:   # every strategy named (no proposal, no search of a uniform one): only their schemes
+        named_only = args.uniform and not args.proposed
         space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
-                              shapes=shapes if args.quick else None)
+                              shapes=shapes if named_only else None)
     missing = [s for s in shapes if s not in {(x.cp, x.tp, x.pp) for x in space.schemes}]
     if missing:
         more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,

@@ -71,11 +71,12 @@ def test_row_cost_prices_the_arrays_the_runtime_gets():
             assert ROWS1.mb_cost(lens, packed) == pytest.approx(want, rel=1e-12)
 
 
-def _entries_by_brute_force(arr):
+def _entries_by_brute_force(arr, dense=False):
     """(own, padded-query, cross) score entries of the blocked causal attention over the arrays: per row, query
-    q scores keys 0 .. end of q's block; own = same segment and key <= query."""
+    q scores keys 0 .. end of q's block (`dense`, ring attention: every key); own = same segment and key <=
+    query."""
     rows, width = arr["inputs"].shape
-    blk = attention_block(width)
+    blk = width if dense else attention_block(width)
     own = pad = cross = 0
     for r in range(rows):
         seg = arr["segment_ids"][r]
@@ -90,7 +91,8 @@ def _entries_by_brute_force(arr):
     return own, pad, cross
 
 
-def test_compute_parts_count_what_the_arrays_compute():
+@pytest.mark.parametrize("dense", [False, True], ids=["blocked", "ring"])
+def test_compute_parts_count_what_the_arrays_compute(dense):
     """Padding (every zero-weight slot: row ends, bucket rounding, padding rows) and the score entries split
     into own / padded-query / cross, against a count over the materialised arrays."""
     rng = np.random.default_rng(3)
@@ -99,12 +101,12 @@ def test_compute_parts_count_what_the_arrays_compute():
         toks = _tokens(lens)
         for packed in (True, False):
             arr = materialize(toks, list(range(lens.size)), packed)
-            p = compute_parts(lens.tolist(), packed)
+            p = compute_parts(lens.tolist(), packed, dense)
             assert p["pad_slots"] == int(np.sum(arr["weights"] == 0))
             assert p["real_slots"] == int(np.sum(arr["weights"] > 0))
-            assert (p["own"], p["pad_entries"], p["cross"]) == _entries_by_brute_force(arr)
+            assert (p["own"], p["pad_entries"], p["cross"]) == _entries_by_brute_force(arr, dense)
             r, w = arr["inputs"].shape
-            assert p["own"] + p["pad_entries"] + p["cross"] == r * causal_pairs(w)
+            assert p["own"] + p["pad_entries"] + p["cross"] == r * (w * w if dense else causal_pairs(w))
 
 
 def _partitions(items):

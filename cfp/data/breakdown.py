@@ -59,14 +59,15 @@ class PipelineTime:
         return sum(getattr(self, k) for k in PARTS)
 
 
-def _keys(width: int, lo: int, hi: int) -> int:
-    """Key entries blocked causal attention computes for the queries lo..hi-1 of a row of `width`."""
+def _keys(width: int, lo: int, hi: int, dense: bool = False) -> int:
+    """Key entries attention computes for the queries lo..hi-1 of a row of `width`: blocked causal attention
+    scores the blocks up to each query's own, dense (ring) attention the whole row."""
     blk = attention_block(width)
-    if blk == width:
-        return (hi - lo) * width
-    first, last = lo // blk, (hi - 1) // blk
     if hi <= lo:
         return 0
+    if dense or blk == width:
+        return (hi - lo) * width
+    first, last = lo // blk, (hi - 1) // blk
     if first == last:
         return (hi - lo) * (first + 1) * blk
     total = (blk - lo % blk) * (first + 1) * blk + ((hi - 1) % blk + 1) * (last + 1) * blk
@@ -74,17 +75,17 @@ def _keys(width: int, lo: int, hi: int) -> int:
     return total
 
 
-def compute_parts(lengths: Sequence[int], packed: bool) -> dict[str, float]:
-    """A micro-batch's score entries and token slots as the runtime computes them (per head and layer):
-    {own, pad_entries, cross, real_slots, pad_slots}."""
+def compute_parts(lengths: Sequence[int], packed: bool, dense: bool = False) -> dict[str, float]:
+    """A micro-batch's score entries and token slots as the runtime computes them (per head and layer; `dense`:
+    a context-parallel stage's ring attention): {own, pad_entries, cross, real_slots, pad_slots}."""
     lay = arrange(lengths, packed)
     lengths = [int(s) for s in lengths]
     real_entries = pad_entries = 0
     for row in lay.rows:
         fill = sum(lengths[k] for k in row)
-        real_entries += _keys(lay.width, 0, fill)
-        pad_entries += _keys(lay.width, fill, lay.width)
-    pad_entries += (lay.num_rows - len(lay.rows)) * _keys(lay.width, 0, lay.width)
+        real_entries += _keys(lay.width, 0, fill, dense)
+        pad_entries += _keys(lay.width, fill, lay.width, dense)
+    pad_entries += (lay.num_rows - len(lay.rows)) * _keys(lay.width, 0, lay.width, dense)
     own = own_pairs(lengths)
     real = sum(lengths)
     return {"own": own, "pad_entries": pad_entries, "cross": real_entries - own, "real_slots": real,
@@ -93,8 +94,8 @@ def compute_parts(lengths: Sequence[int], packed: bool) -> dict[str, float]:
 
 def micro_batch_shares(scheme: Scheme, lengths: Sequence[int], packed: bool) -> dict[str, float]:
     """Fractions {real, padding, cross, overhead} of a micro-batch's time by the scheme's fitted cost of its
-    layout; a scheme not fitted to this runtime (VARLEN) splits by token slots alone."""
-    p = compute_parts(lengths, packed)
+    rows; a scheme not fitted to this runtime (VARLEN) splits by token slots alone."""
+    p = compute_parts(lengths, packed, scheme.cp > 1)
     if scheme.form is not CostForm.ROWS or scheme.a + scheme.b + scheme.c == 0:
         total = p["real_slots"] + p["pad_slots"]
         return {"real": p["real_slots"] / total, "padding": p["pad_slots"] / total, "cross": 0.0, "overhead": 0.0}

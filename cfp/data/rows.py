@@ -72,10 +72,6 @@ class MicroBatchRows:
         """Token positions computed (real + padding)."""
         return self.num_rows * self.width
 
-    @property
-    def score_entries(self) -> int:
-        """Attention score entries computed per head and layer (`causal_pairs` of each row)."""
-        return self.num_rows * causal_pairs(self.width)
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -103,6 +99,13 @@ def arrange(lengths: Sequence[int], packed: bool) -> MicroBatchRows:
     width = row_width(max(lengths))
     rows = pack_rows(lengths, width) if packed else [[i] for i in range(len(lengths))]
     return MicroBatchRows(width, tuple(tuple(r) for r in rows), row_count(len(rows)))
+
+
+def row_pairs(width: int, dense: bool = False) -> int:
+    """Attention score entries one row of `width` computes per head and layer: blocked causal attention's
+    (`causal_pairs`), or with `dense` (ring attention of context-parallel stages, which scores every chunk
+    pair) width²."""
+    return width * width if dense else causal_pairs(width)
 
 
 def own_pairs(lengths: Sequence[int]) -> int:

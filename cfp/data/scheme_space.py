@@ -6,10 +6,12 @@ built; max_len is the widest power-of-two row whose largest stage's backward pro
 arguments + outputs + temporaries, per device) fits the memory budget (a micro-batch of R rows of width W <=
 max_len / R needs no more: the same tokens in shorter rows hold fewer attention scores). Then micro-batches of
 the shapes [R, W] the data path runs -- one row of each of the three widest widths and max_len / 128 rows of
-128 -- are timed (median of `repeats` runs, forward+backward through the pp stages; per stage: / pp) and
-a·R·pairs(W) + b·R·W + c is fitted to them, least squares in relative error. Last, how many pipelines the
-devices run side by side at full speed (`SchemeSpace.parallel_pipelines`): two pipelines of the smallest scheme
-at once against one alone, 2·t_one / t_two (simulated CPU devices share the host's cores).
+128 -- are timed (median of `repeats` runs of forward+backward under 1F1B) and a·R·pairs(W) + b·R·W + c is
+fitted to the time per stage, least squares in relative error. A pipeline of pp > 1 stages runs 4 micro-batches
+at once and its time is divided by 4 + pp - 1: the stage time the estimate Σ cost + (pp-1)·max cost needs, with
+whatever stages that share the host's cores lose to each other. Last, how many pipelines the devices run side
+by side at full speed (`SchemeSpace.parallel_pipelines`): two pipelines of the smallest scheme at once against
+one alone, 2·t_one / t_two (simulated CPU devices share the host's cores).
 
 Estimated (GPU cost model, bf16, flash-style varlen attention): per stage and micro-batch of s tokens
     flops  = 3·F_token·s·L/pp + 6·h·s²·L/pp  (causal attention: half of 12·h·s² per layer)  [+ the head on the
@@ -31,12 +33,13 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp.data.rows import MIN_WIDTH
+from cfp.data.rows import MIN_WIDTH, row_pairs
 from cfp.data.schemes import CostForm, Scheme, SchemeSpace, fit_nonnegative, fit_quadratic
 from cfp.errors import ConfigError
-from cfp.models.attention import causal_pairs
+from cfp.runtime.schedules import ScheduleName
 
 DEFAULT_MFU = 0.5
+PIPELINED = 4       # micro-batches in flight when timing a pipeline of pp > 1 stages
 MEMORY_HEADROOM = 0.9   # fraction of GPU memory a plan may use (allocator fragmentation, buffers)
 
 
@@ -187,31 +190,34 @@ def _max_len(trainer, cfg, memory_mb: float) -> int | None:
 
 
 def _measure_scheme(model: str, cfg, params, shape, repeats: int, memory_mb: float) -> Scheme | None:
-    """One scheme: max_len from the compiled memory (`_max_len`), time per stage = the pipeline's time on one
-    micro-batch / pp (a micro-batch passes the pp stages one after another) fitted over `timed_shapes`;
-    None if no row fits the budget."""
+    """One scheme: max_len from the compiled memory (`_max_len`), time per stage fitted over `timed_shapes`:
+    the pipeline's time on m micro-batches of the shape (1F1B; m = 1 for pp = 1, else `PIPELINED`) / (m + pp
+    - 1), so the fit holds what stages that share devices' cores lose to each other in a step, as the
+    estimate Σ cost + (pp - 1) max cost counts it; None if no row fits the budget."""
     import jax
 
     from cfp.layout import Layout
     from cfp.runtime.engine import HeteroTrainer
     cp, tp, pp = shape
-    trainer = HeteroTrainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers))
+    trainer = HeteroTrainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers), ScheduleName.ONE_F_ONE_B)
     trainer.load_state(params, trainer.tx.init(params), 0)
     max_len = _max_len(trainer, cfg, memory_mb)
     if max_len is None:
         return None
     rng = np.random.default_rng(0)
     rows, times = [], []
+    in_flight = 1 if pp == 1 else PIPELINED
     for r, w in timed_shapes(max_len):
-        mb = [[_row_batch(rng, r, w)]]
+        mb = [[_row_batch(rng, r, w)] * in_flight]
         trainer.forward_backward(mb)  # warm: compiles
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             jax.block_until_ready(trainer.forward_backward(mb))
             ts.append(time.perf_counter() - t0)
-        times.append(float(np.median(ts)) / pp)
-        rows.append([r * causal_pairs(w), r * w, 1.0])
+        # m micro-batches through pp stages take (m + pp - 1) stage-times where the stages run side by side
+        times.append(float(np.median(ts)) / (in_flight + pp - 1))
+        rows.append([r * row_pairs(w, cp > 1), r * w, 1.0])
     if len(times) < 3:   # one shape only (max_len 128): its time is the cost of every micro-batch
         return Scheme(cp, tp, pp, 0.0, 0.0, times[0], max_len, CostForm.ROWS)
     t = np.asarray(times)

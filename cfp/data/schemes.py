@@ -17,13 +17,12 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp.data.rows import WIDTHS, arrange
+from cfp.data.rows import WIDTHS, arrange, row_pairs
 from cfp.errors import ConfigError
 from cfp.files import write_json_atomic
-from cfp.models.attention import causal_pairs
 
-
-_PAIRS = np.array([causal_pairs(w) for w in WIDTHS], np.float64)
+# score entries per row of each width: blocked causal attention (False) or a context-parallel ring (True)
+_PAIRS = {dense: np.array([row_pairs(w, dense) for w in WIDTHS], np.float64) for dense in (False, True)}
 
 
 class CostForm(enum.Enum):
@@ -76,11 +75,12 @@ class Scheme:
         if self.form is CostForm.VARLEN:
             return self.a * s * s + self.b * s
         w = np.asarray(WIDTHS, np.float64)[np.searchsorted(WIDTHS, s)]
-        return (self.a * _PAIRS[np.searchsorted(WIDTHS, s)] + self.b * w) * s / w
+        return (self.a * _PAIRS[self.cp > 1][np.searchsorted(WIDTHS, s)] + self.b * w) * s / w
 
     def row_cost(self, num_rows: int, width: int) -> float:
-        """ROWS: time of one micro-batch laid out as [num_rows, width]."""
-        return self.a * num_rows * causal_pairs(width) + self.b * num_rows * width + self.c
+        """ROWS: time of one micro-batch arranged as [num_rows, width] (`row_pairs`: ring attention scores
+        every pair of a context-parallel stage's row)."""
+        return self.a * num_rows * row_pairs(width, self.cp > 1) + self.b * num_rows * width + self.c
 
     def mb_cost(self, lengths: Sequence[int], packed: bool = True) -> float:
         """Time of one micro-batch holding `lengths` (tokens of each sequence, in the micro-batch's order):

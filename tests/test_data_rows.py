@@ -1,16 +1,16 @@
 """Micro-batches arranged in rows (cfp.data.rows): bounded shapes, costs that price the arrays the runtime gets,
 counts of padding and attention that match those arrays, the row-aware packing against the exhaustive optimum,
 and the step-time breakdown's arithmetic."""
-import itertools
-
 import numpy as np
 import pytest
 
 from cfp.data.batching import METHODS, assign_step, materialize
 from cfp.data.breakdown import PARTS, compute_parts, micro_batch_shares, step_breakdown
-from cfp.data.rows import WIDTHS, arrange, row_shapes, row_width
+from cfp.data.dispatch import shared_spans
 from cfp.data.packing import pack_fixed_rows, pack_rows_balanced, pipeline_time
+from cfp.data.rows import WIDTHS, arrange, row_shapes, row_width
 from cfp.data.schemes import CostForm, Scheme
+from cfp.data.train import DataTrainOptions, plan_step
 from cfp.models.attention import attention_block, causal_pairs
 from cfp.runtime.schedules import Phase
 from cfp.runtime.timeline import Event
@@ -202,3 +202,27 @@ def test_pipeline_without_micro_batches_is_idle_all_step():
     idle_one = step_breakdown(events, 0.6, 0.01, [ROWS1, ROWS1], [[[0]], []], lens, True, (0.3, 0.0))[1]
     assert idle_one.idle == pytest.approx(0.5) and idle_one.total == pytest.approx(0.61)
     assert idle_one.real == idle_one.bubble == 0
+
+
+def test_pipelines_side_by_side_share_the_devices():
+    """Processor sharing: with capacity for one pipeline at full speed, three pipelines of 1, 2 and 3 s alone
+    finish at 3, 5 and 6 s; with capacity 2 at 1.5, 2.5 and 3.5 s; unlimited (None) or enough capacity, alone."""
+    assert shared_spans([2.0, 1.0, 3.0], 1.0) == pytest.approx([5.0, 3.0, 6.0])
+    assert shared_spans([1.0, 2.0, 3.0], 2.0) == pytest.approx([1.5, 2.5, 3.5])
+    assert shared_spans([1.0, 2.0, 3.0], None) == shared_spans([1.0, 2.0, 3.0], 3.0) == [1.0, 2.0, 3.0]
+
+
+def test_step_estimate_prices_shared_pipelines_and_picks_by_it():
+    """`plan_step` rates a candidate by its slowest pipeline's shared span: two one-device pipelines that each
+    take half the time of a pipeline with their work together win on separate devices, and lose to it (its
+    fits are 10% cheaper) when the devices run one pipeline at a time."""
+    one = Scheme(1, 1, 1, 2e-9, 3e-6, 4e-3, 1024, CostForm.ROWS)
+    two = Scheme(1, 2, 1, 0.9 * 2e-9, 0.9 * 3e-6, 0.9 * 4e-3, 1024, CostForm.ROWS)
+    lens = np.array([900, 800, 500, 500, 300, 200, 120, 100, 60, 40])
+    cands = [[one, one], [two]]
+    for parallel, want in ((None, 0), (1.0, 1)):
+        opts = DataTrainOptions("llama2", METHODS[4], 1, 100, parallel_pipelines=parallel)
+        k, plan, est, spans = plan_step(opts, cands, lens)
+        assert k == want, (parallel, est)
+        alone = [[pipeline_time(s, lens, mbs) for s, mbs in zip(c, assign_step(METHODS[4], c, lens))] for c in cands]
+        assert est == pytest.approx(tuple(max(shared_spans(a, parallel)) for a in alone))

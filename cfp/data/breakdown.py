@@ -118,8 +118,9 @@ def step_breakdown(events, seconds: float, host: float, pipes: Sequence[Scheme],
     for p, (scheme, mbs) in enumerate(zip(pipes, plan)):
         mine = [e for e in events if e.pipeline == p]
         if not mine:
-            out.append(PipelineTime(p, scheme.devices, host, 0, 0, 0, 0, 0, last, seconds - last, 0.0,
-                                    float(estimates[p])))
+            out.append(PipelineTime(pipeline=p, devices=scheme.devices, host=host, real=0.0, padding=0.0,
+                                    cross=0.0, overhead=0.0, bubble=0.0, idle=last, sync=seconds - last, span=0.0,
+                                    estimated_span=float(estimates[p])))
             continue
         stages = max(e.stage for e in mine) + 1
         start, end = min(e.start for e in mine), max(e.end for e in mine)
@@ -130,9 +131,9 @@ def step_breakdown(events, seconds: float, host: float, pipes: Sequence[Scheme],
         for m, mb in enumerate(mbs):
             for k, f in micro_batch_shares(scheme, lengths[mb].tolist(), packed).items():
                 parts[k] += f * per_mb[m]
-        out.append(PipelineTime(p, scheme.devices, host + start, bubble=(end - start) - per_mb.sum(),
-                                idle=last - end, sync=seconds - last, span=end - start,
-                                estimated_span=float(estimates[p]), **parts))
+        out.append(PipelineTime(pipeline=p, devices=scheme.devices, host=host + start,
+                                bubble=(end - start) - per_mb.sum(), idle=last - end, sync=seconds - last,
+                                span=end - start, estimated_span=float(estimates[p]), **parts))
     return out
 
 

@@ -5,9 +5,9 @@ and the model's heads allow with tp <= 2, and pp 2 for the smallest), one pipeli
 built; max_len is the widest power-of-two row whose largest stage's backward program (XLA's memory analysis:
 arguments + outputs + temporaries, per device) fits the memory budget (a micro-batch of R rows of width W <=
 max_len / R needs no more: the same tokens in shorter rows hold fewer attention scores). Then micro-batches of
-the shapes [R, W] the data path runs -- one row of each of the three widest widths and max_len / 128 rows of
-128 -- are timed (median of `repeats` runs of forward+backward under 1F1B) and a·R·pairs(W) + b·R·W + c is
-fitted to the time per stage, least squares in relative error. A pipeline of pp > 1 stages runs 4 micro-batches
+the shapes [R, W] the data path runs -- one row of 128 and of each of the three widest widths, and max_len /
+128 rows of 128 -- are timed (median of `repeats` runs of forward+backward under 1F1B) and
+a·R·pairs(W) + b·R·W + c is fitted to the time per stage, least squares in relative error. A pipeline of pp > 1 stages runs 4 micro-batches
 at once and its time is divided by 4 + pp - 1: the stage time the estimate Σ cost + (pp-1)·max cost needs, with
 whatever stages that share the host's cores lose to each other. Last, how many pipelines the devices run side
 by side at full speed (`SchemeSpace.parallel_pipelines`): two pipelines of the smallest scheme at once against
@@ -166,10 +166,10 @@ def measure_parallelism(model: str, cfg, params, shape, width: int, repeats: int
 
 
 def timed_shapes(max_len: int) -> list[tuple[int, int]]:
-    """The micro-batch shapes [R, W] a scheme's time is fitted to: one row of each of the three widest
-    power-of-two widths up to max_len, and max_len / 128 rows of 128."""
-    ones = [(1, w) for w in (MIN_WIDTH << k for k in range(20)) if w <= max_len][-3:]
-    return list(dict.fromkeys(ones + [(max_len // MIN_WIDTH, MIN_WIDTH)]))
+    """The micro-batch shapes [R, W] a scheme's time is fitted to: one row of 128 (it holds the constant c)
+    and of each of the three widest power-of-two widths up to max_len, and max_len / 128 rows of 128."""
+    ones = [(1, w) for w in (MIN_WIDTH << k for k in range(20)) if w <= max_len]
+    return list(dict.fromkeys(ones[:1] + ones[-3:] + [(max_len // MIN_WIDTH, MIN_WIDTH)]))
 
 
 def _row_batch(rng, num_rows: int, width: int) -> dict:

@@ -236,9 +236,10 @@ def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, lay
     trainer.warm(mbs)                 # compiles new shapes outside the timed step
     stats = trainer.step(mbs)
     times = step_breakdown(stats.events, stats.seconds, host, pipes, plan, lengths, packed, per_pipe)
-    rec = StepRecord(k, tuple(int(i) for i in ids), est, tuple(times),
-                     tuple(tuple(tuple(mb) for mb in p) for p in plan), sum(len(p) for p in plan), stats.loss,
-                     stats.real_tokens, stats.tokens, host + stats.seconds)
+    rec = StepRecord(strategy=k, sequences=tuple(int(i) for i in ids), estimates=est, pipelines=tuple(times),
+                     plan=tuple(tuple(tuple(mb) for mb in p) for p in plan), micro_batches=sum(len(p) for p in plan),
+                     loss=stats.loss, real_tokens=stats.real_tokens, slots=stats.tokens,
+                     seconds=host + stats.seconds)
     return stats, rec
 
 

@@ -116,8 +116,9 @@ def test_data_train_runs_hydraulis_strategies_and_verifies(tmp_path, capsys):
     assert len(re.findall(r"step \d: strategy [01] \[", out)) == 2
     assert re.search(r"verify: max relative error \S+ over 2 steps \(ok tolerance", out), out
     # where the time went: a line per step and one for the run (parts in %), one per pipeline with --verbose
-    parts = r"host assign\+dispatch (\d+)% \| real tokens (\d+)% \| padding (\d+)% \| cross-sequence attn (\d+)% " \
-            r"\| per-micro-batch (\d+)% \| bubble (\d+)% \| idle \(slowest pipeline\) (\d+)% \| grad sync\+update (\d+)% "
+    parts = (r"host assign\+dispatch (\d+)% \| real tokens (\d+)% \| padding (\d+)% \| cross-sequence attn (\d+)% "
+             r"\| per-micro-batch (\d+)% \| bubble (\d+)% \| idle \(slowest pipeline\) (\d+)% "
+             r"\| grad sync\+update (\d+)% ")
     lines = re.findall(r"time: " + parts + r"of (\S+) s \(measured", out)
     assert len(lines) == 3 and all(abs(sum(map(int, x[:8])) - 100) <= 4 for x in lines), lines
     assert len(re.findall(r"pipeline \d: host \S+  real \S+ .* span measured \S+ s, estimated", out)) >= 2

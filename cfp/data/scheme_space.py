@@ -10,8 +10,8 @@ the shapes [R, W] the data path runs -- one row of 128 and of each of the three 
 a·R·pairs(W) + b·R·W + c is fitted to the time per stage, least squares in relative error. A pipeline of pp > 1
 stages runs 4 micro-batches at once and its time is divided by 4 + pp - 1: the stage time the estimate
 Σ cost + (pp-1)·max cost needs, with whatever stages that share the host's cores lose to each other. Last, how
-many pipelines the devices run side by side at full speed (`SchemeSpace.parallel_pipelines`): two pipelines of the smallest scheme at once against
-one alone, 2·t_one / t_two (simulated CPU devices share the host's cores).
+many pipelines the devices run side by side at full speed (`SchemeSpace.parallel_pipelines`): two pipelines of
+the smallest scheme at once against one alone, 2·t_one / t_two (simulated CPU devices share the host's cores).
 
 Estimated (GPU cost model, bf16, flash-style varlen attention): per stage and micro-batch of s tokens
     flops  = 3·F_token·s·L/pp + 6·h·s²·L/pp  (causal attention: half of 12·h·s² per layer)  [+ the head on the

@@ -83,7 +83,7 @@ def _space(args, cfg, params, shapes):
     return space
 
 
-def _runs(args, space, corpus, data, cfg, params, cache) -> list[Run]:
+def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
     import jax
 
     from cfp.data import train
@@ -107,9 +107,7 @@ def _runs(args, space, corpus, data, cfg, params, cache) -> list[Run]:
             opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step,
                                           parallel_pipelines=space.parallel_pipelines)
             layouts = [train.layout_of(c, cfg.num_layers, n) for c in cands]
-            trainer = HeteroTrainer(args.model, cfg, layouts[0], opts.schedule, learning_rate=opts.learning_rate,
-                                    weight_decay=opts.weight_decay, cache=cache)
-            trainer.load_state(params, trainer.tx.init(params), 0)
+            trainer = HeteroTrainer(cache.model, None, layouts[0], opts.schedule, cache=cache).init()
             runs.append(Run(corpus, label, method, cands, opts, trainer, layouts))
             print(f"{corpus}: method {number} ({method.name}), {label}: "
                   + " | ".join(train.describe(c) for c in cands))
@@ -209,7 +207,9 @@ def main() -> None:
     from cfp.data import train
     from cfp.data.sources import Unit, load_sequences
     from cfp.models import get_config, init_params
-    from cfp.runtime.engine import compile_cache
+    from cfp.models.layered import zoo_model
+    from cfp.runtime.engine import adamw
+    from cfp.runtime.stage.cache import CompileCache
 
     t0 = time.perf_counter()
     print(f"host load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
@@ -222,8 +222,9 @@ def main() -> None:
     named = train.parse_strategies(args.strategies) + (train.parse_strategies(args.uniform) if args.uniform else [])
     space = _space(args, cfg, params, train.shapes_of(named))
     print(f"scheme space: {space.source}; {space.parallel_pipelines} pipelines side by side at full speed")
-    cache = compile_cache(1e-3, 0.01)
-    runs = [r for c, data in corpora.items() for r in _runs(args, space, c, data, cfg, params, cache)]
+    defaults = train.DataTrainOptions(args.model, train.METHODS[0], 1, 1)   # the runs' optimizer settings
+    cache = CompileCache(zoo_model(args.model, cfg, 0), adamw(defaults.learning_rate, defaults.weight_decay))
+    runs = [r for c, data in corpora.items() for r in _runs(args, space, c, data, cfg, cache)]
     for step in range(args.steps):
         _step_all(runs, corpora, step)
     print(f"\nmeasured, {args.steps} interleaved steps x {args.tokens_per_step} tokens, {jax.device_count()} "

@@ -122,7 +122,7 @@ def test_compiled_stages_agree_with_the_cost_model(model):
 # ----------------------------------------------------------------------------- random clusters
 def check_plan(cluster, cfg, options, result):
     lay = result.layout
-    lay.validate_for(cfg, cluster.num_devices)
+    lay.validate_for(cfg.num_layers, cluster.num_devices, (cfg.num_heads, cfg.num_heads))
     devs = sorted(d for p in lay.pipelines for s in p.stages for d in s.devices)
     assert devs == list(range(cluster.num_devices))           # every device, once
     for p in lay.pipelines:

@@ -145,12 +145,16 @@ def measure_parallelism(model: str, cfg, params, shape, width: int, repeats: int
     import jax
 
     from cfp.layout import Layout
-    from cfp.runtime.engine import HeteroTrainer, compile_cache
-    cache = compile_cache(1e-3, 0.01)
+    from cfp.models.layered import zoo_model, zoo_params
+    from cfp.runtime.engine import HeteroTrainer, adamw
+    from cfp.runtime.stage.cache import CompileCache
+    cache = CompileCache(zoo_model(model, cfg, 0, abstract=True), adamw(1e-3, 0.01))
+    layered = zoo_params(params, cfg.num_layers)
     trainers = []
     for k in (1, 2):
-        tr = HeteroTrainer(model, cfg, Layout.from_schemes([shape] * k, cfg.num_layers), cache=cache)
-        tr.load_state(params, tr.tx.init(params), 0)
+        tr = HeteroTrainer(cache.model, None, Layout.from_schemes([shape] * k, cfg.num_layers),
+                           ScheduleName.ONE_F_ONE_B, cache=cache)
+        tr.load_state(layered, tr.tx.init(layered), 0)
         trainers.append(tr)
     rng = np.random.default_rng(1)
     batches = [[[_row_batch(rng, 1, width)] for _ in range(k)] for k in (1, 2)]
@@ -181,9 +185,12 @@ def _row_batch(rng, num_rows: int, width: int) -> dict:
 
 def _max_len(trainer, cfg, memory_mb: float) -> int | None:
     """The widest power-of-two row (<= the model's seq_len) whose largest stage fits the budget."""
+    import jax
     best = None
     for w in (MIN_WIDTH << k for k in range(20)):
-        if w > cfg.seq_len or max(trainer.stage_memory((1, w))) > memory_mb * 2 ** 20:
+        like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                      _row_batch(np.random.default_rng(0), 1, w))
+        if w > cfg.seq_len or max(trainer.stage_memory(like)) > memory_mb * 2 ** 20:
             break
         best = w
     return best
@@ -197,10 +204,12 @@ def _measure_scheme(model: str, cfg, params, shape, repeats: int, memory_mb: flo
     import jax
 
     from cfp.layout import Layout
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models.layered import zoo_params
+    from cfp.runtime.engine import zoo_trainer
     cp, tp, pp = shape
-    trainer = HeteroTrainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers), ScheduleName.ONE_F_ONE_B)
-    trainer.load_state(params, trainer.tx.init(params), 0)
+    trainer = zoo_trainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers), ScheduleName.ONE_F_ONE_B)
+    layered = zoo_params(params, cfg.num_layers)
+    trainer.load_state(layered, trainer.tx.init(layered), 0)
     max_len = _max_len(trainer, cfg, memory_mb)
     if max_len is None:
         return None

@@ -248,7 +248,7 @@ def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[S
     """Train `opts.steps` steps, each on the fastest-rated candidate strategy; `log` one line per step with
     where its time went (`verbose`: one more per pipeline)."""
     n_dev = len(trainer.devices)
-    layouts = [layout_of(p, trainer.config.num_layers, n_dev) for p in candidates]
+    layouts = [layout_of(p, trainer.model.num_layers, n_dev) for p in candidates]
     trainer.set_schedule(opts.schedule)
     losses, records, real, slots, secs, comp = [], [], 0, 0, 0.0, 0.0
     for step in range(opts.steps):

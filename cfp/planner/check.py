@@ -52,9 +52,11 @@ def _model_figures(cm: CostModel, layout: Layout, p: int, i: int) -> tuple[float
 
 def check_compiled_stages(model_name: str, config: Any, cm: CostModel, layout: Layout) -> list[StageCheck]:
     """Compile every stage of `layout` (devices of this process) and compare; see the module doc."""
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models import make_batch
+    from cfp.runtime.engine import zoo_trainer
 
-    trainer = HeteroTrainer(model_name, config, layout)
+    example = make_batch(model_name, config, 1, 0)
+    trainer = zoo_trainer(model_name, config, layout, abstract=True, example_batch=example)
     out = []
     for p, i in sorted(trainer.programs):
         (fwd, fwd_args), (bwd, bwd_args), _, (upd, upd_args) = trainer.compile_jobs((p, i))

@@ -17,6 +17,7 @@ from cfp.layered.model import LayeredModel
 from cfp.layout import Layout
 from cfp.mesh import MeshSpec
 from cfp.planner.cluster import Cluster, parse_cluster
+from cfp.planner.layered import plan_layout
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
 from cfp.profiling.table import ProfileTable
@@ -35,7 +36,7 @@ __all__ = [
     "Analysis", "SearchResult", "ProfileTable", "check_collectives",
     # heterogeneous clusters: planner and training runtime
     "LayeredModel", "from_linen", "from_nnx", "from_equinox", "train_pipelines", "RunOptions",
-    "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "Layout",
+    "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "plan_layout", "Layout",
     "TrainOptions", "TrainResult", "run_training",
     # errors
     "CfpError", "ConfigError", "PlanError", "CaptureError", "InfeasibleError",

@@ -36,7 +36,7 @@ patient_collectives()
 
 HYDRAULIS = "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"
 CORPORA = "stdlib:definition,stdlib:docstring"
-QUICK = {"steps": 2, "tokens_per_step": 2048, "max_seq_len": 384, "methods": "0,4", "proposed": False,
+QUICK = {"steps": 2, "tokens_per_step": 2048, "max_seq_len": 256, "methods": "0,4", "proposed": False,
          "strategies": "[[(1,2,1),(1,2,1)], [(1,4,1)]]", "uniform": "[(1,4,1)]"}
 
 

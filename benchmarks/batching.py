@@ -83,6 +83,13 @@ def _space(args, cfg, params, shapes):
     return space
 
 
+def _load(corpus: str, max_seq_len: int):
+    """A corpus INPUT[:UNIT], sequences cut at `max_seq_len`."""
+    from cfp.data.sources import Unit, load_sequences
+    path, _, unit = corpus.partition(":")
+    return load_sequences(path, max_seq_len=max_seq_len, unit=Unit.parse(unit) if unit else None)
+
+
 def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
     import jax
 
@@ -205,7 +212,6 @@ def main() -> None:
     import jax
 
     from cfp.data import train
-    from cfp.data.sources import Unit, load_sequences
     from cfp.models import get_config, init_params
     from cfp.models.layered import zoo_model
     from cfp.runtime.engine import adamw
@@ -215,13 +221,15 @@ def main() -> None:
     print(f"host load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
     params = init_params(args.model, cfg, 0)
-    corpora = {}
-    for c in args.corpora.split(","):
-        path, _, unit = c.partition(":")
-        corpora[c] = load_sequences(path, max_seq_len=args.max_seq_len, unit=Unit.parse(unit) if unit else None)
+    corpora = {c: _load(c, args.max_seq_len) for c in args.corpora.split(",")}
     named = train.parse_strategies(args.strategies) + (train.parse_strategies(args.uniform) if args.uniform else [])
     space = _space(args, cfg, params, train.shapes_of(named))
     print(f"scheme space: {space.source}; {space.parallel_pipelines} pipelines side by side at full speed")
+    if args.uniform:    # method 0's strategy must hold every sequence: cut them where it ends, as `cfp data train`
+        cap = max(s.max_len for s in train.with_fits(train.parse_strategies(args.uniform), space)[0])
+        if cap < args.max_seq_len:
+            print(f"sequences cut at {cap} tokens, the longest {args.uniform} holds under the fits")
+            corpora = {c: _load(c, cap) for c in corpora}
     defaults = train.DataTrainOptions(args.model, train.METHODS[0], 1, 1)   # the runs' optimizer settings
     cache = CompileCache(zoo_model(args.model, cfg, 0), adamw(defaults.learning_rate, defaults.weight_decay))
     runs = [r for c, data in corpora.items() for r in _runs(args, space, c, data, cfg, cache)]

@@ -8,17 +8,17 @@ best single-scheme strategy the fits find, method 3 with the per-step strategy c
 strategy `cfp data propose` finds and with the per-step choice. The per-step candidates are `--strategies`
 (Hydraulis' notation) plus the single-scheme strategy of method 0, so the choice can always fall back on it.
 
-Steps are interleaved (step k of every run, then step k+1), so a change in machine load hits all runs alike;
-runs share one compile cache, and compiling a new micro-batch shape is kept out of the timed step
-(`HeteroTrainer.warm`). Every run of a corpus trains the same sequences at every step, so their losses must
-agree (checked and printed). Printed per run (measured unless said otherwise): non-pad tokens/s over the
+Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change
+in machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is
+kept out of the timed step (`HeteroTrainer.warm`). Every run of a corpus trains the same sequences at every
+step, so their losses must agree (checked and printed). Printed per run (measured unless said otherwise): non-pad tokens/s over the
 steps (host assignment and layout included), padding (every padded slot computed), the ratio to method 0 with
 its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where
 the time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated /
 measured span of every pipeline in every step. Usage:
 
     python benchmarks/batching.py [--steps 4] [--tokens-per-step 8192] [--max-seq-len 1024]
-    python benchmarks/batching.py --quick        # CI size: 2 steps of 2048 tokens, rows <= 256, methods 0 and 4
+    python benchmarks/batching.py --quick        # CI size: 2 steps of 1024 tokens, rows of 128, methods 0 and 4
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ patient_collectives()
 
 HYDRAULIS = "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"
 CORPORA = "stdlib:definition,stdlib:docstring"
-QUICK = {"steps": 2, "tokens_per_step": 2048, "max_seq_len": 256, "methods": "0,4", "proposed": False,
+QUICK = {"steps": 2, "tokens_per_step": 1024, "max_seq_len": 128, "methods": "0,4", "proposed": False,
          "strategies": "[[(1,2,1),(1,2,1)], [(1,4,1)]]", "uniform": "[(1,4,1)]"}
 
 
@@ -143,8 +143,10 @@ def _work(cfg, run: Run, data) -> float:
 
 
 def _step_all(runs, corpora, step):
+    """Step `step` of every run, in the runs' order on even steps and reversed on odd ones (ABBA), so no run is
+    always the first (in a fixed order, method 1 ran 1.3-1.4x method 0 at equal work on a loaded host)."""
     from cfp.data import train
-    for r in runs:
+    for r in (runs if step % 2 == 0 else runs[::-1]):
         st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step)
         r.records.append(rec)
         print(f"  step {step + 1} {r.corpus} method {r.method.number} {r.label}: "

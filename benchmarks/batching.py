@@ -11,8 +11,8 @@ strategy `cfp data propose` finds and with the per-step choice. The per-step can
 Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change
 in machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is
 kept out of the timed step (`HeteroTrainer.warm`). Every run of a corpus trains the same sequences at every
-step, so their losses must agree (checked and printed). Printed per run (measured unless said otherwise): non-pad tokens/s over the
-steps (host assignment and layout included), padding (every padded slot computed), the ratio to method 0 with
+step, so their losses must agree (checked and printed). Printed per run (measured unless said otherwise):
+non-pad tokens/s over the steps (host assignment and layout included), padding (every padded slot computed), the ratio to method 0 with
 its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where
 the time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated /
 measured span of every pipeline in every step. Usage:

@@ -8,14 +8,14 @@ best single-scheme strategy the fits find, method 3 with the per-step strategy c
 strategy `cfp data propose` finds and with the per-step choice. The per-step candidates are `--strategies`
 (Hydraulis' notation) plus the single-scheme strategy of method 0, so the choice can always fall back on it.
 
-Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change
-in machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is
-kept out of the timed step (`HeteroTrainer.warm`). Every run of a corpus trains the same sequences at every
-step, so their losses must agree (checked and printed). Printed per run (measured unless said otherwise):
-non-pad tokens/s over the steps (host assignment and layout included), padding (every padded slot computed), the ratio to method 0 with
-its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where
-the time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated /
-measured span of every pipeline in every step. Usage:
+Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change in
+machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is kept out
+of the timed step (`HeteroTrainer.warm`). Every run of a corpus trains the same sequences at every step, so their
+losses must agree (checked and printed). Printed per run (measured unless said otherwise): non-pad tokens/s over
+the steps (host assignment and layout included), padding (every padded slot computed), the ratio to method 0 with
+its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where the
+time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated / measured span of
+every pipeline in every step. Usage:
 
     python benchmarks/batching.py [--steps 4] [--tokens-per-step 8192] [--max-seq-len 1024]
     python benchmarks/batching.py --quick        # CI size: 2 steps of 1024 tokens, rows of 128, methods 0 and 4

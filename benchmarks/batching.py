@@ -1,18 +1,32 @@
-"""Batching methods 0/1/3/4 side by side on the training engine: same data, same steps, same devices (8 CPU devices).
+"""Batching methods 0/1/3/4 side by side on the training engine: same data, same steps, same devices (8 CPU
+devices), on two corpora of real text with different length distributions.
 
-Runs: methods 0 and 1 on the best single-scheme strategy, methods 3 and 4 on the strategy `cfp data propose`
-finds for the scheme space, and methods 3 and 4 on Hydraulis-notation strategies (`--strategies`, default a
-heterogeneous strategy with a pp=2 pipeline beside pp=1 ones, one with cp=2, and a uniform pp=2 one; each step
-runs the one the fitted costs rate fastest; with method 4 also each of them alone). Steps are interleaved (step k of every run, then step k+1), so a
-change in machine load hits all runs alike; compilation is excluded from the timed step (each run's first use
-of a micro-batch shape is compiled by `HeteroTrainer.warm` outside it). Figures are measured. Usage:
-    python benchmarks/batching.py [--steps 4] [--tokens-per-step 8192] [--schemes parallel_scheme_space.json]
+Corpora (`--corpora`, each INPUT[:UNIT] as `cfp data train --input/--unit` takes them): by default the
+Python standard library split into top-level definitions (long-tailed source code) and its docstrings
+(English prose, mostly short), both on any Python install. Per corpus the runs are: methods 0 and 1 on the
+best single-scheme strategy the fits find, method 3 with the per-step strategy choice, method 4 on the
+strategy `cfp data propose` finds and with the per-step choice. The per-step candidates are `--strategies`
+(Hydraulis' notation) plus the single-scheme strategy of method 0, so the choice can always fall back on it.
+
+Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change in
+machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is kept out
+of the timed step (`HeteroTrainer.warm`). Every run of a corpus trains the same sequences at every step, so their
+losses must agree (checked and printed). Printed per run (measured unless said otherwise): non-pad tokens/s over
+the steps (host assignment and layout included), padding (every padded slot computed), the ratio to method 0 with
+its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where the
+time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated / measured span of
+every pipeline in every step. Usage:
+
+    python benchmarks/batching.py [--steps 4] [--tokens-per-step 8192] [--max-seq-len 1024]
+    python benchmarks/batching.py --quick        # CI size: 2 steps of 1024 tokens, rows of 128, methods 0 and 4
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cfp.cli.common import ensure_host_devices, patient_collectives  # noqa: E402
@@ -21,104 +35,216 @@ ensure_host_devices(8)
 patient_collectives()
 
 HYDRAULIS = "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"
+CORPORA = "stdlib:definition,stdlib:docstring"
+QUICK = {"steps": 2, "tokens_per_step": 1024, "max_seq_len": 128, "methods": "0,4", "proposed": False,
+         "strategies": "[[(1,2,1),(1,2,1)], [(1,4,1)]]", "uniform": "[(1,4,1)]"}
+
+
+@dataclasses.dataclass
+class Run:
+    corpus: str
+    label: str
+    method: object
+    candidates: list
+    opts: object
+    trainer: object
+    layouts: list
+    records: list = dataclasses.field(default_factory=list)
+
+    @property
+    def real(self) -> int:
+        return sum(r.real_tokens for r in self.records)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.records)
 
 
 def _space(args, cfg, params, shapes):
+    """The scheme space of --schemes, measured here (and written there) where it lacks `shapes` or was made
+    for another model or row limit."""
     from cfp.data.scheme_space import measure_space
     from cfp.data.schemes import SchemeSpace
+    space = None
     if os.path.exists(args.schemes):
         space = SchemeSpace.load(args.schemes)
-        missing = [s for s in shapes if s not in {(x.cp, x.tp, x.pp) for x in space.schemes}]
-        if not missing:
-            return space
-        more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print, shapes=missing)
-        space = SchemeSpace(space.model, space.config, space.source, space.schemes + more.schemes)
-    else:
-        space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print)
-        have = {(x.cp, x.tp, x.pp) for x in space.schemes}
-        missing = [s for s in shapes if s not in have]
-        if missing:
-            more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print, shapes=missing)
-            space = type(space)(space.model, space.config, space.source, space.schemes + more.schemes)
+        if (space.model, space.config) != (args.model, args.config) or space.longest > args.max_seq_len:
+            space = None
+    if space is None:   # every strategy named (no proposal, no search of a uniform one): only their schemes
+        named_only = args.uniform and not args.proposed
+        space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
+                              shapes=shapes if named_only else None)
+    missing = [s for s in shapes if s not in {(x.cp, x.tp, x.pp) for x in space.schemes}]
+    if missing:
+        more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
+                             shapes=missing, parallelism=False)
+        space = dataclasses.replace(space, schemes=space.schemes + more.schemes)
     space.save(args.schemes)
     return space
 
 
-def _runs(args, space, data, cfg, params):
-    """[label, method, candidates, opts, trainer, real, slots, seconds, last loss, strategies used]."""
+def _load(corpus: str, max_seq_len: int):
+    """A corpus INPUT[:UNIT], sequences cut at `max_seq_len`."""
+    from cfp.data.sources import Unit, load_sequences
+    path, _, unit = corpus.partition(":")
+    return load_sequences(path, max_seq_len=max_seq_len, unit=Unit.parse(unit) if unit else None)
+
+
+def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
     import jax
 
     from cfp.data import train
     from cfp.data.batching import get_method
     from cfp.runtime.engine import HeteroTrainer
+    n = jax.device_count()
     given = train.with_fits(train.parse_strategies(args.strategies), space)
+    uniform = (train.with_fits(train.parse_strategies(args.uniform), space)[0] if args.uniform else
+               train.uniform_strategy(space, data.lengths, n, args.tokens_per_step).pipelines())
     runs = []
     for number in (int(m) for m in args.methods.split(",")):
         method = get_method(number)
-        pick = train.propose if method.heterogeneous else train.uniform_strategy
-        sets = [("proposed" if method.heterogeneous else "uniform",
-                 [pick(space, data.lengths, jax.device_count(), args.tokens_per_step).pipelines()])]
+        sets = []
+        if not method.heterogeneous:
+            sets.append(("uniform", [uniform]))
+        if number == 4 and args.proposed:
+            sets.append(("proposed", [train.propose(space, data.lengths, n, args.tokens_per_step).pipelines()]))
         if method.heterogeneous:
-            sets.append(("Hydraulis, per step", given))
-        if method.number == 4 and len(given) > 1:   # each given strategy alone, measured whatever the fits say
-            sets += [(f"Hydraulis strategy {i}", [g]) for i, g in enumerate(given)]
+            sets.append(("per step", given + ([] if uniform in given else [uniform])))
         for label, cands in sets:
-            opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step)
-            trainer = HeteroTrainer(args.model, cfg, train.layout_of(cands[0], cfg.num_layers, jax.device_count()),
-                                    opts.schedule, learning_rate=opts.learning_rate, weight_decay=opts.weight_decay)
-            trainer.load_state(params, trainer.tx.init(params), 0)
-            runs.append([label, method, cands, opts, trainer, 0, 0, 0.0, None, set()])
-            print(f"method {number} ({method.name}), {label}: " + " | ".join(train.describe(c) for c in cands))
+            opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step,
+                                          parallel_pipelines=space.parallel_pipelines)
+            layouts = [train.layout_of(c, cfg.num_layers, n) for c in cands]
+            trainer = HeteroTrainer(cache.model, None, layouts[0], opts.schedule, cache=cache).init()
+            runs.append(Run(corpus, label, method, cands, opts, trainer, layouts))
+            print(f"{corpus}: method {number} ({method.name}), {label}: "
+                  + " | ".join(train.describe(c) for c in cands))
     return runs
+
+
+def _work(cfg, run: Run, data) -> float:
+    """Estimated forward FLOPs of what the run computed (token slots and attention score entries, padding and
+    masked entries included), per real token."""
+    from cfp.costs import ModelCost
+    from cfp.data.batching import Packing
+    from cfp.data.breakdown import compute_parts
+    cost = ModelCost(cfg)
+    per_slot = cfg.num_layers * cost.layer_token_flops(1) + cost.head_dot_flops(1) / cfg.seq_len
+    per_entry = cfg.num_layers * cfg.num_heads * 4 * cfg.head_dim
+    packed = run.method.packing is not Packing.PAD
+    flops = 0.0
+    for rec in run.records:
+        lengths = data.lengths[list(rec.sequences)]
+        for mbs in rec.plan:
+            for mb in mbs:
+                p = compute_parts(lengths[list(mb)].tolist(), packed)
+                flops += per_slot * (p["real_slots"] + p["pad_slots"]) + per_entry * (
+                    p["own"] + p["cross"] + p["pad_entries"])
+    return flops / run.real
+
+
+def _step_all(runs, corpora, step):
+    """Step `step` of every run, in the runs' order on even steps and reversed on odd ones (ABBA), so no run is
+    always the first (in a fixed order, method 1 ran 1.3-1.4x method 0 at equal work on a loaded host)."""
+    from cfp.data import train
+    for r in (runs if step % 2 == 0 else runs[::-1]):
+        st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step)
+        r.records.append(rec)
+        print(f"  step {step + 1} {r.corpus} method {r.method.number} {r.label}: "
+              f"{train.describe(r.candidates[rec.strategy])}, {rec.real_tokens} tokens, {rec.micro_batches} "
+              f"micro-batches, {rec.seconds:.2f} s, loss {rec.loss:.4f}")
+
+
+def _table(cfg, runs: list[Run], data, corpus: str) -> None:
+    import numpy as np
+
+    from cfp.data import train
+    from cfp.data.breakdown import LABELS, PARTS
+    mine = [r for r in runs if r.corpus == corpus]
+    base = mine[0]
+    w0 = _work(cfg, base, data)
+    losses = np.array([[rec.loss for rec in r.records] for r in mine])
+    spread = float(np.max(np.abs(losses - losses[0]) / np.abs(losses[0])))
+    print(f"\n{corpus}: {len(data)} sequences, median {int(np.median(data.lengths))} tokens, "
+          f"p90 {int(np.percentile(data.lengths, 90))}; losses of all runs equal step by step within "
+          f"{spread:.1e} relative ({'ok' if spread <= 1e-4 else 'NOT EQUAL'}, tolerance 1e-4)")
+    head = ["method", "strategy", "tokens/s", "padding", "vs m0", "per-step range", "work m0/this"]
+    head += [LABELS[k] for k in PARTS] + ["est/meas span"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in mine:
+        tps = r.real / r.seconds
+        ratios = [b.seconds / rec.seconds * rec.real_tokens / b.real_tokens
+                  for b, rec in zip(base.records, r.records)]
+        slots = sum(rec.slots for rec in r.records)
+        parts = {k: sum(rec.summary()[k] for rec in r.records) for k in PARTS}
+        total = sum(parts.values())
+        acc = [t.estimated_span / t.span for rec in r.records for t in rec.pipelines if t.span > 0]
+        used = sorted({rec.strategy for rec in r.records})
+        strat = r.label + ": ran " + " and ".join(train.describe(r.candidates[i]) for i in used)
+        row = [f"{r.method.number} {r.method.name}", strat, f"{tps:,.0f}", f"{100 * (1 - r.real / slots):.1f}%",
+               f"{tps / (base.real / base.seconds):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}",
+               f"{w0 / _work(cfg, r, data):.2f}x"]
+        row += [f"{100 * parts[k] / total:.0f}%" for k in PARTS]
+        row += [f"{np.median(acc):.2f} ({min(acc):.2f}-{max(acc):.2f})" if acc else "n/a"]
+        print("| " + " | ".join(row) + " |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama2")
     ap.add_argument("--config", default="tiny")
-    ap.add_argument("--input", default="stdlib")
+    ap.add_argument("--corpora", default=CORPORA, help=f"INPUT[:UNIT],... (default {CORPORA})")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--tokens-per-step", type=int, default=8192)
-    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--memory-mb", type=float, default=48.0)
     ap.add_argument("--schemes", default="parallel_scheme_space.json")
     ap.add_argument("--methods", default="0,1,3,4")
-    ap.add_argument("--strategies", default=HYDRAULIS, help="Hydraulis-notation strategies run with methods 3 and 4")
+    ap.add_argument("--strategies", default=HYDRAULIS, help="per-step candidates of methods 3 and 4")
+    ap.add_argument("--uniform", default=None,
+                    help="the strategy of methods 0 and 1 (default: the best single-scheme one the fits find)")
+    ap.add_argument("--no-proposed", dest="proposed", action="store_false",
+                    help="leave out method 4 on the proposed strategy")
+    ap.add_argument("--quick", action="store_true", help="CI size: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     args = ap.parse_args()
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
 
     import jax
 
     from cfp.data import train
-    from cfp.data.sources import load_sequences
     from cfp.models import get_config, init_params
+    from cfp.models.layered import zoo_model
+    from cfp.runtime.engine import adamw
+    from cfp.runtime.stage.cache import CompileCache
 
+    t0 = time.perf_counter()
+    print(f"host load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
-    data = load_sequences(args.input, max_seq_len=args.max_seq_len)
     params = init_params(args.model, cfg, 0)
-    space = _space(args, cfg, params, train.shapes_of(train.parse_strategies(args.strategies)))
-    print(f"scheme space: {space.source}")
-    runs = _runs(args, space, data, cfg, params)
-    layouts = [[train.layout_of(c, cfg.num_layers, jax.device_count()) for c in r[2]] for r in runs]
+    corpora = {c: _load(c, args.max_seq_len) for c in args.corpora.split(",")}
+    named = train.parse_strategies(args.strategies) + (train.parse_strategies(args.uniform) if args.uniform else [])
+    space = _space(args, cfg, params, train.shapes_of(named))
+    print(f"scheme space: {space.source}; {space.parallel_pipelines} pipelines side by side at full speed")
+    if args.uniform:    # method 0's strategy must hold every sequence: cut them where it ends, as `cfp data train`
+        cap = max(s.max_len for s in train.with_fits(train.parse_strategies(args.uniform), space)[0])
+        if cap < args.max_seq_len:
+            print(f"sequences cut at {cap} tokens, the longest {args.uniform} holds under the fits")
+            corpora = {c: _load(c, cap) for c in corpora}
+    defaults = train.DataTrainOptions(args.model, train.METHODS[0], 1, 1)   # the runs' optimizer settings
+    cache = CompileCache(zoo_model(args.model, cfg, 0), adamw(defaults.learning_rate, defaults.weight_decay))
+    runs = [r for c, data in corpora.items() for r in _runs(args, space, c, data, cfg, cache)]
     for step in range(args.steps):
-        for r, lays in zip(runs, layouts):
-            label, method, cands, opts, trainer = r[:5]
-            st, rec, n_mb = train.train_step(opts, data, trainer, cands, lays, step)
-            r[5] += st.real_tokens
-            r[6] += st.tokens
-            r[7] += st.seconds
-            r[8] = st.loss
-            r[9].add(rec.strategy)
-            print(f"  step {step + 1} method {method.number} {label}: strategy {train.describe(cands[rec.strategy])}, "
-                  f"{st.real_tokens} tokens, {n_mb} micro-batches, {st.seconds:.2f} s, loss {st.loss:.4f}")
-    print(f"\n{'method':<34} {'strategy':<22} {'non-pad tokens/s':>17} {'padding':>8} {'last loss':>10}   (measured, "
-          f"{args.steps} steps x {args.tokens_per_step} tokens, {jax.device_count()} {jax.devices()[0].platform}"
-          f" devices)")
-    base = runs[0][5] / runs[0][7]
-    for label, method, cands, _, _, real, slots, secs, loss, used in runs:
-        tps = real / secs
-        print(f"{method.number} {method.name:<32} {label:<22} {tps:>17.0f} {100 * (1 - real / slots):>7.1f}% "
-              f"{loss:>10.4f}   x{tps / base:.2f} vs method {runs[0][1].number}; ran "
-              + " and ".join(train.describe(cands[i]) for i in sorted(used)))
+        _step_all(runs, corpora, step)
+    print(f"\nmeasured, {args.steps} interleaved steps x {args.tokens_per_step} tokens, {jax.device_count()} "
+          f"{jax.devices()[0].platform} devices, {args.model} {args.config}, rows <= {args.max_seq_len}; compilation "
+          f"excluded ({sum(r.trainer.warm_s for r in runs):.0f} s); 'work' is estimated (FLOPs of the slots and "
+          "score entries computed); the time columns are measured, compute split by the fits' shares")
+    for c, data in corpora.items():
+        _table(cfg, runs, data, c)
+    print(f"\nhost load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+          f"{time.perf_counter() - t0:.0f} s in all")
 
 
 if __name__ == "__main__":

@@ -131,11 +131,9 @@ def _pack_balanced_unpruned(lengths, scheme, extra=20):
 
 
 @pytest.mark.parametrize("scheme", [SMALL, BIG, Scheme(1, 2, 4, 2e-8, 1e-5, 3e-4, 2048),
-                                    Scheme(1, 1, 2, 1e-9, 1e-5, 1e-4, 1024, dense_rows=True),
                                     # deep pipelines of short sequences: the best count lies well above the least
-                                    Scheme(1, 1, 8, 1e-9, 1e-5, 2e-4, 4096),
-                                    Scheme(1, 1, 4, 1e-9, 1e-5, 1e-4, 4096, dense_rows=True)],
-                         ids=["pp1", "pp2", "pp4", "dense-pp2", "pp8-short", "dense-pp4-short"])
+                                    Scheme(1, 1, 8, 1e-9, 1e-5, 2e-4, 4096)],
+                         ids=["pp1", "pp2", "pp4", "pp8-short"])
 def test_pruned_packing_search_matches_the_unpruned_one(scheme):
     """Skipping counts and stopping greedy runs by the lower bound never loses the best count: on seeded
     steps the pipeline time equals the full search's (capacity binds for the 1024-token schemes; the two short
@@ -220,12 +218,11 @@ def test_step_at_scale_assigns_each_sequence_once_as_well_as_the_unpruned_search
     assert np.isfinite(got) and np.isfinite(ref) and got <= ref * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("dense", [False, True])
-def test_lpt_reports_the_pipeline_time_of_its_micro_batches(dense):
+def test_lpt_reports_the_pipeline_time_of_its_micro_batches():
     """Long-tailed lengths near the limit fill micro-batches, so the greedy sets full ones aside: the time it
     reports must still be its packing's (every micro-batch counted), and the packing must respect the limit."""
     rng = np.random.default_rng(8)
-    scheme = Scheme(1, 1, 3, 1e-8, 1e-5, 1e-4, 1024, dense_rows=dense)
+    scheme = Scheme(1, 1, 3, 1e-8, 1e-5, 1e-4, 1024)
     for _ in range(10):
         lens = _lengths(rng, 120, 1024)
         m0 = -(-int(lens.sum()) // 1024)

@@ -109,13 +109,21 @@ def test_data_train_runs_hydraulis_strategies_and_verifies(tmp_path, capsys):
         (docs / f"{i}.txt").write_text("".join(chr(c) for c in rng.integers(97, 123, n)))
     argv = ["data", "train", "--model", "llama2", "--input", str(docs), "--max-seq-len", "128", "--steps", "2",
             "--tokens-per-step", "200", "--strategies", "[[(1,2,2),(2,1,1)], [(1,1,1)]]", "--schemes",
-            str(tmp_path / "s.json"), "--verify"]
+            str(tmp_path / "s.json"), "--verbose", "--verify"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "measured cp1tp2pp2" in out and "measured cp2tp1pp1" in out and "measured cp1tp1pp1" in out
     assert len(re.findall(r"step \d: strategy [01] \[", out)) == 2
     assert re.search(r"verify: max relative error \S+ over 2 steps \(ok tolerance", out), out
-    bad = argv[:-5] + ["--strategies", "[[(1,2)]]", "--schemes", str(tmp_path / "s.json")]
+    # where the time went: a line per step and one for the run (parts in %), one per pipeline with --verbose
+    parts = (r"host assign\+dispatch (\d+)% \| real tokens (\d+)% \| padding (\d+)% \| cross-sequence attn (\d+)% "
+             r"\| per-micro-batch (\d+)% \| bubble (\d+)% \| idle \(slowest pipeline\) (\d+)% "
+             r"\| grad sync\+update (\d+)% ")
+    lines = re.findall(r"time: " + parts + r"of (\S+) s \(measured", out)
+    assert len(lines) == 3 and all(abs(sum(map(int, x[:8])) - 100) <= 4 for x in lines), lines
+    assert len(re.findall(r"pipeline \d: host \S+  real \S+ .* span measured \S+ s, estimated", out)) >= 2
+    assert re.search(r"padding: \S+% of the token slots computed", out)
+    bad = argv[:-6] + ["--strategies", "[[(1,2)]]", "--schemes", str(tmp_path / "s.json")]
     assert main(bad) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(1, 2)" in err

@@ -1,5 +1,6 @@
-"""Packed micro-batches (segment ids, restarting positions) give the loss and gradients of the sequences run
-one by one; materialisation puts every real token in exactly once."""
+"""Packed micro-batches (segment ids, restarting positions, blocked causal attention) give the loss and gradients
+of the sequences run one by one; materialisation puts every real token in exactly once; a micro-batch of short
+sequences costs less attention work (FLOPs of the compiled program) than one sequence of their total length."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,12 +16,14 @@ EPS32 = float(np.finfo(np.float32).eps)
 # ~n·eps relative; 512·eps ≈ 6e-5 covers n up to 512 with margin on any SIMD width.
 REL_TOL = 512 * EPS32
 
-LENGTHS = (37, 21, 5, 40, 15)   # 118 real tokens in one 128-token row
+LENGTHS = (37, 21, 5, 40, 15)   # 118 real tokens in one 128-token row (two 64-token attention blocks)
+# two 384-token rows (six 64-token attention blocks; sequences span several, and start inside a block)
+LONG = (300, 100, 41, 90)
 
 
-def _seqs():
+def _seqs(lengths=LENGTHS):
     rng = np.random.default_rng(3)
-    return [rng.integers(0, 256, n + 1).astype(np.uint8) for n in LENGTHS]
+    return [rng.integers(0, 256, n + 1).astype(np.uint8) for n in lengths]
 
 
 def _sum_ce(model, params, mb, packed):
@@ -31,9 +34,10 @@ def _sum_ce(model, params, mb, packed):
 
 
 def _unpacked(model, params, seqs):
-    """Each sequence alone in its own row, padded after its end (causal: padding cannot reach it)."""
+    """Each sequence alone in its own row, padded after its end (causal: padding cannot reach it), dense
+    attention (no segment ids)."""
     mb = materialize(seqs, list(range(len(seqs))), packed=False)
-    return _sum_ce(model, params, mb, packed=False) / sum(LENGTHS)
+    return _sum_ce(model, params, mb, packed=False) / sum(s.size - 1 for s in seqs)
 
 
 CASES = {"gpt": {}, "llama2": {},
@@ -41,17 +45,18 @@ CASES = {"gpt": {}, "llama2": {},
          "moe": {"capacity_factor": 4.0, "aux_loss_coef": 0.0}}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_packed_loss_and_grads_equal_unpacked(name):
-    cfg = get_config(name, "tiny", seq_len=128, **CASES[name])
+@pytest.mark.parametrize("name,lengths", [(n, LENGTHS) for n in sorted(CASES)] + [("llama2", LONG)])
+def test_packed_loss_and_grads_equal_unpacked(name, lengths):
+    cfg = get_config(name, "tiny", seq_len=384 if lengths == LONG else 128, **CASES[name])
     model = build_model(name, cfg)
     # 4x the init scale sharpens attention, so attending across sequences would change the loss clearly
     params = jax.tree_util.tree_map(lambda x: 4 * x, init_params(name, cfg, 0))
-    seqs = _seqs()
+    seqs = _seqs(lengths)
     row = materialize(seqs, list(range(len(seqs))), packed=True)
-    assert row["inputs"].shape == (1, 128) and row["weights"].sum() == sum(LENGTHS)
+    assert row["inputs"].shape == ((1, 128) if lengths == LENGTHS else (2, 384))
+    assert row["weights"].sum() == sum(lengths)
 
-    packed = lambda p: _sum_ce(model, p, row, True) / sum(LENGTHS)
+    packed = lambda p: _sum_ce(model, p, row, True) / sum(lengths)
     unpacked = lambda p: _unpacked(model, p, seqs)
     both = jax.jit(lambda p: (jax.value_and_grad(packed)(p), jax.value_and_grad(unpacked)(p)))
     (lp, gp), (lu, gu) = both(params)
@@ -64,7 +69,7 @@ def test_packed_loss_and_grads_equal_unpacked(name):
         assert np.isfinite(np.asarray(a)).all()
         assert float(jnp.max(jnp.abs(a - b))) <= REL_TOL * scale
     # the check is sensitive: the same row without segment ids / positions is a different loss
-    wrong = jax.jit(lambda p: _sum_ce(model, p, row, False))(params) / sum(LENGTHS)
+    wrong = jax.jit(lambda p: _sum_ce(model, p, row, False))(params) / sum(lengths)
     assert abs(float(wrong) - float(lu)) > 10 * REL_TOL * abs(float(lu))
 
 
@@ -79,5 +84,38 @@ def test_materialize_packed_and_padded_rows():
     assert (pos[starts] == 0).all() and pos[starts[1] - 1] == n[0] - 1
     np.testing.assert_array_equal(row["inputs"][0, starts[1]:starts[1] + n[1]], seqs[2][:-1])
     np.testing.assert_array_equal(row["targets"][0, starts[1]:starts[1] + n[1]], seqs[2][1:])
-    pad = materialize(seqs, [1, 3], packed=False, max_len=512)
-    assert pad["inputs"].shape == (4, 128) and pad["weights"].sum() == LENGTHS[1] + LENGTHS[3]
+    pad = materialize(seqs, [1, 3, 4], packed=False)      # one per row, rows rounded up to a power of two
+    assert pad["inputs"].shape == (4, 128) and pad["weights"].sum() == LENGTHS[1] + LENGTHS[3] + LENGTHS[4]
+    assert (pad["weights"][3] == 0).all() and (pad["segment_ids"][3] == 0).all()
+
+
+def test_short_sequences_cost_less_attention_work_than_one_of_their_length():
+    """16 sequences of 60 tokens are laid out two to a 128-token row ([8, 128]); one sequence of 1000 tokens
+    takes one 1024-token row. Both compute 1024 token slots, so the FLOPs XLA counts in their compiled forward
+    + backward differ by attention alone, which blocked causal attention computes per row: 8·pairs(128) score
+    entries per head and layer against pairs(1024). The counted difference must be at least the attention dots
+    that difference implies (QKᵀ and PV: 4·head_dim FLOPs per entry forward, 8·head_dim backward), and the
+    two programs' losses are finite."""
+    from cfp.models.attention import causal_pairs
+    from cfp.xla.compiled import compiled_cost
+    cfg = get_config("llama2", "tiny", seq_len=1024)
+    model = build_model("llama2", cfg)
+    params = init_params("llama2", cfg, 0)
+    rng = np.random.default_rng(5)
+    short = materialize([rng.integers(0, 256, 61).astype(np.uint8) for _ in range(16)], list(range(16)), True)
+    one = materialize([rng.integers(0, 256, 1001).astype(np.uint8)], [0], True)
+    assert short["inputs"].shape == (8, 128) and one["inputs"].shape == (1, 1024)
+    assert short["weights"].sum() == 960 and one["weights"].sum() == 1000
+
+    def flops(mb):
+        step = jax.jit(jax.value_and_grad(lambda p: _sum_ce(model, p, mb, True)))
+        compiled = step.lower(params).compile()
+        loss, _ = compiled(params)
+        assert np.isfinite(float(loss))
+        return float(compiled_cost(compiled)["flops"])
+
+    entries = causal_pairs(1024) - 8 * causal_pairs(128)
+    attention_dots = entries * 12 * cfg.head_dim * cfg.num_heads * cfg.num_layers
+    f_short, f_one = flops(short), flops(one)
+    assert f_one - f_short >= 0.95 * attention_dots, (f_one, f_short, attention_dots)
+    assert f_short < 0.6 * f_one

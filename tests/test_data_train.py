@@ -107,31 +107,33 @@ def test_run_matches_sequence_by_sequence_reference(method, candidates):
 
 
 def _compiled_mib(cfg, params, s: int) -> float:
-    """Arguments + outputs + temporaries of one sequence's forward+backward, compiled here from the model."""
+    """Arguments + outputs + temporaries of one packed row's forward+backward (segment ids: the blocked
+    attention the runtime runs), compiled here from the model."""
     model = build_model(MODEL, cfg)
 
-    def loss_sum(p, x, t, w):
-        logits, _ = model.apply(p, x)
+    def loss_sum(p, x, t, w, seg, pos):
+        logits, _ = model.apply(p, x, segment_ids=seg, positions=pos)
         return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), t) * w)
     x, w = jax.ShapeDtypeStruct((1, s), jnp.int32), jax.ShapeDtypeStruct((1, s), jnp.float32)
-    m = jax.jit(jax.value_and_grad(loss_sum)).lower(params, x, x, w).compile().memory_analysis()
+    m = jax.jit(jax.value_and_grad(loss_sum)).lower(params, x, x, w, x, x).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes) / 2 ** 20
 
 
-def test_measured_scheme_space_caps_lengths_by_compiled_memory():
-    """`measure_space` on one device fits per-device memory from lengths 128, 256 and 512 (shorter ones share
-    the 128-token bucket's program) and caps a scheme's max_len at the longest power of two whose fitted memory
-    fits the budget. With budgets halfway between the memory XLA reports for lengths 128/256 and 256/512 of a
-    program compiled here from the model (not the runner's; measured 4.3, 9.5 and 29.3 MiB, of which
-    temporaries 3.1, 8.3 and 28.1), the caps must be 128 and 256; memory figures without the temporaries, or a
-    cap past the budget, fail."""
+def test_measured_scheme_space_caps_rows_by_compiled_memory():
+    """`measure_space` on one device caps a scheme's max_len at the widest power-of-two row whose compiled
+    stage program fits the budget. With budgets halfway between the memory XLA reports for rows of 128/256 and
+    256/512 of a program compiled here from the model (not the runner's), the caps must be 128 and 256;
+    memory figures without the temporaries, or a cap past the budget, fail. The fitted costs are finite and
+    the space says it was measured."""
     from cfp.data.scheme_space import measure_space
+    from cfp.data.schemes import CostForm
     cfg = get_config(MODEL, "tiny", seq_len=512)
     params = init_params(MODEL, cfg, 0)
     mib = {s: _compiled_mib(cfg, params, s) for s in (128, 256, 512)}
     for lo, hi in ((128, 256), (256, 512)):
-        space = measure_space(MODEL, "tiny", cfg, params, (mib[lo] + mib[hi]) / 2, lengths=(128, 256, 512),
-                              repeats=1, num_devices=1)
+        space = measure_space(MODEL, "tiny", cfg, params, (mib[lo] + mib[hi]) / 2, repeats=1, num_devices=1)
         (scheme,) = space.schemes
-        assert (scheme.cp, scheme.tp, scheme.max_len) == (1, 1, lo), scheme
+        assert (scheme.cp, scheme.tp, scheme.max_len, scheme.form) == (1, 1, lo, CostForm.ROWS), scheme
+        assert all(np.isfinite(v) and v >= 0 for v in (scheme.a, scheme.b, scheme.c))
+        assert scheme.a + scheme.b + scheme.c > 0
         assert space.source.startswith("measured")

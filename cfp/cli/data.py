@@ -12,6 +12,7 @@ train with a batching method, and time the planner at scale.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -24,8 +25,10 @@ def _input_options(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--input", required=required, default=None if required else "stdlib",
                    help='"stdlib" (the Python standard library sources), a .jsonl file or a folder of text files')
     p.add_argument("--key", default="text", help="JSONL field holding the text (default: text)")
-    p.add_argument("--unit", choices=("document", "definition"), default=None,
-                   help="sequence unit (default: definition for stdlib, document otherwise)")
+    p.add_argument("--unit", choices=("document", "definition", "docstring"), default=None,
+                   help="sequence unit: a whole document, each top-level def/class of Python source, or each "
+                        "docstring of Python source (English prose) (default: definition for stdlib, document "
+                        "otherwise)")
     p.add_argument("--split", action="store_true", help="cut over-long units into pieces instead of truncating")
 
 
@@ -112,6 +115,10 @@ def _train_parser(sub) -> None:
     t.add_argument("--verify", action="store_true",
                    help="replay every step on one device (each sequence alone, reference AdamW) and compare the "
                         "losses and the final parameters")
+    t.add_argument("--verbose", action="store_true",
+                   help="print every step's time per pipeline (host, compute on real tokens / padding / "
+                        "cross-sequence attention / per micro-batch, bubble, idle, gradient sync) and its "
+                        "estimated span")
     t.set_defaults(func=run, action=run_train, out_files={"schemes": "--schemes"})
 
 
@@ -164,7 +171,9 @@ def run_schemes(args) -> int:
     space.save(args.out)
     print(f"{len(space.schemes)} schemes ({space.source}); wrote {args.out}")
     for s in space.schemes:
-        print(f"  {s.name}: {s.a:.3g}·s² + {s.b:.3g}·s + {s.c:.3g} s per micro-batch, max_len {s.max_len}")
+        form = "R·pairs(W)" if s.form.value == "rows" else "s²"
+        print(f"  {s.name}: {s.a:.3g}·{form} + {s.b:.3g}·{'R·W' if form != 's²' else 's'} + {s.c:.3g} s per "
+              f"micro-batch, max_len {s.max_len}")
     return 0
 
 
@@ -210,6 +219,7 @@ def run_train(args) -> int:
 
     from cfp.data import train
     from cfp.data.batching import get_method
+    from cfp.data.breakdown import format_summary
     from cfp.models import get_config, init_params
     from cfp.runtime.engine import zoo_trainer
     from cfp.runtime.schedules import ScheduleName
@@ -220,7 +230,7 @@ def run_train(args) -> int:
         train.check_verifiable(args.model, cfg)      # before any scheme is measured or step run
     seqs = _load(args, args.max_seq_len)
     params = init_params(args.model, cfg, args.seed)
-    candidates = _candidates(args, method, cfg, params, seqs)
+    candidates, parallel = _candidates(args, method, cfg, params, seqs)
     cap = max(s.max_len for pipes in candidates for s in pipes)
     if cap < int(seqs.lengths.max()):   # given strategies: no pipeline holds the longest sequences
         print(f"sequences cut at {cap} tokens, the longest any pipeline of the strategies holds under the "
@@ -229,15 +239,19 @@ def run_train(args) -> int:
     for i, pipes in enumerate(candidates):
         print(f"method {method.number} ({method.name}); strategy {i}: {train.describe(pipes)}")
     opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step, args.lr, args.seed,
-                                  args.ilp_max_sequences, args.weight_decay, ScheduleName.parse(args.schedule))
+                                  args.ilp_max_sequences, args.weight_decay, ScheduleName.parse(args.schedule),
+                                  parallel_pipelines=parallel)
     layout0 = train.layout_of(candidates[0], cfg.num_layers, jax.device_count())
     trainer = zoo_trainer(args.model, cfg, layout0, opts.schedule, learning_rate=args.lr,
                           weight_decay=args.weight_decay, seed=args.seed).init()
     init_state = trainer.state()[:2] if args.verify else None
-    res = train.run(opts, seqs, trainer, candidates)
+    res = train.run(opts, seqs, trainer, candidates, verbose=args.verbose)
     print(f"non-pad tokens/s: {res.tokens_per_s:.0f}  (measured over {args.steps} steps, "
-          f"{res.seconds:.2f} s; compilation {res.compile_s:.1f} s excluded)")
-    print(f"padding: {100 * res.padding:.1f}%")
+          f"{res.seconds:.2f} s with the host's assignment and layout; compilation {res.compile_s:.1f} s excluded)")
+    print(f"padding: {100 * res.padding:.1f}% of the token slots computed (bucket rounding and padding rows "
+          "included; measured)")
+    print(f"time: {format_summary(res.breakdown())} (measured; compute split by the fits' shares)")
+    print(f"estimated / measured pipeline span: {train.estimate_accuracy(res)} (per pipeline and step)")
     if args.verify:
         err, ok = train.verify_run(opts, seqs, cfg, init_state, res, trainer.state()[0])
         print(f"verify: max relative error {err:.3e} over {len(res.steps)} steps "
@@ -246,21 +260,22 @@ def run_train(args) -> int:
     return 0
 
 
-def _candidates(args, method, cfg, params, seqs) -> list:
+def _candidates(args, method, cfg, params, seqs) -> tuple[list, float | None]:
     """The candidate strategies (per pipeline its fitted scheme): given (Hydraulis' notation or a proposal's
-    JSON) or proposed here from the measured scheme space."""
+    JSON) or proposed here from the measured scheme space; with the space's `parallel_pipelines`."""
     import jax
 
     from cfp.data import train
     from cfp.data.propose import Strategy
     given = train.load_strategies(args.strategies) if args.strategies else None
     if isinstance(given, Strategy):
-        return [given.pipelines()]
+        return [given.pipelines()], None
     space = _measured_space(args, cfg, params, train.shapes_of(given) if given else None)
     if given:
-        return train.with_fits(given, space)
+        return train.with_fits(given, space), space.parallel_pipelines
     propose_fn = train.propose if method.heterogeneous else train.uniform_strategy
-    return [propose_fn(space, seqs.lengths, jax.device_count(), args.tokens_per_step).pipelines()]
+    return ([propose_fn(space, seqs.lengths, jax.device_count(), args.tokens_per_step).pipelines()],
+            space.parallel_pipelines)
 
 
 def _measured_space(args, cfg, params, shapes=None):
@@ -270,8 +285,13 @@ def _measured_space(args, cfg, params, shapes=None):
 
     from cfp.data.scheme_space import measure_space
     from cfp.data.schemes import SchemeSpace
-    if os.path.exists(args.schemes):
-        space = SchemeSpace.load(args.schemes)
+    from cfp.errors import ConfigError
+    try:
+        space = SchemeSpace.load(args.schemes) if os.path.exists(args.schemes) else None
+    except ConfigError as e:
+        print(f"not reusing {args.schemes}: {e}")
+        space = None
+    if space is not None:
         if (space.model, space.config) == (args.model, args.config) and space.source.startswith("measured") \
                 and space.longest <= args.max_seq_len:
             have = {(s.cp, s.tp, s.pp) for s in space.schemes}
@@ -280,8 +300,9 @@ def _measured_space(args, cfg, params, shapes=None):
                 print(f"scheme space from {args.schemes} ({space.source})")
                 return space
             print(f"measuring schemes {missing} on this machine (added to {args.schemes}) ...")
-            more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print, shapes=missing)
-            space = SchemeSpace(space.model, space.config, space.source, space.schemes + more.schemes)
+            more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
+                                 shapes=missing, parallelism=False)
+            space = dataclasses.replace(space, schemes=space.schemes + more.schemes)
             space.save(args.schemes)
             return space
     print(f"measuring the scheme space on this machine (written to {args.schemes} for reuse) ...")

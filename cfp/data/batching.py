@@ -4,9 +4,11 @@
   1 fixed-length packing          one strategy; sequences packed first-fit into max_len-token rows
   3 dispatch + fixed packing      heterogeneous strategy; dispatch, then first-fit rows per pipeline
   4 dispatch + fine-grained       heterogeneous strategy; dispatch, then cost-balanced micro-batches
-Rows are padded to `bucket_len` (a power of two, at least 128) and a padded micro-batch always has
-max_len / bucket rows (rows beyond its sequences are all padding), so a pipeline shape compiles at most
-log2(max_len/128)+1 programs (5 at max_len 2048): CPU compiles take seconds each.
+Every micro-batch is laid out in rows (`cfp.data.rows`): padded, one sequence per row; packed, several per
+row, rows as wide as the micro-batch's longest sequence (rounded up to a `WIDTHS` bucket), their count a
+power of two; a micro-batch never computes more than its scheme's `max_len` token slots. So a pipeline
+compiles at most `len(rows.row_shapes(max_len))` programs (16 at max_len 1024), and 0/1/3/4 all run the same
+attention: they differ only in which sequences share a micro-batch and a row.
 """
 from __future__ import annotations
 
@@ -17,11 +19,10 @@ from typing import Sequence
 import numpy as np
 
 from cfp.data.dispatch import dispatch
-from cfp.data.packing import MicroBatches, pack_balanced, pack_fixed
-from cfp.data.schemes import Scheme
+from cfp.data.rows import arrange, row_count, row_width
+from cfp.data.packing import MicroBatches, pack_balanced, pack_fixed, pack_fixed_rows
+from cfp.data.schemes import CostForm, Scheme
 from cfp.errors import ConfigError
-
-MIN_BUCKET = 128
 
 
 class Packing(enum.Enum):
@@ -53,20 +54,18 @@ def get_method(number: int) -> Method:
     return METHODS[number]
 
 
-def bucket_len(n: int) -> int:
-    return max(MIN_BUCKET, 1 << int(np.ceil(np.log2(max(n, 1)))))
-
-
 def _pad_batches(lengths: np.ndarray, max_len: int) -> MicroBatches:
-    """Consecutive sequences while rows x padded longest <= max_len tokens."""
+    """Consecutive sequences, one per row, while the rows (a power of two) x the widest row <= max_len."""
     out: MicroBatches = []
     cur: list[int] = []
+    widest = 0
     for i, s in enumerate(lengths.tolist()):
-        longest = max([s] + [int(lengths[j]) for j in cur])
-        if cur and (len(cur) + 1) * bucket_len(longest) > max_len:
+        w = row_width(s)
+        if cur and row_count(len(cur) + 1) * max(widest, w) > max_len:
             out.append(cur)
-            cur = []
+            cur, widest = [], 0
         cur.append(i)
+        widest = max(widest, w)
     if cur:
         out.append(cur)
     return out
@@ -87,7 +86,8 @@ def assign_step(method: Method, pipelines: Sequence[Scheme], lengths, ilp_max_se
         if method.packing is Packing.PAD:
             mbs = _pad_batches(local, scheme.max_len)
         elif method.packing is Packing.FIXED:
-            mbs = pack_fixed(local, scheme.max_len)
+            rows = scheme.form is CostForm.ROWS
+            mbs = (pack_fixed_rows if rows else pack_fixed)(local, scheme.max_len)
         else:
             mbs = pack_balanced(local, scheme)
         glob = ids[p].tolist()    # plain ints: indexing a numpy array per element is several times slower
@@ -95,25 +95,18 @@ def assign_step(method: Method, pipelines: Sequence[Scheme], lengths, ilp_max_se
     return out
 
 
-def materialize(tokens: Sequence[np.ndarray], mb: Sequence[int], packed: bool, max_len: int = 0
-                ) -> dict[str, np.ndarray]:
-    """Arrays [R,S] of one micro-batch: packed -> one row of concatenated sequences (segment ids 1..k,
-    positions restarting at 0); padded -> one row per sequence, max(1, max_len // S) rows.
-    Padding has segment 0 and weight 0."""
+def materialize(tokens: Sequence[np.ndarray], mb: Sequence[int], packed: bool) -> dict[str, np.ndarray]:
+    """Arrays [R,W] of one micro-batch arranged by `cfp.data.rows.arrange` (sequences in `mb`'s order):
+    each sequence gets its own segment id (1..k) and positions restarting at 0; padding has segment 0,
+    position 0 and weight 0."""
     seqs = [tokens[i] for i in mb]
-    if packed:
-        n = sum(s.size - 1 for s in seqs)
-        width = bucket_len(n)
-        out = _empty(1, width)
+    lay = arrange([s.size - 1 for s in seqs], packed)
+    out = _empty(*lay.shape)
+    for r, row in enumerate(lay.rows):
         at = 0
-        for k, s in enumerate(seqs, 1):
-            _fill(out, 0, at, s, k)
-            at += s.size - 1
-        return out
-    width = bucket_len(max(s.size - 1 for s in seqs))
-    out = _empty(max(len(seqs), max_len // width), width)
-    for r, s in enumerate(seqs):
-        _fill(out, r, 0, s, 1)
+        for k in row:
+            _fill(out, r, at, seqs[k], k + 1)
+            at += seqs[k].size - 1
     return out
 
 

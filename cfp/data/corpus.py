@@ -17,14 +17,16 @@ from cfp.errors import ConfigError
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
 
 
-def _expand(paths: Iterable[str | os.PathLike], suffixes: Sequence[str] | None) -> list[str]:
-    """Files named by `paths` (directories walked recursively), in a deterministic sorted order."""
+def _expand(paths: Iterable[str | os.PathLike], suffixes: Sequence[str] | None,
+            skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Files named by `paths` (directories walked recursively, leaving out `_SKIP_DIRS` and `skip`), in a
+    deterministic sorted order."""
     out: list[str] = []
     for p in paths:
         p = os.fspath(p)
         if os.path.isdir(p):
             for root, dirs, files in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+                dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and d not in skip)
                 out.extend(os.path.join(root, f) for f in sorted(files)
                            if suffixes is None or f.endswith(tuple(suffixes)))
         elif os.path.isfile(p):

@@ -27,6 +27,23 @@ def pipeline_estimate(scheme: Scheme, lengths: np.ndarray) -> float:
     return pipeline_time([1.0] * scheme.pp, scheme.seq_cost(lengths).tolist())
 
 
+def shared_spans(works: Sequence[float], parallel: float | None) -> list[float]:
+    """Each pipeline's span when they run side by side on devices that run only `parallel` pipelines at the
+    speed of one alone (None: unlimited): processor sharing, every unfinished pipeline at min(1, parallel / k)
+    of its own speed while k are unfinished. `works[p]` is pipeline p's time alone."""
+    if parallel is None:
+        return [float(w) for w in works]
+    spans = [0.0] * len(works)
+    t = done = 0.0
+    order = sorted(range(len(works)), key=lambda p: works[p])
+    for i, p in enumerate(order):
+        rate = min(1.0, parallel / (len(works) - i))
+        t += (works[p] - done) / rate
+        done = works[p]
+        spans[p] = t
+    return spans
+
+
 def makespan(pipelines: Sequence[Scheme], lengths, assign) -> float:
     lengths = np.asarray(lengths, np.int64)
     assign = np.asarray(assign)

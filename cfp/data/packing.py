@@ -1,20 +1,26 @@
 """Stage two of the per-step assignment: pack one pipeline's sequences into micro-batches.
 
-Fixed-length packing fills micro-batches of at most `max_len` tokens first-fit in data order. Fine-grained
-packing balances micro-batch costs (longest-processing-time greedy under the token limit) and searches the
-micro-batch count m from ⌈tokens/max_len⌉ upward, keeping the m that minimises the pipeline time
-Σ_mb cost + (pp-1)·max_mb cost (the pipeline bubble is paid at the slowest micro-batch). The HiGHS ILP
-minimising the slowest micro-batch for a given m (varlen-attention schemes) is the exact reference.
+Fixed-length packing fills micro-batches of at most `max_len` tokens first-fit in data order (ROWS schemes:
+at most `max_len` slots of their row layout). Fine-grained packing minimises the pipeline time
+Σ_mb cost + (pp-1)·max_mb cost (the pipeline bubble is paid at the slowest micro-batch):
+* VARLEN schemes: it balances micro-batch costs (longest-processing-time greedy under the token limit) and
+  searches the micro-batch count m from ⌈tokens/max_len⌉ upward, keeping the best m. The HiGHS ILP minimising
+  the slowest micro-batch for a given m is the exact reference.
+* ROWS schemes (`pack_rows_balanced`): a micro-batch's cost is that of its rows, so it packs sequences into
+  rows as narrow as they allow (first-fit decreasing, short sequences filling the gaps of wider rows), groups
+  rows of one width into micro-batches and picks the micro-batch size with the least pipeline time.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Sequence
 
 import numpy as np
 
+from cfp.data.rows import arrange, pack_rows, row_count, row_width
 from cfp.data.milp import Milp
-from cfp.data.schemes import Scheme
+from cfp.data.schemes import CostForm, Scheme
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.runtime.schedules import pipeline_time as _schedule_time
 
@@ -45,18 +51,39 @@ def pack_fixed(lengths: Sequence[int], max_len: int) -> MicroBatches:
     return bins
 
 
-def pipeline_time(scheme: Scheme, lengths: np.ndarray, mbs: MicroBatches) -> float:
-    """Σ micro-batch cost + (pp-1)·slowest micro-batch: `cfp.runtime.schedules.pipeline_time` of pp like stages."""
+def pack_fixed_rows(lengths: Sequence[int], max_len: int) -> MicroBatches:
+    """First-fit in data order into micro-batches whose row layout (each micro-batch's sequences longest
+    first: first-fit decreasing rows) computes at most `max_len` token slots."""
+    lengths = np.asarray(lengths, np.int64)
+    _check(lengths, max_len)
+    bins: MicroBatches = []
+    held: list[list[int]] = []      # each bin's lengths, longest first
+    for i, s in enumerate(lengths.tolist()):
+        for j, mine in enumerate(held):
+            if sum(mine) + s > max_len:
+                continue
+            trial = sorted(mine + [s], reverse=True)
+            if arrange(trial, packed=True).slots <= max_len:
+                held[j] = trial
+                bins[j].append(i)
+                break
+        else:
+            bins.append([i])
+            held.append([s])
+    return [sorted(mb, key=lambda i: -lengths[i]) for mb in bins]
+
+
+def pipeline_time(scheme: Scheme, lengths: np.ndarray, mbs: MicroBatches, packed: bool = True) -> float:
+    """Σ micro-batch cost + (pp-1)·slowest micro-batch: `cfp.runtime.schedules.pipeline_time` of pp like stages
+    (`packed`: False for padded micro-batches, one sequence per row)."""
     if not mbs:
         return 0.0
-    return _schedule_time([1.0] * scheme.pp, [scheme.mb_cost(lengths[mb]) for mb in mbs])
+    return _schedule_time([1.0] * scheme.pp, [scheme.mb_cost(lengths[mb], packed) for mb in mbs])
 
 
 def _sum_bound(total: float, sq: float, scheme: Scheme, m: int) -> float:
-    """Least Σ micro-batch cost over m used micro-batches of `total` tokens (Σ s² = `sq`): exact for varlen
-    attention, the even split for dense rows (Σ T_j² >= total²/m)."""
-    quad = total * total / m if scheme.dense_rows else sq
-    return scheme.a * quad + scheme.b * total + m * scheme.c
+    """Least Σ micro-batch cost over m used micro-batches of `total` tokens (Σ s² = `sq`), varlen attention."""
+    return scheme.a * sq + scheme.b * total + m * scheme.c
 
 
 def min_count(lengths: np.ndarray, max_len: int) -> int:
@@ -87,7 +114,7 @@ def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len
     tokens = [0] * m
     sq = [0] * m
     bins: MicroBatches = [[] for _ in range(m)]
-    a, b, c, dense, bubble = scheme.a, scheme.b, scheme.c, scheme.dense_rows, scheme.pp - 1
+    a, b, c, bubble = scheme.a, scheme.b, scheme.c, scheme.pp - 1
     limit = np.inf
     if bubble and stop < np.inf and (a > 0 or b > 0):   # (every micro-batch used needs a > 0 or b > 0)
         lf = lengths.astype(np.float64)
@@ -114,7 +141,7 @@ def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len
         q = sq[j] + s * s
         sq[j] = q
         bins[j].append(i)
-        cost = a * (t * t if dense else q) + b * t + c
+        cost = a * q + b * t + c
         heapq.heapreplace(heap, (cost, j))
         if cost > slowest:
             slowest = cost
@@ -137,6 +164,8 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
     _check(lengths, max_len)
     if lengths.size == 0:
         return []
+    if scheme.form is CostForm.ROWS:
+        return pack_rows_balanced(lengths, scheme, max_len)
     order = np.argsort(-lengths, kind="stable")
     lf = lengths.astype(np.float64)
     total, sq = float(lf.sum()), float((lf * lf).sum())
@@ -181,8 +210,8 @@ def pack_ilp(lengths: Sequence[int], scheme: Scheme, m: int, max_len: int | None
              time_limit: float = 0.5) -> tuple[MicroBatches | None, bool]:
     """HiGHS: m micro-batches minimising the slowest one (a·Σs²+b·Σs+c, varlen schemes) under the token
     limit. Returns (micro-batches or None if none found in time, proved optimal)."""
-    if scheme.dense_rows:
-        raise ConfigError("the packing ILP is linear in Σs²; dense-row schemes are packed greedily")
+    if scheme.form is not CostForm.VARLEN:
+        raise ConfigError("the packing ILP is linear in Σs²; row-layout schemes are packed greedily")
     lengths = np.asarray(lengths, np.int64)
     max_len = scheme.max_len if max_len is None else max_len
     _check(lengths, max_len)
@@ -204,3 +233,92 @@ def pack_ilp(lengths: Sequence[int], scheme: Scheme, m: int, max_len: int | None
     x = sol[:z].reshape(n, m)
     mbs = [list(np.flatnonzero(x[:, j] > 0.5)) for j in range(m)]
     return [mb for mb in mbs if mb], optimal
+
+
+def _rows_decreasing(lengths: np.ndarray) -> list[list[int]]:
+    """First-fit decreasing into rows, each as wide as its first (longest) sequence's `row_width`: a shorter
+    sequence takes the first gap it fits (a row's attention costs the same however full it is) or opens a
+    narrower row. Rows come widest first; indices into `lengths`."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        s = int(lengths[i])
+        for r, free in enumerate(room):
+            if s <= free:
+                rows[r].append(i)
+                room[r] -= s
+                break
+        else:
+            rows.append([i])
+            room.append(row_width(s) - s)
+    return rows
+
+
+def _group_rows(rows: list[list[int]], widths: list[int], target: int) -> MicroBatches:
+    """Consecutive rows (widest first) into micro-batches of at most target // width rows of the first row's
+    width (a power of two); when a width runs out before that, the padding rows its power of two leaves are
+    filled with the next rows, which then cost nothing more. Sequences in row order."""
+    out: MicroBatches = []
+    i = 0
+    while i < len(rows):
+        w = widths[i]
+        cap = 1 << ((target // w).bit_length() - 1)       # the largest power of two <= target / w
+        j = i
+        while j < len(rows) and j - i < cap and widths[j] == w:
+            j += 1
+        j = min(len(rows), i + row_count(j - i))      # free fill of the padding rows
+        out.append([k for r in rows[i:j] for k in r])
+        i = j
+    return out
+
+
+def _merge_micro_batches(lengths: np.ndarray, scheme: Scheme, mbs: MicroBatches, limit: int) -> MicroBatches:
+    """Merge pairs of micro-batches while a merge (the union laid out longest first) fits `limit` slots and
+    lowers the pipeline time: a narrow micro-batch joining a wider one saves its per-micro-batch cost c and
+    its padding rows for a little more attention. Best merge first, O(m²) costs per merge."""
+    cost = [scheme.mb_cost(lengths[mb]) for mb in mbs]
+    bubble = scheme.pp - 1
+    while len(mbs) > 1:
+        top = sorted(range(len(cost)), key=lambda k: -cost[k])[:3]
+        now = sum(cost) + bubble * cost[top[0]]
+        best, pick = 0.0, None
+        for i, j in itertools.combinations(range(len(mbs)), 2):
+            union = sorted(mbs[i] + mbs[j], key=lambda k: -lengths[k])
+            lay = arrange(lengths[union].tolist(), packed=True)
+            if lay.slots > limit:
+                continue
+            c = scheme.row_cost(*lay.shape)
+            others = next((cost[k] for k in top if k not in (i, j)), 0.0)
+            gain = now - (sum(cost) - cost[i] - cost[j] + c + bubble * max(c, others))
+            if gain > best:
+                best, pick = gain, (i, j, union, c)
+        if pick is None:
+            return mbs
+        i, j, union, c = pick
+        mbs = [mb for k, mb in enumerate(mbs) if k not in (i, j)] + [union]
+        cost = [t for k, t in enumerate(cost) if k not in (i, j)] + [c]
+    return mbs
+
+
+def pack_rows_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = None) -> MicroBatches:
+    """Fine-grained packing for ROWS schemes: rows by `_rows_decreasing`, grouped by `_group_rows` into
+    micro-batches of at most `target` slots, then merged where that lowers the pipeline time
+    (`_merge_micro_batches`), for each power-of-two target from `max_len` down to the widest row; the one
+    with the least pipeline time (its layouts' costs) wins -- for pp = 1 usually the fewest micro-batches,
+    deeper pipelines trade them for a smaller bubble."""
+    lengths = np.asarray(lengths, np.int64)
+    max_len = scheme.max_len if max_len is None else max_len
+    _check(lengths, max_len)
+    if lengths.size == 0:
+        return []
+    rows = _rows_decreasing(lengths)
+    widths = [row_width(int(lengths[r[0]])) for r in rows]
+    best, best_t = None, np.inf
+    target = max_len
+    while target >= widths[0]:
+        mbs = _merge_micro_batches(lengths, scheme, _group_rows(rows, widths, target), target)
+        t = pipeline_time(scheme, lengths, mbs)
+        if t < best_t:
+            best, best_t = mbs, t
+        target //= 2
+    return best

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp.data.schemes import Scheme, SchemeSpace
+from cfp.data.schemes import Scheme, SchemeSpace, scheme_json
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.files import write_json_atomic
 
@@ -42,7 +42,7 @@ class Strategy:
 
     def to_json(self) -> dict:
         return {"estimated_step_s": self.estimated_step_s, "devices": self.devices,
-                "groups": [dict(dataclasses.asdict(g), scheme=dataclasses.asdict(g.scheme)) for g in self.groups]}
+                "groups": [dict(dataclasses.asdict(g), scheme=scheme_json(g.scheme)) for g in self.groups]}
 
     @classmethod
     def from_json(cls, d: dict) -> "Strategy":

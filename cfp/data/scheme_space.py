@@ -1,11 +1,17 @@
 """Building a scheme space: measured on this machine's devices, or estimated for a GPU type.
 
-Measured: for each <CP,TP,PP> asked for (by default those the devices and the model's heads allow with
-tp <= 2, and pp 2 for the smallest), one pipeline of the training engine runs a micro-batch of a single
-sequence of length s (median of `repeats` runs, forward+backward through its pp stages) for several s; the
-time per stage (pipeline time / pp) and the per-device memory of the largest stage (XLA's memory analysis:
-arguments + outputs + temporaries) get least-squares fits a·s²+b·s+c, and max_len is the largest bucket
-length (a power of two) whose fitted memory is within the budget.
+Measured (cost form ROWS, `cfp.data.schemes`): for each <CP,TP,PP> asked for (by default those the devices
+and the model's heads allow with tp <= 2, and pp 2 for the smallest), one pipeline of the training engine is
+built; max_len is the widest power-of-two row whose largest stage's backward program (XLA's memory analysis:
+arguments + outputs + temporaries, per device) fits the memory budget (a micro-batch of R rows of width W <=
+max_len / R needs no more: the same tokens in shorter rows hold fewer attention scores). Then micro-batches of
+the shapes [R, W] the data path runs -- one row of 128 and of each of the three widest widths, and max_len /
+128 rows of 128 -- are timed (median of `repeats` runs of forward+backward under 1F1B) and
+a·R·pairs(W) + b·R·W + c is fitted to the time per stage, least squares in relative error. A pipeline of pp > 1
+stages runs 4 micro-batches at once and its time is divided by 4 + pp - 1: the stage time the estimate
+Σ cost + (pp-1)·max cost needs, with whatever stages that share the host's cores lose to each other. Last, how
+many pipelines the devices run side by side at full speed (`SchemeSpace.parallel_pipelines`): two pipelines of
+the smallest scheme at once against one alone, 2·t_one / t_two (simulated CPU devices share the host's cores).
 
 Estimated (GPU cost model, bf16, flash-style varlen attention): per stage and micro-batch of s tokens
     flops  = 3·F_token·s·L/pp + 6·h·s²·L/pp  (causal attention: half of 12·h·s² per layer)  [+ the head on the
@@ -27,10 +33,13 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp.data.schemes import Scheme, SchemeSpace, fit_quadratic
+from cfp.data.rows import MIN_WIDTH, row_pairs
+from cfp.data.schemes import CostForm, Scheme, SchemeSpace, fit_nonnegative, fit_quadratic
 from cfp.errors import ConfigError
+from cfp.runtime.schedules import ScheduleName
 
 DEFAULT_MFU = 0.5
+PIPELINED = 4       # micro-batches in flight when timing a pipeline of pp > 1 stages
 MEMORY_HEADROOM = 0.9   # fraction of GPU memory a plan may use (allocator fragmentation, buffers)
 
 
@@ -98,68 +107,128 @@ def default_shapes(cfg, n: int) -> list[tuple[int, int, int]]:
 
 
 def measure_space(model: str, config_name: str, cfg, params, memory_mb: float,
-                  lengths: Sequence[int] = (256, 512, 1024), repeats: int = 3,
-                  num_devices: int | None = None, log=None,
-                  shapes: Sequence[tuple[int, int, int]] | None = None) -> SchemeSpace:
+                  repeats: int = 3, num_devices: int | None = None, log=None,
+                  shapes: Sequence[tuple[int, int, int]] | None = None, parallelism: bool = True) -> SchemeSpace:
     """Fits from timed runs of the training engine on this machine's devices: per (cp, tp, pp) in `shapes`
-    (default `default_shapes`), one pipeline of pp stages runs a packed micro-batch of one sequence."""
+    (default `default_shapes`), one pipeline of pp stages runs packed micro-batches of several row shapes;
+    with `parallelism`, also `measure_parallelism` on the smallest scheme."""
     import jax
 
     n = num_devices or jax.device_count()
-    lengths = [s for s in lengths if s <= cfg.seq_len]
-    if len(lengths) < 3:   # a short model: its own lengths (the fit needs three)
-        lengths = [cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len]
     out = []
     for shape in (default_shapes(cfg, n) if shapes is None else shapes):
         if shape[0] * shape[1] * shape[2] > n:
             raise ConfigError(f"scheme (cp, tp, pp) {shape} needs {shape[0] * shape[1] * shape[2]} devices, "
                               f"only {n} are available")
-        scheme = _measure_scheme(model, cfg, params, shape, lengths, repeats, memory_mb)
+        scheme = _measure_scheme(model, cfg, params, shape, repeats, memory_mb)
         if scheme is None:
             continue
         out.append(scheme)
         if log:
-            log(f"  measured {scheme.name}: time {scheme.a:.3g}·s² + {scheme.b:.3g}·s + {scheme.c:.3g} s per "
-                f"stage and micro-batch, max_len {scheme.max_len}")
+            log(f"  measured {scheme.name}: time {scheme.a:.3g}·R·pairs(W) + {scheme.b:.3g}·R·W + {scheme.c:.3g} s "
+                f"per stage and micro-batch [R, W], max_len {scheme.max_len}")
     if not out:
         raise ConfigError(f"no scheme fits {memory_mb} MiB per device; raise --memory-mb")
+    small = min(out, key=lambda s: (s.devices, s.pp))
+    parallel = (measure_parallelism(model, cfg, params, (small.cp, small.tp, small.pp), small.max_len, repeats)
+                if parallelism and 2 * small.devices <= n else None)
+    if log and parallel is not None:
+        log(f"  measured: {parallel:.2f} pipelines run side by side at the speed of one alone")
     return SchemeSpace(model, config_name, f"measured: {jax.devices()[0].platform} x{n}, memory budget "
-                       f"{memory_mb} MiB/device", tuple(out))
+                       f"{memory_mb} MiB/device", tuple(out), parallel)
 
 
-def _measure_scheme(model: str, cfg, params, shape, lengths, repeats: int, memory_mb: float) -> Scheme | None:
-    """One scheme's fits: time per stage = the pipeline's time on one micro-batch / pp (a micro-batch passes
-    the pp stages one after another), memory = the largest stage's backward program (XLA's memory analysis:
-    arguments + outputs + temporaries); None if no length fits the budget."""
+def measure_parallelism(model: str, cfg, params, shape, width: int, repeats: int = 3) -> float:
+    """2·t_one / t_two in [1, 2]: t_one the time of one pipeline of `shape` on a micro-batch of one row of
+    `width`, t_two that of two such pipelines side by side (each its own devices and micro-batch); the two
+    timed in turns (median of `repeats` each)."""
     import jax
 
+    from cfp.layout import Layout
+    from cfp.models.layered import zoo_model, zoo_params
+    from cfp.runtime.engine import HeteroTrainer, adamw
+    from cfp.runtime.stage.cache import CompileCache
+    cache = CompileCache(zoo_model(model, cfg, 0, abstract=True), adamw(1e-3, 0.01))
+    layered = zoo_params(params, cfg.num_layers)
+    trainers = []
+    for k in (1, 2):
+        tr = HeteroTrainer(cache.model, None, Layout.from_schemes([shape] * k, cfg.num_layers),
+                           ScheduleName.ONE_F_ONE_B, cache=cache)
+        tr.load_state(layered, tr.tx.init(layered), 0)
+        trainers.append(tr)
+    rng = np.random.default_rng(1)
+    batches = [[[_row_batch(rng, 1, width)] for _ in range(k)] for k in (1, 2)]
+    for tr, mb in zip(trainers, batches):
+        tr.forward_backward(mb)   # warm: compiles
+    times: list[list[float]] = [[], []]
+    for _ in range(repeats):
+        for k, (tr, mb) in enumerate(zip(trainers, batches)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(tr.forward_backward(mb))
+            times[k].append(time.perf_counter() - t0)
+    return float(np.clip(2 * np.median(times[0]) / np.median(times[1]), 1.0, 2.0))
+
+
+def timed_shapes(max_len: int) -> list[tuple[int, int]]:
+    """The micro-batch shapes [R, W] a scheme's time is fitted to: one row of 128 (it holds the constant c)
+    and of each of the three widest power-of-two widths up to max_len, and max_len / 128 rows of 128."""
+    ones = [(1, w) for w in (MIN_WIDTH << k for k in range(20)) if w <= max_len]
+    return list(dict.fromkeys(ones[:1] + ones[-3:] + [(max_len // MIN_WIDTH, MIN_WIDTH)]))
+
+
+def _row_batch(rng, num_rows: int, width: int) -> dict:
+    """A packed micro-batch [num_rows, width]: each row one sequence filling it."""
     from cfp.data.batching import materialize
+    seqs = [rng.integers(0, 256, width + 1).astype(np.uint8) for _ in range(num_rows)]
+    return materialize(seqs, list(range(num_rows)), packed=True)
+
+
+def _max_len(trainer, cfg, memory_mb: float) -> int | None:
+    """The widest power-of-two row (<= the model's seq_len) whose largest stage fits the budget."""
+    import jax
+    best = None
+    for w in (MIN_WIDTH << k for k in range(20)):
+        like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                      _row_batch(np.random.default_rng(0), 1, w))
+        if w > cfg.seq_len or max(trainer.stage_memory(like)) > memory_mb * 2 ** 20:
+            break
+        best = w
+    return best
+
+
+def _measure_scheme(model: str, cfg, params, shape, repeats: int, memory_mb: float) -> Scheme | None:
+    """One scheme: max_len from the compiled memory (`_max_len`), time per stage fitted over `timed_shapes`:
+    the pipeline's time on m micro-batches of the shape (1F1B; m = 1 for pp = 1, else `PIPELINED`) / (m + pp
+    - 1), so the fit holds what stages that share devices' cores lose to each other in a step, as the
+    estimate Σ cost + (pp - 1) max cost counts it; None if no row fits the budget."""
+    import jax
+
     from cfp.layout import Layout
     from cfp.models.layered import zoo_params
     from cfp.runtime.engine import zoo_trainer
     cp, tp, pp = shape
-    trainer = zoo_trainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers))
+    trainer = zoo_trainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers), ScheduleName.ONE_F_ONE_B)
     layered = zoo_params(params, cfg.num_layers)
     trainer.load_state(layered, trainer.tx.init(layered), 0)
+    max_len = _max_len(trainer, cfg, memory_mb)
+    if max_len is None:
+        return None
     rng = np.random.default_rng(0)
-    times, mems = [], []
-    for s in lengths:
-        mb = [[materialize([rng.integers(0, 256, s + 1).astype(np.uint8)], [0], packed=True)]]
-        stage_mem = trainer.stage_memory(jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), mb[0][0]))
-        mems.append(max(stage_mem))
-        trainer.forward_backward(mb)  # warm
+    rows, times = [], []
+    in_flight = 1 if pp == 1 else PIPELINED
+    for r, w in timed_shapes(max_len):
+        mb = [[_row_batch(rng, r, w)] * in_flight]
+        trainer.forward_backward(mb)  # warm: compiles
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             jax.block_until_ready(trainer.forward_backward(mb))
             ts.append(time.perf_counter() - t0)
-        times.append(float(np.median(ts)) / pp)
-    a, b, c = fit_quadratic(lengths, times)
-    ma_, mb_, mc_ = fit_quadratic(lengths, mems)
-    budget = memory_mb * 2 ** 20
-    cands = [x for x in (1 << i for i in range(7, 20)) if x <= cfg.seq_len
-             and ma_ * x * x + mb_ * x + mc_ <= budget]
-    if not cands:
-        return None
-    return Scheme(cp, tp, pp, a, b, c, max(cands), dense_rows=True)
+        # m micro-batches through pp stages take (m + pp - 1) stage-times where the stages run side by side
+        times.append(float(np.median(ts)) / (in_flight + pp - 1))
+        rows.append([r * row_pairs(w, cp > 1), r * w, 1.0])
+    if len(times) < 3:   # one shape only (max_len 128): its time is the cost of every micro-batch
+        return Scheme(cp, tp, pp, 0.0, 0.0, times[0], max_len, CostForm.ROWS)
+    t = np.asarray(times)
+    a, b, c = fit_nonnegative(np.asarray(rows) / t[:, None], np.ones_like(t))
+    return Scheme(cp, tp, pp, a, b, c, max_len, CostForm.ROWS)

@@ -1,21 +1,33 @@
 """Parallel schemes <CP,TP,PP> for variable-length data: each with a fitted time per micro-batch and the longest
 sequence that fits memory (the Hydraulis "scheme space").
 
-A scheme's cost of a micro-batch holding sequences s_1..s_k is
-    varlen attention (flash-attention style, cost-model schemes): a·Σ s_i² + b·Σ s_i + c
-    dense rows (cfp's masked einsum attention, measured schemes): a·(Σ s_i)² + b·Σ s_i + c
-(seconds per pipeline stage), since a packed row under a dense mask pays attention over the whole row.
+A scheme's cost of a micro-batch holding sequences s_1..s_k (seconds per pipeline stage) has one of two forms:
+    VARLEN (flash-attention varlen, the GPU cost model):  a·Σ s_i² + b·Σ s_i + c
+    ROWS (this runtime, measured): the micro-batch's `cfp.data.rows` [R, W], a·R·pairs(W) + b·R·W + c, with
+        pairs(W) the score entries blocked causal attention computes on a row of W -- what actually runs:
+        padding and bucket rounding included, attention across sequences sharing a row included.
+A padded micro-batch (one sequence per row, `packed=False`) costs its padded rows in either form.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from typing import Sequence
 
 import numpy as np
 
+from cfp.data.rows import WIDTHS, arrange, row_pairs
 from cfp.errors import ConfigError
 from cfp.files import write_json_atomic
+
+# score entries per row of each width: blocked causal attention (False) or a context-parallel ring (True)
+_PAIRS = {dense: np.array([row_pairs(w, dense) for w in WIDTHS], np.float64) for dense in (False, True)}
+
+
+class CostForm(enum.Enum):
+    VARLEN = "varlen"
+    ROWS = "rows"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +38,8 @@ class Scheme:
     a: float
     b: float
     c: float
-    max_len: int           # longest micro-batch (tokens) that fits the memory budget
-    dense_rows: bool = False
+    max_len: int           # most token slots of a micro-batch (ROWS: R·W) that fit the memory budget
+    form: CostForm = CostForm.VARLEN
 
     def __post_init__(self):
         for f in ("cp", "tp", "pp", "max_len"):
@@ -38,6 +50,15 @@ class Scheme:
             v = getattr(self, f)
             if not np.isfinite(v) or v < 0:
                 raise ConfigError(f"Scheme.{f}={v!r} must be a finite number >= 0")
+        if not isinstance(self.form, CostForm):
+            try:
+                object.__setattr__(self, "form", CostForm(self.form))
+            except ValueError:
+                raise ConfigError(f"Scheme.form={self.form!r} is not one of "
+                                  f"{[f.value for f in CostForm]}") from None
+        if self.form is CostForm.ROWS and self.max_len not in WIDTHS:
+            raise ConfigError(f"Scheme.max_len={self.max_len!r} of a row-layout scheme must be a row width "
+                              f"({', '.join(map(str, WIDTHS[:8]))}, ...)")
 
     @property
     def devices(self) -> int:
@@ -48,40 +69,65 @@ class Scheme:
         return f"cp{self.cp}tp{self.tp}pp{self.pp}"
 
     def seq_cost(self, s):
-        """Time of sequences of length s, each alone in a micro-batch, without the per-micro-batch c."""
+        """Time of sequences of length s without the per-micro-batch c: VARLEN, the sequence's own; ROWS, its
+        share (s / W) of a row of its width W, which shorter sequences fill up."""
         s = np.asarray(s, np.float64)
-        return self.a * s * s + self.b * s
+        if self.form is CostForm.VARLEN:
+            return self.a * s * s + self.b * s
+        w = np.asarray(WIDTHS, np.float64)[np.searchsorted(WIDTHS, s)]
+        return (self.a * _PAIRS[self.cp > 1][np.searchsorted(WIDTHS, s)] + self.b * w) * s / w
 
-    def mb_cost(self, lengths: Sequence[int]) -> float:
-        """Time of one micro-batch holding `lengths` (tokens of each sequence)."""
+    def row_cost(self, num_rows: int, width: int) -> float:
+        """ROWS: time of one micro-batch arranged as [num_rows, width] (`row_pairs`: ring attention scores
+        every pair of a context-parallel stage's row)."""
+        return self.a * num_rows * row_pairs(width, self.cp > 1) + self.b * num_rows * width + self.c
+
+    def mb_cost(self, lengths: Sequence[int], packed: bool = True) -> float:
+        """Time of one micro-batch holding `lengths` (tokens of each sequence, in the micro-batch's order):
+        packed, or padded (one sequence per row, each padded to the longest)."""
         lengths = np.asarray(lengths, np.float64)
         if lengths.size == 0:
             return 0.0
+        if self.form is CostForm.ROWS:
+            return self.row_cost(*arrange(lengths.astype(np.int64).tolist(), packed).shape)
+        if not packed:
+            longest = float(lengths.max())
+            return float(lengths.size * (self.a * longest * longest + self.b * longest) + self.c)
         t = lengths.sum()
-        quad = t * t if self.dense_rows else float((lengths * lengths).sum())
-        return float(self.a * quad + self.b * t + self.c)
+        return float(self.a * float((lengths * lengths).sum()) + self.b * t + self.c)
 
 
 @dataclasses.dataclass(frozen=True)
 class SchemeSpace:
-    """Schemes of one model: `source` says whether the fits are measured (device) or estimated (GPU)."""
+    """Schemes of one model: `source` says whether the fits are measured (device) or estimated (GPU).
+    `parallel_pipelines` (measured spaces): how many pipelines these devices run side by side at the speed of
+    one alone -- simulated CPU devices share the host's cores, so a step's pipelines slow each other down;
+    None: each pipeline has devices of its own (GPUs)."""
     model: str
     config: str
     source: str
     schemes: tuple[Scheme, ...]
+    parallel_pipelines: float | None = None
 
     def __post_init__(self):
         if not self.schemes:
             raise ConfigError("a scheme space needs at least one scheme")
+        p = self.parallel_pipelines
+        if p is not None and not (np.isfinite(p) and p >= 1):
+            raise ConfigError(f"parallel_pipelines={p!r} must be a number >= 1 (or None)")
 
     def to_json(self) -> dict:
         return {"model": self.model, "config": self.config, "source": self.source,
-                "schemes": [dataclasses.asdict(s) for s in self.schemes]}
+                "parallel_pipelines": self.parallel_pipelines, "schemes": [scheme_json(s) for s in self.schemes]}
 
     @classmethod
     def from_json(cls, d: dict) -> "SchemeSpace":
         try:
-            return cls(d["model"], d["config"], d["source"], tuple(Scheme(**s) for s in d["schemes"]))
+            if any("dense_rows" in s for s in d["schemes"]):
+                raise ConfigError("this scheme space was measured by an older cfp (fits of whole-row dense "
+                                  "attention, which no longer runs); measure it again with `cfp data schemes`")
+            return cls(d["model"], d["config"], d["source"], tuple(Scheme(**s) for s in d["schemes"]),
+                       d.get("parallel_pipelines"))
         except (KeyError, TypeError) as e:
             raise ConfigError(f"not a scheme-space file ({e}); write one with `cfp data schemes`") from None
 
@@ -101,20 +147,32 @@ class SchemeSpace:
         return max(s.max_len for s in self.schemes)
 
 
-def fit_quadratic(lengths, times) -> tuple[float, float, float]:
-    """Least-squares a·s²+b·s+c with every coefficient >= 0 (a negative fit term is dropped and refitted)."""
-    s = np.asarray(lengths, np.float64)
+def scheme_json(s: Scheme) -> dict:
+    return dict(dataclasses.asdict(s), form=s.form.value)
+
+
+def fit_nonnegative(features, times) -> tuple[float, ...]:
+    """Least squares times ≈ features @ coef with every coefficient >= 0 (a negative one is dropped and the
+    rest refitted)."""
+    x = np.asarray(features, np.float64)
     t = np.asarray(times, np.float64)
-    if s.size < 3 or not np.all(np.isfinite(t)):
-        raise ConfigError("fitting a·s²+b·s+c needs at least 3 finite timings")
-    cols = [s * s, s, np.ones_like(s)]
-    keep = [0, 1, 2]
+    if x.shape[0] < x.shape[1] or not np.all(np.isfinite(t)):
+        raise ConfigError(f"fitting {x.shape[1]} coefficients needs at least {x.shape[1]} finite timings")
+    keep = list(range(x.shape[1]))
     while True:
-        coef, *_ = np.linalg.lstsq(np.stack([cols[i] for i in keep], 1), t, rcond=None)
+        coef, *_ = np.linalg.lstsq(x[:, keep], t, rcond=None)
         if np.all(coef >= 0) or len(keep) == 1:
             break
         keep.pop(int(np.argmin(coef)))
-    out = [0.0, 0.0, 0.0]
+    out = [0.0] * x.shape[1]
     for i, v in zip(keep, coef):
         out[i] = max(float(v), 0.0)
-    return out[0], out[1], out[2]
+    return tuple(out)
+
+
+def fit_quadratic(lengths, times) -> tuple[float, float, float]:
+    """Least-squares a·s²+b·s+c with every coefficient >= 0 (a negative fit term is dropped and refitted)."""
+    s = np.asarray(lengths, np.float64)
+    if s.size < 3:
+        raise ConfigError("fitting a·s²+b·s+c needs at least 3 finite timings")
+    return fit_nonnegative(np.stack([s * s, s, np.ones_like(s)], 1), times)

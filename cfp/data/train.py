@@ -13,11 +13,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import os
+import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from cfp.data.batching import METHODS, Method, Packing, assign_step, materialize
+from cfp.data.breakdown import (PARTS, PipelineTime, format_pipeline, format_summary, step_breakdown,
+                                step_summary)
+from cfp.data.dispatch import shared_spans
 from cfp.data.packing import pipeline_time
 from cfp.data.propose import Strategy, propose
 from cfp.data.schemes import Scheme, SchemeSpace
@@ -40,6 +44,7 @@ class DataTrainOptions:
     ilp_max_sequences: int = 0
     weight_decay: float = 0.01
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    parallel_pipelines: float | None = None     # `SchemeSpace.parallel_pipelines` of the fits
 
     def __post_init__(self):
         if self.method not in METHODS.values():
@@ -47,6 +52,9 @@ class DataTrainOptions:
         for f in ("steps", "tokens_per_step"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"{f}={getattr(self, f)!r} must be a positive integer")
+        p = self.parallel_pipelines
+        if p is not None and not (np.isfinite(p) and p >= 1):
+            raise ConfigError(f"parallel_pipelines={p!r} must be a number >= 1 (or None)")
         if not (self.learning_rate > 0 and self.weight_decay >= 0):
             raise ConfigError(f"learning_rate={self.learning_rate!r} must be > 0 and weight_decay="
                               f"{self.weight_decay!r} >= 0")
@@ -54,10 +62,21 @@ class DataTrainOptions:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """What one step ran: the chosen strategy, its sequences (indices into the data) and the estimates."""
+    """What one step ran: the chosen strategy, its sequences (indices into the data), the estimates and where
+    its time went (per pipeline, `cfp.data.breakdown`)."""
     strategy: int
     sequences: tuple[int, ...]
     estimates: tuple[float, ...]    # fitted step time of every candidate (inf: cannot hold the step)
+    pipelines: tuple[PipelineTime, ...] = ()
+    plan: tuple = ()                # per pipeline its micro-batches, as indices into `sequences`
+    micro_batches: int = 0
+    loss: float = float("nan")
+    real_tokens: int = 0
+    slots: int = 0
+    seconds: float = 0.0            # measured: host assignment + layout + the engine step
+
+    def summary(self) -> dict[str, float]:
+        return step_summary(self.pipelines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +84,7 @@ class DataTrainResult:
     losses: tuple[float, ...]
     real_tokens: int
     slots: int
-    seconds: float           # measured step time, compilation excluded
+    seconds: float           # measured step time (host assignment and layout included), compilation excluded
     compile_s: float
     steps: tuple[StepRecord, ...] = ()
 
@@ -75,7 +94,12 @@ class DataTrainResult:
 
     @property
     def padding(self) -> float:
+        """Padded token slots computed (bucket rounding and padding rows included) over all slots."""
         return 1.0 - self.real_tokens / self.slots
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per part (`cfp.data.breakdown.PARTS`) summed over the steps."""
+        return {k: sum(r.summary()[k] for r in self.steps) for k in PARTS}
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -168,61 +192,96 @@ def step_sequences(data: Sequences, step: int, seed: int, tokens_per_step: int) 
 
 
 def plan_step(opts: DataTrainOptions, candidates: Sequence[Sequence[Scheme]], lengths: np.ndarray
-              ) -> tuple[int, list, tuple[float, ...]]:
-    """(chosen candidate, its per-pipeline micro-batches as indices into `lengths`, every candidate's
-    fitted step time): the slowest pipeline's Σ micro-batch cost + (pp-1) x its slowest micro-batch."""
-    plans, est = [], []
+              ) -> tuple[int, list, tuple[float, ...], tuple[float, ...]]:
+    """(chosen candidate, its per-pipeline micro-batches as indices into `lengths`, every candidate's fitted
+    step time, the chosen one's per-pipeline spans): a pipeline's time alone is Σ micro-batch cost + (pp-1) x
+    its slowest micro-batch, each micro-batch priced as it is laid out; side by side they share the devices
+    (`shared_spans` with `opts.parallel_pipelines`); a step's time is its slowest pipeline's span."""
+    packed = opts.method.packing is not Packing.PAD
+    plans, est, per_pipe = [], [], []
     for pipes in candidates:
         try:
             plan = assign_step(opts.method, pipes, lengths, opts.ilp_max_sequences)
         except InfeasibleError:
             plans.append(None)
             est.append(float("inf"))
+            per_pipe.append(())
             continue
         plans.append(plan)
-        est.append(max(pipeline_time(s, lengths, mbs) for s, mbs in zip(pipes, plan)))
+        alone = [pipeline_time(s, lengths, mbs, packed) for s, mbs in zip(pipes, plan)]
+        times = tuple(shared_spans(alone, opts.parallel_pipelines))
+        per_pipe.append(times)
+        est.append(max(times))
     k = int(np.argmin(est))
     if plans[k] is None:
         raise InfeasibleError(f"no strategy holds the step's longest sequence ({int(lengths.max())} tokens)")
-    return k, plans[k], tuple(est)
+    return k, plans[k], tuple(est), per_pipe[k]
 
 
 def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, layouts, step: int):
-    """Draw, plan, materialise and run one step; (StepStats, StepRecord, number of micro-batches)."""
+    """Draw, plan, arrange and run one step; (StepStats, StepRecord). The host's share (drawing, assignment,
+    arranging rows, switching the strategy) is timed with the step; compiling new shapes (`trainer.warm`) and
+    moving into the run's first strategy (step 0) are not."""
+    t0 = time.perf_counter()
     ids = step_sequences(data, step, opts.seed, opts.tokens_per_step)
-    k, plan, est = plan_step(opts, candidates, data.lengths[ids])
+    lengths = data.lengths[ids]
+    k, plan, est, per_pipe = plan_step(opts, candidates, lengths)
     pipes = candidates[k]
     packed = opts.method.packing is not Packing.PAD
-    mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed, pipes[p].max_len) for mb in pl]
-           for p, pl in enumerate(plan)]
-    trainer.set_layout(layouts[k])
+    mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed) for mb in pl] for pl in plan]
+    host = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    trainer.set_layout(layouts[k])    # switching strategy: part of the step, except into the first one
+    host += (time.perf_counter() - t0) if step > 0 else 0.0
     trainer.warm(mbs)                 # compiles new shapes outside the timed step
     stats = trainer.step(mbs)
-    return stats, StepRecord(k, tuple(int(i) for i in ids), est), sum(len(p) for p in plan)
+    times = step_breakdown(stats.events, stats.seconds, host, pipes, plan, lengths, packed, per_pipe)
+    rec = StepRecord(strategy=k, sequences=tuple(int(i) for i in ids), estimates=est, pipelines=tuple(times),
+                     plan=tuple(tuple(tuple(mb) for mb in p) for p in plan), micro_batches=sum(len(p) for p in plan),
+                     loss=stats.loss, real_tokens=stats.real_tokens, slots=stats.tokens,
+                     seconds=host + stats.seconds)
+    return stats, rec
 
 
 def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[Sequence[Scheme]],
-        log: Optional[Callable[[str], None]] = print) -> DataTrainResult:
-    """Train `opts.steps` steps, each on the fastest-rated candidate strategy."""
+        log: Optional[Callable[[str], None]] = print, verbose: bool = False) -> DataTrainResult:
+    """Train `opts.steps` steps, each on the fastest-rated candidate strategy; `log` one line per step with
+    where its time went (`verbose`: one more per pipeline)."""
     n_dev = len(trainer.devices)
     layouts = [layout_of(p, trainer.model.num_layers, n_dev) for p in candidates]
     trainer.set_schedule(opts.schedule)
     losses, records, real, slots, secs, comp = [], [], 0, 0, 0.0, 0.0
     for step in range(opts.steps):
         c0 = trainer.warm_s
-        st, rec, n_mb = train_step(opts, data, trainer, candidates, layouts, step)
+        st, rec = train_step(opts, data, trainer, candidates, layouts, step)
         comp += trainer.warm_s - c0
         losses.append(st.loss)
         records.append(rec)
-        real, slots, secs = real + st.real_tokens, slots + st.tokens, secs + st.seconds
+        real, slots, secs = real + rec.real_tokens, slots + rec.slots, secs + rec.seconds
         if log:
-            others = "" if len(candidates) == 1 else "  (estimated " + ", ".join(
-                f"{i}: {e:.3g} s" for i, e in enumerate(rec.estimates)) + ")"
-            log(f"step {step + 1}: strategy {rec.strategy} {describe(candidates[rec.strategy])}{others}  "
-                f"loss {st.loss:.4f}  {st.real_tokens} tokens in {n_mb} micro-batches  non-pad tokens/s: "
-                f"{st.real_tokens / st.seconds:.0f}  padding: {100 * (1 - st.real_tokens / st.tokens):.1f}%"
-                "  (measured)")
+            log(step_line(step, rec, candidates))
+            for t in rec.pipelines if verbose else ():
+                log("    " + format_pipeline(t))
     return DataTrainResult(tuple(losses), real, slots, secs, comp, tuple(records))
+
+
+def estimate_accuracy(res: DataTrainResult) -> str:
+    """The estimated / measured span of every pipeline that ran in every step: median and range."""
+    r = [t.estimated_span / t.span for rec in res.steps for t in rec.pipelines if t.span > 0]
+    if not r:
+        return "no pipeline ran"
+    return f"median {np.median(r):.2f}, {min(r):.2f}..{max(r):.2f} over {len(r)}"
+
+
+def step_line(step: int, rec: StepRecord, candidates) -> str:
+    """A step's log line: strategy, loss, throughput, padding and where the time went."""
+    others = "" if len(candidates) == 1 else "  (estimated " + ", ".join(
+        f"{i}: {e:.3g} s" for i, e in enumerate(rec.estimates)) + ")"
+    return (f"step {step + 1}: strategy {rec.strategy} {describe(candidates[rec.strategy])}{others}  loss "
+            f"{rec.loss:.4f}  {rec.real_tokens} tokens in {rec.micro_batches} micro-batches  non-pad tokens/s: "
+            f"{rec.real_tokens / rec.seconds:.0f}  padding: {100 * (1 - rec.real_tokens / rec.slots):.1f}% "
+            f"(measured)\n    time: {format_summary(rec.summary())} (measured; compute split by the fits' "
+            "shares)")
 
 
 def verify_tolerance(config) -> float:

@@ -328,6 +328,14 @@ class HeteroTrainer:
                 g = prog.gradient(parts, np.float32(1.0))
                 glob = {v: jnp.zeros(l.shape, l.dtype) for v, l in self.optimizer.globals_like.items()}
                 jax.block_until_ready(prog.apply_update(g, copy[1], copy[0], glob))
+            # the step's transfers too (gradient sync, parameter broadcast): their first use builds programs,
+            # which a step would time; the broadcast writes into a copy of the dict, the state is unchanged
+            if any(todo):
+                jax.block_until_ready(sync_gradients(self.layout, self.programs, acc, self._slice))
+            shadow = dict(self.params)
+            broadcast_params(self.layout, self.programs, shadow, self._slice,
+                             lambda key, pieces: self.programs[key].join_layers(pieces))
+            jax.block_until_ready(list(shadow.values()))
         dt = time.perf_counter() - t0
         self.warm_s += dt
         return dt

@@ -31,8 +31,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-# the user guide's pages: their commands are held to the same rule as README.md's
-DOC_PAGES = [README] + sorted((ROOT / "docs").glob("**/*.md"))
+# the user guide's pages: their commands are held to the same rule as README.md's. The guide's pages come first:
+# they hold each group's commands in the order they build on each other, which README.md's short examples repeat
+DOC_PAGES = sorted((ROOT / "docs").glob("**/*.md")) + [README]
 # pages whose ```python blocks run as written, each in its own interpreter
 PYTHON_PAGES = [README, ROOT / "docs" / "autoshard.md"]
 

@@ -198,7 +198,7 @@ INLINE: dict[str, Run | Skip] = {
                                                              ("/tmp/sp", "sp"))),
     # docs pages (docs/commands.md, docs/autoshard.md, docs/benchmarks.md)
     "cfp analysis": Skip(_NAME), "cfp profile": Skip(_NAME), "cfp search": Skip(_NAME),
-    "cfp data bench-planner": Skip(_NAME),
+    "cfp data bench-planner": Skip(_NAME), "cfp data": Skip(_NAME),
     "PYTHONPATH=$PWD python benchmarks/user_programs.py": Skip(
         "the fenced command of docs/autoshard.md's \"Your own programs\", run above, shrunk"),
     "PYTHONPATH=$PWD .venv/bin/python benchmarks/moe_wi.py": Run("moe_wi", (("moe_wi.py", "moe_wi.py --iters 2"),)),

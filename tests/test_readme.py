@@ -1,5 +1,6 @@
-"""Every command and code block of README.md runs, shrunk where needed, so a renamed field or option cannot break
-a documented path unnoticed.
+"""Every command and code block of README.md and of the user guide (docs/**/*.md) runs, shrunk where needed, so a
+renamed field or option cannot break a documented path unnoticed. Below, "the README" means all those pages
+(`DOC_PAGES`); python blocks run for the pages of `PYTHON_PAGES`, each page in its own interpreter.
 
 * Every ```python block runs, in order, in ONE shared namespace (a later block may use names an earlier one
   defined), exactly as written, in a fresh temporary directory, in a fresh interpreter without the suite's

@@ -215,7 +215,7 @@ INLINE: dict[str, Run | Skip] = {
 # shell-fenced blocks that are pictures, not commands, by their first line
 NOT_COMMANDS = {
     "step_fn, example args, mesh": "the package diagram of \"How the package is built\"",
-    "cfp/            the package": "the folder list of \"Layout\"",
+    "cfp/            the package": "the folder list of \"Repository folders\"",
 }
 
 

@@ -108,7 +108,7 @@ def test_version_and_user_help(capsys):
     assert capsys.readouterr().out.strip() == f"cfp {cfp.__version__}"
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "README" in out and "Run `cfp COMMAND --help`" in out
+    assert "docs/commands.md" in out and "Run `cfp COMMAND --help`" in out
     lines = out.splitlines()
     for name in cli.SUBCOMMANDS:       # every command listed with its one-line description (maybe wrapped)
         assert any(line.split()[:1] == [name] and len((line + " " + nxt).split()) > 2

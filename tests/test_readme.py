@@ -1,5 +1,6 @@
-"""Every command and code block of README.md runs, shrunk where needed, so a renamed field or option cannot break
-a documented path unnoticed.
+"""Every command and code block of README.md and of the user guide (docs/**/*.md) runs, shrunk where needed, so a
+renamed field or option cannot break a documented path unnoticed. Below, "the README" means all those pages
+(`DOC_PAGES`); python blocks run for the pages of `PYTHON_PAGES`, each page in its own interpreter.
 
 * Every ```python block runs, in order, in ONE shared namespace (a later block may use names an earlier one
   defined), exactly as written, in a fresh temporary directory, in a fresh interpreter without the suite's
@@ -31,6 +32,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# the user guide's pages: their commands are held to the same rule as README.md's. The guide's pages come first:
+# they hold each group's commands in the order they build on each other, which README.md's short examples repeat
+DOC_PAGES = sorted((ROOT / "docs").glob("**/*.md")) + [README]
+# pages whose ```python blocks run as written, each in its own interpreter
+PYTHON_PAGES = [README, ROOT / "docs" / "autoshard.md"]
+
+
+def docs_text() -> str:
+    """README.md and every docs/ page, one after another (each page's fences are balanced)."""
+    return "\n".join(p.read_text() for p in DOC_PAGES)
 SHELL_LANGS = {"", "sh", "bash", "shell"}
 
 
@@ -113,6 +124,17 @@ COMMANDS: dict[str, Run | Skip] = {
     ".venv/bin/cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 "
     "--max-seq-len 32768": Run("data", (("--gpus 1024", "--gpus 64"), ("--tokens-per-step 1600000",
                                                                         "--tokens-per-step 100000 --steps 1"))),
+    # docs/commands.md
+    ".venv/bin/cfp enum-benchmark --model gpt --num-layers 2 --mesh 2x4 --limit 4": Run(
+        "enum", (("--num-layers 2", "--num-layers 1"), ("--limit 4", "--limit 2"))),
+    # docs/own-model.md (tests/test_own_model_examples.py checks these examples' training against unsharded steps)
+    "cfp plan --cluster examples/clusters/local.yaml --model examples/own_model_linen.py:factory --out linen.json":
+        Run("own_model", (), ("linen.json",)),
+    "cfp train --model examples/own_model_linen.py:factory --layout linen.json --steps 3 --verify": Run(
+        "own_model", (("--steps 3", "--steps 1"),)),
+    "python examples/own_model_linen.py": Run("own_model_linen", ((".py", ".py --steps 1"),)),
+    "python examples/own_model_nnx.py": Run("own_model_nnx", ((".py", ".py --steps 1"),)),
+    "python examples/own_model_equinox.py": Run("own_model_equinox", ((".py", ".py --steps 1"),)),
 }
 
 _OUTPUT = "a line the demo printed, quoted in prose: output, not a command"
@@ -120,7 +142,7 @@ _NAME = "names a command in prose; its runnable forms are the fenced commands, r
 _TEMPLATE = "a template with placeholders ({}); its concrete form is a fenced command, run above"
 # inline `code` in the prose that starts like a command (see `inline_commands`): the same rule, one table
 INLINE: dict[str, Run | Skip] = {
-    "cfp explain": Skip(_NAME), "cfp diff": Skip(_NAME), "cfp plan": Skip(_NAME), "cfp data": Skip(_NAME),
+    "cfp explain": Skip(_NAME), "cfp diff": Skip(_NAME), "cfp plan": Skip(_NAME),
     "cfp launch": Skip(_NAME), "cfp search --plan-out": Skip(_NAME),
     "PYTHONPATH=$PWD python examples/linen_cnn.py": Skip(_NAME),
     "cfp train --stage-plans search": Skip(_NAME), "cfp plan --stage-times": Skip(_NAME),
@@ -177,12 +199,25 @@ INLINE: dict[str, Run | Skip] = {
     "cfp plan --cluster examples/clusters/local.yaml --model llama2 --num-layers 4 --global-batch-size 4 "
     "--stage-times /tmp/sp/stage_plans": Run("stage_plans", (("--num-layers 4", "--num-layers 2"),
                                                              ("/tmp/sp", "sp"))),
+    # docs pages (docs/commands.md, docs/autoshard.md, docs/benchmarks.md)
+    "cfp analysis": Skip(_NAME), "cfp profile": Skip(_NAME), "cfp search": Skip(_NAME),
+    "cfp data bench-planner": Skip(_NAME), "cfp data": Skip(_NAME),
+    "PYTHONPATH=$PWD python benchmarks/user_programs.py": Skip(
+        "the fenced command of docs/autoshard.md's \"Your own programs\", run above, shrunk"),
+    "PYTHONPATH=$PWD .venv/bin/python benchmarks/moe_wi.py": Run("moe_wi", (("moe_wi.py", "moe_wi.py --iters 2"),)),
+    "cfp diff A.json B.json [--gpu G]": Skip(_TEMPLATE.format("A.json, B.json, G")),
+    "cfp launch --nprocs N [--devices-per-proc D] -- COMMAND": Skip(_TEMPLATE.format("N, D, COMMAND")),
+    "cfp data analyze --input stdlib|FILE.jsonl|DIR": Skip(_TEMPLATE.format("FILE.jsonl|DIR")),
+    "cfp data schemes --model M": Skip(_TEMPLATE.format("M")),
+    "cfp data propose --schemes FILE --input ... --gpus N --tokens-per-step T": Skip(
+        _TEMPLATE.format("FILE, ..., N, T")),
+    "cfp data train --model M --input ...": Skip(_TEMPLATE.format("M, ...")),
 }
 
 # shell-fenced blocks that are pictures, not commands, by their first line
 NOT_COMMANDS = {
     "step_fn, example args, mesh": "the package diagram of \"How the package is built\"",
-    "cfp/            the package": "the folder list of \"Layout\"",
+    "cfp/            the package": "the folder list of \"Repository folders\"",
 }
 
 
@@ -254,7 +289,7 @@ def test_blocks_and_commands_are_found():
 
 
 def test_every_readme_command_is_run_or_skipped_with_a_reason():
-    md = README.read_text()
+    md = docs_text()
     unknown = [c for c, how in all_commands(md) if how is None]
     assert not unknown, ("README commands neither run nor skipped (add them to COMMANDS or INLINE in "
                          f"tests/test_readme.py, shrunk, or with a reason): {unknown}")
@@ -294,7 +329,8 @@ GROUPS = sorted({how.group for how in list(COMMANDS.values()) + list(INLINE.valu
 @pytest.mark.parametrize("group", GROUPS)
 def test_readme_commands_run(group, tmp_path):
     env = _workdir(tmp_path)
-    cmds = [(c, how) for c, how in all_commands(README.read_text()) if isinstance(how, Run) and how.group == group]
+    cmds = [(c, how) for c, how in dict(all_commands(docs_text())).items()    # a command two pages show runs once
+            if isinstance(how, Run) and how.group == group]
     assert cmds, f"group {group} has no README command"
     for c, run in cmds:
         cmd = shrunk(c, run)
@@ -326,10 +362,11 @@ for i, block in enumerate(blocks):
 
 
 @pytest.mark.readme
-def test_readme_python_blocks_run_as_written(tmp_path):
+@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: p.name)
+def test_readme_python_blocks_run_as_written(page, tmp_path):
     """As a newcomer runs them: a fresh interpreter, no XLA_FLAGS from the suite, nothing predefined."""
-    blocks = python_blocks(README.read_text())
-    assert blocks, "README.md has no python block"
+    blocks = python_blocks(page.read_text())
+    assert blocks, f"{page.name} has no python block"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", PYTHON_RUNNER.format(blocks=blocks)], cwd=tmp_path, env=env,

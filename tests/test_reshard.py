@@ -196,7 +196,7 @@ def test_free_result_taken_by_another_block_in_an_unreachable_layout_is_pinned(g
     """A ZeRO-3 plan pins only its dots, so the `add` results of GPT blocks 1 and 2 are left free while other
     blocks take them in layouts their sharded operands reach only by replicating. Pinned, their entries are
     routed: XLA reports one rematerialization fewer (measured on jaxlib 0.12.0.1: 1 vs 2 under Shardy, 7 vs 8
-    under GSPMD; the rest are the ZeRO-3 limit the README's Known limits describe)."""
+    under GSPMD; the rest are the ZeRO-3 limit docs/limits.md describes)."""
     import cfp
     from cfp.ir.capture import capture
     from cfp.sharding import constraints

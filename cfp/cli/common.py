@@ -28,7 +28,8 @@ def patient_collectives(seconds: int = 600) -> None:
 
 
 # Defaults of the options several commands share (`train`, `plan`, `data`, `profile`/`search`): their one home,
-# stated in the README's "Command line" section. The `add_*` helpers below are the options' one definition.
+# stated in docs/commands.md ("Options shared by several commands"). The `add_*` helpers below are the options'
+# one definition.
 DEFAULT_CONFIG = "tiny"
 DEFAULT_SCHEDULE = "1f1b"      # the planner's cost model and the README's runs; GPipe holds all activations
 DEFAULT_STEPS = 5

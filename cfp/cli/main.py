@@ -41,8 +41,8 @@ cfp finds how to split a JAX training step over many devices, and runs it:
   * variable-length data (Hydraulis): analyse sequence lengths, propose strategies, train with them.
 Commands that run JAX simulate 8 CPU devices unless XLA_FLAGS sets another count."""
 
-EPILOG = ("Run `cfp COMMAND --help` for a command's options and their defaults. README.md, at the top of the "
-          "source tree, walks through every command with examples.")
+EPILOG = ("Run `cfp COMMAND --help` for a command's options and their defaults. docs/commands.md, in the "
+          "source tree, describes every command and links to its examples in the user guide.")
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -285,7 +285,7 @@ def step_line(step: int, rec: StepRecord, candidates) -> str:
 
 
 def verify_tolerance(config) -> float:
-    """`cfp train --verify`'s tolerances: 1e-4 in float32 (measured 3.7e-8 over the 4 steps of the README's
+    """`cfp train --verify`'s tolerances: 1e-4 in float32 (measured 3.7e-8 over the 4 steps of docs/data.md's
     example, 1.3e-5 after a step at lr 1e-2 in the tests; a pipeline's tokens dropped is >1e-2), 5e-2 else."""
     return 1e-4 if config.dtype == "float32" else 5e-2
 

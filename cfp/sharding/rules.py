@@ -8,10 +8,8 @@ output features), row-parallel attention out, fc_out and down (input features; t
 after the all-reduce, replicated), vocab-parallel embedding and LM head, and expert-parallel MoE weights.
 
 MoE `wi`/`wo` ([E, H, F], [E, F, H]) take the axes on the expert dim ("exp" before "mlp"), decided by
-measurement (`benchmarks/moe_wi.py`, tiny MoE train step, batch 16, 8 simulated CPU devices, 20 round-robin
-rounds): TP 4 61.1 ms, 12.65 MB per device with experts sharded vs 72.7 ms, 14.63 MB with the ffn dim
-sharded; DP 2 x TP 4 67.4 ms, 6.88 MB vs 68.3 ms, 7.96 MB (times measured on a shared 2-core host, memory
-from the compiled steps).
+measurement (`benchmarks/moe_wi.py`; the figures, with their command and date, are in docs/benchmarks.md):
+the expert dim is never slower beyond the host's noise and always needs less memory per device.
 
 A rule marked `required` is part of the Megatron contract: `strict` callers (the baselines) raise where it does
 not divide; lenient ones (the runtime, where shardings only decide speed) leave the parameter replicated.

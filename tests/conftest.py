@@ -93,3 +93,11 @@ def assert_adam_step_matches(params0, got, want, lr: float = 1e-3):
         decisive, total = decisive + int(sure.sum()), total + sure.size
     assert decisive >= 0.5 * total, f"only {decisive} of {total} gradients are above float noise: check is vacuous"
 # ---- end of the API/plan/search block ----
+
+
+# ---- property tests (hypothesis): deterministic and bounded, so CI runs the same examples every time ----
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("cfp", derandomize=True, database=None, max_examples=60, deadline=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("cfp")

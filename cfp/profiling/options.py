@@ -68,7 +68,7 @@ class ProfileOptions:
 
     def __post_init__(self):
         kind = self.kind
-        if isinstance(kind, str):
+        if not isinstance(kind, ProfilerKind):
             try:
                 kind = ProfilerKind(kind)
             except ValueError:
@@ -84,3 +84,6 @@ class ProfileOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+        for name in ("overlap_compile", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -9,7 +9,7 @@ runtime's stage programs (`HeteroTrainer.compile_jobs`) say what each part reall
   the model claims this exactly, so the bound is those 4 bytes (16 allowed);
 - the stored inputs: a stage keeps one input per micro-batch whose forward ran and whose backward has not; the
   count is read off the schedule's own action lists here, the input's bytes off the compiled argument; claimed
-  exactly (a0's difference between two schedules or chunk counts is their difference in stored inputs);
+  exactly (a0 under GPipe less a0 under 1F1B is their difference in stored inputs times the input's bytes);
 - the backward's working set, a0 + n a1: the compiled backward program (arguments + outputs - aliased +
   temporaries) less the parameters and accumulator the state counts, plus the other stored inputs. The model
   counts the tensors the backward keeps for one micro-batch: the layers' activations, the head's three float32
@@ -20,7 +20,8 @@ runtime's stage programs (`HeteroTrainer.compile_jobs`) say what each part reall
   boundary gradients in and out, one layer's float32 weight gradients before they join the accumulator and
   the activation gradients live during the backward (measured per layer 1.28x the model's `a1` at these
   sizes, 1.16x at Llama-2 "small"). Measured 0.58-0.90 of the compiled figure on the stages below (the first
-  stages lowest, their working set smallest). Bound: [0.5, 1.0]: above 1.0 the model counts a buffer the
+  stages lowest, their working set smallest; the same at XLA's default optimisation level as at the suite's
+  level 0). Bound: [0.5, 1.0]: above 1.0 the model counts a buffer the
   backward does not hold (a double count); a term a plausible bug drops -- the head's activations (which
   dominate a last stage's here), every layer but one of a two-layer stage (~0.3 of its working set) --
   takes the ratio below 0.5.

@@ -144,9 +144,11 @@ def test_cp_stages_equal_the_single_device_model(model, cp, tp, stages):
     micro-batch one row of several sequences) through stages of cp x tp devices: degree 2 and 4 alone, and 2
     beside TP 2 in a pipeline of 2 stages (the activations between CP stages)."""
     from cfp.data.batching import materialize
-    from cfp.runtime.engine import HeteroTrainer
-    cfg, params, _ = model
-    tr = HeteroTrainer(MODEL, cfg, _layout(cp, tp, stages, 4, 2, cfg.num_layers))
+    from cfp.models.layered import zoo_full_params, zoo_params
+    from cfp.runtime.engine import zoo_trainer
+    cfg, full, _ = model
+    params = zoo_params(full, cfg.num_layers)
+    tr = zoo_trainer(MODEL, cfg, _layout(cp, tp, stages, 4, 2, cfg.num_layers))
     fixed = _fixed_batch(4)
     seqs = _sequences()
     packed = [[materialize(seqs, ids, packed=True) for ids in ([0, 1, 2], [3, 4, 5], [6, 7])]]
@@ -154,6 +156,7 @@ def test_cp_stages_equal_the_single_device_model(model, cp, tp, stages):
     for batch, rows in ((fixed, [fixed]), (packed, packed[0])):
         tr.load_state(params, tr.tx.init(params), 0)
         grads, loss = tr.gradients(batch)
+        grads = zoo_full_params(grads)
         ref_loss, ref_grads = _reference(model, rows)
         assert np.isfinite(loss) and abs(loss - float(ref_loss)) <= TOL * abs(float(ref_loss)), (loss, ref_loss)
         assert _rel(grads, ref_grads) <= TOL

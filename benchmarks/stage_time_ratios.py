@@ -18,11 +18,16 @@ calibrated multi-threaded). Prints each ratio planned and measured, the runs' no
 middle three over the median), whether it lies within 15% plus that noise (the bound the test held: what the
 model leaves out), and the host's load average.
 
-    PYTHONPATH=$PWD python benchmarks/stage_time_ratios.py [--rounds 7] [--single-thread]
+    PYTHONPATH=$PWD python benchmarks/stage_time_ratios.py [--rounds 7] [--single-thread] [--small]
+
+``--small`` shrinks the model (a quarter of the width and sequence, a smaller vocabulary), the stages (the
+micro-batch of 2 only) and the rounds (3) so the script runs in well under a minute (CI runs it so; its ratios are then of tiny programs, dominated by
+per-call overheads, and say little about the cost model).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -73,7 +78,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
     ap.add_argument("--single-thread", action="store_true", help="XLA:CPU without its Eigen thread pool")
+    ap.add_argument("--small", action="store_true",
+                    help="a tiny model and 3 rounds: runs in well under a minute (for CI; ratios not meaningful)")
     args = ap.parse_args(argv)
+    if args.small:
+        args.rounds = min(args.rounds, 3)
     if args.rounds < 3:
         ap.error(f"--rounds {args.rounds} must be >= 3")
     _flags(args.single_thread)
@@ -82,15 +91,18 @@ def main(argv=None) -> int:
     from cfp.models import get_config
     from cfp.planner.cluster import parse_cluster
     from cfp.planner.costmodel import CostModel
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models import make_batch
+    from cfp.runtime.engine import zoo_trainer
 
-    cfg = get_config("llama2", "tiny", num_layers=6, seq_len=64, hidden_size=128, ffn_size=256, vocab_size=2048)
+    dims = (dict(seq_len=16, hidden_size=32, ffn_size=64, vocab_size=256) if args.small else
+            dict(seq_len=64, hidden_size=128, ffn_size=256, vocab_size=2048))
+    cfg = get_config("llama2", "tiny", num_layers=6, **dims)
     cm = CostModel(cfg, parse_cluster({"inter_machine_bandwidth": "1.75GB/s", "machines": [
         {"gpu": "cpu", "count": 8, "intra_bandwidth": "1.75GB/s"}]}))
     programs, planned = [], []
-    for layers, mb in ((1, 2), (4, 2), (1, 4)):
-        trainer = HeteroTrainer("llama2", cfg, Layout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]],
-                                                                 [2 * mb], [2]))
+    for layers, mb in ((1, 2), (4, 2)) if args.small else ((1, 2), (4, 2), (1, 4)):
+        trainer = zoo_trainer("llama2", cfg, Layout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]], [2 * mb], [2]),
+                              abstract=True, example_batch=make_batch("llama2", cfg, 1, 0))
         pipe = Pipeline((Stage((0,), 1, 0), Stage((1,), layers, 0), Stage((2,), 5 - layers, 0)), 2 * mb, 2)
         for idx in (1, 2):
             programs += [(prog.lower(*a).compile(), a) for prog, a in trainer.compile_jobs((0, idx))[:2]]
@@ -100,7 +112,8 @@ def main(argv=None) -> int:
     res = measure_in_turns(programs, args.rounds)
     measured = [res[2 * i][0] + res[2 * i + 1][0] for i in range(len(planned))]
     noise = [max(res[2 * i][1], res[2 * i + 1][1]) for i in range(len(planned))]
-    print(f"stage times relative to a {STAGES[0]} stage: planned (estimated, cpu entry) vs measured (median CPU "
+    print(f"stage times relative to a {STAGES[0]} stage{' (--small: tiny programs)' if args.small else ''}: "
+          f"planned (estimated, cpu entry) vs measured (median CPU "
           f"seconds of {args.rounds} rounds{', single-threaded XLA' if args.single_thread else ''}); "
           f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     worst = 1.0
@@ -108,9 +121,11 @@ def main(argv=None) -> int:
         ratio_m, ratio_p = measured[i] / measured[0], planned[i] / planned[0]
         within = abs(ratio_p / ratio_m - 1) <= 0.15 + noise[i] + noise[0]
         worst = max(worst, ratio_p / ratio_m, ratio_m / ratio_p)
-        print(f"  {STAGES[i]:20} planned {ratio_p:6.3f}x  measured {ratio_m:6.3f}x  (noise {noise[i]:.1%}, "
+        if not (math.isfinite(ratio_m) and math.isfinite(ratio_p)):
+            raise SystemExit(f"{STAGES[i]}: a non-finite ratio (planned {ratio_p}, measured {ratio_m})")
+        print(f"  {STAGES[i]:20} planned (estimated) {ratio_p:6.3f}x  measured {ratio_m:6.3f}x  (noise {noise[i]:.1%}, "
               f"{noise[0]:.1%})  within 15% + noise: {'yes' if within else 'NO'}")
-    print(f"worst planned/measured ratio (either way): {worst:.3f}")
+    print(f"worst estimated/measured ratio (either way): {worst:.3f}")
     return 0
 
 

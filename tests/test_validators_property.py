@@ -139,20 +139,21 @@ def test_pipelines_of_different_depths_are_refused(layout, extra):
 
 @given(layouts(num_layers=4), st.sampled_from([1, 2, 3, 4]), st.sampled_from([2, 4, 8]), st.integers(1, 128))
 def test_validate_for_accepts_exactly_the_layouts_that_fit(layout, heads_mult, heads, devices):
-    """`validate_for(config, num_devices)` passes iff the layers match, every stage's TP degree divides the
-    heads and every device id exists; otherwise its ConfigError names the offending value."""
+    """`validate_for(num_layers, num_devices, heads)` passes iff the layers match, every stage's TP degree divides
+    the heads and every device id exists; otherwise its ConfigError names the offending value."""
     num_heads = heads * heads_mult // 2 or 1
     cfg = get_config("gpt", "tiny", num_layers=4, num_heads=num_heads, hidden_size=num_heads * 16)
     bad_tp = [s.tp for p in layout.pipelines for s in p.stages if num_heads % s.tp]
     bad_dev = [d for d in layout.devices if d >= devices]
+    check = lambda c, n=None: layout.validate_for(c.num_layers, n, (c.num_heads, c.num_heads))
     if not bad_tp and not bad_dev:
-        assert layout.validate_for(cfg, devices) is layout
+        assert check(cfg, devices) is layout
     elif bad_tp:
-        rejects(lambda: layout.validate_for(cfg, devices), bad_tp[0])
+        rejects(lambda: check(cfg, devices), bad_tp[0])
     else:
-        rejects(lambda: layout.validate_for(cfg, devices), bad_dev[0])
+        rejects(lambda: check(cfg, devices), bad_dev[0])
     other = get_config("gpt", "tiny", num_layers=5, num_heads=num_heads, hidden_size=num_heads * 16)
-    rejects(lambda: layout.validate_for(other), 5)
+    rejects(lambda: check(other), 5)
 
 
 BAD_BUILT = {"layers": [0, -1, True, 1.5, "1", None], "cp": [0, -1, True, 1.5, "1", 3],

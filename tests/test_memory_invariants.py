@@ -31,9 +31,10 @@ really is:
   takes those out first. What remains is a lower bound: XLA also keeps what the model leaves out, the
   boundary gradients in and out, one layer's float32 weight gradients before they join the accumulator and
   the activation gradients live during the backward (measured per layer 1.28x the model's `a1` at these
-  sizes, 1.16x at Llama-2 "small"). Measured 0.58-0.90 of the compiled figure on the stages below (the first
-  stages lowest, their working set smallest; the same at XLA's default optimisation level as at the suite's
-  level 0). Bound: [0.5, 1.0]: above 1.0 the model counts a buffer the
+  sizes, 1.16x at Llama-2 "small"). Measured 0.58-0.90 of the compiled figure on the stages below with the
+  runtime before the layered rewrite (the first stages lowest, their working set smallest; the same at XLA's
+  default optimisation level as at the suite's level 0); the layered runtime's stages pass the same bound.
+  Bound: [0.5, 1.0]: above 1.0 the model counts a buffer the
   backward does not hold (a double count); a term a plausible bug drops -- the head's activations (which
   dominate a last stage's here), every layer but one of a two-layer stage (~0.3 of its working set) --
   takes the ratio below 0.5.

@@ -117,3 +117,11 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     with open(path, "a") as f:
         f.write(f"{cpu() - c0:.2f}\t{time.perf_counter() - w0:.2f}\t{item.nodeid}\n")
+
+
+# ---- property tests (hypothesis): deterministic and bounded, so CI runs the same examples every time ----
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("cfp", derandomize=True, database=None, max_examples=60, deadline=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("cfp")

@@ -151,14 +151,15 @@ def test_pruned_packing_search_matches_the_unpruned_one(scheme):
 
 def test_dispatch_ilp_honours_its_time_limit_and_falls_back_validly():
     """200 sequences on 7 pipelines: HiGHS does not prove the optimum within 6 s (measured), so a 0.1 s limit
-    must stop it early (3 s allows for building the model on a loaded host); `dispatch` then keeps the better
-    of the time-limited ILP and the greedy, a valid assignment either way."""
+    must stop it early: unproven, within 3 CPU seconds (the process's, HiGHS' threads included: other users'
+    load on the host stretches wall time, not the work done; 3 s allows for building the model); `dispatch` then
+    keeps the better of the time-limited ILP and the greedy, a valid assignment either way."""
     rng = np.random.default_rng(5)
     pipes = [SMALL] * 4 + [BIG] * 3
     lens = _lengths(rng, 200, 4096)
-    t0 = time.perf_counter()
+    c0 = time.process_time()
     found, optimal = dispatch_ilp(pipes, lens, time_limit=0.1)
-    assert time.perf_counter() - t0 < 3.0 and not optimal
+    assert time.process_time() - c0 < 3.0 and not optimal
     got = dispatch(pipes, lens, ilp_max_sequences=lens.size, time_limit=0.1)
     assert got.shape == lens.shape and set(got.tolist()) <= set(range(len(pipes)))
     for p, s in enumerate(pipes):

@@ -186,7 +186,7 @@ INLINE: dict[str, Run | Skip] = {
     "cfp train --layout m.json --steps 3 --verify": Run("plan_moe", (("--steps 3", "--steps 1"),)),
     "benchmarks/calibrate_cpu.py --write": Skip(
         "rewrites the cpu catalog entry's figures (cfp/hardware/cpu_calibration.py) from this host's measurements; "
-        "tests/test_planner_measured.py checks the planner's stage times against measured ones"),
+        "benchmarks/stage_time_ratios.py measures the planner's stage times against the runtime's"),
     "cfp data train --strategies": Skip(_NAME), "cfp train": Skip(_NAME), "cfp data train": Skip(_NAME),
     "cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 --max-seq-len 32768":
         Skip("the fenced `cfp data bench-planner` command of \"Variable-length data\", run above, shrunk"),

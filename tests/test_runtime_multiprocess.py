@@ -119,10 +119,11 @@ def test_sigkilled_run_resumes_with_identical_losses(tmp_path):
         for line in p.stdout:
             if line.startswith("step 2 "):
                 break
-        # let checkpoint 2 land (saving is synchronous after the step's line), then kill hard
+        # let checkpoint 2 land (saving is synchronous after the step's line), then kill hard; waits while the
+        # run lives (a loaded host only makes the wait longer), the 10 minutes a guard against a hang only
         from cfp.runtime.checkpoint import latest_step
-        deadline = time.monotonic() + 60
-        while (latest_step(ckpt) or 0) < 2 and time.monotonic() < deadline:
+        guard = time.monotonic() + 600
+        while (latest_step(ckpt) or 0) < 2 and p.poll() is None and time.monotonic() < guard:
             time.sleep(0.05)
         p.send_signal(signal.SIGKILL)
         p.wait()

@@ -7,6 +7,7 @@ machine-major (machine 0's devices first), which is the numbering `devices_id` o
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import re
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ def parse_bandwidth(text: Any, what: str) -> float:
     if not m:
         raise ConfigError(f"{what}={text!r} is not a bandwidth; write e.g. 25GB/s, 100Gb/s or 800MB/s")
     value = float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()] / (8.0 if m.group(3) == "b" else 1.0)
-    if not value > 0:
-        raise ConfigError(f"{what}={text!r} must be a positive bandwidth")
+    if not value > 0 or not math.isfinite(value):
+        raise ConfigError(f"{what}={text!r} must be a positive, finite bandwidth")
     return value
 
 
@@ -39,8 +40,8 @@ def parse_memory(text: Any, what: str) -> float:
     if not m:
         raise ConfigError(f"{what}={text!r} is not a memory size; write e.g. 24GB or 80GiB")
     value = float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()]
-    if not value > 0:
-        raise ConfigError(f"{what}={text!r} must be a positive memory size")
+    if not value > 0 or not math.isfinite(value):
+        raise ConfigError(f"{what}={text!r} must be a positive, finite memory size")
     return value
 
 
@@ -105,10 +106,16 @@ class Cluster:
         return " + ".join(parts)
 
     def to_dict(self) -> dict:
-        return {"inter_machine_bandwidth": f"{self.inter_bandwidth / 1e9:g}GB/s",
+        return {"inter_machine_bandwidth": f"{_giga(self.inter_bandwidth)}GB/s",
                 "machines": [{"gpu": m.gpu.name, "count": m.count,
-                              "intra_bandwidth": f"{m.intra_bandwidth / 1e9:g}GB/s",
-                              "memory": f"{m.memory / 1e9:g}GB"} for m in self.machines]}
+                              "intra_bandwidth": f"{_giga(m.intra_bandwidth)}GB/s",
+                              "memory": f"{_giga(m.memory)}GB"} for m in self.machines]}
+
+
+def _giga(value: float) -> str:
+    """`value` in units of 1e9, short ("25") where that reads back the same, else every digit ("85.89934592")."""
+    short = f"{value / 1e9:g}"
+    return short if float(short) * 1e9 == value else repr(value / 1e9)
 
 
 def _count(value: Any, what: str) -> int:

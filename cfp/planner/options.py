@@ -38,13 +38,17 @@ class PlannerOptions:
     def __post_init__(self):
         _positive("global_batch_size", self.global_batch_size)
         schedule_choices(self.schedule)      # validates
-        if not self.micro_batch_sizes:
-            raise ConfigError("PlannerOptions.micro_batch_sizes=() must list at least one size")
+        if not isinstance(self.micro_batch_sizes, (list, tuple)) or not self.micro_batch_sizes:
+            raise ConfigError(f"PlannerOptions.micro_batch_sizes={self.micro_batch_sizes!r} must list at least "
+                              "one size, e.g. (1, 2, 4)")
         object.__setattr__(self, "micro_batch_sizes",
                            tuple(sorted({_positive("micro_batch_sizes", m) for m in self.micro_batch_sizes})))
         if self.max_pipelines is not None:
             _positive("max_pipelines", self.max_pipelines)
         _positive("refine_evaluations", self.refine_evaluations)
+        for name in ("refine", "phase2_metis"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"PlannerOptions.{name}={getattr(self, name)!r} must be True or False")
         if self.stage_times is not None and not isinstance(self.stage_times, MeasuredStageTimes):
             raise ConfigError(f"PlannerOptions.stage_times={self.stage_times!r} must be a MeasuredStageTimes")
 

@@ -68,21 +68,22 @@ class ProfileOptions:
 
     def __post_init__(self):
         kind = self.kind
-        if isinstance(kind, str):
+        if not isinstance(kind, ProfilerKind):
             try:
                 kind = ProfilerKind(kind)
             except ValueError:
                 raise ConfigError(f"profiler {self.kind!r} is not one of "
                                   f"{', '.join(k.value for k in ProfilerKind)}") from None
             object.__setattr__(self, "kind", kind)
-        if kind is ProfilerKind.ESTIMATE:
-            if not self.gpu:
-                raise ConfigError("the estimate profiler needs a gpu name (--gpu), e.g. A100-SXM-80G")
-            get_gpu(self.gpu)
-        elif self.gpu is not None:
-            get_gpu(self.gpu)
+        if kind is ProfilerKind.ESTIMATE and not self.gpu:
+            raise ConfigError("the estimate profiler needs a gpu name (--gpu), e.g. A100-SXM-80G")
+        if self.gpu is not None:    # the catalog's name: one GPU spelled two ways is one profile (cache key)
+            object.__setattr__(self, "gpu", get_gpu(self.gpu).name)
         for name, lo in (("iters", 3), ("warmup", 0), ("max_combinations", 1), ("per_block", 1),
                         ("pool_limit", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+        for name in ("overlap_compile", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from cfp.errors import ConfigError
@@ -15,8 +16,8 @@ def parse_bytes(text) -> int:
     if isinstance(text, bool):
         raise ConfigError(f"memory size {text!r} is not a size like 2GB or 512MB")
     if isinstance(text, (int, float)):
-        if text <= 0:
-            raise ConfigError(f"memory size {text!r} must be positive")
+        if not text > 0 or not math.isfinite(text):
+            raise ConfigError(f"memory size {text!r} must be a positive, finite number of bytes")
         return int(text)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
@@ -67,8 +68,12 @@ class SearchOptions:
         for name in ("shard_state", "donate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        if isinstance(self.timing_budget, bool) or not isinstance(self.timing_budget, (int, float)) \
-                or not self.timing_budget > 0:
+        if not _positive_number(self.timing_budget):
             raise ConfigError(f"timing_budget={self.timing_budget!r} must be a positive number of seconds")
-        if self.link_gbps is not None and not self.link_gbps > 0:
-            raise ConfigError(f"link_gbps={self.link_gbps!r} must be positive")
+        if self.link_gbps is not None and not _positive_number(self.link_gbps):
+            raise ConfigError(f"link_gbps={self.link_gbps!r} must be a positive number (GB/s)")
+
+
+def _positive_number(v) -> bool:
+    """A finite number > 0 (not a bool, a string, NaN or infinity)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0

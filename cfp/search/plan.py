@@ -122,10 +122,14 @@ def _is_int(v, low: int) -> bool:
 def _check_spec(where: str, field: str, entries, axes: set) -> None:
     if not isinstance(entries, list):
         _fail(where, field, "a list of per-dim entries (null, an axis name or a list of names)", entries)
+    used = []
     for e in entries:
         names = e if isinstance(e, list) else [] if e is None else [e]
         if not all(isinstance(n, str) and n in axes for n in names):
             _fail(where, field, f"entries naming mesh axes {sorted(axes)}", entries)
+        used += names
+    if len(used) != len(set(used)):       # JAX refuses a spec that shards over one axis twice
+        _fail(where, field, "entries naming each mesh axis at most once", entries)
 
 
 def validate_plan_dict(d, where: str = "plan") -> None:

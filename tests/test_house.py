@@ -1,4 +1,5 @@
-"""The house rules the package keeps, checked over its source with `ast`: functions under 80 lines."""
+"""The house rules the package keeps, checked over its source with `ast`: functions under 80 lines, records
+and long signatures built by keyword."""
 import ast
 from pathlib import Path
 
@@ -36,3 +37,33 @@ def test_the_length_check_counts_lines():
     body = "\n".join(f"    x{k} = {k}" for k in range(80))
     assert long_functions(ast.parse(f"def f():\n{body}\n"), "m.py") != []        # 81 lines
     assert long_functions(ast.parse(f"def f():\n{body[:body.rindex(chr(10))]}\n"), "m.py") == []
+
+
+MAX_POSITIONAL = 8
+
+
+def _positional_params(f):
+    return [a.arg for a in f.args.posonlyargs + f.args.args if a.arg not in ("self", "cls")]
+
+
+def positional_offenders(tree, rel, limit=MAX_POSITIONAL):
+    """Calls passing more than `limit` positional arguments and functions taking more than `limit` positional
+    parameters (self/cls aside; keyword-only ones don't count): such records and calls are built by keyword."""
+    calls = [f"{rel}:{n.lineno} call {ast.unparse(n.func)}({len(n.args)} positional)"
+             for n in ast.walk(tree) if isinstance(n, ast.Call) and len(n.args) > limit]
+    defs = [f"{rel}:{f.lineno} def {f.name}({len(_positional_params(f))} positional)"
+            for f in _functions(tree) if len(_positional_params(f)) > limit]
+    return calls + defs
+
+
+def test_records_and_long_signatures_are_built_by_keyword(modules):
+    offenders = [o for rel, tree in modules for o in positional_offenders(tree, rel)]
+    assert offenders == [], f"more than {MAX_POSITIONAL} positional arguments: {offenders}"
+
+
+def test_the_positional_check_counts_arguments():
+    nine = ", ".join("abcdefghi")
+    assert positional_offenders(ast.parse(f"R({nine})"), "m.py") != []
+    assert positional_offenders(ast.parse(f"def f({nine}): pass"), "m.py") != []
+    assert positional_offenders(ast.parse(f"def f(self, {nine[3:]}, *, j, k, l): pass"), "m.py") == []
+    assert positional_offenders(ast.parse(f"R({nine[3:]}, j=1, k=2, l=3)"), "m.py") == []

@@ -421,9 +421,10 @@ def ilp_choice(analysis: Analysis, memory_budget: float | None = None, cost: Alp
         if t is None or t not in owner:
             return () if t is None else tuple(() for _ in g.tensor(t).shape)
         return problem.nodes[owner[t]].specs[node_choice[owner[t]]][t]
-    return IlpResult(node_choice, tuple(choice), obj, problem.cost(applied), problem.memory(node_choice), disagree,
-                     optimal, time.perf_counter() - t0, nvars, tuple(spec(t) for t in g.inputs),
-                     tuple(spec(t) for t in g.outputs))
+    return IlpResult(node_choice=node_choice, choice=tuple(choice), cost=obj, cost_of_choice=problem.cost(applied),
+                     memory=problem.memory(node_choice), disagreements=disagree, optimal=optimal,
+                     solve_time=time.perf_counter() - t0, num_variables=nvars,
+                     input_specs=tuple(spec(t) for t in g.inputs), output_specs=tuple(spec(t) for t in g.outputs))
 
 
 def ilp_step(program, analysis: Analysis, result: IlpResult, mesh=None):

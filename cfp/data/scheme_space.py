@@ -97,7 +97,7 @@ def default_shapes(cfg, n: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def measure_space(model: str, config_name: str, cfg, params, memory_mb: float,
+def measure_space(model: str, config_name: str, cfg, params, memory_mb: float, *,
                   lengths: Sequence[int] = (256, 512, 1024), repeats: int = 3,
                   num_devices: int | None = None, log=None,
                   shapes: Sequence[tuple[int, int, int]] | None = None) -> SchemeSpace:

@@ -38,7 +38,7 @@ import numpy as np
 from cfp.analysis.analysis import Analysis
 from cfp.analysis import dimflow
 from cfp.analysis.blocks import loops_of
-from cfp.analysis.layout import DimAxes, shards
+from cfp.analysis.block_sharding import DimAxes, shards
 from cfp.analysis.strategies import DotStrategy, enumerate_strategies
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.hardware import rates

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import block_layout, shards
+from cfp.analysis.block_sharding import block_layout, shards
 from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.gpus import GpuSpec

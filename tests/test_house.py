@@ -1,5 +1,5 @@
 """The house rules the package keeps, checked over its source with `ast`: functions under 80 lines, records
-and long signatures built by keyword, one module per file name."""
+and long signatures built by keyword, one module per file name, no import of a later pass from an earlier one."""
 import ast
 from pathlib import Path
 
@@ -97,3 +97,51 @@ def test_one_module_per_name(modules):
 def test_the_name_check_finds_shared_names():
     assert shared_module_names(["cfp/a/x.py", "cfp/b/x.py", "cfp/a/__init__.py", "cfp/__init__.py"]) == {
         "x.py": ["cfp/a/x.py", "cfp/b/x.py"]}
+
+
+# The passes in the order data flows through them (README's package map); the floor (errors, files, mesh,
+# layout, version, corpus, xla/, hardware/, models/, ...) and the side rooms (baselines/, report/, layered/,
+# api.py) are not ranked. `cfp` itself (the public API package) is above every pass but the CLI.
+PASS_ORDER = ("ir", "analysis", "sharding", "profiling", "search", "planner", "runtime", "data", "cfp", "cli")
+# Climbs present when this check came in, each to be moved down (the test fails once one is gone):
+# the planner reads the runtime's schedule names and (`planner/check.py`) runs its engine.
+KNOWN_CLIMBS = frozenset({("planner", "runtime")})
+
+
+def _pass_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "cfp":
+        return None
+    return "cfp" if len(parts) == 1 else parts[1]
+
+
+def climbing_imports(tree, rel) -> list[tuple[str, str, str]]:
+    """(from pass, to pass, where) of each import in module `rel` of a pass later in PASS_ORDER than its own."""
+    own = _pass_of(rel.removesuffix(".py").replace("/", "."))
+    if own not in PASS_ORDER:
+        return []
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            targets = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+            targets = [n.module]
+        else:
+            continue
+        for t in targets:
+            to = _pass_of(t)
+            if to in PASS_ORDER and PASS_ORDER.index(to) > PASS_ORDER.index(own):
+                out.append((own, to, f"{rel}:{n.lineno} imports {t}"))
+    return out
+
+
+def test_no_import_climbs_a_floor(modules):
+    climbs = [c for rel, tree in modules for c in climbing_imports(tree, rel)]
+    assert [where for own, to, where in climbs if (own, to) not in KNOWN_CLIMBS] == []
+    assert KNOWN_CLIMBS - {(own, to) for own, to, _ in climbs} == set(), "gone: drop from KNOWN_CLIMBS"
+
+
+def test_the_climb_check_finds_climbs():
+    assert climbing_imports(ast.parse("import cfp"), "cfp/profiling/cachekey.py") != []
+    assert climbing_imports(ast.parse("from cfp.data.corpus import X"), "cfp/runtime/training.py") != []
+    assert climbing_imports(ast.parse("from cfp.analysis import y\nimport cfp.errors"), "cfp/search/s.py") == []

@@ -21,7 +21,7 @@ import sysconfig
 
 import numpy as np
 
-from cfp.data.corpus import _expand
+from cfp.corpus import _expand
 from cfp.errors import ConfigError
 
 STDLIB = "stdlib"  # the --input value naming the built-in corpus

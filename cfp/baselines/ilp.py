@@ -378,19 +378,6 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     return node_choice, problem.cost(node_choice), status == highspy.HighsModelStatus.kOptimal, col
 
 
-def brute_force(problem: Problem, memory_budget: float | None = None) -> tuple[tuple[int, ...], float]:
-    """Exhaustive minimum of the same objective (tests; only for tiny problems)."""
-    best, best_cost = None, math.inf
-    for node_choice in itertools.product(*(range(n.k) for n in problem.nodes)):
-        if memory_budget is not None and problem.memory(node_choice) > memory_budget:
-            continue
-        c = problem.cost(node_choice)
-        if c < best_cost - 1e-15:
-            best, best_cost = node_choice, c
-    if best is None:
-        raise InfeasibleError("no layout fits the memory budget")
-    return best, best_cost
-
 
 def ilp_choice(analysis: Analysis, memory_budget: float | None = None, cost: AlphaBeta | None = None,
              time_limit: float = 60.0) -> IlpResult:

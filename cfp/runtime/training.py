@@ -233,8 +233,8 @@ def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformat
 
 def train_user_model(user: Any, opts: RunOptions, log: Callable[..., None] = None,
                      cache: Optional["CompileCache"] = None, keep_state: bool = False) -> "TrainResult":
-    """A user's model, batches and optimizer (`cfp.runtime.user_model.UserModel`) trained as `opts` says; ``keep_state``:
-    the result holds the trained parameters and optimizer state."""
+    """A user's model, batches and optimizer (`cfp.runtime.user_model.UserModel`) trained as `opts` says;
+    ``keep_state``: the result holds the trained parameters and optimizer state."""
     from cfp.runtime.verify import model_reference
     model, rows = user.model, opts.layout.global_batch
     job = _Job(model, user.optimizer, lambda step: user.batches(step, rows), _model_settings(model, rows),

@@ -27,8 +27,8 @@ from cfp.search.search import SearchResult
 from cfp.sharding.check import check_collectives
 from cfp.sharding.specs import StepShardings
 from cfp.sharding.step import ShardedStep
+from cfp.version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
     # intra-operator parallelism (CFP): analyse, search, apply, save and reload plans

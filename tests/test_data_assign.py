@@ -7,7 +7,8 @@ import pytest
 
 from cfp.data.batching import METHODS, assign_step
 from cfp.data.dispatch import dispatch, dispatch_greedy, dispatch_ilp, lower_bound, makespan
-from cfp.data.packing import _lpt, min_count, pack_balanced, pack_fixed, pack_ilp, pipeline_time
+from cfp.data.packing import _lpt, min_count, pack_balanced, pack_fixed, pipeline_time
+from references import pack_ilp
 from cfp.data.propose import propose
 from cfp.data.schemes import Scheme, SchemeSpace
 from cfp.errors import InfeasibleError

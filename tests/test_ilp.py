@@ -6,7 +6,8 @@ import pytest
 from cfp.analysis.analysis import analyze_with_program
 from cfp.sharding.step import apply_choice
 from cfp.errors import InfeasibleError
-from cfp.baselines.ilp import AlphaBeta, brute_force, build_problem, candidate_specs, ilp_choice, solve
+from cfp.baselines.ilp import AlphaBeta, build_problem, candidate_specs, ilp_choice, solve
+from references import ilp_brute_force
 
 
 def _mlp_step(p, x, y):
@@ -40,7 +41,7 @@ def test_ilp_equals_brute_force_mlp(mesh):
     a, _ = analyze_with_program(_mlp_step, mesh, *_mlp_args())
     problem = build_problem(a.graph, a.mesh.shape)
     node_choice, cost, optimal, _ = solve(problem)
-    best, best_cost = brute_force(problem)
+    best, best_cost = ilp_brute_force(problem)
     assert optimal
     assert cost == pytest.approx(best_cost, rel=1e-9, abs=1e-15)
 
@@ -52,11 +53,11 @@ def test_ilp_equals_brute_force_slow_network_and_memory_budget():
     problem = build_problem(a.graph, a.mesh.shape, AlphaBeta(bandwidth=1e6, latency=1e-6))
     assert 1e3 < __import__("math").prod(n.k for n in problem.nodes) < 5e6
     _, cost, _, _ = solve(problem)
-    assert cost == pytest.approx(brute_force(problem)[1], rel=1e-9)
+    assert cost == pytest.approx(ilp_brute_force(problem)[1], rel=1e-9)
     budget = (problem.min_memory() + problem.memory([0] * len(problem.nodes))) / 2
     node_choice, cost_b, _, _ = solve(problem, memory_budget=budget)
     assert problem.memory(node_choice) <= budget
-    assert cost_b == pytest.approx(brute_force(problem, memory_budget=budget)[1], rel=1e-9)
+    assert cost_b == pytest.approx(ilp_brute_force(problem, memory_budget=budget)[1], rel=1e-9)
 
 
 def test_infeasible_budget_names_smallest():

@@ -33,7 +33,8 @@ def _planner_all_reduce_bytes(cfg, pipe: Pipeline, idx: int) -> tuple[float, flo
 
 def _compiled_all_reduce_bytes(trainer, key) -> tuple[int, int]:
     """Per-device all-reduce bytes of the runtime's compiled forward and backward programs of stage `key`."""
-    from cfp.xla.hlo import parse_collectives, summarize
+    from cfp.xla.hlo import parse_collectives
+    from references import summarize
     jobs = trainer.compile_jobs(key)
     tp = trainer.layout.place(key).tp
     out = []

@@ -207,7 +207,8 @@ def check_gradients(trainer, model, cfg):
 
 def check_steps(trainer, model, cfg):
     """STEPS AdamW steps: losses and whole-tree parameters vs the micro-batched reference."""
-    from cfp.runtime.verify import identical_across_pipelines, loss_error, tree_error
+    from cfp.runtime.verify import loss_error, tree_error
+    from references import identical_across_pipelines
     p0, ref_losses, ref_params, _ = microbatched_reference(model, cfg, trainer.layout)
     losses = [trainer.step(b).loss for b in batches(model, cfg, trainer.layout.global_batch)]
     assert loss_error(losses, ref_losses) < LOSS_RTOL
@@ -244,7 +245,8 @@ def test_skipped_update_is_caught(monkeypatch):
     ``state()`` returns) and when a stage of pipeline 1 misses pipeline 0's new parameters (the cross-pipeline
     check)."""
     import cfp.runtime.engine as engine
-    from cfp.runtime.verify import identical_across_pipelines, tree_error
+    from cfp.runtime.verify import tree_error
+    from references import identical_across_pipelines
     layout = Layout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
     cfg = tiny(3)
     for skipped in ((0, 1), (1, 0)):

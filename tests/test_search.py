@@ -4,7 +4,8 @@ import random
 import pytest
 
 from cfp.errors import ConfigError, InfeasibleError
-from cfp.search.dp import brute_force, dp_search
+from cfp.search.dp import dp_search
+from references import dp_brute_force
 from cfp.search.options import SearchOptions, parse_bytes
 from cfp.search.plan import Plan, load_plan
 
@@ -23,7 +24,7 @@ def test_dp_equals_brute_force(seed):
     lo = sum(min(m) for m in mem)
     hi = sum(max(m) for m in mem)
     for budget in (None, lo, (lo + hi) // 2, hi):
-        ref = brute_force(cost, mem, trans, budget)
+        ref = dp_brute_force(cost, mem, trans, budget)
         best = dp_search(cost, mem, trans, budget)[0]
         assert best.time == pytest.approx(ref.time)
         if budget is not None:

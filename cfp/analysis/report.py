@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import DimAxes
+from cfp.analysis.block_sharding import DimAxes
 from cfp.files import write_text_atomic
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from cfp.analysis.analysis import Analysis
 from cfp.analysis import dimflow
 from cfp.analysis.blocks import loops_of
-from cfp.analysis.layout import DimAxes, shards
+from cfp.analysis.block_sharding import DimAxes, shards
 from cfp.analysis.strategies import DotStrategy, enumerate_strategies
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.hardware import rates
@@ -378,19 +378,6 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     return node_choice, problem.cost(node_choice), status == highspy.HighsModelStatus.kOptimal, col
 
 
-def brute_force(problem: Problem, memory_budget: float | None = None) -> tuple[tuple[int, ...], float]:
-    """Exhaustive minimum of the same objective (tests; only for tiny problems)."""
-    best, best_cost = None, math.inf
-    for node_choice in itertools.product(*(range(n.k) for n in problem.nodes)):
-        if memory_budget is not None and problem.memory(node_choice) > memory_budget:
-            continue
-        c = problem.cost(node_choice)
-        if c < best_cost - 1e-15:
-            best, best_cost = node_choice, c
-    if best is None:
-        raise InfeasibleError("no layout fits the memory budget")
-    return best, best_cost
-
 
 def ilp_choice(analysis: Analysis, memory_budget: float | None = None, cost: AlphaBeta | None = None,
              time_limit: float = 60.0) -> IlpResult:
@@ -421,9 +408,10 @@ def ilp_choice(analysis: Analysis, memory_budget: float | None = None, cost: Alp
         if t is None or t not in owner:
             return () if t is None else tuple(() for _ in g.tensor(t).shape)
         return problem.nodes[owner[t]].specs[node_choice[owner[t]]][t]
-    return IlpResult(node_choice, tuple(choice), obj, problem.cost(applied), problem.memory(node_choice), disagree,
-                     optimal, time.perf_counter() - t0, nvars, tuple(spec(t) for t in g.inputs),
-                     tuple(spec(t) for t in g.outputs))
+    return IlpResult(node_choice=node_choice, choice=tuple(choice), cost=obj, cost_of_choice=problem.cost(applied),
+                     memory=problem.memory(node_choice), disagreements=disagree, optimal=optimal,
+                     solve_time=time.perf_counter() - t0, num_variables=nvars,
+                     input_specs=tuple(spec(t) for t in g.inputs), output_specs=tuple(spec(t) for t in g.outputs))
 
 
 def ilp_step(program, analysis: Analysis, result: IlpResult, mesh=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import data_parallel_choice, loops_of
-from cfp.analysis.layout import shards
+from cfp.analysis.block_sharding import shards
 from cfp.analysis.strategies import LoopKind
 
 

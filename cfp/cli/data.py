@@ -238,8 +238,10 @@ def run_train(args) -> int:
         seqs = _load(args, cap)
     for i, pipes in enumerate(candidates):
         print(f"method {method.number} ({method.name}); strategy {i}: {train.describe(pipes)}")
-    opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step, args.lr, args.seed,
-                                  args.ilp_max_sequences, args.weight_decay, ScheduleName.parse(args.schedule),
+    opts = train.DataTrainOptions(model=args.model, method=method, steps=args.steps,
+                                  tokens_per_step=args.tokens_per_step, learning_rate=args.lr, seed=args.seed,
+                                  ilp_max_sequences=args.ilp_max_sequences, weight_decay=args.weight_decay,
+                                  schedule=ScheduleName.parse(args.schedule),
                                   parallel_pipelines=parallel)
     layout0 = train.layout_of(candidates[0], cfg.num_layers, jax.device_count())
     trainer = zoo_trainer(args.model, cfg, layout0, opts.schedule, learning_rate=args.lr,

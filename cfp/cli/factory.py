@@ -8,26 +8,15 @@ rows (it must depend only on its arguments, so a resumed run sees the same data)
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 from cfp.errors import ConfigError
 from cfp.planner.layout_file import is_factory as is_factory
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class UserModel:
-    """What a factory returned, checked: the model, step -> global batch, the optimizer and where it came from."""
-    model: Any
-    batches: Callable[[int, int], Any]
-    optimizer: Any
-    spec: str
+from cfp.runtime.user_model import UserModel as UserModel, cycled_rows as cycled_rows
 
 
 def load_factory(spec: str) -> UserModel:
@@ -88,18 +77,3 @@ def _checked(out: Any, spec: str) -> UserModel:
         raise ConfigError(f"--model {spec!r}: the factory's third value is {type(tx).__name__}, not an optax "
                           "GradientTransformation")
     return UserModel(model, batch if callable(batch) else cycled_rows(batch), tx, spec)
-
-
-def cycled_rows(batch: Any) -> Callable[[int, int], Any]:
-    """``(step, rows) -> batch``: step ``s`` takes rows ``s*rows ..`` of ``batch``, wrapping around."""
-    import jax
-    host = jax.tree_util.tree_map(np.asarray, batch)
-    leaves = jax.tree_util.tree_leaves(host)
-    if not leaves or any(np.ndim(a) == 0 for a in leaves) or len({a.shape[0] for a in leaves}) != 1:
-        raise ConfigError("the factory's batch must be a pytree of arrays sharing a leading batch dim")
-    n = leaves[0].shape[0]
-
-    def batches(step: int, rows: int) -> Any:
-        idx = (np.arange(rows) + step * rows) % n
-        return jax.tree_util.tree_map(lambda a: a[idx], host)
-    return batches

@@ -1,4 +1,4 @@
 """Training data: real text corpora tokenised at the byte level."""
-from cfp.data.corpus import ByteCorpus
+from cfp.corpus import ByteCorpus
 
 __all__ = ["ByteCorpus"]

@@ -19,9 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from cfp.data.rows import arrange, pack_rows, row_count, row_width
-from cfp.data.milp import Milp
 from cfp.data.schemes import CostForm, Scheme
-from cfp.errors import ConfigError, InfeasibleError
+from cfp.errors import InfeasibleError
 from cfp.runtime.schedules import pipeline_time as _schedule_time
 
 MicroBatches = list[list[int]]   # per micro-batch, indices into the pipeline's length list
@@ -205,34 +204,6 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
         best = pack_fixed(lengths, max_len)
     return best
 
-
-def pack_ilp(lengths: Sequence[int], scheme: Scheme, m: int, max_len: int | None = None,
-             time_limit: float = 0.5) -> tuple[MicroBatches | None, bool]:
-    """HiGHS: m micro-batches minimising the slowest one (a·Σs²+b·Σs+c, varlen schemes) under the token
-    limit. Returns (micro-batches or None if none found in time, proved optimal)."""
-    if scheme.form is not CostForm.VARLEN:
-        raise ConfigError("the packing ILP is linear in Σs²; row-layout schemes are packed greedily")
-    lengths = np.asarray(lengths, np.int64)
-    max_len = scheme.max_len if max_len is None else max_len
-    _check(lengths, max_len)
-    n = lengths.size
-    cost = scheme.seq_cost(lengths)
-    unit = max(float(cost.max()), 1e-30)  # costs in units of the dearest sequence: O(1) for HiGHS
-    p = Milp.new(n * m, 1)
-    z = n * m                             # the slowest micro-batch, in `unit`s
-    p.cost[z] = 1.0
-    for i in range(n):
-        p.add_row([i * m + j for j in range(m)], [1.0] * m, 1.0, 1.0)
-    for j in range(m):
-        cols = [i * m + j for i in range(n)]
-        p.add_row(cols, lengths.astype(float).tolist(), -np.inf, float(max_len))
-        p.add_row(cols + [z], (cost / unit).tolist() + [-1.0], -np.inf, -scheme.c / unit)
-    sol, optimal = p.solve(time_limit)
-    if sol is None:
-        return None, False
-    x = sol[:z].reshape(n, m)
-    mbs = [list(np.flatnonzero(x[:, j] > 0.5)) for j in range(m)]
-    return [mb for mb in mbs if mb], optimal
 
 
 def _rows_decreasing(lengths: np.ndarray) -> list[list[int]]:

@@ -106,7 +106,7 @@ def default_shapes(cfg, n: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def measure_space(model: str, config_name: str, cfg, params, memory_mb: float,
+def measure_space(model: str, config_name: str, cfg, params, memory_mb: float, *,
                   repeats: int = 3, num_devices: int | None = None, log=None,
                   shapes: Sequence[tuple[int, int, int]] | None = None, parallelism: bool = True) -> SchemeSpace:
     """Fits from timed runs of the training engine on this machine's devices: per (cp, tp, pp) in `shapes`

@@ -27,7 +27,7 @@ import warnings
 
 import numpy as np
 
-from cfp.data.corpus import _expand
+from cfp.corpus import _expand
 from cfp.errors import ConfigError
 
 STDLIB = "stdlib"  # the --input value naming the built-in corpus

@@ -127,39 +127,51 @@ class GpuSpec:
         return self.peak(Precision.BF16 if dtype in ("bfloat16", "float16") else Precision.FP32)
 
 
-def _gpu(name, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None,
+def _gpu(name, *, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None,
          shared_host=False, gemm_curve=None, collective_latency_s=0.0, softmax_gbps=None, spill=None) -> GpuSpec:
     table = {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16 or bf16,
              Precision.FP8: fp8}
-    return GpuSpec(name, tuple((p, v) for p, v in table.items() if v), mem_gbps, mem_gb, link_gbps, link, source,
-                   shared_host, gemm_curve, collective_latency_s, softmax_gbps, spill)
+    return GpuSpec(name=name, tflops=tuple((p, v) for p, v in table.items() if v), mem_gbps=mem_gbps, mem_gb=mem_gb,
+                   link_gbps=link_gbps, link=link, source=source, shared_host=shared_host, gemm_curve=gemm_curve,
+                   collective_latency_s=collective_latency_s, softmax_gbps=softmax_gbps, spill=spill)
 
 
 def _cpu() -> GpuSpec:
     """The `cpu` entry from the figures `benchmarks/calibrate_cpu.py` measured (`cpu_calibration.CPU`)."""
     from cfp.hardware.cpu_calibration import CPU
     per_device = CPU.cores / CPU.devices
-    return _gpu("cpu", CPU.gemm_gflops_per_core * per_device / 1e3, None, None, None,
-                CPU.mem_gbps_per_core * per_device, CPU.host_memory_gb / CPU.devices,
-                CPU.link_gbps_per_core * per_device, "shared host memory", "cpu", shared_host=True,
-                gemm_curve=(1.0, CPU.gemm_half_dim),
+    return _gpu("cpu", fp32=CPU.gemm_gflops_per_core * per_device / 1e3, tf32=None, bf16=None, fp8=None,
+                mem_gbps=CPU.mem_gbps_per_core * per_device, mem_gb=CPU.host_memory_gb / CPU.devices,
+                link_gbps=CPU.link_gbps_per_core * per_device, link="shared host memory", source="cpu",
+                shared_host=True, gemm_curve=(1.0, CPU.gemm_half_dim),
                 collective_latency_s=CPU.collective_cpu_us * 1e-6 / per_device,
                 softmax_gbps=CPU.softmax_gbps_per_core * per_device,
                 spill=(CPU.cache_mib * 2 ** 20, CPU.spilled_mem_gbps_per_core * per_device))
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    _gpu("A100-PCIe-40G", 19.5, 156.0, 312.0, None, 1555.0, 40.0, 32.0, "PCIe Gen4 x16", "A100"),
-    _gpu("A100-PCIe-80G", 19.5, 156.0, 312.0, None, 1935.0, 80.0, 32.0, "PCIe Gen4 x16", "A100"),
-    _gpu("A100-SXM-80G", 19.5, 156.0, 312.0, None, 2039.0, 80.0, 300.0, "NVLink 3", "A100"),
-    _gpu("H100-SXM", 67.0, 494.5, 989.0, 1979.0, 3350.0, 80.0, 450.0, "NVLink 4", "H100"),
-    _gpu("H100-PCIe", 51.0, 378.0, 756.5, 1513.0, 2000.0, 80.0, 64.0, "PCIe Gen5 x16", "H100"),
-    _gpu("H200", 67.0, 494.5, 989.0, 1979.0, 4800.0, 141.0, 450.0, "NVLink 4", "H200"),
-    _gpu("RTX3090", 35.6, 35.6, 71.0, None, 936.0, 24.0, 32.0, "PCIe Gen4 x16", "GA102"),
-    _gpu("RTX3080Ti", 34.1, 34.1, 68.2, None, 912.0, 12.0, 32.0, "PCIe Gen4 x16", "GA102"),
-    _gpu("RTX4090", 82.6, 82.6, 165.2, 330.3, 1008.0, 24.0, 32.0, "PCIe Gen4 x16", "AD102"),
-    _gpu("L4", 30.3, 60.0, 121.0, 242.5, 300.0, 24.0, 32.0, "PCIe Gen4 x16", "L4"),
-    _gpu("V100-SXM2-32G", 15.7, None, None, None, 900.0, 32.0, 150.0, "NVLink 2", "V100", fp16=125.0),
+    _gpu("A100-PCIe-40G", fp32=19.5, tf32=156.0, bf16=312.0, fp8=None, mem_gbps=1555.0, mem_gb=40.0, link_gbps=32.0,
+         link="PCIe Gen4 x16", source="A100"),
+    _gpu("A100-PCIe-80G", fp32=19.5, tf32=156.0, bf16=312.0, fp8=None, mem_gbps=1935.0, mem_gb=80.0, link_gbps=32.0,
+         link="PCIe Gen4 x16", source="A100"),
+    _gpu("A100-SXM-80G", fp32=19.5, tf32=156.0, bf16=312.0, fp8=None, mem_gbps=2039.0, mem_gb=80.0, link_gbps=300.0,
+         link="NVLink 3", source="A100"),
+    _gpu("H100-SXM", fp32=67.0, tf32=494.5, bf16=989.0, fp8=1979.0, mem_gbps=3350.0, mem_gb=80.0, link_gbps=450.0,
+         link="NVLink 4", source="H100"),
+    _gpu("H100-PCIe", fp32=51.0, tf32=378.0, bf16=756.5, fp8=1513.0, mem_gbps=2000.0, mem_gb=80.0, link_gbps=64.0,
+         link="PCIe Gen5 x16", source="H100"),
+    _gpu("H200", fp32=67.0, tf32=494.5, bf16=989.0, fp8=1979.0, mem_gbps=4800.0, mem_gb=141.0, link_gbps=450.0,
+         link="NVLink 4", source="H200"),
+    _gpu("RTX3090", fp32=35.6, tf32=35.6, bf16=71.0, fp8=None, mem_gbps=936.0, mem_gb=24.0, link_gbps=32.0,
+         link="PCIe Gen4 x16", source="GA102"),
+    _gpu("RTX3080Ti", fp32=34.1, tf32=34.1, bf16=68.2, fp8=None, mem_gbps=912.0, mem_gb=12.0, link_gbps=32.0,
+         link="PCIe Gen4 x16", source="GA102"),
+    _gpu("RTX4090", fp32=82.6, tf32=82.6, bf16=165.2, fp8=330.3, mem_gbps=1008.0, mem_gb=24.0, link_gbps=32.0,
+         link="PCIe Gen4 x16", source="AD102"),
+    _gpu("L4", fp32=30.3, tf32=60.0, bf16=121.0, fp8=242.5, mem_gbps=300.0, mem_gb=24.0, link_gbps=32.0,
+         link="PCIe Gen4 x16", source="L4"),
+    _gpu("V100-SXM2-32G", fp32=15.7, tf32=None, bf16=None, fp8=None, mem_gbps=900.0, mem_gb=32.0, link_gbps=150.0,
+         link="NVLink 2", source="V100", fp16=125.0),
     _cpu(),
 )}
 

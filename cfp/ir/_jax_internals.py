@@ -189,48 +189,72 @@ def _user_source(source_info) -> tuple[str, tuple]:
 def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
     """Global ids for every value of `jaxpr` (a jax 0.12 Jaxpr, its consts attached), call-likes inlined,
     scans spelt out as `ScanRegion`s (ports, body once, ports)."""
-    avals: dict[int, tuple] = {}
-    const_values: dict[int, Any] = {}
-    eqns: list[FlatEqn] = []
-    loops: list[ScanRegion | None] = []
-    counter = [0]
+    flat = _Flattener()
+    env = flat.consts_of(jaxpr)
+    invars = []
+    for v in jaxpr.invars:
+        env[v] = flat.new_id(v.aval)
+        invars.append(env[v])
+    flat.walk(jaxpr, env, (), ())
+    outvars = [_atom(env, v) for v in jaxpr.outvars]
+    return TracedProgram(avals=flat.avals, invars=invars, outvars=outvars, eqns=flat.eqns, in_tree=in_tree,
+                         out_tree=out_tree, const_values=flat.const_values, loops=flat.loops)
 
-    def new_id(aval) -> int:
-        counter[0] += 1
-        avals[counter[0]] = _aval_info(aval)
-        return counter[0]
 
-    def atom(env, a):
-        if isinstance(a, jex_core.Literal):
-            return ("lit", a.val)
-        return ("var", env[a])
+def _atom(env, a):
+    if isinstance(a, jex_core.Literal):
+        return ("lit", a.val)
+    return ("var", env[a])
 
-    def consts_of(sub) -> dict:
+
+class _Flattener:
+    """The state of one `_flatten`: global ids handed out so far, their avals and constants, the equations and
+    scan regions emitted."""
+
+    def __init__(self):
+        self.avals: dict[int, tuple] = {}
+        self.const_values: dict[int, Any] = {}
+        self.eqns: list[FlatEqn] = []
+        self.loops: list[ScanRegion | None] = []
+        self.counter = 0
+
+    def new_id(self, aval) -> int:
+        self.counter += 1
+        self.avals[self.counter] = _aval_info(aval)
+        return self.counter
+
+    def consts_of(self, sub) -> dict:
         inner_env = {}
         for v, c in zip(sub.constvars, sub.consts):
-            inner_env[v] = new_id(v.aval)
-            const_values[inner_env[v]] = c
+            inner_env[v] = self.new_id(v.aval)
+            self.const_values[inner_env[v]] = c
         return inner_env
 
-    def inline(sub, ins, outvars, env, scope, trans, loop):
-        """Walk the called jaxpr `sub` with its inputs bound to the caller's operands `ins`."""
-        inner_env = consts_of(sub)
-        # custom_jvp/vjp carry extra leading const operands for their rule functions only
-        for v, a in zip(sub.invars, ins[len(ins) - len(sub.invars):]):
-            inner_env[v] = bound(v, a)
-        walk(sub, inner_env, scope, trans, loop)
-        for outer_v, inner_v in zip(outvars, sub.outvars):
-            if not isinstance(outer_v, jex_core.DropVar):
-                env[outer_v] = bound(outer_v, atom(inner_env, inner_v))
-
-    def bound(v, a) -> int:
+    def bound(self, v, a) -> int:
         """The global id `v` takes for the atom `a`: its var, or a new constant holding its literal."""
         if a[0] == "var":
             return a[1]
-        const_values[new_id(v.aval)] = a[1]
-        return counter[0]
+        self.const_values[self.new_id(v.aval)] = a[1]
+        return self.counter
 
-    def remat_barrier(eqn, sub, ins, scope, trans, loop):
+    def emit(self, primitive, params, ins, outs, eqn, scope, trans, loop):
+        """Append one `FlatEqn`, its source taken from the JAX equation `eqn`."""
+        source, key = _user_source(eqn.source_info)
+        self.eqns.append(FlatEqn(primitive=primitive, params=params, invars=ins, outvars=outs, scope=scope,
+                                 transforms=trans, source=source, source_key=key, loop=loop))
+
+    def inline(self, sub, ins, outvars, env, scope, trans, loop):
+        """Walk the called jaxpr `sub` with its inputs bound to the caller's operands `ins`."""
+        inner_env = self.consts_of(sub)
+        # custom_jvp/vjp carry extra leading const operands for their rule functions only
+        for v, a in zip(sub.invars, ins[len(ins) - len(sub.invars):]):
+            inner_env[v] = self.bound(v, a)
+        self.walk(sub, inner_env, scope, trans, loop)
+        for outer_v, inner_v in zip(outvars, sub.outvars):
+            if not isinstance(outer_v, jex_core.DropVar):
+                env[outer_v] = self.bound(outer_v, _atom(inner_env, inner_v))
+
+    def remat_barrier(self, eqn, sub, ins, scope, trans, loop):
         """The operands of a differentiated remat passed through one `optimization_barrier` equation, as JAX
         lowers it (`ad_checkpoint._remat_lowering`); other remats' operands unchanged."""
         cse = eqn.params.get("prevent_cse", True)
@@ -238,86 +262,73 @@ def _flatten(jaxpr, in_tree, out_tree) -> TracedProgram:
         picked = [k for k, (a, keep) in enumerate(zip(ins, cse)) if keep and a[0] == "var"]
         if not eqn.params.get("differentiated") or not picked:
             return ins
-        outs = [new_id(sub.invars[k].aval) for k in picked]
-        source, key = _user_source(eqn.source_info)
-        eqns.append(FlatEqn(_optimization_barrier_p(), {}, [ins[k] for k in picked], outs, scope, trans,
-                            source, key, loop))
+        outs = [self.new_id(sub.invars[k].aval) for k in picked]
+        self.emit(_optimization_barrier_p(), {}, [ins[k] for k in picked], outs, eqn, scope, trans, loop)
         ins = list(ins)
         for k, o in zip(picked, outs):
             ins[k] = ("var", o)
         return ins
 
-    def scan_region(eqn, ins, env, scope, trans, parent):
+    def scan_region(self, eqn, ins, env, scope, trans, parent):
         """Spell a scan out: an enter port per body input, the body walked once, an exit port per result."""
         body, p = eqn.params["jaxpr"], eqn.params
         nc, nk = _scan_counts(p)
-        index = len(loops)
-        loops.append(None)
-        source, key = _user_source(eqn.source_info)
+        index = len(self.loops)
+        self.loops.append(None)
         port = dict(loop=index, length=int(p["length"]))
-        inner_env = consts_of(body)
-        start, enters = len(eqns), []
+        inner_env = self.consts_of(body)
+        start, enters = len(self.eqns), []
         for k, (v, a) in enumerate(zip(body.invars, ins)):
-            inner_env[v] = new_id(v.aval)
+            inner_env[v] = self.new_id(v.aval)
             role = "const" if k < nc else "carry" if k < nc + nk else "xs"
-            enters.append(len(eqns))
-            eqns.append(FlatEqn(SCAN_ENTER, dict(port, role=role), [a], [inner_env[v]], scope, trans, source, key,
-                                parent))
-        body_start = len(eqns)
-        walk(body, inner_env, scope, trans, index)
-        body_stop, exits = len(eqns), []
+            enters.append(len(self.eqns))
+            self.emit(SCAN_ENTER, dict(port, role=role), [a], [inner_env[v]], eqn, scope, trans, parent)
+        body_start = len(self.eqns)
+        self.walk(body, inner_env, scope, trans, index)
+        body_stop, exits = len(self.eqns), []
         for k, (outer_v, inner_v) in enumerate(zip(eqn.outvars, body.outvars)):
             out = None
             if not isinstance(outer_v, jex_core.DropVar):
-                out = env[outer_v] = new_id(outer_v.aval)
-            exits.append(len(eqns))
-            eqns.append(FlatEqn(SCAN_EXIT, dict(port, role="carry" if k < nk else "ys"), [atom(inner_env, inner_v)],
-                                [out], scope, trans, source, key, parent))
-        loops[index] = ScanRegion(index, parent, int(p["length"]), bool(p["reverse"]), p.get("unroll", 1), nc, nk,
-                                  tuple(enters), tuple(exits), start, body_start, body_stop, len(eqns))
+                out = env[outer_v] = self.new_id(outer_v.aval)
+            exits.append(len(self.eqns))
+            self.emit(SCAN_EXIT, dict(port, role="carry" if k < nk else "ys"), [_atom(inner_env, inner_v)], [out],
+                      eqn, scope, trans, parent)
+        self.loops[index] = ScanRegion(
+            index=index, parent=parent, length=int(p["length"]), reverse=bool(p["reverse"]),
+            unroll=p.get("unroll", 1), num_consts=nc, num_carry=nk, enters=tuple(enters), exits=tuple(exits),
+            start=start, body_start=body_start, body_stop=body_stop, stop=len(self.eqns))
 
-    def walk(jaxpr, env, outer_scope, outer_transforms, loop=None):
+    def walk(self, jaxpr, env, outer_scope, outer_transforms, loop=None):
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             scopes, transforms = _name_stack_parts(eqn.source_info.name_stack)
             scope = outer_scope + scopes
             trans = outer_transforms + transforms
-            ins = [atom(env, v) for v in eqn.invars]
+            ins = [_atom(env, v) for v in eqn.invars]
             sub = eqn.params.get(CALL_PRIMITIVES[name]) if name in CALL_PRIMITIVES else None
             if isinstance(sub, jex_core.Jaxpr):
                 if name == "remat2":
-                    ins = remat_barrier(eqn, sub, ins, scope, trans, loop)
-                inline(sub, ins, eqn.outvars, env, scope, trans, loop)
-                continue
-            if name == SCAN_PRIMITIVE:
-                scan_region(eqn, ins, env, scope, trans, loop)
-                continue
-            if name in IDENTITY_PRIMITIVES:
+                    ins = self.remat_barrier(eqn, sub, ins, scope, trans, loop)
+                self.inline(sub, ins, eqn.outvars, env, scope, trans, loop)
+            elif name == SCAN_PRIMITIVE:
+                self.scan_region(eqn, ins, env, scope, trans, loop)
+            elif name in IDENTITY_PRIMITIVES:
                 for outer_v, a in zip(eqn.outvars, ins):
                     if not isinstance(outer_v, jex_core.DropVar):
-                        env[outer_v] = bound(outer_v, a)
-                continue
-            outs = []
-            for v in eqn.outvars:
-                if isinstance(v, jex_core.DropVar):
-                    outs.append(None)
-                else:
-                    env[v] = new_id(v.aval)
-                    outs.append(env[v])
-            source, key = _user_source(eqn.source_info)
-            eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs, scope, trans, source, key, loop))
+                        env[outer_v] = self.bound(outer_v, a)
+            else:
+                self.equation(eqn, ins, env, scope, trans, loop)
 
-    env: dict = {}
-    for v, c in zip(jaxpr.constvars, jaxpr.consts):
-        env[v] = new_id(v.aval)
-        const_values[env[v]] = c
-    invars = []
-    for v in jaxpr.invars:
-        env[v] = new_id(v.aval)
-        invars.append(env[v])
-    walk(jaxpr, env, (), ())
-    outvars = [atom(env, v) for v in jaxpr.outvars]
-    return TracedProgram(avals, invars, outvars, eqns, in_tree, out_tree, const_values, loops)
+    def equation(self, eqn, ins, env, scope, trans, loop):
+        """One plain equation: fresh ids for its outputs (None where dropped)."""
+        outs = []
+        for v in eqn.outvars:
+            if isinstance(v, jex_core.DropVar):
+                outs.append(None)
+            else:
+                env[v] = self.new_id(v.aval)
+                outs.append(env[v])
+        self.emit(eqn.primitive, dict(eqn.params), ins, outs, eqn, scope, trans, loop)
 
 
 def _optimization_barrier_p():

@@ -175,9 +175,11 @@ class OpGraph:
         ops = []
         for o in d["operators"]:
             dot = DotDims(**{k: tuple(v) for k, v in o["dot"].items()}) if o.get("dot") else None
-            ops.append(Operator(o["index"], o["primitive"], tuple(o["inputs"]), tuple(o["outputs"]),
-                                tuple(o["scope"]), o["source"], o["backward"], o["opaque"], dot,
-                                tuple(tuple(p) for p in o["params"]), o.get("recomputed", False), o.get("loop")))
+            ops.append(Operator(index=o["index"], primitive=o["primitive"], inputs=tuple(o["inputs"]),
+                                outputs=tuple(o["outputs"]), scope=tuple(o["scope"]), source=o["source"],
+                                backward=o["backward"], opaque=o["opaque"], dot=dot,
+                                params=tuple(tuple(p) for p in o["params"]), recomputed=o.get("recomputed", False),
+                                loop=o.get("loop")))
         loops = tuple(ScanLoop(lp["index"], lp["parent"], lp["length"], tuple(lp["enters"]), tuple(lp["exits"]),
                                lp["start"], lp["stop"]) for lp in d.get("loops", ()))
         return cls(tensors, tuple(ops), tuple(d["inputs"]), tuple(d["outputs"]), tuple(d["input_paths"]),

@@ -418,8 +418,9 @@ class CostModel:
         mem = self.stage_memory(st, idx, pipe, n_pipes, spec)
         cap = self.cluster.machines[st.machine].memory
         upd = self._stream_seconds(st.machine, self.update_bytes(st, first, last) * self.features.state_share(n_pipes))
-        return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
-                             self.stage_params(st, first, last), wgrad)
+        return StageEstimate(fwd=fwd, bwd=bwd, send=send, memory=mem, capacity=cap, flops_fwd=ff, flops_bwd=fb,
+                             update=upd, measured=measured is not None, params=self.stage_params(st, first, last),
+                             wgrad=wgrad)
 
     def tp_all_reduce_seconds(self, machine: int, tp: int, nbytes: float) -> float:
         """One ring all-reduce of `nbytes` per device over a TP group of `machine` (`collective_time` at the
@@ -490,10 +491,12 @@ class CostModel:
                 upd[m] = upd.get(m, 0.0) + e.update * f
             else:
                 own.append(e.update)
-        return _PipelineFigures(ests, time, np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
-                                all(e.memory <= e.capacity for e in ests), peak,
-                                frozenset(s.machine for s in pipe.stages), tuple(share), tuple(busy.items()),
-                                tuple(upd.items()), max(own, default=0.0), spec, tuple(options))
+        return _PipelineFigures(stages=ests, time=time, layer_tp=np.repeat(widths, layers),
+                                bounds=(0, *itertools.accumulate(layers)),
+                                fits=all(e.memory <= e.capacity for e in ests), peak=peak,
+                                machines=frozenset(s.machine for s in pipe.stages), share=tuple(share),
+                                host_busy=tuple(busy.items()), host_update=tuple(upd.items()),
+                                own_update=max(own, default=0.0), schedule=spec, options=tuple(options))
 
     def dp_time(self, layout: Layout) -> float:
         """Gradient sync as the runtime does it (`cfp.runtime.dispatch.sync_gradients`): every stage receives
@@ -599,9 +602,10 @@ class CostModel:
         seqs = layout.global_batch
         peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)
-        return Estimate(step, seqs * self.model.seq_len / step, mfu, times, dp, upd,
-                        tuple(f.stages for f in figs), all(f.fits for f in figs), peak,
-                        tuple(f.schedule for f in figs), tuple(f.options for f in figs))
+        return Estimate(step_time=step, tokens_per_s=seqs * self.model.seq_len / step, mfu=mfu, pipeline_time=times,
+                        dp_time=dp, update_time=upd, stages=tuple(f.stages for f in figs),
+                        fits=all(f.fits for f in figs), peak_flops=peak, schedules=tuple(f.schedule for f in figs),
+                        schedule_options=tuple(f.options for f in figs))
 
     def mfu_with_peaks(self, est: Estimate, layout: Layout, tflops: dict[str, float]) -> float:
         """MFU of `est` against another peak table (TFLOP/s by catalog name), e.g. a paper's."""

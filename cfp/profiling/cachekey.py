@@ -15,13 +15,13 @@ import os
 import jax
 import jaxlib
 
-import cfp
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import data_parallel_choice
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.subprogram import segment_io
+from cfp.version import __version__
 
 
 class _Names:
@@ -80,5 +80,5 @@ def segment_cache_key(program: Program, analysis: Analysis, segment: Segment, op
              f"device {device_kind} x{jax.device_count()}",
              f"profiler {profile_settings(options)}",
              f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}",
-             f"cfp {cfp.__version__} jax {jax.__version__} jaxlib {jaxlib.__version__}"]
+             f"cfp {__version__} jax {jax.__version__} jaxlib {jaxlib.__version__}"]
     return "seg-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import loops_of
-from cfp.analysis.layout import BlockLayout
+from cfp.analysis.block_sharding import BlockLayout
 from cfp.hardware import rates
 from cfp.hardware.collectives import LINKS, collective_time, link_collective_time
 from cfp.hardware.gpus import GpuSpec

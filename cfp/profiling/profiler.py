@@ -19,7 +19,7 @@ import numpy as np
 
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import data_parallel_choice
-from cfp.analysis.layout import shards
+from cfp.analysis.block_sharding import shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 from cfp.profiling import costmodel

@@ -25,7 +25,7 @@ from cfp.analysis.loops import outer_source, port_role, stacked_dims
 from cfp.ir.graph import SCAN_PORTS, OpGraph, Operator
 from cfp.sharding.constraints import ConstraintHooks
 from cfp.sharding.specs import partition_spec
-from cfp.analysis.layout import BlockLayout, shards
+from cfp.analysis.block_sharding import BlockLayout, shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import block_layout, shards
+from cfp.analysis.block_sharding import block_layout, shards
 from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.gpus import GpuSpec
@@ -61,10 +61,11 @@ class BlockFigures:
                 isinstance(d.get("repeat", 1), int) and d.get("repeat", 1) >= 1):
             raise ConfigError(f"block estimate {d!r} is malformed: repeat must be an integer >= 1")
         try:
-            return cls(int(d["block"]), str(d["scope"]), int(d.get("segment", -1)), str(d["strategy"]),
-                       float(d["compute_s"]), float(d["comm_s"]), int(d["memory_bytes"]), d.get("runner_up"),
-                       None if d.get("runner_up_delta_s") is None else float(d["runner_up_delta_s"]),
-                       int(d.get("repeat", 1)))
+            return cls(block=int(d["block"]), scope=str(d["scope"]), segment=int(d.get("segment", -1)),
+                       strategy=str(d["strategy"]), compute_s=float(d["compute_s"]), comm_s=float(d["comm_s"]),
+                       memory_bytes=int(d["memory_bytes"]), runner_up=d.get("runner_up"),
+                       runner_up_delta_s=None if d.get("runner_up_delta_s") is None else float(d["runner_up_delta_s"]),
+                       repeat=int(d.get("repeat", 1)))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"block estimate {d!r} is malformed: {e}") from None
 
@@ -118,10 +119,11 @@ def plan_figures(analysis: Analysis, choice: Sequence[int], gpu: GpuSpec) -> tup
         others = sorted((c[0] + c[1], s) for s, c in costs.items() if s != chosen)
         ru = others[0][1] if others else None
         seg = seg_of.get(b)
-        out.append(BlockFigures(b, block_scope(analysis, b), seg.index if seg else -1, analysis.notation(b, chosen),
-                                own[0], own[1], own[2],
-                                analysis.notation(b, ru) if ru is not None else None,
-                                others[0][0] - (own[0] + own[1]) if others else None, seg.repeat if seg else 1))
+        out.append(BlockFigures(block=b, scope=block_scope(analysis, b), segment=seg.index if seg else -1,
+                                strategy=analysis.notation(b, chosen), compute_s=own[0], comm_s=own[1],
+                                memory_bytes=own[2], runner_up=analysis.notation(b, ru) if ru is not None else None,
+                                runner_up_delta_s=others[0][0] - (own[0] + own[1]) if others else None,
+                                repeat=seg.repeat if seg else 1))
     return tuple(out)
 
 

@@ -168,12 +168,12 @@ def run_events(placement: Sequence[int], microbatches: int, num_actions: Sequenc
         while heap and heap[0][0] == t:
             _, _, kind, d, a = heapq.heappop(heap)
             if kind == "end":
-                seq = _ended(st, placement, d, a, t, send, link_free, heap, seq)
+                seq = _ended(st, placement, d, a, t, send=send, link_free=link_free, heap=heap, seq=seq)
             else:
                 (st.fwd_at if a.phase is Phase.FWD else st.grad_at)[a.vstage][a.microbatch] = t
 
 
-def _ended(st: EventState, placement, d: int, a: Action, t: float, send, link_free, heap, seq: int) -> int:
+def _ended(st: EventState, placement, d: int, a: Action, t: float, *, send, link_free, heap, seq: int) -> int:
     c, j = a.vstage, a.microbatch
     if a.phase is Phase.FWD:
         st.fwd_done[c][j] = t

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -255,16 +254,6 @@ class Timeline:
     def save_json(self, path: str | os.PathLike) -> None:
         write_json_atomic(path, self.to_dict(), indent=None)
 
-    @classmethod
-    def load_json(cls, path: str | os.PathLike) -> "Timeline":
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data, dict) or "events" not in data:
-            raise ConfigError(f"{os.fspath(path)!r} is not a cfp timeline JSON (no 'events' list)")
-        tl = cls(unmeasured=data.get("unmeasured", 0))
-        for e in data["events"]:
-            tl.record(e["pipeline"], e["stage"], e["microbatch"], e["phase"], e["start"], e["end"])
-        return tl
 
     # ---- plot ----
     def plot_png(self, path: str | os.PathLike, title: str | None = None) -> None:

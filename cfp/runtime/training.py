@@ -150,7 +150,7 @@ class _Data:
             if config.vocab_size < 256:
                 raise ConfigError(f"byte-level data needs vocab_size >= 256, the model has "
                                   f"{config.vocab_size}")
-            from cfp.data.corpus import ByteCorpus
+            from cfp.corpus import ByteCorpus
             if opts.data is DataSource.STDLIB:
                 self.corpus = ByteCorpus.from_python_stdlib(config.seq_len, seed=opts.seed)
             else:
@@ -217,7 +217,7 @@ def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformat
     from the newest (onto any layout); ``verify`` replays the steps on one device with the model's own loss and the
     optimizer and compares; other keywords are `RunOptions` fields (``timeline_dir``, ``stage_plans``, ...).
     Returns the `TrainResult`."""
-    from cfp.cli.factory import UserModel, cycled_rows
+    from cfp.runtime.user_model import UserModel, cycled_rows
     from cfp.layered.model import LayeredModel
     if not isinstance(model, LayeredModel):
         raise ConfigError(f"model={type(model).__name__} must be a cfp.LayeredModel")
@@ -233,8 +233,8 @@ def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformat
 
 def train_user_model(user: Any, opts: RunOptions, log: Callable[..., None] = None,
                      cache: Optional["CompileCache"] = None, keep_state: bool = False) -> "TrainResult":
-    """A user's model, batches and optimizer (`cfp.cli.factory.UserModel`) trained as `opts` says; ``keep_state``:
-    the result holds the trained parameters and optimizer state."""
+    """A user's model, batches and optimizer (`cfp.runtime.user_model.UserModel`) trained as `opts` says;
+    ``keep_state``: the result holds the trained parameters and optimizer state."""
     from cfp.runtime.verify import model_reference
     model, rows = user.model, opts.layout.global_batch
     job = _Job(model, user.optimizer, lambda step: user.batches(step, rows), _model_settings(model, rows),

@@ -9,7 +9,6 @@ test), and returns the best complete plans in order of time.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Sequence
 
 from cfp.errors import InfeasibleError
@@ -60,17 +59,3 @@ def _pareto(cands):
             best_t = t
     return out
 
-
-def brute_force(cost, mem, trans, budget: float | None) -> DPSolution | None:
-    """Exhaustive reference for tests: the fastest plan within budget, or None."""
-    limit = float("inf") if budget is None else budget
-    best = None
-    for picks in itertools.product(*[range(len(c)) for c in cost]):
-        m = sum(mem[i][j] for i, j in enumerate(picks))
-        if m > limit:
-            continue
-        t = sum(cost[i][j] for i, j in enumerate(picks))
-        t += sum(trans[i][picks[i]][picks[i + 1]] for i in range(len(picks) - 1))
-        if best is None or t < best.time:
-            best = DPSolution(picks, t, m)
-    return best

@@ -73,21 +73,24 @@ class Plan:
         except ValueError as e:
             raise PlanError(f"{where} is not JSON: {e}") from None
         validate_plan_dict(d, where)
-        return cls(tuple(d["mesh_shape"]), tuple(d["axis_names"]), tuple(d["choice"]), tuple(d["strategies"]),
-                   tuple(d["block_fingerprints"]), dict(d["input_specs"]), tuple(d["output_specs"]),
-                   dict(d["metrics"]), tuple(d.get("shard_state", ())), PLAN_VERSION,
-                   tuple(d.get("estimates", ())), tuple(d.get("profile", ())), tuple(d.get("num_strategies", ())))
+        return cls(mesh_shape=tuple(d["mesh_shape"]), axis_names=tuple(d["axis_names"]), choice=tuple(d["choice"]),
+                   strategies=tuple(d["strategies"]), block_fingerprints=tuple(d["block_fingerprints"]),
+                   input_specs=dict(d["input_specs"]), output_specs=tuple(d["output_specs"]),
+                   metrics=dict(d["metrics"]), shard_state=tuple(d.get("shard_state", ())), version=PLAN_VERSION,
+                   estimates=tuple(d.get("estimates", ())), profile=tuple(d.get("profile", ())),
+                   num_strategies=tuple(d.get("num_strategies", ())))
 
 
 def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None = None,
               estimates: tuple[dict, ...] = (), profile: tuple[dict, ...] = ()) -> Plan:
     g = analysis.graph
-    return Plan(analysis.mesh.shape, analysis.mesh.axis_names, applied.choice,
-                tuple(analysis.notation(b, c) for b, c in enumerate(applied.choice)),
-                tuple(b.fingerprint for b in analysis.blocks),
-                {path: spec_entries(s) for path, s in zip(g.input_paths, applied.input_specs)},
-                tuple(spec_entries(s) for s in applied.output_specs), dict(metrics or {}), applied.shard_state,
-                PLAN_VERSION, tuple(estimates), tuple(profile), tuple(len(b.strategies) for b in analysis.blocks))
+    return Plan(mesh_shape=analysis.mesh.shape, axis_names=analysis.mesh.axis_names, choice=applied.choice,
+                strategies=tuple(analysis.notation(b, c) for b, c in enumerate(applied.choice)),
+                block_fingerprints=tuple(b.fingerprint for b in analysis.blocks),
+                input_specs={path: spec_entries(s) for path, s in zip(g.input_paths, applied.input_specs)},
+                output_specs=tuple(spec_entries(s) for s in applied.output_specs), metrics=dict(metrics or {}),
+                shard_state=applied.shard_state, version=PLAN_VERSION, estimates=tuple(estimates),
+                profile=tuple(profile), num_strategies=tuple(len(b.strategies) for b in analysis.blocks))
 
 
 def check_choice_range(choice, num_strategies, where: str = "plan") -> None:

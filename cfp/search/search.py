@@ -149,7 +149,8 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     link = options.link_gbps or (gpu.link_gbps if gpu else measure_link_gbps(mesh))
     uniform = data_parallel_choice(analysis.graph, analysis.blocks)
     steps: dict = {}
-    scale, estimator = _calibrate(program, analysis, table, uniform, example_args, mesh, options, steps, log)
+    scale, estimator = _calibrate(program, analysis, table, uniform, example_args, mesh, options=options, steps=steps,
+                                  log=log)
     cands, cost, mem = _candidate_rows(analysis.segments, entries, estimator, scale, link)
     trans = _transitions(analysis, cands, link)
     solutions = _dp_solutions(cost, mem, trans, options, log)
@@ -158,8 +159,9 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     if options.verify:
         solutions, keys = _with_uniform_choices(analysis, uniform, solutions, keys, options.shard_state)
     loops = LoopBodies(program, analysis, table, gpu, mesh) if analysis.graph.loops else None
-    verified = [_verify_solution(program, analysis, sol, choice, shard, example_args, mesh, steps, options, gpu, log,
-                                 loops) for sol, (choice, shard) in zip(solutions, keys)]
+    verified = [_verify_solution(program, analysis, sol, choice, shard, example_args, mesh, steps=steps,
+                                 options=options, gpu=gpu, log=log, loops=loops)
+                for sol, (choice, shard) in zip(solutions, keys)]
     if gpu is None and options.verify:
         verified = _time_side_by_side(verified, steps, example_args, options, log)
     best = _best_fitting(verified, options)
@@ -214,16 +216,18 @@ def _segment_entries(analysis: Analysis, table: ProfileTable, top_k: int) -> lis
     return entries
 
 
-def _calibrate(program, analysis, table, uniform, example_args, mesh, options: SearchOptions, steps, log):
+def _calibrate(program, analysis, table, uniform, example_args, mesh, *, options: SearchOptions, steps, log):
     """(memory scale of the summed segment memories, state-sharding estimator or None), both calibrated on
     whole compiles of data parallel (plain, and with every block's state sharded) when verifying."""
-    scale = (_memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log, options.donate)
+    scale = (_memory_scale(program, analysis, table, uniform, example_args, mesh, steps=steps, log=log,
+                           donate=options.donate)
              if options.verify else 1.0)
     # Under a budget every candidate also exists with its state sharded (ZeRO-3): less memory, more gathering.
     estimator = (StateEstimator(analysis, uniform)
                  if options.memory_per_device is not None and options.shard_state else None)
     if estimator is not None and options.verify and (uniform, ()) in steps:
-        _state_scale(program, analysis, estimator, uniform, example_args, mesh, steps, log, options.donate)
+        _state_scale(program, analysis, estimator, uniform, example_args, mesh, steps=steps, log=log,
+                     donate=options.donate)
     return scale, estimator
 
 
@@ -285,14 +289,15 @@ def _with_uniform_choices(analysis: Analysis, uniform, solutions, keys, shard_st
     return solutions, keys
 
 
-def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_args, mesh, steps,
+def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_args, mesh, *, steps,
                      options: SearchOptions, gpu: GpuSpec | None, log, loops=None) -> VerifiedChoice:
     """Compile (and unless `verify` is 0, time or estimate) one choice whole."""
     if options.verify == 0:
-        return VerifiedChoice(choice, shard, sol.time, sol.time, sol.memory, 0.0)
+        return VerifiedChoice(choice=choice, shard_state=shard, dp_time=sol.time, time=sol.time, memory=sol.memory,
+                              flops=0.0)
     step = steps.get((choice, shard)) or apply_choice(program, analysis, choice, mesh, shard_state=shard)
     steps[(choice, shard)] = step
-    v = _verify(step, example_args, choice, shard, sol.time, options, gpu, analysis, loops)
+    v = _verify(step, example_args, choice, shard, sol.time, options=options, gpu=gpu, analysis=analysis, loops=loops)
     timing = (f"({'estimated: ' + gpu.name + ' cost model'}) {v.time:.4g} s" if gpu else "timed below")
     log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP estimate {sol.time:.4g} s, whole step "
         f"{'not timed (over the budget)' if v.time == float('inf') else timing}, "
@@ -366,7 +371,7 @@ def _step_memory(step: ShardedStep, memory: int, donate: bool) -> int:
     return memory - donated_bytes(step.analysis, step.shardings) if donate else memory
 
 
-def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, log, donate=False) -> float:
+def _memory_scale(program, analysis, table, uniform, example_args, mesh, *, steps, log, donate=False) -> float:
     """whole-step memory / sum of segment memories, measured on the data-parallel plan.
 
     Segments profiled alone each count their own peak of temporaries, while the whole step reuses buffers
@@ -389,7 +394,7 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, steps, 
     return scale
 
 
-def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_args, mesh, steps, log,
+def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_args, mesh, *, steps, log,
                  donate=False) -> None:
     """Calibrate the state-sharding savings on one whole compile: data parallel with every block's state
     sharded (FSDP) against plain data parallel."""
@@ -406,7 +411,7 @@ def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_
             f"estimated: savings x{estimator.scale:.2f}")
 
 
-def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: SearchOptions,
+def _verify(step: ShardedStep, example_args, choice, shard, dp_time, *, options: SearchOptions,
             gpu: GpuSpec | None, analysis: Analysis, loops: LoopBodies | None = None) -> VerifiedChoice:
     """One choice's whole-step figures: measured or estimated time, compiled memory, FLOPs (with `loops`, the
     loop bodies' iterations that XLA's figures count once are added)."""
@@ -428,5 +433,6 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, options: Se
     if gpu is not None:
         t += extra_t
     fig = dataclasses.replace(fig, flops=fig.flops + extra_flops)
-    return VerifiedChoice(tuple(choice), tuple(shard), dp_time, t, fig.memory, fig.flops * analysis.mesh.size,
-                          noise, sum(c.bytes for c in fig.collectives), remats)
+    return VerifiedChoice(choice=tuple(choice), shard_state=tuple(shard), dp_time=dp_time, time=t, memory=fig.memory,
+                          flops=fig.flops * analysis.mesh.size, noise=noise,
+                          comm_bytes=sum(c.bytes for c in fig.collectives), remats=remats)

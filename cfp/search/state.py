@@ -18,7 +18,7 @@ from cfp.analysis.analysis import Analysis
 from cfp.sharding.specs import sharded_state_spec, state_owners
 from cfp.analysis.blocks import trace_view
 from cfp.analysis.loops import stacked_dims
-from cfp.analysis.layout import BlockLayout, shards
+from cfp.analysis.block_sharding import BlockLayout, shards
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import BlockLayout, DimAxes
+from cfp.analysis.block_sharding import BlockLayout, DimAxes
 from cfp.ir.graph import BARRIER
 from cfp.sharding.reshard import direct_ok, reshard_path
 from cfp.sharding.specs import StepShardings, dim_axes, partition_spec

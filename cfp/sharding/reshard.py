@@ -19,7 +19,7 @@ import heapq
 import itertools
 import math
 
-from cfp.analysis.layout import DimAxes
+from cfp.analysis.block_sharding import DimAxes
 
 # (kind, per-device bytes of the larger buffer, devices in the group) of one collective
 Step = tuple[str, float, int]

@@ -13,7 +13,7 @@ from typing import Sequence
 from jax.sharding import PartitionSpec
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.layout import BlockLayout, DimAxes, shards
+from cfp.analysis.block_sharding import BlockLayout, DimAxes, shards
 from cfp.analysis.loops import stacked_dims
 from cfp.errors import ConfigError
 from cfp.ir.state import state_inputs, state_pairs

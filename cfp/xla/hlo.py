@@ -7,7 +7,6 @@ analysis can be checked instruction by instruction.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import re
 
@@ -114,10 +113,3 @@ def parse_collectives(hlo_text: str, mesh_shape: tuple[int, ...]) -> tuple[Colle
                               _axes_of(_groups(line, n), mesh_shape), block, reshard, op_name))
     return tuple(out)
 
-
-def summarize(collectives) -> dict[str, int]:
-    """Total bytes per collective kind."""
-    totals: dict[str, int] = {}
-    for kind, group in itertools.groupby(sorted(collectives, key=lambda c: c.kind), key=lambda c: c.kind):
-        totals[kind] = sum(c.bytes for c in group)
-    return totals

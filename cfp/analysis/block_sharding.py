@@ -1,4 +1,4 @@
-"""Block layouts: the sharding of every tensor of a ParallelBlock under one of its strategies.
+"""Block shardings (`BlockLayout`): the sharding of every tensor of a ParallelBlock under one of its strategies.
 
 The block's dots get their specs from the strategy (through each dot's re-index plan); the specs then flow
 over the dim links of the block's other operators. Reducing a sharded dim, or contracting one, is the only

@@ -1,4 +1,5 @@
-"""Byte-level text corpus: every byte is a token (vocab 256), so no tokenizer or download is needed.
+"""Byte-level text corpus: every byte is a token (vocab 256), so no tokenizer or download is needed. At the floor:
+the runtime (`--data stdlib|files`) and the data pass both read it.
 
 Batches are random windows drawn with a generator seeded by (seed, step), so a run is reproducible and a
 restarted run sees the same data at the same step without storing a data-loader state.

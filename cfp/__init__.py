@@ -17,8 +17,10 @@ from cfp.mesh import MeshSpec
 from cfp.planner.cluster import Cluster, parse_cluster
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
+from cfp.profiling.options import ProfileOptions
 from cfp.profiling.table import ProfileTable
 from cfp.runtime.training import TrainOptions, TrainResult, run_training
+from cfp.search.options import SearchOptions
 from cfp.search.plan import Plan, load_plan
 from cfp.search.search import SearchResult
 from cfp.sharding.check import check_collectives
@@ -30,7 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     # intra-operator parallelism (CFP): analyse, search, apply, save and reload plans
     "analyze", "autoshard", "apply_plan", "load_plan", "Plan", "MeshSpec", "ShardedStep", "StepShardings",
-    "Analysis", "SearchResult", "ProfileTable", "check_collectives",
+    "Analysis", "SearchResult", "ProfileTable", "check_collectives", "SearchOptions", "ProfileOptions",
     # heterogeneous clusters: planner and training runtime
     "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "Layout",
     "TrainOptions", "TrainResult", "run_training",

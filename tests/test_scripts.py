@@ -77,18 +77,19 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun] = {
             "estimate --max-combinations 1 --verify 0 --rows alpa-ilp,cfp", r"cfp speedup vs alpa-ilp", name="gpu")),
     "benchmarks/moe_wi.py": (Run("--batch-size 8 --iters 1", r"ms"),),
     "benchmarks/mutants.py": (Run("--list", r"\w+ +\w+ +cfp/"),),     # the full run is the suite many times over
-    "benchmarks/planner_measured.py": (Run("--config tiny --num-layers 2 --global-batch-size 8 --rounds 1 "
-                                           "--max-layouts 2", r"worst estimate/measured ratio"),),
+    "benchmarks/planner_measured.py": (Run("--config tiny --num-layers 1 --global-batch-size 8 --rounds 1 "
+                                           "--max-layouts 1", r"worst estimate/measured ratio"),),
     "benchmarks/planner_optimality.py": DocRun(),
     "benchmarks/planner_paper.py": (Run("", r"MFU"),),
     "benchmarks/planner_phase2.py": (Run("--sizes 64", r"64"),),
     "benchmarks/planner_scale.py": (Run("--sizes 64", r"64"),),
     "benchmarks/random_plan_check.py": (Run("--models gpt --num-layers 1 --plans 1", r"gpt"),),
     "benchmarks/regen_golden_plans.py": DocRun(),
-    "benchmarks/remat.py": (Run("--layers 1 --batch 8 --rounds 3", r"remat"),),
+    "benchmarks/remat.py": (Run("--layers 1 --batch 8 --rounds 3 --profiler estimate --gpu A100-SXM-80G",
+                                r"remat: \d+ blocks"),),
     "benchmarks/reshard_rule.py": (Run("--meshes 8 --max-rank 2", r"layout pairs, measured"),),
-    "benchmarks/scan_vs_unrolled.py": (Run("--layers 1 --scaling 2 --rounds 3 --scaling-profiler estimate",
-                                           r"scan"),),
+    "benchmarks/scan_vs_unrolled.py": (Run("--layers 1 --scaling 1 --rounds 3 --profiler estimate "
+                                           "--scaling-profiler estimate", r"autoshard total"),),
     "benchmarks/side_by_side.py": Covered(
         "the benchmarks' shared timing module, imported (not run) by the benchmarks that time plans side by side",
         ("benchmarks/remat.py", "benchmarks/scan_vs_unrolled.py", "benchmarks/user_programs.py", "examples/demo.py")),

@@ -12,14 +12,17 @@ The public API, re-exported here from the passes that own each name (one argumen
 from cfp.analysis.analysis import Analysis, analyze
 from cfp.api import apply_plan, autoshard
 from cfp.errors import CaptureError, CfpError, ConfigError, InfeasibleError, PlanError
+from cfp.layered.frontends import from_equinox, from_linen, from_nnx
+from cfp.layered.model import LayeredModel
 from cfp.layout import Layout
 from cfp.mesh import MeshSpec
 from cfp.planner.cluster import Cluster, parse_cluster
+from cfp.planner.layered import plan_layout
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.table import ProfileTable
-from cfp.runtime.training import TrainOptions, TrainResult, run_training
+from cfp.runtime.training import RunOptions, TrainOptions, TrainResult, run_training, train_pipelines
 from cfp.search.options import SearchOptions
 from cfp.search.plan import Plan, load_plan
 from cfp.search.search import SearchResult
@@ -34,7 +37,8 @@ __all__ = [
     "analyze", "autoshard", "apply_plan", "load_plan", "Plan", "MeshSpec", "ShardedStep", "StepShardings",
     "Analysis", "SearchResult", "ProfileTable", "check_collectives", "SearchOptions", "ProfileOptions",
     # heterogeneous clusters: planner and training runtime
-    "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "Layout",
+    "LayeredModel", "from_linen", "from_nnx", "from_equinox", "train_pipelines", "RunOptions",
+    "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "plan_layout", "Layout",
     "TrainOptions", "TrainResult", "run_training",
     # errors
     "CfpError", "ConfigError", "PlanError", "CaptureError", "InfeasibleError",

@@ -19,9 +19,10 @@ Used by the planner (`cfp.planner.costmodel`), the data pass's estimated scheme 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,69 @@ from cfp.sharding.rules import path_keys, tensor_dim
 Gemm = tuple[float, tuple[float, float, float]]     # (FLOPs, per-device GEMM shape (m, n, k))
 _MISSING = object()
 PARAM_BYTES = 4           # the runtime keeps float32 master weights, gradients and Adam moments
+
+
+class Part(str, enum.Enum):
+    """A part of a layered model: the embedding (`first`), one layer, the head and loss (`last`)."""
+    EMBED = "embed"
+    LAYER = "layer"
+    HEAD = "head"
+
+
+@runtime_checkable
+class ModelFigures(Protocol):
+    """What the planner's cost model (`cfp.planner.costmodel.CostModel`) reads of a model: per device at a
+    tensor-parallel degree `tp`, per row of a micro-batch (a zoo model's row is one sequence) unless said
+    otherwise. `ModelCost` writes them by hand for the zoo; `cfp.layered.facts.CostFacts` derives them from any
+    `LayeredModel`'s traced and compiled parts. A layer's figure of a model of several layer kinds is their
+    mean over its layers."""
+
+    name: str
+    num_layers: int
+    seq_len: int          # tokens per row (tokens/s = rows/s x seq_len)
+    dtype: str            # the dots' operand dtype ("float32", "bfloat16", ...)
+    tp_divisor: int       # tensor-parallel degrees must divide it (the zoo: its attention heads)
+
+    @property
+    def act_bytes(self) -> int: ...                 # bytes per element of the activations
+
+    def layer_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]: ...    # forward dots of one layer on mb rows
+    def head_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]: ...
+    def embed_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]: ...
+    def layer_elementwise_bytes(self, tp: int = 1) -> float: ...        # memory-bound bytes, forward
+    def layer_score_bytes(self, tp: int = 1) -> float: ...              # the softmax passes among them
+    def head_elementwise_bytes(self, tp: int = 1) -> float: ...
+    def head_score_bytes(self, tp: int = 1) -> float: ...
+    def embed_elementwise_bytes(self, tp: int = 1) -> tuple[float, float, float]: ...  # fwd; bwd per mb, per row
+    def layer_flops(self, tp: int = 1) -> float: ...                    # forward, dots and elementwise
+    def head_flops(self, tp: int = 1) -> float: ...
+    def layer_backward_flops(self, tp: int = 1) -> float: ...           # the gradients' (no recomputation)
+    def head_backward_flops(self, tp: int = 1) -> float: ...
+    def model_flops_per_sequence(self) -> float: ...                    # dot FLOPs fwd + bwd per row, all parts
+    def layer_params(self, tp: int = 1) -> float: ...                   # parameter elements
+    def embed_params(self, tp: int = 1) -> float: ...
+    def head_params(self, tp: int = 1) -> float: ...
+    def param_bytes(self, part: Part, tp: int = 1) -> float: ...        # parameters (= their gradients)
+    def optimizer_bytes(self, part: Part, tp: int = 1) -> float: ...    # the optimizer's state
+    def layer_activation_bytes(self, tp: int = 1) -> float: ...         # kept for the backward
+    def layer_temp_bytes(self, tp: int = 1) -> float: ...               # a layer backward's transients
+    def head_activation_bytes(self, tp: int = 1) -> float: ...
+    def embed_backward_bytes(self, tp: int = 1) -> float: ...           # per micro-batch
+    def boundary_bytes(self) -> float: ...                              # the activation between stages
+    def token_bytes(self) -> float: ...                                 # the first stage's input
+    def layer_all_reduces(self, tp: int = 2) -> float: ...              # in activations (boundary_bytes)
+
+
+def model_figures(model: Any, fused_attention: bool = False) -> ModelFigures:
+    """`model` itself when it is `ModelFigures` (derived facts), else the zoo config's `ModelCost`."""
+    if isinstance(model, ModelFigures) and not isinstance(model, ModelCost):
+        if fused_attention:
+            raise ConfigError(f"fused attention is a feature of the zoo's ModelCost; {model.name!r}'s derived "
+                              "figures are what its own layers compile to")
+        return model
+    if isinstance(model, ModelCost):
+        return model
+    return ModelCost(model, fused_attention)
 
 
 def model_name_of(config: Any) -> str:
@@ -123,6 +187,27 @@ class ModelCost:
             value = self._memo[key] = fn()
         return value
 
+    # -- the model (`ModelFigures`)
+    @property
+    def name(self) -> str:
+        return model_name_of(self.config)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.seq_len
+
+    @property
+    def dtype(self) -> str:
+        return self.config.dtype
+
+    @property
+    def tp_divisor(self) -> int:
+        return self.config.num_heads
+
     # -- the family
     @property
     def llama(self) -> bool:
@@ -172,6 +257,15 @@ class ModelCost:
     def head_params(self, tp: int = 1) -> float:
         return self._m(("hp", tp), lambda: device_params(param_parts(self.config)["head"][0], tp))
 
+    def param_bytes(self, part: Part, tp: int = 1) -> float:
+        """float32 master weights (and as many gradient bytes)."""
+        return PARAM_BYTES * {Part.EMBED: self.embed_params, Part.LAYER: self.layer_params,
+                              Part.HEAD: self.head_params}[Part(part)](tp)
+
+    def optimizer_bytes(self, part: Part, tp: int = 1) -> float:
+        """AdamW's two float32 moments."""
+        return 2 * self.param_bytes(part, tp)
+
     # -- dots
     def layer_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]:
         """(FLOPs, per-device GEMM shape) of each dot of one layer's forward on `mb` sequences (a MoE model's:
@@ -217,6 +311,10 @@ class ModelCost:
         t = mb * self.config.seq_len
         return self._m(("hg", tp, mb), lambda: tuple(
             g for p in param_parts(self.config)["head"][0] if (g := _kernel_gemm(p, tp, t)) is not None))
+
+    def embed_gemms(self, tp: int, mb: int) -> tuple[Gemm, ...]:
+        """The embedding is a gather: no dots."""
+        return ()
 
     def head_dot_flops(self, tp: int = 1) -> float:
         """Forward dot FLOPs of the head per sequence (per token: divide by seq_len; they are all linear)."""
@@ -286,11 +384,30 @@ class ModelCost:
         c, s = self.config, self.config.seq_len
         return self.head_dot_flops(tp) + 5 * s * self._head_vocab(tp) + 10 * s * c.hidden_size
 
-    def embed_elementwise_bytes(self, tp: int = 1) -> tuple[float, float]:
-        """(forward per sequence, backward per micro-batch): the gather and position add; the backward builds
-        the token table's gradient densely (float32: zero it, scatter-add, add to the accumulator)."""
+    def embed_elementwise_bytes(self, tp: int = 1) -> tuple[float, float, float]:
+        """(forward per sequence, backward per micro-batch, backward per sequence): the gather and position add
+        (BERT: and its LayerNorm); the backward builds the token table's gradient densely (float32: zero it, scatter-add, add to the
+        accumulator), its scatter of the rows' gradients not counted."""
         c = self.config
-        return 3 * c.seq_len * c.hidden_size * self.act_bytes, 3 * PARAM_BYTES * self._vocab(tp) * c.hidden_size
+        # BERT's embedding ends in a LayerNorm: ~4 hidden-size passes more, as each norm of a layer is counted
+        passes = 7 if isinstance(c, BertConfig) else 3
+        return (passes * c.seq_len * c.hidden_size * self.act_bytes,
+                3 * PARAM_BYTES * self._vocab(tp) * c.hidden_size, 0.0)
+
+    def embed_backward_bytes(self, tp: int = 1) -> float:
+        """The dense float32 gradient of the token table the embedding's backward builds."""
+        return PARAM_BYTES * self.embed_params(tp)
+
+    def layer_backward_flops(self, tp: int = 1) -> float:
+        """Each forward dot's two gradient dots (and as much elementwise work): twice the forward."""
+        return 2 * self.layer_flops(tp)
+
+    def head_backward_flops(self, tp: int = 1) -> float:
+        return 2 * self.head_flops(tp)
+
+    def layer_temp_bytes(self, tp: int = 1) -> float:
+        """Not counted by hand."""
+        return 0.0
 
     def model_flops_per_sequence(self) -> float:
         """Dot FLOPs of forward + backward without recomputation (the MFU numerator)."""
@@ -327,7 +444,7 @@ class ModelCost:
         """Bytes per sequence of the first stage's input: int32 token ids."""
         return self.config.seq_len * 4
 
-    def layer_all_reduces(self) -> int:
+    def layer_all_reduces(self, tp: int = 2) -> int:
         """Activation all-reduces of one layer's forward under TP: after attention and after the MLP (MoE
         layers: after the combine einsum, which sums over the experts split across the TP devices; GShard's
         all-to-all dispatch is a local slice there since every TP device holds all tokens)."""

@@ -214,15 +214,17 @@ class Layout:
         """Whether the runtime runs `other` exactly as this layout (machine annotations aside)."""
         return self.without_machines() == other.without_machines()
 
-    def validate_for(self, config: Any, num_devices: Optional[int] = None) -> "Layout":
-        """Check the layout against a model config (layers, heads) and the devices available."""
-        if self.num_layers != config.num_layers:
+    def validate_for(self, num_layers: int, num_devices: Optional[int] = None,
+                     heads: Optional[tuple[int, int]] = None) -> "Layout":
+        """Check the layout against a model (its layer count; for cfp's own attention its (query, key/value) head
+        counts, which every TP degree must divide) and the devices available."""
+        if self.num_layers != num_layers:
             raise ConfigError(f"the layout's stages hold {self.num_layers} layers but the model has "
-                              f"num_layers={config.num_layers}")
+                              f"num_layers={num_layers}")
         for st in self.placed:
-            if config.num_heads % st.tp:
+            if heads is not None and heads[0] % st.tp:
                 raise ConfigError(f"pipeline {st.pipeline} stage {st.index}: TP degree {st.tp} must divide "
-                                  f"num_heads={config.num_heads}")
+                                  f"num_heads={heads[0]}")
         if num_devices is not None:
             bad = [d for p in self.pipelines for d in p.devices if d >= num_devices]
             if bad:

@@ -76,3 +76,25 @@ def two_layer_mlp():
     def loss(p, x, y):
         return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
     return p, jax.random.normal(k[2], (64, 32)), jax.random.normal(k[3], (64, 32)), loss
+
+
+def zoo_cache(model: str, cfg, learning_rate: float = 1e-3, weight_decay: float = 0.01, seed: int = 0):
+    """A compile cache of the zoo model's `LayeredModel` (parameters of `seed`) with AdamW: what a zoo run trains."""
+    from cfp.models.layered import zoo_model
+    from cfp.runtime.engine import adamw
+    from cfp.runtime.stage.cache import CompileCache
+    return CompileCache(zoo_model(model, cfg, seed), adamw(learning_rate, weight_decay))
+
+
+def zoo_batch(model: str, cfg, rows: int = 1, seed: int = 0):
+    """A zoo batch as host numpy (its shapes are what stage programs are built for)."""
+    from cfp.models import make_batch
+    return jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, rows, seed))
+
+
+def trainer_of(cache, layout, schedule="gpipe", plans=None, example=None):
+    """A `HeteroTrainer` of `cache`'s model and optimizer (the zoo's example batch when not given)."""
+    from cfp.runtime.engine import HeteroTrainer
+    cfg = cache.model.config
+    example = example if example is not None else zoo_batch(cache.model.name, cfg)
+    return HeteroTrainer(cache.model, None, layout, schedule, plans=plans, cache=cache, example_batch=example)

@@ -10,9 +10,10 @@ import optax
 import pytest
 
 from cfp.data.batching import materialize
-from cfp.models import build_model, get_config, init_params
-from cfp.runtime.engine import HeteroTrainer, compile_cache
+from cfp.models import build_model, get_config
+from cfp.models.layered import zoo_full_params, zoo_params
 from cfp.layout import Layout
+from programs import trainer_of, zoo_cache
 
 MODEL = "llama2"
 LR, WD = 1e-2, 0.01
@@ -38,6 +39,7 @@ def _reference(cfg, params, seqs):
     """(loss, gradient): token cross-entropy summed over every sequence, each alone in its row from position 0
     (padded at the end with weight 0: causal attention never lets padding reach a real token) / real tokens."""
     model = build_model(MODEL, cfg)
+    full = zoo_full_params(params)
     x, y, w = np.zeros((len(seqs), 128), np.int32), np.zeros((len(seqs), 128), np.int32), np.zeros((len(seqs), 128))
     for r, s in enumerate(seqs):
         x[r, :s.size - 1], y[r, :s.size - 1], w[r, :s.size - 1] = s[:-1], s[1:], 1.0
@@ -46,7 +48,8 @@ def _reference(cfg, params, seqs):
         logits, _ = model.apply(p, x)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
         return jnp.sum(ce * w) / np.sum(w)
-    return jax.jit(jax.value_and_grad(loss))(params)
+    value, grads = jax.jit(jax.value_and_grad(loss))(full)
+    return value, zoo_params(grads, cfg.num_layers)
 
 
 def _rel(a, b) -> float:
@@ -63,10 +66,9 @@ def _host(tree):
 @pytest.fixture(scope="module")
 def setup():
     cfg = get_config(MODEL, "tiny", seq_len=128)
-    params = init_params(MODEL, cfg, 0)
-    cache = compile_cache(LR, WD)     # the trainers of one strategy run the same compiled programs
-    trainer = lambda shapes: HeteroTrainer(MODEL, cfg, Layout.from_schemes(shapes, cfg.num_layers),
-                                           "1f1b", learning_rate=LR, weight_decay=WD, cache=cache)
+    cache = zoo_cache(MODEL, cfg, LR, WD)     # the trainers of one strategy run the same compiled programs
+    params = jax.tree_util.tree_map(np.asarray, cache.model.params)
+    trainer = lambda shapes: trainer_of(cache, Layout.from_schemes(shapes, cfg.num_layers), "1f1b")
     return cfg, params, trainer
 
 

@@ -79,18 +79,21 @@ def test_run_matches_sequence_by_sequence_reference(method, candidates):
     step that draws, drops or mis-weights sequences is off by ~1e-2."""
     from cfp.data.batching import get_method
     from cfp.data.train import DataTrainOptions, layout_of, run, verify_run
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models.layered import zoo_params
+    from cfp.runtime.engine import zoo_trainer
     cfg = get_config(MODEL, "tiny", seq_len=128)
     params = init_params(MODEL, cfg, 0)
+    layered = zoo_params(params, cfg.num_layers)
     data = _data()
     opts = DataTrainOptions(MODEL, get_method(method), steps=3, tokens_per_step=300, learning_rate=LR,
                             weight_decay=WD)
     cands = [_schemes(*c) for c in candidates]
-    trainer = HeteroTrainer(MODEL, cfg, layout_of(cands[0], cfg.num_layers, 8), learning_rate=LR, weight_decay=WD)
-    trainer.load_state(params, trainer.tx.init(params), 0)
+    trainer = zoo_trainer(MODEL, cfg, layout_of(cands[0], cfg.num_layers, 8), learning_rate=LR, weight_decay=WD)
+    trainer.load_state(layered, trainer.tx.init(layered), 0)
     res = run(opts, data, trainer, cands, log=None)
     assert [r.strategy for r in res.steps] == ([0, 0, 0] if len(cands) == 1 else [1, 0, 1])
     ref_losses, ref_params = _reference(cfg, params, data, 3, opts.seed, opts.tokens_per_step)
+    ref_params, params = zoo_params(ref_params, cfg.num_layers), layered
     np.testing.assert_allclose(res.losses, ref_losses, rtol=1e-5)
     assert res.real_tokens >= 3 * opts.tokens_per_step and res.slots >= res.real_tokens
     final = trainer.state()[0]

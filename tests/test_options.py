@@ -131,21 +131,20 @@ def test_stage_planner_and_autoshard_choose_the_same_plan(tmp_path):
     stage's training step, with one `SearchOptions`, pick the same per-block choice and state sharding."""
     from cfp.layout import Layout
     from cfp.models import get_config
-    from cfp.runtime.engine import compile_cache
     from cfp.runtime.stage.cases import example_args, stage_cases
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.runtime.stage.replay import stage_step
     from cfp.runtime.stage.search import search_stage_plans
+    from programs import zoo_batch, zoo_cache
     opts = SearchOptions().replace(kind="estimate", gpu=GPU, cache_dir=str(tmp_path), max_combinations=2, top_k=1,
                                    verify=0, memory_per_device="380KB")
     layout = Layout.from_lists([[2]], [[1]], [2], [1])
     cfg = get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)
-    programs = compile_cache(1e-3, 0.01)
-    (plan,) = search_stage_plans("llama2", cfg, layout, programs, StagePlanOptions("search", search=opts),
+    cache, batch = zoo_cache("llama2", cfg), zoo_batch("llama2", cfg)
+    (plan,) = search_stage_plans(layout, cache, StagePlanOptions("search", search=opts), batch,
                                  log=lambda *_: None).plans
-    (case,) = stage_cases("llama2", cfg, layout, programs)
-    step = cfp.autoshard(stage_step(case.prog, programs.tx), case.prog.mesh, *example_args(case, programs.tx),
-                         options=opts)
+    (case,) = stage_cases(layout, cache, batch)
+    step = cfp.autoshard(stage_step(case.prog), case.prog.mesh, *example_args(case, cache), options=opts)
     assert (step.plan.choice, step.plan.shard_state) == (plan.sharding.choice, plan.sharding.shard_state)
     # the budget binds (data parallel needs 429 KB per device here): the plan is not data parallel
     assert plan.sharding.shard_state or any(plan.sharding.choice), "the budget did not change the plan; lower it"

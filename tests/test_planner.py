@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from cfp.errors import ConfigError
-from cfp.models import get_config, init_params
+from cfp.models import get_config
+from cfp.models.layered import zoo_model
 from cfp.planner.build import allocate_chunks, max_chunks, split_layers
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.cluster import parse_cluster
@@ -53,9 +54,9 @@ def test_cluster_errors_name_the_value(patch, needle):
 
 
 # ----------------------------------------------------------------------------- cost model
-def _device_params(tree, tp):
-    """Per-device parameter count of a tree under the runtime's TP shardings."""
-    specs = jax.tree_util.tree_leaves(param_specs(tree, tp), is_leaf=lambda x: hasattr(x, "index"))
+def _device_params(tree, names, tp):
+    """Per-device parameter count of a tree under the runtime's TP shardings (from the model's logical names)."""
+    specs = jax.tree_util.tree_leaves(param_specs(tree, names, tp), is_leaf=lambda x: hasattr(x, "index"))
     leaves = jax.tree_util.tree_leaves(tree)
     return sum(l.size / (tp if any(a is not None for a in s) else 1) for l, s in zip(leaves, specs))
 
@@ -66,12 +67,13 @@ def test_parameter_counts_match_the_model_trees_under_tp(model, tp):
     """Every model of the zoo (MoE: experts split over TP, the layer figure the mean of a dense and an expert
     layer), against the whole tree of a 4-layer model under the runtime's shardings."""
     cfg = get_config(model, "tiny", num_layers=4)
-    like = jax.eval_shape(lambda: init_params(model, cfg, 0))["params"]
+    lm = zoo_model(model, cfg, abstract=True)
+    like, names = lm.params, lm.logical_names
     m = CostModel(cfg, parse_cluster(LOCAL)).model
-    layers = sum(_device_params(like[f"layers_{i}"], tp) for i in range(4))
+    layers = sum(_device_params(like["layers"][i], names["layers"][i], tp) for i in range(4))
     assert 4 * m.layer_params(tp) == layers
-    assert m.head_params(tp) == _device_params(like["head"], tp)
-    assert m.embed_params(tp) == _device_params(like["embed"], tp)
+    assert m.head_params(tp) == _device_params(like["last"], names["last"], tp)
+    assert m.embed_params(tp) == _device_params(like["first"], names["first"], tp)
 
 
 @pytest.mark.parametrize("model", ["llama2", "gpt"])
@@ -122,7 +124,7 @@ def test_compiled_stages_agree_with_the_cost_model(model):
 # ----------------------------------------------------------------------------- random clusters
 def check_plan(cluster, cfg, options, result):
     lay = result.layout
-    lay.validate_for(cfg, cluster.num_devices)
+    lay.validate_for(cfg.num_layers, cluster.num_devices, (cfg.num_heads, cfg.num_heads))
     devs = sorted(d for p in lay.pipelines for s in p.stages for d in s.devices)
     assert devs == list(range(cluster.num_devices))           # every device, once
     for p in lay.pipelines:

@@ -50,12 +50,14 @@ def test_tp_all_reduces_match_the_compiled_stage(model):
     input gradient (q, k, v; GPT's fc_in, Llama's gate and up, measured: not combined before reducing), so the
     planner's backward is a lower bound, measured 0.73 (GPT) and 0.62 (Llama-2) of the compiled bytes.
     A cost model without the TP collectives, or with the wrong count or size, fails."""
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models import make_batch
+    from cfp.runtime.engine import zoo_trainer
     from cfp.layout import Layout
     extra = dict(ffn_size=64) if model == "llama2" else {}
     cfg = get_config(model, "tiny", num_layers=4, seq_len=8, vocab_size=64, hidden_size=32, **extra)
     layout = Layout.from_lists([[1, 2, 1]], [[1, 2, 1]], [4], [2])
-    fwd_c, bwd_c = _compiled_all_reduce_bytes(HeteroTrainer(model, cfg, layout), (0, 1))
+    trainer = zoo_trainer(model, cfg, layout, abstract=True, example_batch=make_batch(model, cfg, 1, 0))
+    fwd_c, bwd_c = _compiled_all_reduce_bytes(trainer, (0, 1))
     S = lambda d, n: Stage(tuple(d), n, 0)
     fwd_p, bwd_p = _planner_all_reduce_bytes(cfg, Pipeline((S([0], 1), S([1, 2], 2), S([3], 1)), 4, 2), 1)
     act = 2 * cfg.seq_len * cfg.hidden_size * 4           # one micro-batch's float32 activation
@@ -111,15 +113,16 @@ def test_relative_stage_times_match_measured_ones():
     Every stage's activations (one micro-batch's: 1.4-17 MiB) stay below the `cpu` entry's cache (`GpuSpec.
     spill`), whose place is the calibrated host's, not every CPU's; the cache term is checked in
     `test_costmodel_features.py` and against measured steps by `benchmarks/planner_measured.py`."""
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models import make_batch
+    from cfp.runtime.engine import zoo_trainer
     from cfp.layout import Layout
     cfg = get_config("llama2", "tiny", num_layers=6, seq_len=64, hidden_size=128, ffn_size=256, vocab_size=2048)
     cm = CostModel(cfg, _cluster(1.75))
     S = lambda d, n: Stage(tuple(d), n, 0)
     programs, planned = [], []
     for layers, mb in ((1, 2), (4, 2), (1, 4)):
-        trainer = HeteroTrainer("llama2", cfg, Layout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]],
-                                                                       [2 * mb], [2]))
+        trainer = zoo_trainer("llama2", cfg, Layout.from_lists([[1, 1, 1]], [[1, layers, 5 - layers]], [2 * mb], [2]),
+                              abstract=True, example_batch=make_batch("llama2", cfg, 1, 0))
         pipe = Pipeline((S([0], 1), S([1], layers), S([2], 5 - layers)), 2 * mb, 2)
         for idx in (1, 2):
             programs += [(prog.lower(*args).compile(), args) for prog, args in trainer.compile_jobs((0, idx))[:2]]

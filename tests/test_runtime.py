@@ -55,12 +55,13 @@ def test_invalid_layouts_name_the_value(kwargs, message):
 def test_validate_for_model():
     from cfp.models import get_config
     cfg = get_config("llama2", "tiny", num_layers=4)  # 4 heads
+    heads = (cfg.num_heads, cfg.num_kv_heads)
     with pytest.raises(ConfigError, match=r"pipeline 0 stage 0: TP degree 8 must divide num_heads=4"):
-        Layout.from_lists([[8]], [[4]]).validate_for(cfg, 8)
+        Layout.from_lists([[8]], [[4]]).validate_for(cfg.num_layers, 8, heads)
     with pytest.raises(ConfigError, match="num_layers=4"):
-        Layout.from_lists([[1]], [[3]]).validate_for(cfg, 8)
+        Layout.from_lists([[1]], [[3]]).validate_for(cfg.num_layers, 8, heads)
     with pytest.raises(ConfigError, match="uses device 9"):
-        Layout.from_lists([[1]], [[4]], devices_id=[[[9]]]).validate_for(cfg, 8)
+        Layout.from_lists([[1]], [[4]], devices_id=[[[9]]]).validate_for(cfg.num_layers, 8, heads)
 
 
 def test_cli_invalid_config_is_one_line_exit_2(capsys):
@@ -125,16 +126,33 @@ LOSS_RTOL = 2e-6
 # references build their optimizer from optax directly (cfp.runtime.verify), never from the engine.
 LR, WD = 1e-3, 0.1
 OPT = dict(learning_rate=LR, weight_decay=WD)
-_SHARED_CACHE = []
+_SHARED_CACHE = {}
 
 
-def programs():
-    """One compile cache for this file's trainers: tests of the same config and layout share compiled programs
-    (the engine's own cache is per trainer)."""
-    if not _SHARED_CACHE:
-        from cfp.runtime.engine import compile_cache
-        _SHARED_CACHE.append(compile_cache(LR, WD))
-    return _SHARED_CACHE[0]
+def programs(cfg, model="llama2"):
+    """One compile cache per config for this file's trainers (a cache holds one model and optimizer): tests of the
+    same config and layout share compiled programs (the engine's own cache is per trainer)."""
+    if (model, cfg) not in _SHARED_CACHE:
+        from cfp.models.layered import zoo_model
+        from cfp.runtime.engine import adamw
+        from cfp.runtime.stage.cache import CompileCache
+        _SHARED_CACHE[(model, cfg)] = CompileCache(zoo_model(model, cfg, 0), adamw(LR, WD))
+    return _SHARED_CACHE[(model, cfg)]
+
+
+def make_trainer(cfg, layout, schedule="gpipe", model="llama2"):
+    """A trainer of the zoo model's `LayeredModel` (parameters of seed 0) with AdamW(LR, WD), through `programs`."""
+    from cfp.runtime.engine import HeteroTrainer
+    c = programs(cfg, model)
+    return HeteroTrainer(c.model, None, layout, schedule, cache=c)
+
+
+def initial_state(model, cfg):
+    """The zoo model's layered parameters of seed 0 and their AdamW state (host numpy)."""
+    import jax
+    from cfp.runtime.engine import adamw
+    p = jax.tree_util.tree_map(np.asarray, programs(cfg, model).model.params)
+    return p, adamw(LR, WD).init(p)
 
 
 def tiny(num_layers, model="llama2", **kw):
@@ -157,11 +175,9 @@ def reference(model, cfg, rows):
     """Single-device losses and params after STEPS steps of cfp.models.train_step (cached)."""
     key = (model, cfg, rows)
     if key not in _REF:
-        from cfp.models import train_step
-        from cfp.runtime.verify import replay
-        ts = train_step(model, cfg)
-        p, o = ts.init(0)
-        _REF[key] = replay(model, cfg, p, o, batches(model, cfg, rows), learning_rate=LR, weight_decay=WD)
+        from cfp.runtime.verify import replay, zoo_reference
+        p, o = initial_state(model, cfg)
+        _REF[key] = replay(*zoo_reference(model, cfg, LR, WD), p, o, batches(model, cfg, rows))
     return _REF[key]
 
 
@@ -170,11 +186,9 @@ def microbatched_reference(model, cfg, layout):
     layout's micro-batches in the engine's order (cached)."""
     key = (model, cfg, layout)
     if key not in _REF:
-        import jax
-        from cfp.models import train_step
         from cfp.runtime.verify import microbatched_replay
-        p, o = train_step(model, cfg).init(0)
-        _REF[key] = (jax.tree_util.tree_map(np.asarray, p),) + microbatched_replay(
+        p, o = initial_state(model, cfg)
+        _REF[key] = (p,) + microbatched_replay(
             model, cfg, layout, p, o, batches(model, cfg, layout.global_batch),
             learning_rate=LR, weight_decay=WD)
     return _REF[key]
@@ -212,31 +226,39 @@ LAYOUTS = [  # hetero_configs, layer_partitions, global batch, chunks
 
 @pytest.mark.parametrize("tps, parts, gbs, chunks", LAYOUTS)
 def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
-    from cfp.runtime.engine import HeteroTrainer
     layout = Layout.from_lists(tps, parts, gbs, chunks)
     cfg = tiny(layout.num_layers)
-    trainer = HeteroTrainer("llama2", cfg, layout, "gpipe", **OPT, cache=programs())
-    trainer.compile()
-    check_gradients(trainer.init(0), "llama2", cfg)
+    trainer = make_trainer(cfg, layout)
+    check_gradients(trainer.init(), "llama2", cfg)
     for schedule in ("gpipe", "1f1b"):  # stage programs are schedule-independent: compile once
         trainer.set_schedule(schedule)
-        trainer.init(0)
+        trainer.init()
         check_steps(trainer, "llama2", cfg)
 
 
 def test_skipped_update_is_caught(monkeypatch):
-    """The parameter checks above fail when one stage's optimizer update is skipped: pipeline 0's
-    (its values are what ``state()`` returns) and pipeline 1's (the cross-pipeline check)."""
-    from cfp.runtime.engine import HeteroTrainer
+    """The parameter checks above fail when pipeline 0's update of one stage is skipped (its values are what
+    ``state()`` returns) and when a stage of pipeline 1 misses pipeline 0's new parameters (the cross-pipeline
+    check)."""
+    import cfp.runtime.engine as engine
     from cfp.runtime.verify import identical_across_pipelines, tree_error
     layout = Layout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
     cfg = tiny(3)
     for skipped in ((0, 1), (1, 0)):
-        trainer = HeteroTrainer("llama2", cfg, layout, **OPT, cache=programs()).init(0)
+        trainer = make_trainer(cfg, layout).init()
         prog = trainer.programs[skipped]
         n = len(__import__("jax").tree_util.tree_leaves(prog.params_like))
         with monkeypatch.context() as m:
-            m.setattr(prog, "update", lambda p, o, g: (p, o, np.ones((2, n), bool)))
+            if skipped[0] == 0:
+                m.setattr(prog, "apply_update", lambda g, o, p, glob: (p, o, np.ones((2, n), bool)))
+            else:
+                real = engine.broadcast_params
+
+                def broadcast(layout, programs, params, *a, _real=real):
+                    kept = params[skipped]
+                    _real(layout, programs, params, *a)
+                    params[skipped] = kept
+                m.setattr(engine, "broadcast_params", broadcast)
             with pytest.raises(AssertionError):
                 check_steps(trainer, "llama2", cfg)
         _, _, ref_params, _ = microbatched_reference("llama2", cfg, layout)
@@ -250,35 +272,32 @@ def test_gradient_is_token_weighted():
     """Pipelines [[2,1,1],[4]] with batches 6 and 2: the gradient equals the single-device gradient
     of the concatenated batch (the seed's equal weighting of pipelines is a different gradient)."""
     import jax
-    from cfp.runtime.verify import reference_loss
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.verify import zoo_reference
     cfg = tiny(3)  # same programs as the 2-1-1+4 equivalence test: no new compile
     layout = Layout.from_lists([[2, 1, 1], [4]], [[1, 1, 1], [3]], [6, 2], [3, 1])
-    trainer = HeteroTrainer("llama2", cfg, layout, **OPT, cache=programs()).init(0)
+    trainer = make_trainer(cfg, layout).init()
     batch = batches("llama2", cfg, 8)[0]
     grads, loss = trainer.gradients(batch)
     params = trainer.state()[0]
-    ref_loss, ref = jax.value_and_grad(reference_loss("llama2", cfg))(params, batch)
+    lf = zoo_reference("llama2", cfg, LR, WD)[0]
+    ref_loss, ref = jax.value_and_grad(lf)(params, batch)
     assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
         r = np.asarray(r)
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
     # the seed's rule (mean of per-pipeline mean losses) is a different, wrong gradient
-    lf = reference_loss("llama2", cfg)
     half = lambda lo, hi: {k: v[lo:hi] for k, v in batch.items()}
     seed = jax.grad(lambda p: 0.5 * lf(p, half(0, 6)) + 0.5 * lf(p, half(6, 8)))(params)
-    assert not np.allclose(seed["params"]["embed"]["token"]["embedding"],
-                           grads["params"]["embed"]["token"]["embedding"], rtol=1e-3)
+    assert not np.allclose(seed["first"]["token"]["embedding"], grads["first"]["token"]["embedding"], rtol=1e-3)
 
 
 @pytest.mark.slow
 def test_bf16_compute_with_f32_master_weights():
     import jax
-    from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.verify import tree_error
     cfg = tiny(2, dtype="bfloat16")
     layout = Layout.from_lists([[2, 1]], [[1, 1]], [4], [2])
-    trainer = HeteroTrainer("llama2", cfg, layout, "1f1b", **OPT, cache=programs()).init(0)
+    trainer = make_trainer(cfg, layout, "1f1b").init()
     ref_losses, ref_params = reference("llama2", cfg, 4)
     losses = [trainer.step(b).loss for b in batches("llama2", cfg, 4)]
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
@@ -289,10 +308,12 @@ def test_bf16_compute_with_f32_master_weights():
 # ----------------------------------------------------------------------------- training loop
 
 
+RUN_OVERRIDES = dict(num_layers=2, seq_len=16, hidden_size=32, ffn_size=64)
+
+
 def _opts(tmp_path, layout, **kw):
     from cfp.runtime.training import DataSource, TrainOptions
-    base = dict(model="llama2", layout=layout, overrides=dict(num_layers=2, seq_len=16,
-                hidden_size=32, ffn_size=64), steps=4, data=DataSource.STDLIB, learning_rate=LR, weight_decay=WD,
+    base = dict(model="llama2", layout=layout, overrides=RUN_OVERRIDES, steps=4, data=DataSource.STDLIB, learning_rate=LR, weight_decay=WD,
                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
     base.update(kw)
     return TrainOptions(**base)
@@ -303,7 +324,7 @@ def test_resume_reproduces_losses_also_on_another_layout(tmp_path):
 
     from cfp.runtime.training import run_training
     # the runs share one compile cache (each program compiles once); what a resumed run rebuilds is its state
-    run_training = functools.partial(run_training, cache=programs())
+    run_training = functools.partial(run_training, cache=programs(__import__("cfp.models", fromlist=["get_config"]).get_config("llama2", "tiny", **RUN_OVERRIDES)))
     quiet = lambda *a, **k: None
     lay = Layout.from_lists([[2, 1]], [[1, 1]], [4], [2])
     full = run_training(_opts(tmp_path / "a", lay, timeline_dir=str(tmp_path / "tl")), log=quiet)
@@ -358,14 +379,12 @@ def _check_timeline(tl_dir, summary):
 def test_nan_is_an_error_naming_step_and_leaf():
     import jax
     from cfp.errors import NumericalError
-    from cfp.runtime.engine import HeteroTrainer
     cfg = tiny(2)  # the tp2-into-tp1 programs: no new compile
-    trainer = HeteroTrainer("llama2", cfg, Layout.from_lists([[2, 1]], [[1, 1]], [4], [2]), **OPT,
-                            cache=programs())
-    params, opt, _ = trainer.init(0).state()
+    trainer = make_trainer(cfg, Layout.from_lists([[2, 1]], [[1, 1]], [4], [2]))
+    params, opt, _ = trainer.init().state()
     batch = batches("llama2", cfg, 4)[0]
-    leaf = jax.tree_util.tree_flatten_with_path(params["params"]["layers_1"])[0][0][0]
-    name = "['params']['layers_1']" + jax.tree_util.keystr(leaf)
+    leaf = jax.tree_util.tree_flatten_with_path(params["layers"][1])[0][0][0]
+    name = "['layers'][1]" + jax.tree_util.keystr(leaf)
 
     def poisoned(tree, where):
         def f(path, v):

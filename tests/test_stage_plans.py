@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cfp.search.plan import spec_from_entries
+from programs import trainer_of, zoo_batch, zoo_cache
 
 from cfp.errors import ConfigError
 from cfp.layout import Layout
@@ -27,23 +28,21 @@ def _options(cache_dir):
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-    from cfp.runtime.engine import compile_cache
     from cfp.runtime.stage.search import search_stage_plans
     cache = tmp_path_factory.mktemp("profiles")
     layout = Layout.from_lists(*LISTS)
-    programs = compile_cache(1e-3, 0.01)
-    plans = search_stage_plans("llama2", _cfg(), layout, programs, _options(cache), log=print)
+    programs = zoo_cache("llama2", _cfg())
+    plans = search_stage_plans(layout, programs, _options(cache), zoo_batch("llama2", _cfg()), log=print)
     return layout, plans, cache, programs
 
 
 def test_stage_plans_give_the_single_device_gradient(searched):
     import jax
     from cfp.models import make_batch
-    from cfp.runtime.verify import reference_loss
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.verify import zoo_reference
     layout, plans, _, programs = searched
     cfg = _cfg()
-    trainer = HeteroTrainer("llama2", cfg, layout, plans=plans, cache=programs).init(0)
+    trainer = trainer_of(programs, layout, plans=plans).init()
     replayed = sorted(k for k, pr in trainer.programs.items() if pr.replay is not None)
     assert replayed and replayed == sorted(p.key for p in plans.plans if p.runs_searched)
     for p in plans.plans:      # the runtime runs on the plans' layouts, not the Megatron rules
@@ -59,7 +58,7 @@ def test_stage_plans_give_the_single_device_gradient(searched):
         trainer.set_schedule(schedule)
         grads, loss = trainer.gradients(batch)
         params = trainer.state()[0]
-        ref_loss, ref = jax.value_and_grad(reference_loss("llama2", cfg))(params, batch)
+        ref_loss, ref = jax.value_and_grad(zoo_reference("llama2", cfg, 1e-3, 0.01)[0])(params, batch)
         assert np.isfinite(loss) and abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
         # float32 reduction order differs (micro-batches, sharded contractions, summed pipelines): the
         # runtime's equivalence tests measure ~1e-7 relative; 1e-5 of the leaf's largest entry holds on any ISA
@@ -78,7 +77,7 @@ def _check_steps(trainer, cfg, layout, steps: int = 2):
     import jax
     from cfp.models import make_batch
     from cfp.runtime.verify import identical_across_pipelines, loss_error, microbatched_replay, tree_error
-    params0, opt0, _ = trainer.init(0).state()
+    params0, opt0, _ = trainer.init().state()
     data = [jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.global_batch, 20 + i))
             for i in range(steps)]
     ref_losses, ref_params, _ = microbatched_replay("llama2", cfg, layout, params0, opt0, data,
@@ -98,11 +97,8 @@ def test_stage_programs_impose_the_searched_block_layouts(searched):
     """The bwd program of a searched stage constrains every forward dot's result to the layout its block's
     searched strategy gives it (GSPMD alone would be free to pick another); the Megatron stage has none."""
     import re
-    from cfp.runtime.engine import HeteroTrainer
     layout, plans, _, programs = searched
-    cfg = _cfg()
-    runs = {"plan": HeteroTrainer("llama2", cfg, layout, plans=plans, cache=programs),
-            "megatron": HeteroTrainer("llama2", cfg, layout, cache=programs)}
+    runs = {"plan": trainer_of(programs, layout, plans=plans), "megatron": trainer_of(programs, layout)}
     replays = {k: pr.replay for k, pr in runs["plan"].programs.items() if pr.replay is not None}
     key = next(k for k, r in replays.items() if not r.shardings.shard_state)
     found = {}
@@ -124,13 +120,13 @@ def test_stage_programs_impose_the_searched_block_layouts(searched):
 
 
 def test_second_search_profiles_nothing(searched, capsys):
-    from cfp.runtime.engine import compile_cache
     from cfp.runtime.stage.search import search_stage_plans
     layout, first, cache, _ = searched
     searched_first = [p for p in first.plans if p.figures]
     assert searched_first and all(p.figures.profile_compiles > 0 for p in searched_first[:1])
     # a fresh compile cache (another run): only the profile cache on disk is shared
-    again = search_stage_plans("llama2", _cfg(), layout, compile_cache(1e-3, 0.01), _options(cache), log=print)
+    again = search_stage_plans(layout, zoo_cache("llama2", _cfg()), _options(cache), zoo_batch("llama2", _cfg()),
+                               log=print)
     assert [p.figures.profile_compiles for p in again.plans if p.figures] == [0] * len(searched_first)
     assert "nothing compiled, all from the profile cache" in capsys.readouterr().out
     assert [p.sharding for p in again.plans] == [p.sharding for p in first.plans]
@@ -147,16 +143,17 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
     back = StagePlans.load(str(tmp_path)).check(layout, "llama2")
     assert back == plans
     won = [dataclasses.replace(p, megatron=True) if p.key == (1, 0) else p for p in plans.plans]
-    built = build_programs("llama2", _cfg(), layout, jax.devices(), programs,
-                           StagePlans(plans.model, plans.layout, tuple(won)))
+    example = zoo_batch("llama2", _cfg())
+    built = build_programs(layout, jax.devices(), programs, StagePlans(plans.model, plans.layout, tuple(won)),
+                           example)
     # a stage Megatron won runs the Megatron sharding
     assert built[(1, 0)].replay is None and built[(0, 0)].replay is not None
     p00 = next(p for p in plans.plans if p.key == (0, 0))
     s = p00.sharding
     edited = dataclasses.replace(p00, sharding=dataclasses.replace(s, choice=(s.choice[0] + 1,) + s.choice[1:]))
     with pytest.raises(ConfigError, match=r"stage plan of stage \(0, 0\) does not fit the analysed stage step"):
-        build_programs("llama2", _cfg(), layout, jax.devices(), programs,
-                       StagePlans(plans.model, plans.layout, (edited,) + plans.plans[1:]))
+        build_programs(layout, jax.devices(), programs,
+                       StagePlans(plans.model, plans.layout, (edited,) + plans.plans[1:]), example)
     other = Layout.from_lists([[2, 2], [4]], [[1, 1], [2]], [8, 2], [2, 1])   # another micro-batch
     with pytest.raises(ConfigError, match=r"no plan for stage \(0, 0\)"):
         back.check(other, "llama2")
@@ -170,11 +167,12 @@ def test_resumed_run_keeps_its_stage_plans(searched, tmp_path):
     layout, plans, cache, programs = searched
     plans.save(str(tmp_path / "ck" / "stage_plans"))
     logs = []
-    got = plans_for_run(_options(cache), "llama2", _cfg(), layout, programs,
-                        checkpoint_dir=str(tmp_path / "ck"), resume=True, log=logs.append)
+    example = zoo_batch("llama2", _cfg())
+    got = plans_for_run(_options(cache), layout, programs, example, checkpoint_dir=str(tmp_path / "ck"), resume=True,
+                        log=logs.append)
     assert got == plans and any("reused" in line for line in logs)
     saved = StagePlanOptions.parse(str(tmp_path / "ck" / "stage_plans"))
-    got = plans_for_run(saved, "llama2", _cfg(), layout, programs, log=logs.append)
+    got = plans_for_run(saved, layout, programs, example, log=logs.append)
     assert got == plans and "loaded" in logs[-1]
 
 
@@ -190,7 +188,6 @@ def test_search_times_megatron_side_by_side(tmp_path):
     """With whole-step verification the stage's winner is compared with its Megatron sharding on the same
     step and cost model, and the faster one is what the plan runs."""
     from cfp.models import get_config
-    from cfp.runtime.engine import compile_cache
     from cfp.runtime.stage.build import build_programs
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.search.options import SearchOptions
@@ -201,14 +198,14 @@ def test_search_times_megatron_side_by_side(tmp_path):
     opts = StagePlanOptions("search", search=SearchOptions().replace(
         kind="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path), max_combinations=2, top_k=1, verify=1))
     logs = []
-    programs = compile_cache(1e-3, 0.01)
-    plans = search_stage_plans("llama2", cfg, layout, programs, opts, log=logs.append)
+    programs = zoo_cache("llama2", cfg)
+    plans = search_stage_plans(layout, programs, opts, zoo_batch("llama2", cfg), log=logs.append)
     (plan,) = plans.plans
     s, m = plan.figures.searched, plan.figures.megatron
     assert m.time > 0 and m.memory > 0 and s.time > 0   # estimated: compiled
     assert plan.megatron == (m.time + m.boundary_time < s.time + s.boundary_time)
     assert "side by side (estimated)" in logs[-1]
-    built = build_programs("llama2", cfg, layout, jax.devices(), programs, plans)
+    built = build_programs(layout, jax.devices(), programs, plans, zoo_batch("llama2", cfg))
     assert (built[plan.key].replay is not None) == (not plan.megatron)
 
 
@@ -224,13 +221,17 @@ def test_same_stage_sharding_compares_placements_not_spelling():
     mesh = MeshSpec.parse("4").make()
     ax = mesh.axis_names[0]
 
+    case = SimpleNamespace(x_like={"h": __import__("jax").ShapeDtypeStruct((4, 8, 16), np.float32)},
+                           y_like={"h": __import__("jax").ShapeDtypeStruct((4, 8, 16), np.float32)})
+
     def stage(w, act):
         s = lambda spec: NamedSharding(mesh, spec)
-        return SimpleNamespace(shardings={"w": s(w)}, opt_shardings=({"w": s(w)},), act_in=s(act), act_out=s(act))
+        return SimpleNamespace(shardings={"w": s(w)}, opt_shardings=({"w": s(w)},),
+                               act_in_shardings=lambda like: {"h": s(act)}, act_out_shardings=lambda like: [s(act)])
     megatron = stage(P(None, ax), P())
-    assert _same_stage_sharding(stage(P(None, ax), P(None, None, None)), megatron)
-    assert not _same_stage_sharding(stage(P(ax, None), P()), megatron)
-    assert not _same_stage_sharding(stage(P(None, ax), P(ax)), megatron)
+    assert _same_stage_sharding(stage(P(None, ax), P(None, None, None)), megatron, case)
+    assert not _same_stage_sharding(stage(P(ax, None), P()), megatron, case)
+    assert not _same_stage_sharding(stage(P(None, ax), P(ax)), megatron, case)
 
 
 def test_search_then_training_builds_each_stage_program_once(tmp_path, monkeypatch):
@@ -240,7 +241,6 @@ def test_search_then_training_builds_each_stage_program_once(tmp_path, monkeypat
     gets its own program (its own devices)."""
     import jax
     from cfp.models import make_batch
-    from cfp.runtime.engine import HeteroTrainer, compile_cache
     from cfp.runtime.stage import cases
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.search.options import SearchOptions
@@ -268,13 +268,13 @@ def test_search_then_training_builds_each_stage_program_once(tmp_path, monkeypat
     cfg = _one_layer_cfg()
     opts = StagePlanOptions("search", search=SearchOptions().replace(
         kind="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path), max_combinations=2, top_k=1, verify=1))   # verify: the searched program is built
-    programs = compile_cache(1e-3, 0.01)
-    plans = search_stage_plans("llama2", cfg, layout, programs, opts, log=lambda *_: None)
+    programs = zoo_cache("llama2", cfg)
+    plans = search_stage_plans(layout, programs, opts, zoo_batch("llama2", cfg), log=lambda *_: None)
     in_search = list(built["program"])
     assert built["analysis"] == 1 and built["replay"] == 1     # one signature: analysed and cut once
     # each stage: its Megatron program; the searched stage: also its plan's program (timed against Megatron)
     assert len(in_search) == 3 and sum(p.replay is not None for p in in_search) == 1
-    trainer = HeteroTrainer("llama2", cfg, layout, plans=plans, cache=programs).init(0)
+    trainer = trainer_of(programs, layout, plans=plans).init()
     stats = trainer.step(jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, 4, 3)))
     assert np.isfinite(stats.loss)
     new = [p for p in built["program"] if not any(p is q for q in in_search)]

@@ -135,10 +135,11 @@ def test_a_step_not_measured_in_full_still_writes_its_timeline_without_a_bubble(
     from cfp.runtime.schedules import ScheduleName
     from cfp.runtime.training import _timeline
     full = gpipe(Timeline(), 2, 2).events
-    opts = SimpleNamespace(timeline_dir=str(tmp_path / "tl"), model="gpt", schedule=ScheduleName.GPIPE,
+    opts = SimpleNamespace(timeline_dir=str(tmp_path / "tl"), schedule=ScheduleName.GPIPE,
                            layout=Layout.from_lists([[1, 1]], [[1, 1]], [2], [2]))
+    job = SimpleNamespace(model=SimpleNamespace(name="gpt"))
     said = []
-    bubbles = _timeline(opts, full[1:], said.append, len(full))
+    bubbles = _timeline(opts, job, full[1:], said.append, len(full))
     assert bubbles == {}
     assert any(line.startswith("bubble not measured: no step had every action measured (1 of 8") for line in said)
     data = json.loads((tmp_path / "tl" / "timeline.json").read_text())
@@ -148,7 +149,7 @@ def test_a_step_not_measured_in_full_still_writes_its_timeline_without_a_bubble(
     with pytest.raises(ConfigError, match="no bubble: 1 actions of the step were not measured"):
         loaded.summary()
     said.clear()     # measured in full: the bubble is the events' own (1/3 for p=2, m=2 with equal times)
-    bubbles = _timeline(opts, full, said.append, len(full))
+    bubbles = _timeline(opts, job, full, said.append, len(full))
     assert bubbles[0]["bubble"] == pytest.approx(1 / 3)
     assert json.loads((tmp_path / "tl" / "timeline.json").read_text())["unmeasured"] == 0
     with pytest.raises(ConfigError, match="unmeasured=-1 is invalid"):

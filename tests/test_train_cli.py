@@ -105,7 +105,7 @@ def test_stage_plan_search_keeps_its_plans_under_checkpoint_dir_alone(tmp_path, 
     from cfp.runtime.stage.plans import StagePlanMode
     seen = {}
 
-    def record(options, model, config, layout, cache, checkpoint_dir=None, resume=False, log=print):
+    def record(options, layout, cache, batch_like, checkpoint_dir=None, resume=False, log=print):
         seen.update(mode=options.mode, checkpoint_dir=checkpoint_dir)
         raise CfpError("stopped by the test")      # the search itself is tested in test_stage_plans.py
     monkeypatch.setattr(sp, "plans_for_run", record)

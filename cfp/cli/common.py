@@ -116,8 +116,21 @@ def check_outputs(args: argparse.Namespace, files_: dict[str, str] | None = None
 
 
 def add_model(p: argparse.ArgumentParser, choices=MODEL_NAMES, required: bool = True, help: str = "model family",
-              default: str | None = None) -> None:
-    p.add_argument("--model", required=required, default=default, choices=choices, help=help)
+              default: str | None = None, factories: bool = False) -> None:
+    """--model: a zoo name of `choices`; with `factories` also a user's ``module.path:factory`` or
+    ``file.py:factory`` (`cfp.cli.factory`)."""
+    if not factories:
+        p.add_argument("--model", required=required, default=default, choices=choices, help=help)
+        return
+
+    def model(text: str) -> str:
+        if ":" in text or text in choices:
+            return text
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a model of the zoo ({', '.join(choices)}) nor a "
+                                         "factory module.path:factory or file.py:factory")
+    p.add_argument("--model", required=required, default=default, type=model, metavar="MODEL",
+                   help=f"{help}: {', '.join(choices)}, or a factory module.path:factory / file.py:factory returning "
+                        "(cfp.LayeredModel, batch, optax optimizer)")
 
 
 def add_config(p: argparse.ArgumentParser, default: str = DEFAULT_CONFIG) -> None:

@@ -211,7 +211,7 @@ def run_train(args) -> int:
     from cfp.data import train
     from cfp.data.batching import get_method
     from cfp.models import get_config, init_params
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.engine import zoo_trainer
     from cfp.runtime.schedules import ScheduleName
 
     method = get_method(args.batching_method)
@@ -231,9 +231,8 @@ def run_train(args) -> int:
     opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step, args.lr, args.seed,
                                   args.ilp_max_sequences, args.weight_decay, ScheduleName.parse(args.schedule))
     layout0 = train.layout_of(candidates[0], cfg.num_layers, jax.device_count())
-    trainer = HeteroTrainer(args.model, cfg, layout0, opts.schedule, learning_rate=args.lr,
-                            weight_decay=args.weight_decay)
-    trainer.load_state(params, trainer.tx.init(params), 0)
+    trainer = zoo_trainer(args.model, cfg, layout0, opts.schedule, learning_rate=args.lr,
+                          weight_decay=args.weight_decay, seed=args.seed).init()
     init_state = trainer.state()[:2] if args.verify else None
     res = train.run(opts, seqs, trainer, candidates)
     print(f"non-pad tokens/s: {res.tokens_per_s:.0f}  (measured over {args.steps} steps, "

@@ -3,6 +3,10 @@
 Example::
 
     cfp plan --cluster examples/clusters/paper-7b-13b-a.yaml --model llama2 --config 7B --compare
+    cfp plan --cluster examples/clusters/local.yaml --model my_model.py:make --global-batch-size 16 --out l.json
+
+A zoo model is priced by its hand-written `cfp.costs.ModelCost`; a factory's model (``module.path:factory`` or
+``file.py:factory``, see `cfp.cli.factory`) by the cost facts derived from its own traced and compiled parts.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import sys
 import time
 
 from cfp.cli import common
+from cfp.cli.factory import is_factory
 from cfp.errors import ConfigError, InfeasibleError
 
 
@@ -18,11 +23,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="plan a heterogeneous 3D-parallel layout for a cluster",
                               description=__doc__.splitlines()[0])
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster file (YAML)")
-    common.add_model(p, choices=("gpt", "llama2", "moe", "bert"), help="model family")
-    common.add_config(p)
+    p.add_argument("--model", required=True,
+                   help=f"zoo model ({', '.join(ZOO)}) or a factory, module.path:factory or file.py:factory")
+    p.add_argument("--config", default=None,
+                   help=f"named config of a zoo model (default: {common.DEFAULT_CONFIG})")
     common.add_shape_overrides(p, dtype_help="compute dtype (the paper comparisons use bfloat16)")
+    p.add_argument("--example-rows", type=common.positive_int, default=2,
+                   help="a factory's model: rows of the example micro-batch its cost facts are derived on")
+    p.add_argument("--tokens-per-row", type=common.positive_int, default=1,
+                   help="a factory's model: tokens per batch row, for the tokens/s estimate (1: rows/s)")
     p.add_argument("--global-batch-size", type=common.positive_int, default=None,
-                   help="sequences per step (default: 4 per device)")
+                   help="sequences (a factory's model: batch rows) per step (default: 4 per device)")
     common.add_schedule(p)
     p.add_argument("--out", default=None, metavar="FILE", help="write the layout file (JSON) here")
     p.add_argument("--stage-times", default=None, metavar="DIR",
@@ -33,6 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "the exhaustive optimum")
     p.set_defaults(func=run)
     return p
+
+
+ZOO = ("gpt", "llama2", "moe", "bert")
 
 
 def load_cluster_file(path: str):
@@ -119,15 +133,24 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster_file(args.cluster)
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("seq_len", args.seq_len),
                                    ("dtype", args.dtype)) if v is not None}
-    config = get_config(args.model, args.config, **overrides)
-    stage_times = load_stage_times(args.stage_times, args.model, config) if args.stage_times else None
+    if is_factory(args.model):
+        config, what = _factory_facts(args, cluster, overrides)
+        stage_times = None
+    else:
+        if args.model not in ZOO:
+            raise ConfigError(f"--model {args.model!r} is not a zoo model ({', '.join(ZOO)}) nor a factory "
+                              "(module.path:factory or file.py:factory)")
+        args.config = args.config or common.DEFAULT_CONFIG
+        config = get_config(args.model, args.config, **overrides)
+        stage_times = load_stage_times(args.stage_times, args.model, config) if args.stage_times else None
+        what = (f"{args.model} {args.config} ({config.num_layers} layers, seq {config.seq_len}, "
+                f"{config.dtype})")
     options = PlannerOptions(global_batch_size=args.global_batch_size or 4 * cluster.num_devices,
                              schedule=args.schedule, stage_times=stage_times)
     result = _plan_with_progress(cluster, config, options)
     cm = CostModel(config, cluster, options.schedule, stage_times)
     est = result.estimate
-    print(f"cluster: {cluster.summary()} ({cluster.num_devices} devices); model {args.model} {args.config} "
-          f"({config.num_layers} layers, seq {config.seq_len}, {config.dtype}); global batch "
+    print(f"cluster: {cluster.summary()} ({cluster.num_devices} devices); model {what}; global batch "
           f"{options.global_batch_size}; schedule {options.schedule.value}")
     print(_table(cm, result.layout, est))
     if stage_times is not None:
@@ -142,16 +165,34 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         print("\n".join(_compare(cm, options, est)))
     if args.out:
-        lf = LayoutFile(args.model, args.config, overrides, options.schedule, result.layout,
+        lf = LayoutFile(args.model, args.config or "", overrides, options.schedule, result.layout,
                         _estimate_dict(est), cluster.to_dict())
         write_layout_file(args.out, lf)
         print(f"layout written to {args.out}")
     print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog's dense "
           f"{'/'.join(p.value for p in cm.precisions())} peaks)")
-    print(f"estimated tokens/s: {est.tokens_per_s:.0f}")
+    unit = "rows" if is_factory(args.model) and args.tokens_per_row == 1 else "tokens"
+    print(f"estimated {unit}/s: {est.tokens_per_s:.0f}")
     print(f"planning time: {time.perf_counter() - t0:.2f} s (measured)")
     sys.stdout.flush()
     return 0
+
+
+def _factory_facts(args, cluster, overrides):
+    """(cost facts, description) of the model a factory returns, derived on its step-0 example micro-batch."""
+    from cfp.cli.factory import load_factory
+    from cfp.planner.layered import facts_for
+    given = {"--config": args.config, "--stage-times": args.stage_times,
+             **{"--" + k.replace("_", "-"): v for k, v in overrides.items()}}
+    for flag, value in given.items():
+        if value is not None:
+            raise ConfigError(f"{flag} {value} is for zoo models; --model {args.model!r} is a factory, whose "
+                              "model has its own shapes")
+    user = load_factory(args.model)
+    example = user.batches(0, args.example_rows)
+    facts = facts_for(user.model, cluster, example, user.optimizer, args.tokens_per_row)
+    return facts, (f"{args.model} ({facts.num_layers} layers, {facts.dtype} dots; cost facts derived on "
+                   f"{facts.backend} from a micro-batch of {args.example_rows} rows)")
 
 
 def _plan_with_progress(cluster, config, options):

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from typing import Optional
+
 from cfp.cli import common
+from cfp.planner.layout_file import is_factory
 
 DEFAULT_BATCH, DEFAULT_CHUNKS = [8], [1]    # per pipeline, without --layout
 
@@ -24,8 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                "multi-host use).")
     p.add_argument("--layout", default=None, metavar="FILE",
                    help="a layout file from `cfp plan`: sets the model, config, schedule and layout flags")
-    common.add_model(p, choices=("llama2", "gpt", "moe", "bert"), required=False,
-                     help="model family (required unless --layout)")
+    common.add_model(p, choices=("llama2", "gpt", "moe", "bert"), required=False, factories=True,
+                     help="model (required unless --layout)")
     common.add_config(p)
     common.add_shape_overrides(p, dtype_help="compute dtype; parameters stay float32 master weights")
     _layout_options(p)
@@ -134,9 +137,10 @@ LIST_FLAGS = ("global_batch_size", "chunks")        # per pipeline, given as num
 MODEL_FLAGS = ("model", "num_layers", "seq_len", "dtype")
 
 
-def layout_from_args(args: argparse.Namespace):
+def layout_from_args(args: argparse.Namespace, num_layers: Optional[int] = None):
     """(model config, config overrides, `Layout`) of the train arguments: the layout file's own `Layout` when
-    --layout is given (layout flags given as well must describe the same layout), else the layout flags'."""
+    --layout is given (layout flags given as well must describe the same layout), else the layout flags'. A
+    user's model (a factory) has no config: ``num_layers`` is its layer count."""
     from cfp.errors import ConfigError
     from cfp.layout import Layout
     from cfp.models import get_config
@@ -147,10 +151,11 @@ def layout_from_args(args: argparse.Namespace):
         raise ConfigError(f"{' and '.join(missing)} required unless --layout FILE is given")
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("seq_len", args.seq_len),
                                    ("dtype", args.dtype)) if v}
-    config = get_config(args.model, args.config, **overrides)
+    config = None if num_layers is not None else get_config(args.model, args.config, **overrides)
     lists = {n: parse_nested_list(getattr(args, n), n) for n in LAYOUT_FLAGS if getattr(args, n) is not None}
     if "layer_partitions" not in lists:
-        lists["layer_partitions"] = _even_partition(lists["hetero_configs"], config.num_layers)
+        lists["layer_partitions"] = _even_partition(lists["hetero_configs"],
+                                                    num_layers if config is None else config.num_layers)
     layout = Layout.from_lists(global_batch_size=args.global_batch_size or DEFAULT_BATCH,
                                chunks=args.chunks or DEFAULT_CHUNKS, **lists)
     return config, overrides, layout
@@ -163,13 +168,19 @@ def _file_layout(args: argparse.Namespace):
     from cfp.planner.layout_file import load_layout_file
     lf = load_layout_file(args.layout)
     filed = {"model": lf.model, **{k: lf.overrides.get(k) for k in MODEL_FLAGS[1:]}}
+    if is_factory(lf.model) and args.model is not None and args.model != lf.model:
+        raise ConfigError(f"--model={args.model} conflicts with layout file {args.layout!r} (model {lf.model}); "
+                          "drop the flag or the file")
     for name in MODEL_FLAGS:
         given = getattr(args, name, None)
         if given is not None and given != filed[name]:
             raise ConfigError(f"--{name.replace('_', '-')}={given} conflicts with layout file {args.layout!r} "
                               f"({name} {filed[name]}); drop the flag or the file")
     _check_layout_flags(args, lf.layout)
-    args.model, args.config, args.schedule = lf.model, lf.config, lf.schedule.value
+    args.model, args.schedule = lf.model, lf.schedule.value
+    if is_factory(lf.model):
+        return None, {}, lf.layout
+    args.config = lf.config
     overrides = {k: v for k, v in lf.overrides.items() if v is not None}
     return get_config(lf.model, lf.config, **overrides), overrides, lf.layout
 
@@ -195,31 +206,70 @@ def _check_layout_flags(args: argparse.Namespace, filed) -> None:
                           f"{filed.summary(devices=True)}; drop the flags or the file")
 
 
+ZOO_ONLY = (("config", common.DEFAULT_CONFIG), ("num_layers", None), ("seq_len", None), ("dtype", None),
+            ("lr", common.DEFAULT_LR), ("weight_decay", common.DEFAULT_WEIGHT_DECAY), ("data", None),
+            ("data_path", None))
+
+
+def _user_model(args: argparse.Namespace):
+    """The factory's `UserModel` (after JAX is up); the zoo's options are an error beside it."""
+    from cfp.cli.factory import load_factory
+    from cfp.errors import ConfigError
+    given = [f"--{k.replace('_', '-')}" for k, default in ZOO_ONLY if getattr(args, k, default) != default]
+    if given:
+        raise ConfigError(f"{', '.join(given)} apply to the zoo's models only; --model {args.model} (a factory) "
+                          "gives its own model, data and optimizer")
+    return load_factory(args.model)
+
+
 def run(args: argparse.Namespace) -> int:
     from cfp.runtime.launch import check_layout_fills_processes, maybe_initialize_distributed
-    config, overrides, layout = layout_from_args(args)
-    check_layout_fills_processes(list(layout.devices))  # no rank left idle
+    user = args.model is not None and is_factory(args.model) or (
+        args.layout and is_factory(_peek_model(args.layout)))
+    if not user:
+        config, overrides, layout = layout_from_args(args)
+        check_layout_fills_processes(list(layout.devices))  # no rank left idle
     common.check_outputs(args, dirs={"timeline_dir": "--timeline-dir", "checkpoint_dir": "--checkpoint-dir"})
     maybe_initialize_distributed()  # before any device use
     common.ensure_host_devices(8)
 
     from cfp.runtime.schedules import ScheduleName
-    from cfp.runtime.training import DataSource, TrainOptions, run_training
+    from cfp.runtime.training import DataSource, RunOptions, TrainOptions, run_training, train_user_model
 
-    data = DataSource(args.data) if args.data else (
-        DataSource.SYNTHETIC if args.model == "bert" else DataSource.STDLIB)
-    opts = TrainOptions(
-        model=args.model, layout=layout, config_name=args.config, overrides=overrides,
-        schedule=ScheduleName.parse(args.schedule), steps=args.steps, learning_rate=args.lr,
-        weight_decay=args.weight_decay, seed=args.seed, data=data,
-        data_paths=tuple(args.data_path or ()), checkpoint_dir=args.checkpoint_dir,
+    run_args = dict(
+        schedule=ScheduleName.parse(args.schedule), steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints or None,
         resume=args.resume, timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
         stop_after=args.stop_after, stage_plans=_stage_plans(args))
+    if user:
+        um = _user_model(args)
+        _, _, layout = layout_from_args(args, um.model.num_layers)
+        check_layout_fills_processes(list(layout.devices))
+        work = lambda: train_user_model(um, RunOptions(layout=layout, **run_args))
+    else:
+        data = DataSource(args.data) if args.data else (
+            DataSource.SYNTHETIC if args.model == "bert" else DataSource.STDLIB)
+        opts = TrainOptions(
+            model=args.model, layout=layout, config_name=args.config, overrides=overrides,
+            learning_rate=args.lr, weight_decay=args.weight_decay, seed=args.seed, data=data,
+            data_paths=tuple(args.data_path or ()), **run_args)
+        work = lambda: run_training(opts)
+    result = _guarded(work)
+    sys.stdout.flush()
+    return 0 if result.verify_ok else 1
+
+
+def _peek_model(path: str) -> str:
+    from cfp.planner.layout_file import load_layout_file
+    return load_layout_file(path).model
+
+
+def _guarded(work):
+    """Run ``work()``, turning a full disk or a dead peer into one-line errors."""
     import jax
     from cfp.errors import CfpError
     try:
-        result = run_training(opts)
+        return work()
     except OSError as e:  # e.g. a full disk while saving; the paths themselves are checked up front
         raise CfpError(f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e)) from None
     except jax.errors.JaxRuntimeError as e:
@@ -229,5 +279,3 @@ def run(args: argparse.Namespace) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CfpError(f"process {jax.process_index()}: a cross-process transfer failed (did "
                        f"another process die?): {first[:300]}") from None
-    sys.stdout.flush()
-    return 0 if result.verify_ok else 1

@@ -135,15 +135,18 @@ def _measure_scheme(model: str, cfg, params, shape, lengths, repeats: int, memor
 
     from cfp.data.batching import materialize
     from cfp.layout import Layout
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models.layered import zoo_params
+    from cfp.runtime.engine import zoo_trainer
     cp, tp, pp = shape
-    trainer = HeteroTrainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers))
-    trainer.load_state(params, trainer.tx.init(params), 0)
+    trainer = zoo_trainer(model, cfg, Layout.from_schemes([shape], cfg.num_layers))
+    layered = zoo_params(params, cfg.num_layers)
+    trainer.load_state(layered, trainer.tx.init(layered), 0)
     rng = np.random.default_rng(0)
     times, mems = [], []
     for s in lengths:
         mb = [[materialize([rng.integers(0, 256, s + 1).astype(np.uint8)], [0], packed=True)]]
-        stage_mem = trainer.stage_memory(mb[0][0]["inputs"].shape)
+        stage_mem = trainer.stage_memory(jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), mb[0][0]))
         mems.append(max(stage_mem))
         trainer.forward_backward(mb)  # warm
         ts = []

@@ -205,7 +205,7 @@ def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[S
         log: Optional[Callable[[str], None]] = print) -> DataTrainResult:
     """Train `opts.steps` steps, each on the fastest-rated candidate strategy."""
     n_dev = len(trainer.devices)
-    layouts = [layout_of(p, trainer.config.num_layers, n_dev) for p in candidates]
+    layouts = [layout_of(p, trainer.model.num_layers, n_dev) for p in candidates]
     trainer.set_schedule(opts.schedule)
     losses, records, real, slots, secs, comp = [], [], 0, 0, 0.0, 0.0
     for step in range(opts.steps):

@@ -8,6 +8,8 @@ enforces that no other module imports these names.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import re
 from typing import Any, Callable, Iterator, Sequence
 
@@ -356,3 +358,291 @@ def eqn_text(eqn: FlatEqn) -> str:
     params = ", ".join(f"{k}={v}" for k, v in sorted(eqn.params.items()))
     lits = ", ".join(repr(v) for kind, v in eqn.invars if kind == "lit")
     return _ADDRESS.sub("", f"{eqn.primitive.name}[{params}]({lits})")
+
+
+# ==============================================================================================================
+# Optimizer programs (used by cfp.runtime.optimizer only)
+#
+# An optax update is traced whole (call-like primitives inlined, `cond` as both branches and a select, `while`
+# and `scan` kept as one equation), and its equations are described to the partitioner as plain values. A stage holding layers [a, b) of a layer-stacked
+# leaf runs the equations on that leaf's rows only. A value is *layer-aligned* when its dim 0 has size L * K and
+# layer l owns rows [l * K, (l + 1) * K) (K = 1 for a stacked leaf; a reshape may flatten the rows of a layer
+# into dim 0, as `jnp.vdot` does). `layer_rule` says, from the primitive's params, whether an equation keeps the
+# layers' rows independent (ROWS: it runs on any layers' rows with its shape params rewritten, `bind_rows`),
+# reduces over them (REDUCE: each stage's partial reduction combines into the whole one), or is refused (REFUSE,
+# with the reason).
+# ==============================================================================================================
+
+
+@dataclasses.dataclass(eq=False)
+class OptEqn:
+    """One equation of a traced optimizer update."""
+
+    primitive: Any            # jax.extend.core.Primitive
+    params: dict
+    invars: tuple             # per operand: ("var", id) or ("lit", python/numpy value)
+    outvars: tuple            # ids (None for dropped outputs)
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclasses.dataclass(eq=False)
+class OptProgram:
+    """A traced function as `OptEqn`s over integer value ids."""
+
+    avals: dict               # id -> (shape tuple, dtype str)
+    invars: tuple             # ids of the flat inputs
+    outvars: tuple            # ("var", id) or ("lit", value) per flat output
+    eqns: tuple               # tuple[OptEqn, ...]
+    consts: dict              # id -> concrete value of a closed-over constant
+
+
+def trace_whole(fn: Callable, *args) -> OptProgram:
+    """Trace `fn(*args)` (pytrees of arrays or `jax.ShapeDtypeStruct`s; nothing is allocated) with call-like
+    primitives (`CALL_PRIMITIVES`) inlined, a pure `cond` spelt out (`_WholeWalker._cond`) and every other
+    equation -- `scan` and `while` included -- kept as one equation."""
+    flat_args, in_tree = jax.tree_util.tree_flatten(args)
+
+    def flat_fn(*flat):
+        return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(in_tree, flat)))
+
+    jaxpr = jax.make_jaxpr(flat_fn)(*flat_args)
+    return _WholeWalker().program(jaxpr.jaxpr, jaxpr.consts)
+
+
+class _WholeWalker:
+    """Numbers every value of a jaxpr, inlines call-like primitives and spells out conds (`trace_whole`)."""
+
+    def __init__(self):
+        self.avals: dict[int, tuple] = {}
+        self.consts: dict[int, Any] = {}
+        self.eqns: list[OptEqn] = []
+
+    def program(self, jaxpr, consts) -> OptProgram:
+        env = self._bind_consts(jaxpr.constvars, consts)
+        invars = tuple(self._new(v, env) for v in jaxpr.invars)
+        self._walk(jaxpr, env)
+        outvars = tuple(self._atom(env, v) for v in jaxpr.outvars)
+        return OptProgram(self.avals, invars, outvars, tuple(self.eqns), self.consts)
+
+    def _new(self, v, env) -> int:
+        i = len(self.avals) + 1
+        self.avals[i] = _aval_info(v.aval)
+        env[v] = i
+        return i
+
+    def _bind_consts(self, constvars, consts) -> dict:
+        env: dict = {}
+        for v, c in zip(constvars, consts):
+            self.consts[self._new(v, env)] = c
+        return env
+
+    def _atom(self, env, a):
+        return ("lit", a.val) if isinstance(a, jex_core.Literal) else ("var", env[a])
+
+    def _alias(self, v, atom, env):
+        """Bind the inner or outer var `v` to `atom` (a literal becomes a constant)."""
+        if isinstance(v, jex_core.DropVar):
+            return
+        if atom[0] == "var":
+            env[v] = atom[1]
+        else:
+            self.consts[self._new(v, env)] = atom[1]
+
+    def _walk(self, jaxpr, env):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins = [self._atom(env, v) for v in eqn.invars]
+            sub = eqn.params.get(CALL_PRIMITIVES[name]) if name in CALL_PRIMITIVES else None
+            if isinstance(sub, jex_core.ClosedJaxpr):
+                sub, sub_consts = sub.jaxpr, sub.consts
+            else:
+                sub_consts = getattr(sub, "consts", ())
+            if isinstance(sub, jex_core.Jaxpr):
+                inner = self._bind_consts(sub.constvars, sub_consts)
+                # custom_jvp/vjp carry extra leading operands for their rules only
+                for v, a in zip(sub.invars, ins[len(ins) - len(sub.invars):]):
+                    self._alias(v, a, inner)
+                self._walk(sub, inner)
+                for outer, v in zip(eqn.outvars, sub.outvars):
+                    self._alias(outer, self._atom(inner, v), env)
+            elif name in IDENTITY_PRIMITIVES:
+                for outer, a in zip(eqn.outvars, ins):
+                    self._alias(outer, a, env)
+            elif name == "cond" and not eqn.effects and all(_plain_dtype(v.aval) for v in eqn.outvars):
+                self._cond(eqn, ins, env)
+            else:
+                outs = tuple(None if isinstance(v, jex_core.DropVar) else self._new(v, env) for v in eqn.outvars)
+                self.eqns.append(OptEqn(eqn.primitive, dict(eqn.params), tuple(ins), outs))
+
+    def _cond(self, eqn, ins, env):
+        """A `cond` as every branch inlined and each result picked by the branch index (`select_n`): the same
+        values for pure branches (an untaken branch's NaN does not leak through a select), and the partitioner
+        sees which unit each result comes from (`optax.apply_if_finite`, `optax.MultiSteps`)."""
+        index, args = ins[0], ins[1:]
+        results = []
+        for branch in eqn.params["branches"]:
+            sub, consts = ((branch.jaxpr, branch.consts) if isinstance(branch, jex_core.ClosedJaxpr)
+                           else (branch, getattr(branch, "consts", ())))
+            inner = self._bind_consts(sub.constvars, consts)
+            for v, a in zip(sub.invars, args):
+                self._alias(v, a, inner)
+            self._walk(sub, inner)
+            results.append([self._atom(inner, v) for v in sub.outvars])
+        for k, outer in enumerate(eqn.outvars):
+            if not isinstance(outer, jex_core.DropVar):
+                out = self._new(outer, env)
+                self.eqns.append(OptEqn(jax.lax.select_n_p, {}, (index, *(r[k] for r in results)), (out,)))
+
+
+def _plain_dtype(aval) -> bool:
+    """A numeric or boolean array type (not a token or a PRNG key)."""
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def bind_whole(eqn: OptEqn, values: Sequence[Any]) -> list:
+    """Evaluate `eqn` as traced; always a list of outputs."""
+    out = eqn.primitive.bind(*values, **eqn.params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class LayerKind(enum.Enum):
+    """What an equation with layer-aligned operands does to the layer dim (`layer_rule`)."""
+
+    ROWS = "rows"        # every output is layer-aligned, layers independent: runs on any layers' rows
+    REDUCE = "reduce"    # reduces over the layer dim: stage partials combine with `LayerRule.combine`
+    REFUSE = "refuse"    # neither (or not known to be): `LayerRule.reason`
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRule:
+    """How an equation with layer-aligned operands runs on a stage's rows of the layer dim."""
+
+    kind: LayerKind
+    axes: tuple = ()          # per operand, its layer-aligned axis (None: none); a replicated operand is sliced there
+    combine: str = ""         # REDUCE: "add", "max", "min", "mul", "and" or "or"
+    reason: str = ""          # REFUSE: why, in a few words
+
+
+# Primitives applied element by element (rank-0 operands broadcast): rows are independent.
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "bitcast_convert_type",
+    "cbrt", "ceil", "clamp", "clz", "complex", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh",
+    "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma",
+    "igammac", "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "ne", "neg", "nextafter", "not", "or", "polygamma", "population_count", "pow", "real",
+    "reduce_precision", "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "xor", "zeta",
+})
+_REDUCTIONS = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul",
+               "reduce_and": "and", "reduce_or": "or"}
+# Primitives acting along one dim (param name): rows independent unless that dim is the layer dim.
+_ALONG_DIM = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
+              "sort": "dimension", "split": "axis", "concatenate": "dimension"}
+# Primitives acting on a set of dims (param name): the same, for every dim of the set.
+_ALONG_DIMS = {"argmax": "axes", "argmin": "axes", "squeeze": "dimensions", "rev": "dimensions"}
+
+
+def layer_rule(eqn: OptEqn, aligned: Sequence[bool], avals: dict, layers: int) -> LayerRule:
+    """The rule for `eqn` whose operands flagged in `aligned` are layer-aligned (`layers` layers) on dim 0."""
+    shapes = [avals[a[1]][0] if a[0] == "var" else tuple(getattr(a[1], "shape", ())) for a in eqn.invars]
+    name, p = eqn.name, eqn.params
+    if name in _ELEMENTWISE:
+        # size-1 dims broadcast: an operand of size 1 on the layer dim is the same for every layer
+        out = avals[eqn.outvars[0]][0] if eqn.outvars[0] is not None else max(shapes, key=len)
+        return _rows(tuple(0 if len(s) == len(out) and s[:1] == out[:1] else None for s in shapes))
+    if name in _REDUCTIONS:
+        if 0 in p["axes"]:
+            return LayerRule(LayerKind.REDUCE, (0,), _REDUCTIONS[name])
+        return _rows((0,))
+    if name == "dot_general":
+        return _dot_rule(p["dimension_numbers"], aligned, shapes)
+    rule = _shape_rule(name, p, shapes, layers)
+    if rule is not None:
+        return rule
+    if name in _ALONG_DIM or name in _ALONG_DIMS:
+        dims = (p[_ALONG_DIM[name]],) if name in _ALONG_DIM else tuple(p[_ALONG_DIMS[name]])
+        if 0 in dims:
+            return _refuse(f"`{name}` runs along the layer dim")
+        return _rows(tuple(0 if len(s) == len(shapes[0]) else None for s in shapes))
+    return _refuse(f"`{name}` is not known to keep layers independent")
+
+
+def _rows(axes: tuple) -> LayerRule:
+    return LayerRule(LayerKind.ROWS, axes)
+
+
+def _refuse(reason: str) -> LayerRule:
+    return LayerRule(LayerKind.REFUSE, reason=reason)
+
+
+def _shape_rule(name: str, p: dict, shapes: list, layers: int) -> LayerRule | None:
+    """Rules of the primitives that name output shapes or move dims (None: not one of them)."""
+    if name == "broadcast_in_dim":
+        ok = len(p["broadcast_dimensions"]) > 0 and p["broadcast_dimensions"][0] == 0
+        return _rows((0,) + (None,) * (len(shapes) - 1)) if ok else _refuse("`broadcast_in_dim` moves the layer dim")
+    if name == "reshape":
+        # row-major: layer l's elements stay one contiguous block, whole rows of the new dim 0 if they divide
+        per_layer = math.prod(shapes[0]) // max(layers, 1)
+        row = math.prod(p["new_sizes"][1:])
+        ok = p.get("dimensions") is None and len(p["new_sizes"]) > 0 and row > 0 and per_layer % row == 0
+        return _rows((0,) + (None,) * (len(shapes) - 1)) if ok else _refuse("`reshape` splits a layer's rows")
+    if name == "transpose":
+        return _rows((0,)) if p["permutation"][0] == 0 else _refuse("`transpose` moves the layer dim")
+    if name == "slice":
+        strides = p.get("strides") or (1,)
+        ok = p["start_indices"][0] == 0 and p["limit_indices"][0] == shapes[0][0] and strides[0] == 1
+        return _rows((0,)) if ok else _refuse("`slice` picks some layers")
+    if name == "pad":
+        ok = tuple(p["padding_config"][0]) == (0, 0, 0)
+        return _rows((0, None)) if ok else _refuse("`pad` pads the layer dim")
+    return None
+
+
+def _dot_rule(dimension_numbers, aligned: Sequence[bool], shapes: list) -> LayerRule:
+    """dot_general: the layer dim batched first (output dim 0), contracted (a sum over layers), or free on one
+    side where it becomes output dim 0; the other operand's paired dim is its layer axis."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    own = ((tuple(lc), tuple(lb)), (tuple(rc), tuple(rb)))
+    axes: list = [None, None]
+    kinds = set()
+    for k in (0, 1):
+        if not aligned[k]:
+            continue
+        (mine_c, mine_b), (other_c, other_b) = own[k], own[1 - k]
+        if mine_b[:1] == (0,):
+            partner, kind = other_b[0], LayerKind.ROWS
+        elif 0 in mine_c:
+            partner, kind = other_c[mine_c.index(0)], LayerKind.REDUCE
+        elif not lb and (k == 0 or len(shapes[0]) == len(lc)):
+            partner, kind = None, LayerKind.ROWS     # a free dim that leads the output
+        else:
+            return _refuse("`dot_general` moves the layer dim")
+        if aligned[1 - k] and partner != 0:
+            return _refuse("`dot_general` pairs the layer dim with another dim")
+        axes[k] = 0
+        if not aligned[1 - k]:
+            axes[1 - k] = partner
+        kinds.add(kind)
+    if len(kinds) != 1:
+        return _refuse("`dot_general` pairs the layer dim with another dim")
+    kind = kinds.pop()
+    return LayerRule(kind, tuple(axes), "add" if kind is LayerKind.REDUCE else "")
+
+
+_ROW_SHAPE_PARAMS = {"broadcast_in_dim": "shape", "reshape": "new_sizes", "slice": "limit_indices"}
+
+
+def bind_rows(eqn: OptEqn, values: Sequence[Any], held: int, layers: int) -> list:
+    """Evaluate `eqn` (a ROWS or REDUCE equation) on the rows of `held` of the `layers` layers: the shape it
+    names, if any, leads with those layers' rows."""
+    params = dict(eqn.params)
+    key = _ROW_SHAPE_PARAMS.get(eqn.name)
+    if key is not None:
+        lead, *rest = params[key]
+        params[key] = (lead // layers * held, *rest)
+    out = eqn.primitive.bind(*values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]

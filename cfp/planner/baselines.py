@@ -26,7 +26,7 @@ def _best(cm: CostModel, layouts) -> Optional[tuple[Layout, Estimate]]:
 def _megatron(cm: CostModel, t: int, p: int, d: int, batch: int, mb: int) -> Optional[Layout]:
     """Devices packed in id order: pipeline j takes the next t*p devices, stage s the next t; equal
     layers (the first L % p stages one more) and equal batches."""
-    L = cm.config.num_layers
+    L = cm.model.num_layers
     if p > L or batch % d or (batch // d) % mb:
         return None
     devs = cm.cluster.devices
@@ -45,7 +45,7 @@ def _megatron(cm: CostModel, t: int, p: int, d: int, batch: int, mb: int) -> Opt
 
 def megatron_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[Layout, Estimate]]:
     """The best uniform (TP, PP, DP) over all devices, as a Megatron user would tune it."""
-    n, heads = cm.cluster.num_devices, cm.config.num_heads
+    n, heads = cm.cluster.num_devices, cm.model.tp_divisor
     cands = []
     for t in (1, 2, 4, 8, 16):
         if n % t or heads % t:
@@ -61,12 +61,12 @@ def megatron_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[La
 def greedy_layout(cm: CostModel, options: PlannerOptions) -> Optional[tuple[Layout, Estimate]]:
     """Speed-proportional greedy: each machine's devices in TP groups of up to 8, groups dealt fastest
     first to the pipeline with the least compute, stages in machine order, layers and batch by speed."""
-    cl, heads = cm.cluster, cm.config.num_heads
+    cl, heads = cm.cluster, cm.model.tp_divisor
     groups = machine_groups(cl, range(cl.num_devices), lambda m: min(8, cl.machines[m].count), heads)
     speed = lambda g: len(g) * cm.rate(cl.devices[g[0]].machine)
     groups.sort(key=lambda g: (-speed(g), g[0]))
     cands = []
-    for k in pipeline_counts(cl, options, cm.config.num_layers):
+    for k in pipeline_counts(cl, options, cm.model.num_layers):
         if k > len(groups):
             break
         load = [0.0] * k

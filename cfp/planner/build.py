@@ -24,7 +24,7 @@ def layer_time(cm: CostModel, st: Stage, mb: int) -> float:
         m = cm.model
         intra = cm.cluster.machines[st.machine].intra_bandwidth
         ar = collective_time("all-reduce", mb * m.boundary_bytes(), st.tp, intra)
-        t = cm.build_memo[key] = 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces() * ar
+        t = cm.build_memo[key] = 4 * cm.layer_seconds(st.machine, st.tp, mb) + 3 * m.layer_all_reduces(st.tp) * ar
     return t
 
 
@@ -33,7 +33,7 @@ def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int
     """Layers per stage minimising the slowest stage (the head's time counted on the last; adding layers
     one at a time where the stage stays fastest is exact for this min-max) subject to each stage's
     memory; None when the model does not fit."""
-    L = cm.config.num_layers
+    L = cm.model.num_layers
     if len(stages) > L:
         return None
     mb = batch // chunks
@@ -76,14 +76,15 @@ def max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes
     with them (without bound under GPipe, up to the number of stages from it on under 1F1B)."""
     n, best = len(stages), limit
     probe = Pipeline(tuple(stages), micro_batch, 1)   # one stored input per stage
+    gathered = cm.features.gathered_copies(n_pipes)
     for i, st in enumerate(stages):
-        s0, s1, a0, a1 = cm.memory_terms(st, i, probe, n_pipes)
-        per_input = micro_batch * (cm.config.seq_len * 4 if i == 0 else cm.model.boundary_bytes())
-        params = s0 + st.layers * s1
+        t = cm.memory_terms(st, i, probe, n_pipes)
+        per_input = micro_batch * (cm.model.token_bytes() if i == 0 else cm.model.boundary_bytes())
+        state = t.state(st.layers)
         cap = cm.cluster.machines[st.machine].memory
-        if (3 + n_pipes) * params > cap:
+        if state + gathered * (t.s0 + st.layers * t.s1) > cap:
             return 0
-        stored = math.floor((cap - 4 * params - (a0 - per_input) - st.layers * a1) / per_input * (1 + 1e-12))
+        stored = math.floor((cap - state - (t.a0 - per_input) - st.layers * t.a1) / per_input * (1 + 1e-12))
         if stored < 1:
             return 0
         if cm.stored_inputs(i, n, limit) > stored:   # the schedule would store more than fits

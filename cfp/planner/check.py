@@ -5,7 +5,7 @@ For every stage of a layout it lowers and compiles the runtime's forward, backwa
 beside XLA's: per-device FLOPs of one micro-batch's forward and backward (`cost_analysis()["flops"]`)
 and the bytes of the backward and update programs (`cfp.xla.compiled.compiled_memory`: arguments + outputs
 + temporaries - aliased). The model's backward figure is the params and gradient accumulator, the stage input and its
-gradient, and one micro-batch's stage activations; its update figure is params, Adam moments and one
+gradient, and one micro-batch's stage activations; its update figure is params, optimizer state and one
 gradient per pipeline.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cfp.layout import Layout
-from cfp.planner.costmodel import PARAM_BYTES, CostModel
+from cfp.planner.costmodel import CostModel
 from cfp.xla.compiled import compiled_memory
 
 
@@ -38,23 +38,25 @@ def _model_figures(cm: CostModel, layout: Layout, p: int, i: int) -> tuple[float
     st, n = pipe.stages[i], len(layout.pipelines)
     first, last = i == 0, i == len(pipe.stages) - 1
     ff, fb = cm.stage_flops(st, first, last, pipe.micro_batch)
-    s0, s1, a0, a1 = cm.memory_terms(st, i, pipe, n)
-    params = s0 + st.layers * s1
+    t = cm.memory_terms(st, i, pipe, n)
+    params, state = t.s0 + st.layers * t.s1, t.o0 + st.layers * t.o1
     mb, m = pipe.micro_batch, cm.model
-    x_in = mb * (cm.config.seq_len * 4 if first else m.boundary_bytes())
+    x_in = mb * (m.token_bytes() if first else m.boundary_bytes())
     g_out = 0 if last else mb * m.boundary_bytes()
     acts = mb * (st.layers * m.layer_activation_bytes(st.tp) + (m.head_activation_bytes(st.tp) if last else 0))
-    acts += PARAM_BYTES * m.embed_params(st.tp) if first else 0.0
+    acts += m.embed_backward_bytes(st.tp) if first else 0.0
     bwd = 2 * params + x_in + g_out + (0 if first else x_in) + acts
-    update = params * (3 + n)
+    update = params * (1 + n) + state
     return ff, fb, bwd, update
 
 
 def check_compiled_stages(model_name: str, config: Any, cm: CostModel, layout: Layout) -> list[StageCheck]:
     """Compile every stage of `layout` (devices of this process) and compare; see the module doc."""
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models import make_batch
+    from cfp.runtime.engine import zoo_trainer
 
-    trainer = HeteroTrainer(model_name, config, layout)
+    example = make_batch(model_name, config, 1, 0)
+    trainer = zoo_trainer(model_name, config, layout, abstract=True, example_batch=example)
     out = []
     for p, i in sorted(trainer.programs):
         (fwd, fwd_args), (bwd, bwd_args), _, (upd, upd_args) = trainer.compile_jobs((p, i))

@@ -1,8 +1,9 @@
-"""The planner's cost model of one training step of a model of the zoo on a heterogeneous layout.
+"""The planner's cost model of one training step of a model on a heterogeneous layout.
 
-The model's figures -- per-device parameters, each dot's FLOPs and GEMM shape, memory-bound bytes, kept
-activations, the TP all-reduces -- come from `cfp.costs.ModelCost`, which describes every model once
-(GPT, Llama-2, GShard MoE, BERT). The runtime keeps only each micro-batch's stage input between forward and
+The model's figures -- per-device parameters and optimizer state, each dot's FLOPs and GEMM shape, memory-bound
+bytes, kept activations, the TP all-reduces -- are `cfp.costs.ModelFigures`: for a zoo config
+`cfp.costs.ModelCost`, which describes every model of the zoo once (GPT, Llama-2, GShard MoE, BERT), for any
+`LayeredModel` its derived `cfp.layered.facts.CostFacts` (`cfp.layered.derive.derive_facts`). The runtime keeps only each micro-batch's stage input between forward and
 backward and recomputes the stage forward in the backward program, so a stage's backward costs 3x its forward
 (recompute + 2x for the gradients) and its activation peak is one micro-batch's whole stage.
 
@@ -31,7 +32,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.layout import Layout, Pipeline, Stage
-from cfp.costs import PARAM_BYTES, ModelCost
+from cfp.costs import Part, model_figures
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
 from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, collective_sync_seconds
@@ -115,6 +116,23 @@ class Estimate:
         return self.step_time if self.fits else math.inf
 
 
+class MemoryTerms(NamedTuple):
+    """A stage's memory per device in bytes, (fixed, per layer) pairs: `s` parameters (as many gradient bytes
+    in the accumulator, and per pipeline gathered at the sync), `a` the backward's working set, `o` the
+    optimizer state. A stage of n layers peaks at 2 S + O + max(A, G S) with S = s0 + n s1, O = o0 + n o1,
+    A = a0 + n a1 and G gathered gradient copies (`stage_memory`)."""
+    s0: float
+    s1: float
+    a0: float
+    a1: float
+    o0: float
+    o1: float
+
+    def state(self, n: int) -> float:
+        """Parameters, gradient accumulator and optimizer state of n layers."""
+        return 2 * (self.s0 + n * self.s1) + self.o0 + n * self.o1
+
+
 @dataclass(frozen=True)
 class _PipelineFigures:
     stages: tuple[StageEstimate, ...]
@@ -132,9 +150,10 @@ class _PipelineFigures:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Estimates a `Layout` of `config` on `cluster` with `schedule`; stages whose shape and device
-    `stage_times` has measured are priced by the measured time (their TP collectives included in it);
-    `features`: how the step runs (default: cfp's runtime)."""
+    """Estimates a `Layout` of `config` (a zoo model config, or a model's `ModelFigures`: its derived
+    `CostFacts`) on `cluster` with `schedule`; stages whose shape and device `stage_times` has measured are
+    priced by the measured time (their TP collectives included in it); `features`: how the step runs (default:
+    cfp's runtime)."""
     config: Any
     cluster: Cluster
     schedule: ScheduleName = ScheduleName.GPIPE
@@ -142,11 +161,11 @@ class CostModel:
     features: StepFeatures = CFP_RUNTIME
 
     def __post_init__(self):
-        object.__setattr__(self, "model", ModelCost(self.config, self.features.fused_attention))
+        object.__setattr__(self, "model", model_figures(self.config, self.features.fused_attention))
         object.__setattr__(self, "_machines", self.cluster.machine_of())
         ms = self.cluster.machines       # machines of one spec price alike: memo keys use the first's index
         object.__setattr__(self, "kind", tuple(ms.index(m) for m in ms))
-        prec = [precision_of(self.config.dtype, m.gpu) for m in self.cluster.machines]
+        prec = [precision_of(self.model.dtype, m.gpu) for m in self.cluster.machines]
         object.__setattr__(self, "_precision", prec)
         object.__setattr__(self, "_peak", [m.gpu.peak(p) for m, p in zip(self.cluster.machines, prec)])
         object.__setattr__(self, "_rate", [achievable_flops(m.gpu, p) for m, p in zip(self.cluster.machines, prec)])
@@ -191,10 +210,13 @@ class CostModel:
 
     @_memo
     def embed_seconds(self, machine: int, tp: int, mb: int) -> tuple[float, float]:
-        """(forward, backward) of the embedding on `mb` sequences: memory-bound gathers and the dense
-        float32 gradient of the token table."""
-        fwd, bwd = self.model.embed_elementwise_bytes(tp)
-        return mb * fwd / self._mem_bw(machine), bwd / self._mem_bw(machine)
+        """(forward, backward beyond the recomputed forward) of the embedding on `mb` sequences: its dots (the
+        zoo's: none), memory-bound gathers, and the backward's weight gradients (the zoo's: the dense float32
+        gradient of the token table)."""
+        fwd, bwd, bwd_row = self.model.embed_elementwise_bytes(tp)
+        dots = self._dot_seconds(machine, self.model.embed_gemms(tp, mb))
+        bw = self._mem_bw(machine)
+        return dots + mb * fwd / bw, dots + (bwd + mb * bwd_row) / bw
 
     def _elementwise_seconds(self, machine: int, nbytes: float, softmax_bytes: float, spilled: bool) -> float:
         """Memory-bound work of `nbytes`, of which `softmax_bytes` are softmax passes (at the device's softmax
@@ -234,43 +256,54 @@ class CostModel:
         """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
         m = self.model
         f = mb * (st.layers * m.layer_flops(st.tp) + (m.head_flops(st.tp) if last else 0.0))
-        return f, self.features.backward_passes * f
+        grads = mb * (st.layers * m.layer_backward_flops(st.tp) + (m.head_backward_flops(st.tp) if last else 0.0))
+        return f, (self.features.backward_passes - 2) * f + grads
 
     def stage_params(self, st: Stage, first: bool, last: bool) -> float:
         m = self.model
         return (st.layers * m.layer_params(st.tp) + (m.embed_params(st.tp) if first else 0.0)
                 + (m.head_params(st.tp) if last else 0.0))
 
-    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int
-                     ) -> tuple[float, float, float, float]:
-        """(s0, s1, a0, a1): a stage of n layers peaks at 4*(s0 + n*s1) + max(a0 + n*a1, (P-1)*(s0 + n*s1))
-        bytes per device (P pipelines), see `stage_memory`."""
+    def _stage_bytes(self, fig, st: Stage, first: bool, last: bool) -> float:
+        return (st.layers * fig(Part.LAYER, st.tp) + (fig(Part.EMBED, st.tp) if first else 0.0)
+                + (fig(Part.HEAD, st.tp) if last else 0.0))
+
+    def update_bytes(self, st: Stage, first: bool, last: bool) -> float:
+        """Bytes the optimizer update moves per device: parameters and optimizer state read and written, the
+        gradient read (AdamW in float32: 7 x 4 per parameter)."""
+        m = self.model
+        return (3 * self._stage_bytes(m.param_bytes, st, first, last)
+                + 2 * self._stage_bytes(m.optimizer_bytes, st, first, last))
+
+    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> MemoryTerms:
+        """A stage's `MemoryTerms` (P pipelines), see `stage_memory`."""
         n = len(pipe.stages)
         return self._memory_terms(st.tp, idx == 0, idx == n - 1, self.stored_inputs(idx, n, pipe.chunks),
                                   pipe.micro_batch, n_pipes)
 
     @_memo
-    def _memory_terms(self, tp: int, first: bool, last: bool, stored: int, mb: int, n_pipes: int
-                      ) -> tuple[float, float, float, float]:
+    def _memory_terms(self, tp: int, first: bool, last: bool, stored: int, mb: int, n_pipes: int) -> MemoryTerms:
         m = self.model
-        share = PARAM_BYTES * self.features.state_share(n_pipes)
-        s0 = share * ((m.embed_params(tp) if first else 0.0) + (m.head_params(tp) if last else 0.0))
-        s1 = share * m.layer_params(tp)
-        inputs = stored * mb * (
-            m.config.seq_len * 4 if first else m.boundary_bytes())
-        # the embedding's gradient is built densely (float32) before it joins the accumulator
+        share = self.features.state_share(n_pipes)
+        ends = lambda fig: share * ((fig(Part.EMBED, tp) if first else 0.0) + (fig(Part.HEAD, tp) if last else 0.0))
+        inputs = stored * mb * (m.token_bytes() if first else m.boundary_bytes())
+        # the embedding's backward transients (the zoo's: its gradient built densely before it joins the
+        # accumulator) and one layer's backward transients
         a0 = (inputs + (mb * m.head_activation_bytes(tp) if last else 0.0)
-              + (PARAM_BYTES * m.embed_params(tp) if first else 0.0))
-        return s0, s1, a0, self.features.stored_activations(stored) * mb * m.layer_activation_bytes(tp)
+              + (m.embed_backward_bytes(tp) if first else 0.0) + mb * m.layer_temp_bytes(tp))
+        a1 = self.features.stored_activations(stored) * mb * m.layer_activation_bytes(tp)
+        return MemoryTerms(ends(m.param_bytes), share * m.param_bytes(Part.LAYER, tp), a0, a1,
+                           ends(m.optimizer_bytes), share * m.optimizer_bytes(Part.LAYER, tp))
 
     def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
         the number of layers)."""
         cap = self.cluster.machines[st.machine].memory
-        s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
-        # 4(s0 + n s1) + a0 + n a1 <= cap  and  (4 + G)(s0 + n s1) <= cap, G = P - 1 gathered copies
-        n1 = (cap - 4 * s0 - a0) / (4 * s1 + a1)
-        n2 = (cap / (4 + self.features.gathered_copies(n_pipes)) - s0) / s1
+        t = self.memory_terms(st, idx, pipe, n_pipes)
+        g = self.features.gathered_copies(n_pipes)
+        # 2(s0 + n s1) + o0 + n o1 + a0 + n a1 <= cap  and  (2 + G)(s0 + n s1) + o0 + n o1 <= cap
+        n1 = (cap - 2 * t.s0 - t.o0 - t.a0) / (2 * t.s1 + t.o1 + t.a1)
+        n2 = (cap - (2 + g) * t.s0 - t.o0) / ((2 + g) * t.s1 + t.o1)
         return int(math.floor(min(n1, n2) * (1 + 1e-12)))
 
     def layer_capacities(self, pipe: Pipeline, n_pipes: int) -> Iterator[int]:
@@ -287,12 +320,12 @@ class CostModel:
             yield cap
 
     def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int) -> float:
-        """Peak bytes per device: params + Adam moments + gradient accumulator, plus the larger of the
-        backward's working set (stored inputs + one micro-batch's stage activations) and the
+        """Peak bytes per device: params + optimizer state + gradient accumulator, plus the larger of the
+        backward's working set (stored inputs + one micro-batch's stage activations and transients) and the
         gradients received from the other pipelines at the update."""
-        s0, s1, a0, a1 = self.memory_terms(st, idx, pipe, n_pipes)
-        params = s0 + st.layers * s1
-        return 4 * params + max(a0 + st.layers * a1, self.features.gathered_copies(n_pipes) * params)
+        t = self.memory_terms(st, idx, pipe, n_pipes)
+        n = st.layers
+        return t.state(n) + max(t.a0 + n * t.a1, self.features.gathered_copies(n_pipes) * (t.s0 + n * t.s1))
 
     def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
                        nxt: Stage | None) -> StageEstimate:
@@ -328,7 +361,7 @@ class CostModel:
         spilled = self.spills(st, mb, last)
         compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb, spilled)
                    + (self.head_seconds(st.machine, st.tp, mb, spilled) if last else 0.0))
-        ar = m.layer_all_reduces() * self.tp_all_reduce_seconds(st.machine, st.tp, mb * m.boundary_bytes())
+        ar = m.layer_all_reduces(st.tp) * self.tp_all_reduce_seconds(st.machine, st.tp, mb * m.boundary_bytes())
         emb_f, emb_b = self.embed_seconds(st.machine, st.tp, mb) if first else (0.0, 0.0)
         fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
         k = self.features.backward_passes                        # (recomputed forward +) backward (2x)
@@ -341,8 +374,7 @@ class CostModel:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
         mem = self.stage_memory(st, idx, pipe, n_pipes)
         cap = self.cluster.machines[st.machine].memory
-        upd = self._stream_seconds(
-            st.machine, 7 * PARAM_BYTES * self.stage_params(st, first, last) * self.features.state_share(n_pipes))
+        upd = self._stream_seconds(st.machine, self.update_bytes(st, first, last) * self.features.state_share(n_pipes))
         return StageEstimate(fwd, bwd, send, mem, cap, ff, fb, upd, measured is not None,
                              self.stage_params(st, first, last))
 
@@ -423,7 +455,8 @@ class CostModel:
             t = [prefix[b] - prefix[a] for a, b in zip(f.bounds, f.bounds[1:])]   # per stage: its layers' sync
             last = len(t) - 1
             for i in {0, last}:          # the embedding's and the head's gradients
-                extra = (self.model.embed_params() if i == 0 else 0) + (self.model.head_params(1) if i == last else 0)
+                extra = ((self.model.param_bytes(Part.EMBED) if i == 0 else 0)
+                         + (self.model.param_bytes(Part.HEAD) if i == last else 0))
                 t[i] += self._sync_seconds(extra, n, bw, self.kind[p.stages[i].machine])
             if not any(f.share):
                 worst = max(worst, *t)
@@ -459,19 +492,18 @@ class CostModel:
         """`_sync_seconds` of one layer's gradients by the TP degree of its shard (the index)."""
         table = np.zeros(max(m.count for m in self.cluster.machines) + 1)
         for tp in range(1, table.size):
-            table[tp] = self._sync_seconds(self.model.layer_params(tp), n, bw, machine)
+            table[tp] = self._sync_seconds(self.model.param_bytes(Part.LAYER, tp), n, bw, machine)
         return table
 
     @_memo
-    def _sync_seconds(self, params: float, n: int, bw: float, machine: int) -> float:
-        """Gather `params` float32 from each of `n` pipelines and sum them on `machine`'s devices: the sum is
-        fused into the update program (`StageProgram._update`), which reads the n - 1 other parts beside the
+    def _sync_seconds(self, nbytes: float, n: int, bw: float, machine: int) -> float:
+        """Gather `nbytes` of gradients from each of `n` pipelines and sum them on `machine`'s devices: the sum
+        is fused into the update program (`StageProgram._update`), which reads the n - 1 other parts beside the
         gradient `update_time` prices."""
-        nbytes = params * PARAM_BYTES
         return collective_time("all-gather", n * nbytes, n, bw) + self._stream_seconds(machine, (n - 1) * nbytes)
 
     def update_time(self, layout: Layout) -> float:
-        """AdamW reads params, gradient and two moments and writes three of them: 7 float32 per param;
+        """The update reads params, gradient and optimizer state and writes params and state (`update_bytes`);
         stages update at once, the step waits for the slowest (on a shared host: for the host to do them all)."""
         return self._update_time(self._figures(layout))
 
@@ -502,7 +534,7 @@ class CostModel:
         seqs = layout.global_batch
         peak = sum(f.peak for f in figs)
         mfu = self.model.model_flops_per_sequence() * seqs / (step * peak)
-        return Estimate(step, seqs * self.config.seq_len / step, mfu, times, dp, upd,
+        return Estimate(step, seqs * self.model.seq_len / step, mfu, times, dp, upd,
                         tuple(f.stages for f in figs), all(f.fits for f in figs), peak)
 
     def mfu_with_peaks(self, est: Estimate, layout: Layout, tflops: dict[str, float]) -> float:

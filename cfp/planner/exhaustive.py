@@ -88,7 +88,7 @@ def _machine_groups(cl, cuts: Sequence[tuple[int, ...]]) -> list[list[int]]:
 
 
 def _layer_splits(cm: CostModel, stages: tuple[Stage, ...], batch: int, chunks: int, k: int):
-    L = cm.config.num_layers
+    L = cm.model.num_layers
     for comp in compositions(L, len(stages), [L] * len(stages)):
         st = tuple(Stage(s.devices, n, s.machine) for s, n in zip(stages, comp))
         pipe = Pipeline(st, batch, chunks)
@@ -105,7 +105,7 @@ def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_0
         raise InfeasibleError(f"exhaustive search covers at most {MAX_DEVICES} devices, the cluster has "
                               f"{cl.num_devices}")
     best, count = None, 0
-    for cuts in itertools.product(*(size_cuts(m.count, cm.config.num_heads) for m in cl.machines)):
+    for cuts in itertools.product(*(size_cuts(m.count, cm.model.tp_divisor) for m in cl.machines)):
         groups = _machine_groups(cl, cuts)
         kinds = sorted({(cl.devices[g[0]].machine, len(g)) for g in groups})
         pool = {kd: [g for g in groups if (cl.devices[g[0]].machine, len(g)) == kd] for kd in kinds}

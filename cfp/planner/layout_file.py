@@ -17,8 +17,15 @@ FORMAT = "cfp-layout/2"     # 2: the layout is `Layout.to_json`; 1 had the seed'
 OLD_FORMATS = ("cfp-layout/1",)
 
 
+def is_factory(model: str) -> bool:
+    """Whether a layout file's model is a user's factory (``module:factory`` / ``file.py:factory``), not a zoo name."""
+    return ":" in model
+
+
 @dataclass(frozen=True)
 class LayoutFile:
+    """A planned layout: ``model`` a zoo name (with ``config`` and ``overrides``) or a user's factory spec (``config``
+    empty)."""
     model: str
     config: str
     overrides: Mapping[str, Any]
@@ -55,14 +62,16 @@ def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:
         if not isinstance(data.get(key, {}), Mapping):
             raise ConfigError(f"{where}: {key}={data[key]!r} must be a mapping")
     overrides = dict(data.get("overrides", {}))
+    factory = is_factory(data["model"])     # a user's model: checked against the layout when it is loaded
     try:
-        config = get_config(data["model"], data["config"], **overrides)
+        config = None if factory else get_config(data["model"], data["config"], **overrides)
         schedule = ScheduleName.parse(data["schedule"])
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     layout = Layout.from_json(data["layout"], f"{where}: layout")
     try:
-        layout.validate_for(config)
+        if config is not None:
+            layout.validate_for(config.num_layers, heads=(config.num_heads, config.num_heads))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return LayoutFile(data["model"], data["config"], overrides, schedule, layout,

@@ -85,7 +85,7 @@ class _Search:
         cl = self.cm.cluster
         key = (tuple(devices), tuple(tp_of(m) for m in sorted({cl.devices[d].machine for d in devices})), metis)
         if key not in self._phase2:
-            heads = self.cm.config.num_heads
+            heads = self.cm.model.tp_divisor
             cuts = [machine_groups(cl, devices, tp_of, heads)]
             if metis:
                 parts = (tuple(devices), len(cuts[0]))   # the METIS cut depends on the stage count only
@@ -216,7 +216,8 @@ def _collector_paused():
 
 def find_layout(cluster: Cluster, config, options: PlannerOptions,
                 progress: Optional[Callable[[int, int], None]] = None) -> PlannerResult:
-    """The best layout the planner finds for `config` on `cluster` (deterministic)."""
+    """The best layout the planner finds for `config` (a zoo model config, or a model's derived
+    `cfp.layered.facts.CostFacts`) on `cluster` (deterministic)."""
     with _collector_paused():
         return _find_layout(cluster, config, options, progress)
 
@@ -226,8 +227,8 @@ def _find_layout(cluster: Cluster, config, options: PlannerOptions,
     t0 = time.perf_counter()
     cm = CostModel(config, cluster, options.schedule, options.stage_times)
     search = _Search(cm, options)
-    choices = tp_choices(cluster, config.num_heads)
-    ks = pipeline_counts(cluster, options, config.num_layers)
+    choices = tp_choices(cluster, cm.model.tp_divisor)
+    ks = pipeline_counts(cluster, options, cm.model.num_layers)
     found: list[_Candidate] = []     # the best TP map per pipeline count
     others: list[_Candidate] = []    # the TP maps that lost
     for step, k in enumerate(ks):
@@ -237,7 +238,7 @@ def _find_layout(cluster: Cluster, config, options: PlannerOptions,
         if progress:
             progress(step + 1, len(ks))
     if not found:
-        raise InfeasibleError(f"no layout of {type(config).__name__}(num_layers={config.num_layers}) fits "
+        raise InfeasibleError(f"no layout of {cm.model.name} ({cm.model.num_layers} layers) fits "
                               f"{cluster.summary()} with global batch {options.global_batch_size}; use fewer "
                               f"layers, a shorter sequence or more devices")
     key = lambda c: (c.objective, c.k)

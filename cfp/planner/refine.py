@@ -293,7 +293,7 @@ def _tp_moves(cm: CostModel, layout: Layout, only: Optional[set[int]] = None
               ) -> Iterator[tuple[list, set[int]]]:
     """A stage's TP group split into two halves, or two neighbouring stages of one machine and degree
     merged into one group of twice the degree (heads divisible); in the pipelines `only` if given."""
-    heads = cm.config.num_heads
+    heads = cm.model.tp_divisor
     pipes = [list(q.stages) for q in layout.pipelines]
     for p, stages in enumerate(pipes):
         if only is not None and p not in only:
@@ -314,7 +314,7 @@ def _regroup_moves(cm: CostModel, layout: Layout) -> Iterator[tuple[list, set[in
     """A pipeline's stages on one machine re-cut into TP groups of other sizes (every ordered cut into
     power-of-two groups, nearest stage count first): e.g. a wide group where the LM head sits and narrow
     ones elsewhere, which single splits and merges reach only through a worse layout."""
-    heads = cm.config.num_heads
+    heads = cm.model.tp_divisor
     pipes = [list(q.stages) for q in layout.pipelines]
     for p, stages in enumerate(pipes):
         start = 0
@@ -322,7 +322,7 @@ def _regroup_moves(cm: CostModel, layout: Layout) -> Iterator[tuple[list, set[in
             devices = sorted(d for s in blk for d in s.devices)
             now = tuple(s.tp for s in blk)
             seqs = [seq for cut in size_cuts(len(devices), heads) for seq in size_orders(cut)
-                    if seq != now and len(seq) <= cm.config.num_layers]
+                    if seq != now and len(seq) <= cm.model.num_layers]
             # nearest stage counts first (every ordered cut of an 8-device machine is 56 sequences)
             for seq in sorted(seqs, key=lambda q: (abs(len(q) - len(now)), len(q), tuple(-t for t in q))):
                 groups, i = [], 0

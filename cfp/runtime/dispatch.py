@@ -1,10 +1,11 @@
-"""One pass of every pipeline's schedule over a global batch.
+"""One pass of every pipeline's schedule over a global batch, and the gradient sync across pipelines.
 
 All actions of all pipelines are dispatched in one dependency-respecting global order
-(``schedules.global_order``); JAX's asynchronous dispatch lets stages on different devices run at
-the same time.  Each micro-batch's loss term is ``sum(ce * w) / W`` with ``W`` the weight of the
-*whole* global batch, so the per-stage gradients accumulated over micro-batches (in micro-batch
-order) are the pipeline's share of the token-weighted gradient of the single-device loss.
+(``schedules.global_order``); JAX's asynchronous dispatch lets stages on different devices run at the same
+time. The last stage of each pipeline returns every micro-batch's ``(loss_sum, weight)``; each stage
+accumulates the gradient of the summed ``loss_sum`` over its micro-batches, and the update scales the sum by
+``1 / total weight`` (`StageProgram.update`), so the step's gradient is that of the single-device loss
+``sum(loss_sum) / sum(weight)``.
 """
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from cfp.errors import ConfigError
-from cfp.runtime import comm
+from cfp.errors import ConfigError, NumericalError
 from cfp.layout import Layout, PlacedStage
+from cfp.runtime import comm
 from cfp.runtime.schedules import Phase
-from cfp.runtime.state import process_allgather, subtree
-from cfp.runtime.stage.program import StageProgram
+from cfp.runtime.stage import activations
+from cfp.runtime.state import process_allgather
 from cfp.runtime.timing import StepClock
 
 
@@ -31,28 +31,34 @@ def move(programs: dict, tree: Optional[Any], src: PlacedStage, dst: PlacedStage
                      list(programs[dst.key].mesh.devices.flat), dst_shardings, like)
 
 
-PACKED_KEYS = ("segment_ids", "positions")
+def rows_of(batch: Any) -> int:
+    """The leading (batch) dim its leaves share; ConfigError when they do not."""
+    leaves = jax.tree_util.tree_leaves(batch)
+    dims = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
+    if len(dims) != 1 or None in dims:
+        raise ConfigError(f"a batch's leaves must share a leading batch dim, got leading dims {sorted(map(str, dims))}")
+    return dims.pop()
 
 
-def split_batch(layout: Layout, batch: dict) -> list[list[dict]]:
-    """A fixed-length global batch (the pipelines' rows concatenated in pipeline order) as each
-    pipeline's ``chunks`` micro-batches of ``micro_batch_size`` rows."""
-    b = {k: np.asarray(v) for k, v in batch.items()}
-    rows = b["inputs"].shape[0]
+def split_batch(layout: Layout, batch: Any) -> list[list[Any]]:
+    """A global batch (any pytree; the pipelines' rows concatenated in pipeline order) as each pipeline's
+    ``chunks`` micro-batches of ``micro_batch`` rows."""
+    b = jax.tree_util.tree_map(np.asarray, batch)
+    rows = rows_of(b)
     if rows != layout.global_batch:
         raise ConfigError(f"batch has {rows} rows but the layout's global batch sizes sum to "
                           f"{layout.global_batch}")
     out = []
     for pipe, off in zip(layout.pipelines, layout.batch_offsets()):
         mbs = pipe.micro_batch
-        out.append([{k: v[off + m * mbs: off + (m + 1) * mbs] for k, v in b.items()}
+        out.append([jax.tree_util.tree_map(lambda v: v[off + m * mbs: off + (m + 1) * mbs], b)
                     for m in range(pipe.chunks)])
     return out
 
 
-def check_micro_batches(layout: Layout, per_pipeline: Any) -> list[list[dict]]:
-    """Per pipeline, its micro-batches as numpy dicts (``inputs``, ``targets``, ``weights`` [R,S], and for
-    packed rows ``segment_ids`` and ``positions``); ConfigError naming what is wrong."""
+def check_micro_batches(layout: Layout, per_pipeline: Any) -> list[list[Any]]:
+    """Per pipeline, its micro-batches (pytrees of numpy arrays sharing a leading dim; any count, any shapes);
+    ConfigError naming what is wrong."""
     if not isinstance(per_pipeline, (list, tuple)) or len(per_pipeline) != len(layout.pipelines):
         n = len(per_pipeline) if isinstance(per_pipeline, (list, tuple)) else type(per_pipeline).__name__
         raise ConfigError(f"{n} micro-batch lists for {len(layout.pipelines)} pipelines")
@@ -60,15 +66,11 @@ def check_micro_batches(layout: Layout, per_pipeline: Any) -> list[list[dict]]:
     for p, mbs in enumerate(per_pipeline):
         rows = []
         for m, mb in enumerate(mbs):
-            mb = {k: np.asarray(v) for k, v in mb.items()}
-            missing = [k for k in ("inputs", "targets", "weights") if k not in mb]
-            packed = [k for k in PACKED_KEYS if k in mb]
-            if missing or len(packed) == 1:
-                raise ConfigError(f"pipeline {p} micro-batch {m} lacks {missing or PACKED_KEYS}")
-            shapes = {k: v.shape for k, v in mb.items()}
-            if len(set(shapes.values())) != 1 or len(mb["inputs"].shape) != 2:
-                raise ConfigError(f"pipeline {p} micro-batch {m}: arrays must share one [rows, seq] "
-                                  f"shape, got {shapes}")
+            mb = jax.tree_util.tree_map(np.asarray, mb)
+            try:
+                rows_of(mb)
+            except ConfigError as e:
+                raise ConfigError(f"pipeline {p} micro-batch {m}: {e}") from None
             rows.append(mb)
         out.append(rows)
     if not any(out):
@@ -76,53 +78,48 @@ def check_micro_batches(layout: Layout, per_pipeline: Any) -> list[list[dict]]:
     return out
 
 
-class ActivationShapes:
-    """ShapeDtypeStruct of the activation each stage sends to the next one, per micro-batch shape
-    (cached)."""
+def _like(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
 
-    def __init__(self, layout: Layout, programs: dict[tuple[int, int], StageProgram],
-                 seq_len: int):
-        self.layout, self.programs, self.seq_len = layout, programs, seq_len
+
+class ActivationShapes:
+    """ShapeDtypeStructs of the activation each stage sends on, per micro-batch shape (cached)."""
+
+    def __init__(self, layout: Layout, programs: dict):
+        self.layout, self.programs = layout, programs
         self._cache: dict[tuple, Any] = {}
 
-    def __call__(self, key: tuple[int, int], shape: Optional[tuple[int, int]] = None,
-                 packed: bool = False) -> Any:
-        pipe = self.layout.pipelines[key[0]]
-        shape = tuple(shape) if shape is not None else (pipe.micro_batch, self.seq_len)
-        ck = (key, shape, packed)
-        if ck not in self._cache:
-            x = jax.ShapeDtypeStruct(shape, jnp.int32)
-            pk = (x, x) if packed else None
+    def __call__(self, key: tuple[int, int], batch_like: Any) -> Any:
+        """Stage ``key``'s output activation for a micro-batch shaped like ``batch_like``."""
+        sig = (key, jax.tree_util.tree_structure(batch_like),
+               tuple((l.shape, str(l.dtype)) for l in jax.tree_util.tree_leaves(batch_like)))
+        if sig not in self._cache:
+            x = None
             for s in range(key[1] + 1):
                 prog = self.programs[(key[0], s)]
-                x = jax.eval_shape(prog.forward, prog.params_like, x, pk)[0]
-            self._cache[ck] = x
-        return self._cache[ck]
+                b = batch_like if prog.stage.is_first or prog.stage.is_last else None
+                x = jax.eval_shape(prog.run, prog.params_like, x, b)
+            self._cache[sig] = x
+        return self._cache[sig]
 
 
 class ScheduleRun:
-    """Dispatches one step's forward/backward actions; ``run(per_pipeline)`` -> (accumulators, loss).
+    """Dispatches one step's forward/backward actions; ``run(per_pipeline)`` -> (accumulators, loss, weight).
 
-    ``per_pipeline[p]`` are pipeline p's micro-batches (``check_micro_batches``); each may have its own
-    shape (packed variable-length rows), and a pipeline may have none this step."""
+    ``per_pipeline[p]`` are pipeline p's micro-batches (``check_micro_batches``); each may have its own shape
+    (packed variable-length rows), and a pipeline may have none this step."""
 
-    def __init__(self, layout: Layout, programs: dict, params: dict, order: list,
-                 aux_coef: float, act_shape: ActivationShapes, clock: StepClock):
+    def __init__(self, layout: Layout, programs: dict, params: dict, order: list, act_shape: ActivationShapes,
+                 clock: StepClock):
         self.layout, self.programs, self.params, self.order = layout, programs, params, order
-        self.aux_coef, self.act_shape, self.clock = aux_coef, act_shape, clock
+        self.act_shape, self.clock = act_shape, clock
         # buffers between actions, keyed by (pipeline, stage, microbatch) or (stage key, microbatch)
-        self.acts, self.grads_back, self.saved, self.labels = {}, {}, {}, {}
+        self.acts, self.grads_back, self.saved, self.batches = {}, {}, {}, {}
         self.acc: dict[tuple[int, int], Any] = {}
-        self.ce_parts: dict[int, Any] = {}
-        self.aux_parts: dict[int, tuple[Any, np.float32]] = {}
+        self.loss_parts: dict[int, Any] = {}
 
-    def run(self, per_pipeline: list[list[dict]]) -> tuple[dict, float]:
+    def run(self, per_pipeline: list[list[Any]]) -> tuple[dict, float, float]:
         self.mbs = per_pipeline
-        flat = [mb for mbs in per_pipeline for mb in mbs]
-        # one pairwise sum over the weights in global-batch order (as the single-device loss sums them)
-        self.total_w = np.float32(np.concatenate([mb["weights"].astype(np.float32).ravel()
-                                                  for mb in flat]).sum())
-        self.total_rows = sum(mb["inputs"].shape[0] for mb in flat)
         for idx, a in enumerate(self.order):
             t0 = time.perf_counter()
             done = self._forward(idx, a) if a.phase is Phase.FWD else self._backward(a)
@@ -131,51 +128,40 @@ class ScheduleRun:
         for key, prog in self.programs.items():  # a pipeline without micro-batches adds zeros
             if prog.is_local and key not in self.acc:
                 self.acc[key] = prog.zeros()
-        return self.acc, self._loss()
+        return (self.acc,) + self._loss()
 
-    def _aux_ct(self, a) -> np.float32:
-        """This micro-batch's share of the MoE aux loss (0 for dense models): its share of the step's
-        tokens for packed rows, of its rows for fixed-length ones."""
-        mb = self.mbs[a.pipeline][a.microbatch]
-        if "segment_ids" in mb:
-            return np.float32(self.aux_coef * float(mb["weights"].sum()) / max(float(self.total_w), 1e-9))
-        return np.float32(self.aux_coef * mb["inputs"].shape[0] / self.total_rows)
+    def _batch(self, a, prog) -> Optional[Any]:
+        """The micro-batch on the stage's devices (first and last stages), None elsewhere; placed once."""
+        st = prog.stage
+        if not (st.is_first or st.is_last):
+            return None
+        k = ((a.pipeline, a.stage), a.microbatch)
+        if k not in self.batches:
+            mb = self.mbs[a.pipeline][a.microbatch]
+            self.batches[k] = jax.device_put(mb, prog.batch_shardings(_like(mb)))
+        return self.batches[k]
 
-    def _packed(self, a, prog) -> dict:
-        """``packed=`` keyword of the stage programs (empty for fixed-length rows)."""
-        mb = self.mbs[a.pipeline][a.microbatch]
-        if "segment_ids" not in mb:
-            return {}
-        return {"packed": jax.device_put((mb["segment_ids"], mb["positions"]), prog.rows)}
-
-    def _like(self, a, key) -> Any:
-        mb = self.mbs[a.pipeline][a.microbatch]
-        return self.act_shape(key, mb["inputs"].shape, "segment_ids" in mb)
+    def _out_like(self, a, key) -> Any:
+        return self.act_shape(key, _like(self.mbs[a.pipeline][a.microbatch]))
 
     def _forward(self, idx: int, a) -> Optional[Any]:
         key, m = (a.pipeline, a.stage), a.microbatch
         prog = self.programs[key]
         st = prog.stage
-        mb = self.mbs[a.pipeline][m]
-        if st.is_first:
-            x = jax.device_put(mb["inputs"], prog.act_in) if prog.is_local else None
-        else:
+        x = None
+        if not st.is_first:
             prev = self.layout.place((a.pipeline, st.index - 1))
+            like = self._out_like(a, prev.key)
             x = move(self.programs, self.acts.pop((a.pipeline, st.index - 1, m), None), prev, st,
-                     prog.act_in, self._like(a, prev.key))
+                     prog.act_in_shardings(like), like)
         if not prog.is_local:
             return None
         self.saved[(key, m)] = x
-        kw = self._packed(a, prog)
+        out = prog.fwd(self.params[key], x, self._batch(a, prog))
         if st.is_last:
-            lab = jax.device_put((mb["targets"], mb["weights"]), prog.rows)
-            self.labels[(key, m)] = (lab, kw)
-            out, aux = prog.fwd(self.params[key], x, lab[0], lab[1], self.total_w, **kw)
-            self.ce_parts[idx] = out
+            self.loss_parts[idx] = out
         else:
-            out, aux = prog.fwd(self.params[key], x, **kw)
             self.acts[(a.pipeline, st.index, m)] = out
-        self.aux_parts[idx] = (aux, self._aux_ct(a))
         return out
 
     def _backward(self, a) -> Optional[Any]:
@@ -185,67 +171,101 @@ class ScheduleRun:
         g = None
         if not st.is_last:
             nxt = self.layout.place((a.pipeline, st.index + 1))
-            g = move(self.programs, self.grads_back.pop((a.pipeline, st.index + 1, m), None), nxt,
-                     st, prog.act_out, self._like(a, key))
+            like = self._out_like(a, key)
+            g = move(self.programs, self.grads_back.pop((a.pipeline, st.index + 1, m), None), nxt, st,
+                     prog.act_out_shardings(like), activations.gradient_like(like))
         if not prog.is_local:
             return None
         x = self.saved.pop((key, m))
         if key not in self.acc:
             self.acc[key] = prog.zeros()
-        if st.is_last:
-            (tgt, w), kw = self.labels.pop((key, m))
-            out = prog.bwd(self.params[key], x, tgt, w, self.total_w, self._aux_ct(a), self.acc[key],
-                           **kw)
-        else:
-            out = prog.bwd(self.params[key], x, g, self._aux_ct(a), self.acc[key],
-                           **self._packed(a, prog))
-        self.acc[key] = out[0]
+        batch = self._batch(a, prog)
+        acc, g_x, done = prog.bwd(self.params[key], x, batch, g, self.acc[key])
+        self.acc[key] = acc
         if not st.is_first:
-            self.grads_back[(a.pipeline, st.index, m)] = out[1]
-        return out[-1]
+            self.grads_back[(a.pipeline, st.index, m)] = g_x
+        return done
 
-    def _loss(self) -> float:
-        """Loss terms by position in the global order, summed in that order in float64, so every
-        process (and a single-process run) adds the same numbers in the same order."""
+    def _loss(self) -> tuple[float, float]:
+        """(loss, total weight): the micro-batches' ``loss_sum`` and ``weight`` by position in the global order,
+        summed in that order in float64, so every process (and a single-process run) adds the same numbers in
+        the same order."""
         n = len(self.order)
-        ce_v, aux_v, aux_w = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
-        for i, c in self.ce_parts.items():
-            ce_v[i] = np.asarray(c)
-        for i, (a, w) in self.aux_parts.items():
-            aux_v[i], aux_w[i] = np.asarray(a), w
+        parts = np.zeros((n, 2), np.float64)
+        for i, (s, w) in self.loss_parts.items():
+            parts[i] = float(s), float(w)
         if jax.process_count() > 1:
-            ce_v, aux_v, aux_w = (np.asarray(t).sum(axis=0) for t in
-                                  process_allgather((ce_v, aux_v, aux_w)))
-        loss = 0.0
-        for i in range(n):
-            loss += float(ce_v[i]) + float(aux_v[i]) * float(aux_w[i])
-        return loss
+            parts = np.asarray(process_allgather(parts)).sum(axis=0)
+        loss_sum, weight = float(np.sum(parts[:, 0])), float(np.sum(parts[:, 1]))
+        if not (np.isfinite(weight) and weight > 0):
+            raise NumericalError(f"the step's total weight is {weight}; the loss sum(loss_sum) / sum(weight) "
+                                 "needs a positive, finite weight")
+        return loss_sum / weight, weight
 
 
-def sync_gradients(layout: Layout, programs: dict, acc: dict) -> dict:
-    """For every local stage, its submodules' gradients from every pipeline (in pipeline order),
-    resharded onto this stage's gradient shardings; their sum is the token-weighted global gradient.
+def _layer_pieces(dst: PlacedStage, src_stages) -> list[tuple[PlacedStage, int, int]]:
+    """(source stage, first layer, stop) of the layers stage ``dst`` holds, by the source stages holding them,
+    in layer order (global layer indices)."""
+    out = []
+    for src in src_stages:
+        lo, hi = max(dst.layer_start, src.layer_start), min(dst.layer_end, src.layer_end)
+        if lo < hi:
+            out.append((src, lo, hi))
+    return out
 
-    The same elementwise sums in the same order happen everywhere a module is held, so all
-    pipelines keep bit-identical parameters."""
+
+def grad_pieces(layout: Layout, dst: PlacedStage) -> list[list[int]]:
+    """Per pipeline, the layer counts of the pieces stage ``dst``'s gradient arrives in."""
+    return [[hi - lo for _, lo, hi in _layer_pieces(dst, layout.placed_in(p))] for p in range(len(layout.pipelines))]
+
+
+def sync_gradients(layout: Layout, programs: dict, acc: dict, slicer: Any) -> dict:
+    """For every local stage of pipeline 0 (which updates the parameters for all), its gradient from every pipeline
+    (in pipeline order): ``first`` and ``last`` from that pipeline's first and last stages, its layers as the
+    pieces of the stages holding them there, each moved onto this stage's gradient shardings. Their sum is the
+    step's gradient (`StageProgram.summed`). ``slicer(key, layers, start, stop)``: a stage's accumulated layer
+    gradients cut to its local layers ``start .. stop-1`` (on its devices)."""
     out = {}
-    for dst in layout.placed:
+    for dst in layout.placed_in(0):
         dprog = programs[dst.key]
-        names = dst.module_names()
-        parts = []
-        for p in range(len(layout.pipelines)):
-            piece: dict[str, Any] = {}
-            for src in layout.placed_in(p):
-                common = [n for n in names if n in src.module_names()]
-                if not common:
-                    continue
-                sub = subtree(acc[src.key], common) if programs[src.key].is_local else None
-                moved = move(programs, sub, src, dst, subtree(dprog.grad_shardings, common),
-                             subtree(dprog.params_like, common))
-                if moved is not None:
-                    piece.update(moved["params"])
-            if dprog.is_local:
-                parts.append({"params": {n: piece[n] for n in names}})
+        parts = [_gather_from(programs, layout.placed_in(p), dst, acc, slicer, dprog.layer_shardings,
+                              dprog.grad_shardings) for p in range(len(layout.pipelines))]
         if dprog.is_local:
             out[dst.key] = parts
     return out
+
+
+def broadcast_params(layout: Layout, programs: dict, params: dict, slicer: Any, joiner: Any) -> None:
+    """Every stage of the other pipelines gets pipeline 0's new parameters (in place in ``params``): its layers from
+    the pipeline-0 stages holding them (pieces joined by ``joiner(key, pieces)`` on its devices), ``first`` and
+    ``last`` from pipeline 0's first and last stage. So all pipelines hold the same bits, whatever their stage
+    boundaries and TP degrees."""
+    src_stages = layout.placed_in(0)
+    for p in range(1, len(layout.pipelines)):
+        for dst in layout.placed_in(p):
+            dprog = programs[dst.key]
+            got = _gather_from(programs, src_stages, dst, params, slicer,
+                               lambda a, b: dprog.layer_shardings(a, b, params=True), dprog.shardings)
+            if dprog.is_local:
+                params[dst.key] = dict(got, layers=joiner(dst.key, got["layers"]))
+
+
+def _gather_from(programs: dict, srcs, dst: PlacedStage, trees: dict, slicer: Any, layer_shardings: Any,
+                 shardings: Any) -> dict:
+    """Stage ``dst``'s part of the trees the stages ``srcs`` (one pipeline) hold: its layers as one piece per source
+    stage holding some of them, ``first``/``last`` from the first/last source, all moved onto ``dst``'s shardings
+    (None where this process holds neither end)."""
+    dprog = programs[dst.key]
+    part = {"layers": []}
+    for src, lo, hi in _layer_pieces(dst, srcs):
+        sprog = programs[src.key]
+        a, b = lo - src.layer_start, hi - src.layer_start
+        sub = slicer(src.key, trees[src.key]["layers"], a, b) if sprog.is_local else None
+        part["layers"].append(move(programs, sub, src, dst, layer_shardings(lo - dst.layer_start,
+                                                                            hi - dst.layer_start),
+                                   sprog.layers_like(a, b)))
+    for name, src in (("first", srcs[0]), ("last", srcs[-1])):
+        if name in dprog.params_like:
+            sub = trees[src.key][name] if programs[src.key].is_local else None
+            part[name] = move(programs, sub, src, dst, shardings[name], dprog.params_like[name])
+    return part

@@ -1,29 +1,28 @@
-"""The training engine: heterogeneous hybrid 3D parallelism (FlashFlex/HexiScale) and Hydraulis'
-variable-length strategies in one executor.
+"""The training engine: heterogeneous hybrid 3D parallelism (FlashFlex/HexiScale) and Hydraulis' variable-length
+strategies in one executor, for any `LayeredModel` and any optax optimizer.
 
-A step runs a *strategy*: a ``Layout`` of pipelines, each a list of stages, each stage its layers
-on a <CP,TP> sub-mesh.  ``HeteroTrainer.step(batch)`` takes either a fixed-length global batch (the
-pipelines' rows concatenated in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or,
-per pipeline, its list of micro-batches (packed variable-length rows with segment ids and restarting
-positions; any count, any shape, none at all):
+A step runs a *strategy*: a ``Layout`` of pipelines, each a list of stages, each stage its layers on a <CP,TP>
+sub-mesh. ``HeteroTrainer.step(batch)`` takes either a global batch (any pytree; the pipelines' rows concatenated
+in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pipeline, its list of micro-batches
+(e.g. packed variable-length rows with segment ids; any count, any shape, none at all):
 
-1. Every pipeline runs its schedule (GPipe / 1F1B) on its micro-batches (``dispatch.ScheduleRun``);
-   each stage accumulates its gradient over its micro-batches.  Every micro-batch's loss term is its
-   token-weighted share of the whole step's loss.
-2. Gradient sync (``dispatch.sync_gradients``): for every stage of every pipeline, each of its
-   submodules' gradients is gathered from every pipeline (resharded from that pipeline's stage onto
-   this stage's shardings) and summed in pipeline order -- the same elementwise sums everywhere, so
-   all pipelines keep bit-identical parameters.
-3. AdamW (optax) per stage.  AdamW is elementwise, so per-stage optimizers equal one global optimizer.
-   A NaN or Inf in the loss, a summed gradient or a new parameter raises ``NumericalError`` naming
-   the step and the leaf.
+1. Every pipeline runs its schedule (GPipe / 1F1B) on its micro-batches (``dispatch.ScheduleRun``); each stage
+   accumulates the gradient of its micro-batches' summed ``loss_sum``; the step's loss is
+   ``sum(loss_sum) / sum(weight)`` over every micro-batch of every pipeline.
+2. Gradient sync (``dispatch.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from
+   every pipeline (resharded from that pipeline's stages onto this stage's shardings) and sums them in pipeline
+   order.
+3. The optimizer per stage of pipeline 0 (`cfp.runtime.stage.optim`): the user's optax transformation on the
+   stage's part, on the summed gradient scaled by ``1 / sum(weight)``; then every other pipeline's stages get
+   the new parameters from pipeline 0's (``dispatch.broadcast_params``), so all pipelines hold the same bits
+   whatever their stage boundaries and TP degrees, and only pipeline 0 holds optimizer state. A NaN or Inf in
+   the loss, a summed gradient or a new parameter raises ``NumericalError`` naming the step and the leaf.
 
-``set_layout`` switches the strategy between steps: the state is gathered and placed on the new
-layout's stages (a copy, bit-exact).  Per-action start/end times are measured by ``timing.StepClock``.
+``set_layout`` switches the strategy between steps: the state is gathered and placed on the new layout's stages
+(a copy, bit-exact). Per-action start/end times are measured by ``timing.StepClock``.
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,15 +35,15 @@ import numpy as np
 import optax
 
 from cfp.errors import ConfigError, NumericalError
-from cfp.models import init_params
-from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, check_micro_batches, split_batch,
-                                  sync_gradients)
+from cfp.layered.model import LayeredModel, merge_stage_params, stage_params
 from cfp.layout import Layout
+from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, broadcast_params, check_micro_batches,
+                                  grad_pieces, split_batch, sync_gradients)
 from cfp.runtime.schedules import SCHEDULES, ScheduleName, check_schedule, global_order
 from cfp.runtime.stage.build import build_programs
 from cfp.runtime.stage.cache import CompileCache
 from cfp.runtime.stage.plans import StagePlans
-from cfp.runtime.state import collect, first_wins, path_table, place_opt_state, subtree
+from cfp.runtime.state import gather_stages, host
 from cfp.runtime.timeline import Event
 from cfp.runtime.timing import StepClock
 from cfp.xla.compiled import compiled_memory
@@ -52,8 +51,8 @@ from cfp.xla.compiled import compiled_memory
 
 @dataclass
 class StepStats:
-    """One step: ``tokens`` the token slots run (padding included), ``real_tokens`` those with a
-    non-zero loss weight."""
+    """One step: ``tokens`` the batch positions run (rows x length of its first leaf, padding included),
+    ``real_tokens`` the step's total weight (its real tokens when ``last`` weighs by tokens)."""
     step: int
     loss: float
     seconds: float
@@ -70,57 +69,65 @@ class StepStats:
         return out
 
 
-def optimizer(learning_rate: float, weight_decay: float) -> optax.GradientTransformation:
-    """The optimizer of ``cfp.models.train_step`` (AdamW), so the single-device replay matches."""
+def adamw(learning_rate: float, weight_decay: float) -> optax.GradientTransformation:
+    """The zoo's default optimizer (`cfp.models.train_step`'s), for the command line's ``--lr``/``--weight-decay``."""
     return optax.adamw(learning_rate, weight_decay=weight_decay)
 
 
-def compile_cache(learning_rate: float, weight_decay: float) -> CompileCache:
-    """An empty compile cache for the AdamW optimizer of these hyper-parameters."""
-    return CompileCache(optimizer(learning_rate, weight_decay), (float(learning_rate), float(weight_decay)))
+def zoo_trainer(model_name: str, config: Any, layout: Layout, schedule: "str | ScheduleName" = ScheduleName.GPIPE,
+                *, learning_rate: float = 1e-3, weight_decay: float = 0.01, seed: int = 0, abstract: bool = False,
+                **kw: Any) -> "HeteroTrainer":
+    """A trainer of the zoo model ``model_name`` (its `LayeredModel`, parameters from ``seed``; ``abstract``: shapes
+    only, for compiling without running) with AdamW; ``kw`` as `HeteroTrainer`'s."""
+    from cfp.models.layered import zoo_model
+    return HeteroTrainer(zoo_model(model_name, config, seed, abstract=abstract), adamw(learning_rate, weight_decay),
+                         layout, schedule, **kw)
 
 
 class HeteroTrainer:
-    """Holds each local stage's params and optimizer state and runs training steps on its layout (the
-    strategy; ``set_layout`` switches it between steps). Its stage programs are built through ``cache``
-    (its `CompileCache`; a new one unless given: pass the one the stage-plan search filled, so the searched
-    programs run as built), from ``plans`` (searched stage plans) where given, else the Megatron rules."""
+    """Holds each local stage's parameters and optimizer state of ``model`` and runs training steps with
+    ``optimizer`` on its layout (the strategy; ``set_layout`` switches it between steps). Its stage programs are
+    built through ``cache`` (its `CompileCache`; a new one unless given: pass the one the stage-plan search
+    filled, so the searched programs run as built), from ``plans`` (searched stage plans) where given, else the
+    rules table on the model's logical dim names."""
 
-    def __init__(self, model_name: str, config: Any, layout: Layout,
-                 schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, learning_rate: float = 1e-3,
-                 weight_decay: float = 0.01, devices: Optional[list] = None,
-                 plans: Optional[StagePlans] = None, cache: Optional[CompileCache] = None):
-        self.model_name, self.config = model_name, config
+    def __init__(self, model: LayeredModel, optimizer: Optional[optax.GradientTransformation], layout: Layout,
+                 schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, example_batch: Any = None,
+                 devices: Optional[list] = None, plans: Optional[StagePlans] = None,
+                 cache: Optional[CompileCache] = None):
+        if cache is None:
+            if optimizer is None:
+                raise ConfigError("HeteroTrainer needs an optimizer or a compile cache built for one")
+            cache = CompileCache(model, optimizer)
+        elif cache.model is not model or (optimizer is not None and cache.tx is not optimizer):
+            raise ConfigError("the compile cache holds programs of another model or optimizer")
+        self.model, self.cache = model, cache
+        self.tx, self.optimizer = cache.tx, cache.optimizer
         self.devices = list(devices) if devices is not None else jax.devices()
-        self.cache = cache if cache is not None else compile_cache(learning_rate, weight_decay)
-        if self.cache.tx_key != (float(learning_rate), float(weight_decay)):
-            raise ConfigError(f"the compile cache holds programs of learning rate, weight decay "
-                              f"{self.cache.tx_key}, not ({learning_rate}, {weight_decay})")
-        self.tx = self.cache.tx
-        self.full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
         self.schedule = ScheduleName.parse(schedule)
-        self.aux_coef = float(getattr(config, "aux_loss_coef", 0.0))
         self.params: dict[tuple[int, int], Any] = {}
         self.opt_state: dict[tuple[int, int], Any] = {}
         self.step_count = 0
         self._initialized = False
         self._orders: dict[tuple, list] = {}
         self._warmed: set = set()
+        self._slicers: dict[tuple, Any] = {}
         self.warm_s = 0.0     # seconds spent in warm(): compilation kept out of timed steps
+        self._example = None if example_batch is None else _like(example_batch)
         self._build(layout, plans)
 
     def _build(self, layout: Layout, plans: Optional[StagePlans] = None) -> None:
-        layout.validate_for(self.config, len(self.devices))
+        layout.validate_for(self.model.num_layers, len(self.devices), self.model.heads)
         self.layout = layout
-        self.programs = build_programs(self.model_name, self.config, layout, self.devices, self.cache, plans)
+        self.programs = build_programs(layout, self.devices, self.cache, plans, self._example)
         self.set_schedule(self.schedule)
         self._local = {k: pr for k, pr in self.programs.items() if pr.is_local}
         self._clock = StepClock({k: pr.stage.devices for k, pr in self._local.items()})
-        self._act_shape = ActivationShapes(layout, self.programs, self.config.seq_len)
+        self._act_shape = ActivationShapes(layout, self.programs)
 
     def set_layout(self, layout: Layout) -> bool:
-        """Switch to another strategy between steps: the state is gathered from the current stages and
-        placed on the new layout's (values copied, unchanged).  Returns whether the layout changed."""
+        """Switch to another strategy between steps: the state is gathered from the current stages and placed on
+        the new layout's (values copied, unchanged). Returns whether the layout changed."""
         if layout == self.layout:
             return False
         state = self.state() if self._initialized else None
@@ -131,46 +138,61 @@ class HeteroTrainer:
         return True
 
     # ------------------------------------------------------------------ state
-    def init(self, seed: int = 0) -> "HeteroTrainer":
-        """Initialise exactly like ``cfp.models.train_step(...).init(seed)``."""
-        params = init_params(self.model_name, self.config, seed)
-        return self.load_state(params, self.tx.init(params), 0)
+    def init(self) -> "HeteroTrainer":
+        """Start from the model's parameters and the optimizer's initial state on them."""
+        params = host(self.model.params)
+        return self.load_state(params, jax.jit(self.tx.init)(params), 0)
 
     def load_state(self, params: Any, opt_state: Any, step: int) -> "HeteroTrainer":
-        """Place a layout-independent state (full ``{"params": ...}`` tree + its optax state)."""
+        """Place a layout-independent state (the model's full parameter tree and its optax state)."""
+        params, opt_state = host(params), host(opt_state)
+        m = self.model
         for key, prog in self._local.items():
-            self.params[key] = prog.place_params(subtree(params, prog.stage.module_names()))
-            self.opt_state[key] = place_opt_state(opt_state, prog.opt_shardings)
+            st = prog.stage
+            mine = stage_params(params, st.layer_start, st.layer_end, st.is_first, st.is_last, m.stacked)
+            self.params[key] = prog.place_params(mine)
+            if st.pipeline == 0:        # pipeline 0 updates for all: the others hold no optimizer state
+                self.opt_state[key] = prog.place_opt_state(prog.optimizer.cut(opt_state))
         self.step_count = int(step)
         self._initialized = True
         return self
 
     def state(self) -> tuple[Any, Any, int]:
-        """The layout-independent state as host numpy trees: (params, opt_state, step).
+        """The layout-independent state as host numpy trees: (params, opt_state, step), taken from pipeline 0
+        (all pipelines hold identical values); in a multi-process run stages held elsewhere are broadcast."""
+        keys = [st.key for st in self.layout.placed_in(0)]
+        local = lambda k: self.programs[k].is_local
+        params = gather_stages(keys, self.params, lambda k: self.programs[k].params_like, local)
+        opts = gather_stages(keys, self.opt_state, lambda k: self.programs[k].optimizer.like, local)
+        full, opt = self.optimizer.merge(params, opts, self.layout.placed_in(0))
+        return full, opt, self.step_count
 
-        Every module is taken from the lowest-numbered pipeline holding it on this process (all
-        pipelines hold identical values).  In a multi-process run modules held only elsewhere are
-        fetched with a cross-process all-gather.
-        """
-        keys = sorted(self.params)
-        params = collect(self.full_like, first_wins(path_table(self.params[k]) for k in keys))
-        opt_like = jax.eval_shape(self.tx.init, self.full_like)
-        opt = collect(opt_like, first_wins(path_table(self.opt_state[k]) for k in keys))
-        return params, opt, self.step_count
+    def compile_jobs(self, key: tuple[int, int], batch_like: Optional[Any] = None) -> list:
+        """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update, for
+        micro-batches shaped like ``batch_like`` (default: the model's example batch cut to the micro-batch)."""
+        prog = self.programs[key]
+        st = prog.stage
+        b = batch_like if batch_like is not None else self.micro_batch_like(key[0])
+        x_like = None if st.is_first else self._act_shape((key[0], key[1] - 1), b)
+        y_like = None if st.is_last else self._act_shape(key, b)
+        return prog.compile_jobs(x_like, b if (st.is_first or st.is_last) else None, y_like,
+                                 grad_pieces(self.layout, st))
 
-    def compile_jobs(self, key: tuple[int, int]) -> list:
-        """``(jitted program, abstract arguments)`` of stage ``key``'s fwd, bwd, zeros and update."""
-        prog, pipe = self.programs[key], self.layout.pipelines[key[0]]
-        x_like = None if prog.stage.is_first else self._act_shape((key[0], key[1] - 1))
-        y_like = None if prog.stage.is_last else self._act_shape(key)
-        return prog.compile_jobs(pipe.micro_batch, self.config.seq_len, x_like, y_like,
-                                 len(self.layout.pipelines))
+    def micro_batch_like(self, pipeline: int) -> Any:
+        """ShapeDtypeStructs of pipeline ``pipeline``'s micro-batch, from the example batch the trainer was
+        given."""
+        if self._example is None:
+            raise ConfigError("compiling ahead of time needs the trainer's example_batch (the batches' shapes)")
+        rows = self.layout.pipelines[pipeline].micro_batch
+        return jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct((rows,) + tuple(l.shape[1:]), l.dtype),
+                                      self._example)
 
     def compile(self, workers: Optional[int] = None) -> float:
-        """Compile every local stage program ahead of time, several at once (XLA compiles outside
-        the GIL); the first step then only traces.  Returns the seconds it took."""
+        """Compile every local stage program ahead of time, several at once (XLA compiles outside the GIL); the
+        first step then only traces. Returns the seconds it took."""
         t0 = time.perf_counter()
-        jobs = [job for key in self._local for job in self.compile_jobs(key)]
+        # the other pipelines' stages take pipeline 0's new parameters: they compile no update
+        jobs = [job for key in self._local for job in self.compile_jobs(key)[:None if key[0] == 0 else 3]]
         with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(lambda j: j[0].lower(*j[1]).compile(), jobs))
         return time.perf_counter() - t0
@@ -193,104 +215,136 @@ class HeteroTrainer:
             self._orders[key] = global_order(per_pipe)
         return self._orders[key]
 
-    def micro_batches(self, batch: Any) -> list[list[dict]]:
-        """Per pipeline its micro-batches: a fixed-length global batch dict is cut by the layout's batch
-        sizes; a list (one list of micro-batch dicts per pipeline) is checked and taken as is."""
-        if isinstance(batch, dict):
-            return split_batch(self.layout, batch)
-        return check_micro_batches(self.layout, batch)
+    def micro_batches(self, batch: Any) -> list[list[Any]]:
+        """Per pipeline its micro-batches: a global batch (a pytree) is cut by the layout's batch sizes; a list
+        (one list of micro-batches per pipeline) is checked and taken as is."""
+        if isinstance(batch, list):
+            return check_micro_batches(self.layout, batch)
+        return split_batch(self.layout, batch)
 
     def step(self, batch: Any) -> StepStats:
-        """One optimizer step on a fixed-length global batch ``{"inputs", "targets", "weights"}``
-        [B_total, S] or on per-pipeline micro-batch lists (see ``micro_batches``)."""
+        """One optimizer step on a global batch or on per-pipeline micro-batch lists (see ``micro_batches``)."""
         t_start = time.perf_counter()
         mbs = self.micro_batches(batch)
-        acc, loss, order = self._run_schedule(mbs)
+        acc, loss, weight, order = self._run_schedule(mbs)
         _check_loss(loss, self.step_count + 1)
+        parts = sync_gradients(self.layout, self.programs, acc, self._slice)
+        scale = np.float32(1.0) / np.float32(weight)
+        grads = {key: self.programs[key].gradient(g, scale) for key, g in parts.items()}
+        globals_ = self._globals(grads)
         flags = {}
-        for key, g in sync_gradients(self.layout, self.programs, acc).items():
-            self.params[key], self.opt_state[key], flags[key] = self.programs[key].update(
-                self.params[key], self.opt_state[key], g)
+        for key, g in grads.items():
+            self.params[key], self.opt_state[key], flags[key] = self.programs[key].apply_update(
+                g, self.opt_state[key], self.params[key], globals_)
+        broadcast_params(self.layout, self.programs, self.params, self._slice,
+                         lambda key, pieces: self.programs[key].join_layers(pieces))
         jax.block_until_ready(list(self.params.values()))
         seconds = time.perf_counter() - t_start
         self._check_finite(flags)
         self.step_count += 1
         flat = [mb for p in mbs for mb in p]
-        slots = sum(int(mb["inputs"].size) for mb in flat)
-        real = sum(int(np.count_nonzero(mb["weights"])) for mb in flat)
+        slots = sum(int(np.prod(np.shape(jax.tree_util.tree_leaves(mb)[0])[:2])) for mb in flat)
         events = self._clock.events(order, t_start)
-        return StepStats(self.step_count, loss, seconds, slots, real, events, tuple(self._clock.unmeasured))
+        return StepStats(self.step_count, loss, seconds, slots, int(round(weight)), events,
+                         tuple(self._clock.unmeasured))
 
-    def gradients(self, batch: dict) -> tuple[Any, float]:
-        """(full gradient tree as numpy, loss) of the global batch at the current parameters."""
-        acc, loss, order = self._run_schedule(self.micro_batches(batch))
+    def _globals(self, grads: dict) -> dict:
+        """The optimizer's values taken over every stage (e.g. a global gradient norm), exchanged round by round
+        from pipeline 0's stages (every stage of every pipeline then gets the same ones); {} when the optimizer
+        needs none."""
+        glob: dict = {}
+        keys = [st.key for st in self.layout.placed_in(0)]
+        local = lambda k: self.programs[k].is_local
+        for r in range(self.optimizer.rounds):
+            mine = {k: self.programs[k].optimizer.partials(r, grads[k], self.opt_state[k], self.params[k], glob)
+                    for k in keys if local(k)}
+            got = gather_stages(keys, mine, lambda k: self.programs[k].optimizer.partials_like(r), local)
+            glob = self.optimizer.combine(r, got, glob)
+        return glob
+
+    def _slice(self, key: tuple[int, int], layers: Any, start: int, stop: int) -> Any:
+        """A stage's layer gradients cut to its local layers ``start .. stop-1`` (a jitted slice of stacked
+        leaves, once per range; list slicing otherwise)."""
+        n = self.programs[key].stage.stage.layers
+        if start == 0 and stop == n:
+            return layers
+        if not self.model.stacked:
+            return list(layers[start:stop])
+        k = (start, stop)
+        if k not in self._slicers:
+            self._slicers[k] = jax.jit(lambda t: jax.tree_util.tree_map(lambda a: a[start:stop], t))
+        return self._slicers[k](layers)
+
+    def gradients(self, batch: Any) -> tuple[Any, float]:
+        """(full gradient tree of the step's loss as numpy, loss) at the current parameters (from pipeline 0's
+        stages: every pipeline's stage sums the same gradients)."""
+        acc, loss, weight, order = self._run_schedule(self.micro_batches(batch))
         self._clock.events(order, 0.0)  # drain the watchers
-        # summed on the host: the same elementwise float32 adds in the same order, no compile
-        summed = {}
-        for k, parts in sync_gradients(self.layout, self.programs, acc).items():
-            host = [jax.tree_util.tree_map(np.asarray, t) for t in parts]
-            summed[k] = functools.reduce(lambda a, b: jax.tree_util.tree_map(np.add, a, b), host)
-        grads = collect(self.full_like, first_wins(path_table(summed[k]) for k in sorted(summed)))
-        return grads, loss
+        parts = sync_gradients(self.layout, self.programs, acc, self._slice)
+        scale = np.float32(1.0) / np.float32(weight)
+        summed = {k: self.programs[k].gradient(parts[k], scale) for k in parts}
+        keys = [st.key for st in self.layout.placed_in(0)]
+        trees = gather_stages(keys, summed, lambda k: self.programs[k].params_like,
+                              lambda k: self.programs[k].is_local)
+        return merge_stage_params(trees, self.model.stacked), loss
 
     def warm(self, batch: Any) -> float:
-        """Run (and discard) one micro-batch of each shape in ``batch`` that this layout's pipelines have
-        not run yet, and the stage updates on a copy of the state, so that a following ``step`` does not
-        compile.  The state is unchanged.  Returns the seconds it took."""
+        """Run (and discard) one micro-batch of each shape in ``batch`` that this layout's pipelines have not run
+        yet, and the stage updates on a copy of the state, so that a following ``step`` does not compile. The
+        state is unchanged. Returns the seconds it took."""
         t0 = time.perf_counter()
         mbs = self.micro_batches(batch)
-        todo: list[list[dict]] = [[] for _ in mbs]
+        todo: list[list[Any]] = [[] for _ in mbs]
         for p, pipe_mbs in enumerate(mbs):
             for mb in pipe_mbs:
-                key = (self.layout.pipelines[p].stages, mb["inputs"].shape, "segment_ids" in mb)
+                sig = jax.tree_util.tree_map(np.shape, mb)
+                key = (self.layout.pipelines[p].stages, str(jax.tree_util.tree_structure(mb)),
+                       tuple(jax.tree_util.tree_leaves(sig)))
                 if key not in self._warmed:
                     self._warmed.add(key)
                     todo[p].append(mb)
         if any(todo):
-            acc, _, order = self._run_schedule(todo)
+            acc, _, _, order = self._run_schedule(todo)
             jax.block_until_ready(acc)
             self._clock.events(order, 0.0)  # drain the watchers
         if ("update", self.layout) not in self._warmed:
             self._warmed.add(("update", self.layout))
-            n = len(self.layout.pipelines)
             for key, prog in self._local.items():
+                if key[0] != 0:
+                    continue
                 copy = jax.tree_util.tree_map(jnp.copy, (self.params[key], self.opt_state[key]))
-                jax.block_until_ready(prog.update(*copy, [prog.zeros()] * n))
+                parts = [prog.grad_parts_zeros(p) for p in grad_pieces(self.layout, prog.stage)]
+                g = prog.gradient(parts, np.float32(1.0))
+                glob = {v: jnp.zeros(l.shape, l.dtype) for v, l in self.optimizer.globals_like.items()}
+                jax.block_until_ready(prog.apply_update(g, copy[1], copy[0], glob))
         dt = time.perf_counter() - t0
         self.warm_s += dt
         return dt
 
     def forward_backward(self, batch: Any) -> float:
-        """The step's schedule without the update (accumulated gradients discarded); the loss.  For
-        timing a layout on a micro-batch (the scheme-space fits)."""
-        acc, loss, order = self._run_schedule(self.micro_batches(batch))
+        """The step's schedule without the update (accumulated gradients discarded); the loss. For timing a
+        layout on a micro-batch (the scheme-space fits)."""
+        acc, loss, _, order = self._run_schedule(self.micro_batches(batch))
         jax.block_until_ready(acc)
         self._clock.events(order, 0.0)
         return loss
 
-    def stage_memory(self, shape: tuple[int, int], packed: bool = True) -> list:
-        """Per-device bytes (`compiled_memory`: arguments + outputs + temporaries) of every local stage's
-        backward program (which recomputes its forward) on micro-batches of ``shape`` [rows, seq]."""
+    def stage_memory(self, batch_like: Any) -> list:
+        """Per-device bytes (`compiled_memory`: arguments + outputs + temporaries) of every local stage's backward
+        program (which recomputes its forward) on micro-batches shaped like ``batch_like``."""
         out = []
-        for key, prog in self._local.items():
-            pipe = self.layout.pipelines[key[0]]
-            x_like = None if prog.stage.is_first else self._act_shape(
-                (key[0], key[1] - 1), shape, packed)
-            y_like = None if prog.stage.is_last else self._act_shape(key, shape, packed)
-            fn, args = prog.compile_jobs(shape[0], shape[1], x_like, y_like, 1)[1]
-            tok = jax.ShapeDtypeStruct(tuple(shape), jnp.int32, sharding=prog.rows)
-            kw = {"packed": (tok, tok)} if packed else {}
-            out.append(compiled_memory(fn.lower(*args, **kw).compile()))
+        for key in self._local:
+            fn, args = self.compile_jobs(key, batch_like)[1]
+            out.append(compiled_memory(fn.lower(*args).compile()))
         return out
 
-    def _run_schedule(self, mbs: list[list[dict]]) -> tuple[dict, float, list]:
+    def _run_schedule(self, mbs: list[list[Any]]) -> tuple[dict, float, float, list]:
         if not self._initialized:
             raise ConfigError("HeteroTrainer.step called before init() or load_state()")
         order = self._order([len(p) for p in mbs])
-        run = ScheduleRun(self.layout, self.programs, self.params, order, self.aux_coef,
-                          self._act_shape, self._clock)
-        acc, loss = run.run(mbs)
-        return acc, loss, order
+        run = ScheduleRun(self.layout, self.programs, self.params, order, self._act_shape, self._clock)
+        acc, loss, weight = run.run(mbs)
+        return acc, loss, weight, order
 
     def _check_finite(self, flags: dict) -> None:
         """Raise NumericalError naming the first stage leaf whose gradient or new value is not finite."""
@@ -298,12 +352,25 @@ class HeteroTrainer:
             ok = np.asarray(flags[key])
             if ok.all():
                 continue
-            names = [jax.tree_util.keystr(p) for p, _ in
+            st = self.programs[key].stage
+            names = [_global_name(jax.tree_util.keystr(p), st.layer_start, self.model.stacked) for p, _ in
                      jax.tree_util.tree_flatten_with_path(self.programs[key].params_like)[0]]
             what, leaf = ("gradient", int(np.argmin(ok[0]))) if not ok[0].all() else (
                 "parameter after the update", int(np.argmin(ok[1])))
             raise NumericalError(f"step {self.step_count + 1}: {what} of {names[leaf]} (stage {key}) "
                                  f"is NaN or Inf")
+
+
+def _global_name(path: str, layer_start: int, stacked: bool) -> str:
+    """A stage's parameter path as the model's: list-form layer indices are the stage's own (from 0)."""
+    if stacked or not path.startswith("['layers']["):
+        return path
+    i = path.index("]", len("['layers']["))
+    return f"['layers'][{int(path[len("['layers']["):i]) + layer_start}]" + path[i + 1:]
+
+
+def _like(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
 
 
 def _check_loss(loss: float, step: int) -> None:

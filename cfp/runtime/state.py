@@ -1,54 +1,32 @@
-"""Between the layout-independent training state (the full ``{"params": ...}`` tree and its optax
-state, as host numpy) and the per-stage device copies a pipeline layout holds."""
+"""Between the layout-independent training state (the model's full parameter tree and its optax state, as host
+numpy, in the model's own structure) and the per-stage device copies a pipeline layout holds."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 
-def subtree(params: dict, names) -> dict:
-    """``{"params": {name: ...}}`` restricted to the submodules ``names``."""
-    return {"params": {n: params["params"][n] for n in names}}
+def host(tree: Any) -> Any:
+    """A host numpy copy of a (possibly sharded) device tree."""
+    return jax.tree_util.tree_map(lambda a: np.asarray(jax.device_get(a)), tree)
 
 
-def path_table(tree: Any) -> dict[str, Any]:
-    """``{keystr(path): leaf}`` of a pytree."""
-    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def first_wins(tables) -> dict[str, Any]:
-    """The union of ``tables``; a key in several takes the first table's value."""
-    out: dict[str, Any] = {}
-    for t in tables:
-        out.update({k: v for k, v in t.items() if k not in out})
+def gather_stages(keys: Sequence[tuple[int, int]], held: dict, like_of: Callable[[tuple[int, int]], Any],
+                  local: Callable[[tuple[int, int]], bool]) -> list:
+    """Host copies of stage ``keys``' trees (``held[key]`` on the process running the stage); in a multi-process
+    run each is broadcast from its process, so every process gets all of them."""
+    out = []
+    for key in keys:
+        mine = local(key)
+        value = host(held[key]) if mine else jax.tree_util.tree_map(
+            lambda l: np.zeros(l.shape, l.dtype), like_of(key))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            value = jax.tree_util.tree_map(np.asarray, multihost_utils.broadcast_one_to_all(value, is_source=mine))
+        out.append(value)
     return out
-
-
-def place_opt_state(opt_state: Any, opt_shardings: Any) -> Any:
-    """A stage's optax state from the full one: the stage's state has the full state's leaves at the
-    same key paths, so each leaf is looked up by path and placed on the stage's sharding."""
-    table = path_table(opt_state)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_shardings)
-    # from host copies: the update donates these buffers (see StageProgram.place_params)
-    leaves = [jax.device_put(np.array(table[jax.tree_util.keystr(p)], copy=True), sh) for p, sh in flat]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def collect(like: Any, table: dict[str, Any]) -> Any:
-    """Host numpy tree shaped like ``like`` from ``{keystr(path): array}``; in a multi-process run,
-    leaves missing here come from the lowest-numbered process that has them."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-    keys = [jax.tree_util.keystr(p) for p, _ in flat]
-    leaves = [np.asarray(jax.device_get(table[k])) if k in table else np.zeros(l.shape, l.dtype)
-              for k, (_, l) in zip(keys, flat)]
-    if jax.process_count() > 1:
-        have = np.array([k in table for k in keys], np.int32)
-        flags, gathered = process_allgather((have, leaves))
-        owner = np.argmax(np.asarray(flags), axis=0)  # first process holding each leaf
-        leaves = [np.asarray(g)[owner[i]] for i, g in enumerate(gathered)]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def process_allgather(x: Any) -> Any:

@@ -1,8 +1,12 @@
-"""A training run of the heterogeneous engine: data, checkpoints, timeline, verification, reporting.
+"""A training run of the heterogeneous engine on any `LayeredModel`: data, checkpoints, timeline, verification,
+reporting.
 
-``run_training(TrainOptions(...))`` is what ``cfp train`` calls.  Batches depend only on (seed, step),
-so a resumed run sees the same data as an uninterrupted one; checkpoints hold the layout-independent
-state (full parameter tree + optax state), so a run can resume onto a different layout.
+``train_pipelines(model, optimizer, layout, batches, ...)`` is the Python API for a user's model;
+``run_training(TrainOptions(...))`` is what ``cfp train`` calls for the zoo's models (an AdamW of ``--lr`` and
+``--weight-decay``, the stdlib / file / synthetic data). Both run the same steps: plan the stages (`plans_for_run`),
+build the trainer, start or resume, train, report, verify. Batches depend only on the step, so a resumed run sees
+the same data as an uninterrupted one; checkpoints hold the layout-independent state (the model's parameter tree
+and its optax state), so a run can resume onto a different layout.
 """
 from __future__ import annotations
 
@@ -22,11 +26,14 @@ from cfp.layout import Layout
 from cfp.runtime.schedules import ScheduleName
 
 if TYPE_CHECKING:
-    from cfp.runtime.stage.plans import StagePlanOptions
+    import optax
+
+    from cfp.layered.model import LayeredModel
     from cfp.runtime.stage.cache import CompileCache
+    from cfp.runtime.stage.plans import StagePlanOptions
 
 
-def _check_no_ignored_options(o: "TrainOptions") -> None:
+def _check_no_ignored_options(o: "RunOptions") -> None:
     """An option that would have no effect is an error, not silently ignored."""
     ignored = [
         (o.checkpoint_every and not o.checkpoint_dir,
@@ -38,16 +45,13 @@ def _check_no_ignored_options(o: "TrainOptions") -> None:
          "(--checkpoint-every K), resume (--resume) or a stage-plan search (--stage-plans search)"),
         (o.verify_tol is not None and not o.verify,
          f"verify_tol={o.verify_tol} (--verify-tol) is unused without verify (--verify)"),
-        (o.data_paths and o.data is not DataSource.FILES,
-         f"data_paths (--data-path) are only read with data=files (--data files), not "
-         f"{o.data.value}"),
     ]
     for bad, message in ignored:
         if bad:
             raise ConfigError(message)
 
 
-def _searches_stage_plans(o: "TrainOptions") -> bool:
+def _searches_stage_plans(o: "RunOptions") -> bool:
     """Whether the run searches stage plans (it keeps them in ``<checkpoint_dir>/stage_plans``)."""
     from cfp.runtime.stage.plans import StagePlanMode
     return o.stage_plans is not None and o.stage_plans.mode is StagePlanMode.SEARCH
@@ -59,20 +63,14 @@ class DataSource(str, enum.Enum):
     FILES = "files"          # --data-path files/directories, byte-level
 
 
-@dataclass(frozen=True)
-class TrainOptions:
-    model: str
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How a pipeline run goes, whatever the model: its layout and schedule, steps, checkpoints, timeline,
+    verification against one device and stage plans (None: the rules table)."""
     layout: Layout
-    config_name: str = "tiny"
-    overrides: dict = field(default_factory=dict)
     # defaults shared with `cfp train` (cfp/cli/common.py; a test keeps them equal)
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     steps: int = 5
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.01
-    seed: int = 0
-    data: DataSource = DataSource.STDLIB
-    data_paths: tuple[str, ...] = ()
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     keep_checkpoints: Optional[int] = 3   # newest checkpoints kept (orbax retention); None keeps all
@@ -81,7 +79,38 @@ class TrainOptions:
     verify: bool = False
     verify_tol: Optional[float] = None
     stop_after: Optional[int] = None  # stop (as if killed) after this many steps; for tests
-    stage_plans: Optional["StagePlanOptions"] = None  # None: Megatron stage shardings
+    stage_plans: Optional["StagePlanOptions"] = None  # None: the rules table on the model's logical dim names
+
+    def __post_init__(self):
+        if not isinstance(self.layout, Layout):
+            raise ConfigError(f"layout={self.layout!r} must be a cfp.Layout")
+        object.__setattr__(self, "schedule", ScheduleName.parse(self.schedule))
+        if self.verify_tol is not None and not (math.isfinite(self.verify_tol) and self.verify_tol > 0):
+            raise ConfigError(f"verify_tol={self.verify_tol!r} is invalid (must be a finite number > 0)")
+        for name in ("steps", "stop_after"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{name}={v!r} is invalid (must be a positive integer)")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every!r} is invalid (must be an integer >= 0)")
+        k = self.keep_checkpoints
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ConfigError(f"keep_checkpoints={k!r} is invalid (must be a positive integer, or None to keep all)")
+        _check_no_ignored_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions(RunOptions):
+    """`cfp train`'s run of a zoo model: the model by name, its config and overrides, AdamW's learning rate and
+    weight decay, the seed and the data."""
+    model: str
+    config_name: str = "tiny"
+    overrides: dict = field(default_factory=dict)
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    data: DataSource = DataSource.STDLIB
+    data_paths: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("learning_rate", "weight_decay"):
@@ -90,18 +119,10 @@ class TrainOptions:
                     name == "learning_rate" and v == 0):
                 raise ConfigError(f"{name}={v!r} is invalid (must be a finite number "
                                   f"{'> 0' if name == 'learning_rate' else '>= 0'})")
-        if self.verify_tol is not None and not (math.isfinite(self.verify_tol) and self.verify_tol > 0):
-            raise ConfigError(f"verify_tol={self.verify_tol!r} is invalid (must be a finite number > 0)")
-        for name in ("steps", "stop_after"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name}={v!r} is invalid (must be a positive integer)")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"checkpoint_every={self.checkpoint_every} is invalid (must be >= 0)")
-        k = self.keep_checkpoints
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ConfigError(f"keep_checkpoints={k!r} is invalid (must be a positive integer, or None to keep all)")
-        _check_no_ignored_options(self)
+        if self.data_paths and self.data is not DataSource.FILES:
+            raise ConfigError(f"data_paths (--data-path) are only read with data=files (--data files), not "
+                              f"{self.data.value}")
+        super().__post_init__()
 
 
 @dataclass
@@ -112,6 +133,9 @@ class TrainResult:
     bubbles: dict[int, dict[str, float]]
     verify_error: Optional[float] = None
     verify_ok: bool = True
+    step_seconds: list[float] = field(default_factory=list)   # measured, per step after the first
+    params: Any = None                   # train_pipelines: the trained parameters (host numpy, the model's structure)
+    opt_state: Any = None                # ... and the optimizer state
 
 
 class _Data:
@@ -156,7 +180,7 @@ def build_config(opts: TrainOptions):
     return get_config(opts.model, opts.config_name, **opts.overrides)
 
 
-def _check_before_work(opts: TrainOptions) -> None:
+def _check_before_work(opts: RunOptions) -> None:
     """Output paths, the checkpoint to resume and the processes of the job, before any compile."""
     from cfp.runtime.launch import check_layout_fills_processes
     check_layout_fills_processes(list(opts.layout.devices))  # no idle process
@@ -171,47 +195,143 @@ def _check_before_work(opts: TrainOptions) -> None:
                               f"{opts.checkpoint_dir!r}")
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What one run trains: the model, its optimizer, step -> global batch, the checkpoint settings that must match
+    on resume, the single-device reference of ``--verify`` and a line describing the model."""
+    model: "LayeredModel"
+    optimizer: "optax.GradientTransformation"
+    batches: Callable[[int], Any]
+    settings: dict
+    reference: Callable[[], Any]
+    describe: str
+
+
+def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformation", layout: Any, batches: Any, *,
+                    steps: int = 5, schedule: "str | ScheduleName" = ScheduleName.ONE_F_ONE_B, verify: bool = False,
+                    checkpoint_dir: Optional[str] = None, log: Callable[..., None] = None,
+                    cache: Optional["CompileCache"] = None, **run_options: Any) -> "TrainResult":
+    """Train ``model`` with ``optimizer`` (any optax transformation) on ``layout`` (a `cfp.Layout` or a layout file)
+    for ``steps`` steps. ``batches``: ``batches(step, rows) -> global batch`` or one batch whose rows the steps take
+    in turn. ``checkpoint_dir`` with ``checkpoint_every=K`` saves atomic checkpoints, with ``resume=True`` continues
+    from the newest (onto any layout); ``verify`` replays the steps on one device with the model's own loss and the
+    optimizer and compares; other keywords are `RunOptions` fields (``timeline_dir``, ``stage_plans``, ...).
+    Returns the `TrainResult`."""
+    from cfp.cli.factory import UserModel, cycled_rows
+    from cfp.layered.model import LayeredModel
+    if not isinstance(model, LayeredModel):
+        raise ConfigError(f"model={type(model).__name__} must be a cfp.LayeredModel")
+    layout = _layout_of(layout)
+    if checkpoint_dir and not (run_options.get("checkpoint_every") or run_options.get("resume")
+                               or run_options.get("stage_plans")):
+        run_options["checkpoint_every"] = steps
+    opts = RunOptions(layout=layout, steps=steps, schedule=ScheduleName.parse(schedule), verify=verify,
+                      checkpoint_dir=checkpoint_dir, **run_options)
+    user = UserModel(model, batches if callable(batches) else cycled_rows(batches), optimizer, model.name)
+    return train_user_model(user, opts, log, cache, keep_state=True)
+
+
+def train_user_model(user: Any, opts: RunOptions, log: Callable[..., None] = None,
+                     cache: Optional["CompileCache"] = None, keep_state: bool = False) -> "TrainResult":
+    """A user's model, batches and optimizer (`cfp.cli.factory.UserModel`) trained as `opts` says; ``keep_state``:
+    the result holds the trained parameters and optimizer state."""
+    from cfp.runtime.verify import model_reference
+    model, rows = user.model, opts.layout.global_batch
+    job = _Job(model, user.optimizer, lambda step: user.batches(step, rows), _model_settings(model, rows),
+               lambda: model_reference(model, user.optimizer),
+               f"model {model.name}{'' if user.spec == model.name else ' from ' + user.spec} "
+               f"({model.num_layers} layers)")
+    return _run(job, opts, log or _print0, cache, keep_state)
+
+
+def _layout_of(layout: Any) -> Layout:
+    if isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, (str, os.PathLike)):
+        from cfp.planner.layout_file import load_layout_file
+        return load_layout_file(os.fspath(layout)).layout
+    raise ConfigError(f"layout={layout!r} must be a cfp.Layout or the path of a layout file")
+
+
+def _model_settings(model: "LayeredModel", rows: int) -> dict:
+    """What a checkpoint of a user's model must match on resume: its name, parameter shapes and batch rows."""
+    shapes = [f"{jax.tree_util.keystr(p)}:{np.dtype(jax.numpy.result_type(a)).name}{list(np.shape(a))}"
+              for p, a in jax.tree_util.tree_flatten_with_path(model.params)[0]]
+    import hashlib
+    return {"model": model.name, "params": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16],
+            "batch_rows": rows}
+
+
 def run_training(opts: TrainOptions, log: Callable[..., None] = _print0,
-                 cache: Optional["CompileCache"] = None) -> TrainResult:
-    """Train ``opts.steps`` steps (continuing from a checkpoint with ``resume``); see module doc. ``cache``: the
-    compile cache to build stage programs through (default a new one; runs of one model and optimizer in one
-    process may share one so that they compile each program once)."""
-    from cfp.runtime.engine import HeteroTrainer, compile_cache
+                 cache: Optional["CompileCache"] = None) -> "TrainResult":
+    """Train the zoo model ``opts.model`` ``opts.steps`` steps with AdamW (continuing from a checkpoint with
+    ``resume``); see the module doc. ``cache``: the compile cache to build stage programs through (default a new
+    one; runs of one model and optimizer in one process may share one so that they compile each program once)."""
+    from cfp.models.layered import zoo_model
+    from cfp.runtime.engine import adamw
+    from cfp.runtime.verify import zoo_reference
+    config = build_config(opts)
+    data = _Data(opts, config)
+    model = cache.model if cache is not None else zoo_model(opts.model, config, opts.seed)
+    tx = cache.tx if cache is not None else adamw(opts.learning_rate, opts.weight_decay)
+    describe = (f"model {opts.model}/{opts.config_name} ({config.num_layers} layers, hidden {config.hidden_size}, "
+                f"seq {config.seq_len}, {config.dtype})")
+    job = _Job(model, tx, data.batch, checkpoint_settings(opts),
+               lambda: zoo_reference(opts.model, config, opts.learning_rate, opts.weight_decay), describe)
+    return _run(job, opts, log, cache)
+
+
+def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional["CompileCache"],
+         keep_state: bool = False) -> "TrainResult":
+    """The run's steps in order: stage plans, trainer, initial state, training, report, timeline, verification."""
+    from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.stage.build import plans_for_run
+    from cfp.runtime.stage.cache import CompileCache
     from cfp.runtime.stage.plans import report_lines
     _check_before_work(opts)
-    config = build_config(opts)
     # one compile cache: the stage programs the search builds are the ones the trainer runs
-    cache = cache if cache is not None else compile_cache(opts.learning_rate, opts.weight_decay)
-    plans = plans_for_run(opts.stage_plans, opts.model, config, opts.layout, cache, opts.checkpoint_dir,
+    cache = cache if cache is not None else CompileCache(job.model, job.optimizer)
+    example = job.batches(0)
+    plans = plans_for_run(_stage_plan_options(opts, cache, log), opts.layout, cache, example, opts.checkpoint_dir,
                           opts.resume, log)
-    trainer = HeteroTrainer(opts.model, config, opts.layout, opts.schedule, learning_rate=opts.learning_rate,
-                            weight_decay=opts.weight_decay, plans=plans, cache=cache)
-    data = _Data(opts, config)
-    start, losses = _initial_state(opts, trainer, log)
+    trainer = HeteroTrainer(job.model, job.optimizer, opts.layout, opts.schedule, example_batch=example,
+                            plans=plans, cache=cache)
+    start, losses = _initial_state(opts, job, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None
-    log(f"model {opts.model}/{opts.config_name} ({config.num_layers} layers, hidden "
-        f"{config.hidden_size}, seq {config.seq_len}, {config.dtype}); schedule "
-        f"{trainer.schedule.value}; {jax.process_count()} process(es), "
+    log(f"{job.describe}; schedule {trainer.schedule.value}; {jax.process_count()} process(es), "
         f"{opts.layout.num_devices} devices")
     log(opts.layout.describe())
     if start < opts.steps:
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
-    result, last_events = _train_steps(opts, trainer, data, start, losses, config, log)
+    result, last_events = _train_steps(opts, job, trainer, start, losses, log)
     for line in report_lines(plans, opts.layout, result.busy) if plans else ():
         log(line)
     if last_events is not None:
-        result.bubbles = _timeline(opts, last_events, log, len(trainer.order))
+        result.bubbles = _timeline(opts, job, last_events, log, len(trainer.order))
     if opts.verify:
-        _verify(opts, trainer, config, data, init_state, start, losses, result, log)
+        _verify(opts, job, trainer, init_state, start, losses, result, log)
+    if keep_state:
+        result.params, result.opt_state, _ = trainer.state()
     return result
 
 
-def _train_steps(opts, trainer, data, start, losses, config, log):
+def _stage_plan_options(opts: RunOptions, cache: "CompileCache", log) -> Optional["StagePlanOptions"]:
+    """The run's stage-plan options; a model that names no parameter dims gets its TP stages searched."""
+    from cfp.runtime.stage.build import needs_search
+    from cfp.runtime.stage.plans import StagePlanMode, StagePlanOptions
+    unnamed = needs_search(cache, opts.layout)
+    if unnamed and (opts.stage_plans is None or opts.stage_plans.mode is StagePlanMode.MEGATRON):
+        log(f"model {cache.model.name!r} names no parameter dims: the stage plans of its TP stages {unnamed} "
+            "are searched (the CFP passes per stage)")
+        return StagePlanOptions(StagePlanMode.SEARCH)
+    return opts.stage_plans
+
+
+def _train_steps(opts, job, trainer, start, losses, log):
     """Steps ``start+1 .. opts.steps`` (checkpointing as asked); returns (result, last events)."""
     timed, busy_sum, busy_steps, last_events, full, step = [], {}, {}, None, False, start
     for step in range(start, opts.steps):
-        stats = trainer.step(data.batch(step))
+        stats = trainer.step(job.batches(step))
         losses[step + 1] = stats.loss
         log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {stats.tokens / stats.seconds:,.0f} "
             f"measured ({stats.seconds:.3f} s)")
@@ -223,10 +343,10 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
         if not stats.unmeasured or not full:   # the timeline: the last step measured in full, else the last step
             last_events, full = stats.events, not stats.unmeasured
         if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
-            _save(opts, trainer, losses)
+            _save(opts, job, trainer, losses)
         if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
             break
-    result = TrainResult(losses, None, {}, {})
+    result = TrainResult(losses, None, {}, {}, step_seconds=[s.seconds for s in timed])
     if timed:
         result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
         result.busy = {k: v / busy_steps[k] for k, v in busy_sum.items()}
@@ -242,23 +362,24 @@ def _train_steps(opts, trainer, data, start, losses, config, log):
 
 
 def checkpoint_settings(opts: TrainOptions) -> dict:
-    """The model, data and optimizer settings a checkpoint was written with (JSON)."""
+    """The model, data and optimizer settings a checkpoint of a zoo run was written with (JSON)."""
     return {"model": opts.model, "config": opts.config_name, "overrides": dict(opts.overrides),
-            "data": opts.data.value, "batch_rows": opts.layout.global_batch, "data_paths": [os.path.abspath(p) for p in opts.data_paths],
+            "data": opts.data.value, "batch_rows": opts.layout.global_batch,
+            "data_paths": [os.path.abspath(p) for p in opts.data_paths],
             "seed": opts.seed, "learning_rate": opts.learning_rate,
             "weight_decay": opts.weight_decay}
 
 
-def _initial_state(opts, trainer, log) -> tuple[int, dict[int, float]]:
+def _initial_state(opts, job, trainer, log) -> tuple[int, dict[int, float]]:
     if not opts.resume:
-        trainer.init(opts.seed)
+        trainer.init()
         return 0, {}
     from cfp.runtime.checkpoint import latest_step, restore_checkpoint
     step = latest_step(opts.checkpoint_dir)
-    target = {"params": trainer.full_like,
-              "opt_state": jax.eval_shape(trainer.tx.init, trainer.full_like)}
+    like = job.model.abstract().params
+    target = {"params": like, "opt_state": jax.eval_shape(trainer.tx.init, like)}
     state, meta = restore_checkpoint(opts.checkpoint_dir, step, target,
-                                     check_metadata=lambda m: _check_settings(opts, step, m))
+                                     check_metadata=lambda m: _check_settings(opts, job, step, m))
     trainer.load_state(state["params"], state["opt_state"], step)
     old = _saved_layout(meta.get("layout"))
     moved = "" if isinstance(old, Layout) and old.same_run(opts.layout) else (
@@ -276,9 +397,9 @@ def _saved_layout(saved: Any) -> Any:
         return saved
 
 
-def _check_settings(opts: TrainOptions, step: int, meta: dict) -> None:
+def _check_settings(opts: RunOptions, job: _Job, step: int, meta: dict) -> None:
     """Refuse a checkpoint written with other model, data or optimizer settings."""
-    saved, now = meta.get("settings"), checkpoint_settings(opts)
+    saved, now = meta.get("settings"), job.settings
     if not isinstance(saved, dict):
         raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} does not record the "
                           "settings it was written with (written by an older cfp?)")
@@ -289,12 +410,12 @@ def _check_settings(opts: TrainOptions, step: int, meta: dict) -> None:
                               "same settings or use another checkpoint_dir")
 
 
-def _save(opts, trainer, losses) -> None:
+def _save(opts, job, trainer, losses) -> None:
     from cfp.runtime.checkpoint import save_checkpoint
     params, opt_state, step = trainer.state()  # gathered onto every process
     if jax.process_index() != 0:
         return
-    meta = {"step": step, "settings": checkpoint_settings(opts), "layout": opts.layout.to_json(),
+    meta = {"step": step, "settings": job.settings, "layout": opts.layout.to_json(),
             "losses": {str(k): v for k, v in losses.items()}}
     save_checkpoint(opts.checkpoint_dir, step, {"params": params, "opt_state": opt_state}, meta,
                     keep=opts.keep_checkpoints, overwrite=True)
@@ -315,7 +436,7 @@ def _all_events(events, n_max: int) -> np.ndarray:
     return allrows[allrows[:, 0] >= 0]
 
 
-def _timeline(opts, events, log, n_max: int) -> dict[int, dict[str, float]]:
+def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]:
     """Log the bubble of the last step measured in full and write its timeline where asked; with no such step,
     write what was measured of the last one and say that its bubble is unknown."""
     from cfp.runtime.timeline import Timeline, bubble_line
@@ -333,11 +454,11 @@ def _timeline(opts, events, log, n_max: int) -> dict[int, dict[str, float]]:
         for q, v in summary.items():
             log(bubble_line(q, v))
     if opts.timeline_dir and jax.process_index() == 0:
-        _write_timeline(opts, tl, log)
+        _write_timeline(opts, job, tl, log)
     return summary
 
 
-def _write_timeline(opts, tl, log) -> None:
+def _write_timeline(opts, job, tl, log) -> None:
     os.makedirs(opts.timeline_dir, exist_ok=True)
     tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))
     if not len(tl):       # nothing measured: nothing to draw, and no stale picture of another run left
@@ -346,22 +467,20 @@ def _write_timeline(opts, tl, log) -> None:
         log(f"timeline written to {opts.timeline_dir}/timeline.json (no action measured: no timeline.png)")
         return
     tl.plot_png(os.path.join(opts.timeline_dir, "timeline.png"),
-                title=f"{opts.model} {opts.schedule.value} {opts.layout.summary()}")
+                title=f"{job.model.name} {opts.schedule.value} {opts.layout.summary()}")
     partial = f" ({tl.unmeasured} actions not measured: no bubble)" if tl.unmeasured else ""
     log(f"timeline written to {opts.timeline_dir}/timeline.json and timeline.png{partial}")
 
 
-def _verify(opts, trainer, config, data, init_state, start, losses, result, log) -> None:
-    from cfp.runtime.verify import loss_error, replay, tree_error
+def _verify(opts, job, trainer, init_state, start, losses, result, log) -> None:
+    from cfp.runtime.verify import default_tolerance, loss_error, replay, tree_error
     steps = list(range(start, max(losses) if losses else start))
-    ref_losses, ref_params = replay(opts.model, config, init_state[0], init_state[1],
-                                    (data.batch(s) for s in steps),
-                                    learning_rate=opts.learning_rate, weight_decay=opts.weight_decay)
+    loss, tx = job.reference()
+    ref_losses, ref_params = replay(loss, tx, init_state[0], init_state[1], (job.batches(s) for s in steps))
     mine = [losses[s + 1] for s in steps]
     # both raise NumericalError on NaN/Inf (Python's max would drop a NaN error)
     err = max(loss_error(mine, ref_losses), tree_error(trainer.state()[0], ref_params))
-    tol = opts.verify_tol if opts.verify_tol is not None else (
-        1e-4 if config.dtype == "float32" else 5e-2)
+    tol = opts.verify_tol if opts.verify_tol is not None else default_tolerance(job.model, job.batches(0))
     result.verify_error, result.verify_ok = err, err <= tol
     log(f"verify: max relative error {err:.3e} over {len(steps)} steps "
         f"({'ok' if err <= tol else 'ABOVE'} tolerance {tol:g})")

@@ -1,28 +1,29 @@
 """Single-device replay of a training run and the comparison behind ``cfp train --verify``.
 
-The reference is built independently of the code it checks: its loss from the model directly
-(``build_model(...).apply``, optax's integer-label cross-entropy weighted by the batch's weights, plus
-``aux_loss_coef`` times the MoE aux loss) and its optimizer from optax directly (``optax.adamw`` with the
-documented hyper-parameters of ``TrainOptions``), never ``cfp.runtime.engine.optimizer`` or
-``cfp.models.train_step``: a bug there (say, weight decay dropped) must not reach the reference too.  One
-``value_and_grad`` on the concatenated global batch + AdamW, jitted on one device, from the same state.
+A reference is a loss ``loss(params, batch)`` and an optax transformation, run as one ``value_and_grad`` on the
+whole global batch and one update, jitted on one device, from the same state. For a user's model they are its own:
+`LayeredModel.loss` (its ``first``, layers and ``last`` composed on one device) and the user's optimizer
+(`model_reference`). For the zoo they are built independently of the code they check (`zoo_reference`): the loss
+from the model directly (``build_model(...).apply``, optax's integer-label cross-entropy weighted by the batch's
+weights, plus ``aux_loss_coef`` times the MoE aux loss) and AdamW from optax directly with the documented
+hyper-parameters of ``TrainOptions``, never the zoo's `LayeredModel` or ``cfp.runtime.engine.adamw``: a bug
+there (say, weight decay dropped) must not reach the reference too.
 
-Relative error: for losses ``|a - b| / |b|``; for parameters the normwise ``||a - b||_2 / ||b||_2``
-over all parameters (``tree_error``), or per leaf (``leaf_errors``).  Elementwise comparison of
-parameters after AdamW steps is not meaningful in f32: Adam divides each gradient by its running RMS,
-so an element whose gradient is a near-cancelling sum (rounding noise a sizeable fraction of its
-value) moves by a visibly different amount when the reduction order changes (micro-batching, TP
-all-reduces, summing pipelines) although the gradient as a whole matches to ~1e-7.  Per leaf this
-even holds for whole leaves whose exact gradient is zero, e.g. attention key biases (softmax ignores a
-per-row constant): both runs move them by +-lr per step driven by rounding noise alone, so the verify
-figure is the global normwise error.  For a comparison free of micro-batching's reordering noise,
-``microbatched_replay`` accumulates the same micro-batches in the same order as the engine.
-``sequence_replay`` is the reference of variable-length steps (``cfp data train --verify``): each
-sequence alone in its row, so packing, dispatch, pipelines and CP are all outside it.
+Relative error: for losses ``|a - b| / |b|``; for parameters the normwise ``||a - b||_2 / ||b||_2`` over all
+parameters (``tree_error``), or per leaf (``leaf_errors``). Elementwise comparison of parameters after Adam steps
+is not meaningful in f32: Adam divides each gradient by its running RMS, so an element whose gradient is a
+near-cancelling sum (rounding noise a sizeable fraction of its value) moves by a visibly different amount when
+the reduction order changes (micro-batching, TP all-reduces, summing pipelines) although the gradient as a whole
+matches to ~1e-7. Per leaf this even holds for whole leaves whose exact gradient is zero, e.g. attention key
+biases (softmax ignores a per-row constant): both runs move them by +-lr per step driven by rounding noise
+alone, so the verify figure is the global normwise error. For a comparison free of micro-batching's reordering
+noise, ``microbatched_replay`` accumulates the same micro-batches in the same order as the engine.
+``sequence_replay`` is the reference of variable-length steps (``cfp data train --verify``): each sequence alone
+in its row, so packing, dispatch, pipelines and CP are all outside it.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,8 @@ import optax
 from cfp.errors import ConfigError, NumericalError
 from cfp.models import build_model
 
+Reference = tuple[Callable[[Any, Any], Any], optax.GradientTransformation]
+
 
 def reference_optimizer(learning_rate: float, weight_decay: float) -> optax.GradientTransformation:
     """AdamW as ``TrainOptions`` documents it (optax's default betas and eps), built from optax here."""
@@ -39,8 +42,9 @@ def reference_optimizer(learning_rate: float, weight_decay: float) -> optax.Grad
 
 
 def reference_loss(model_name: str, config: Any):
-    """``loss(params, batch)``: the weighted mean token cross-entropy of the model's logits (+ coef * aux),
-    written out from the model's ``apply`` rather than taken from ``cfp.models.loss_fn``."""
+    """``loss(params, batch)`` on the zoo model's ``{"params": ...}`` tree: the weighted mean token cross-entropy of
+    the model's logits (+ coef * aux), written out from the model's ``apply`` rather than taken from
+    ``cfp.models.loss_fn`` or the zoo's `LayeredModel`."""
     model = build_model(model_name, config)
     coef = float(getattr(config, "aux_loss_coef", 0.0))
 
@@ -52,10 +56,21 @@ def reference_loss(model_name: str, config: Any):
     return loss
 
 
-def reference_step(model_name: str, config: Any, learning_rate: float, weight_decay: float):
-    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` of the reference (not jitted)."""
-    loss, tx = reference_loss(model_name, config), reference_optimizer(learning_rate, weight_decay)
+def zoo_reference(model_name: str, config: Any, learning_rate: float, weight_decay: float) -> Reference:
+    """The zoo run's reference on its layered parameters (``{"first", "layers", "last"}``): `reference_loss` on the
+    same values regrouped as the zoo model's tree, and `reference_optimizer`."""
+    from cfp.models.layered import zoo_full_params
+    loss = reference_loss(model_name, config)
+    return (lambda p, batch: loss(zoo_full_params(p), batch)), reference_optimizer(learning_rate, weight_decay)
 
+
+def model_reference(model: Any, optimizer: optax.GradientTransformation) -> Reference:
+    """A user's model's reference: its own loss on one device (`LayeredModel.loss`) and its own optimizer."""
+    return model.loss, optimizer
+
+
+def reference_step(loss: Callable, tx: optax.GradientTransformation) -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` of a reference (not jitted)."""
     def step(params, opt_state, batch):
         value, grads = jax.value_and_grad(loss)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -63,17 +78,26 @@ def reference_step(model_name: str, config: Any, learning_rate: float, weight_de
     return step
 
 
-def replay(model_name: str, config: Any, params: Any, opt_state: Any, batches: Iterable[dict], *,
-           learning_rate: float, weight_decay: float, device: Optional[Any] = None):
+def replay(loss: Callable, tx: optax.GradientTransformation, params: Any, opt_state: Any,
+           batches: Iterable[Any], device: Optional[Any] = None):
     """Run the reference steps on one device; returns (losses, final params as numpy)."""
     device = device if device is not None else jax.local_devices()[0]
-    step = jax.jit(reference_step(model_name, config, learning_rate, weight_decay))
+    step = jax.jit(reference_step(loss, tx))
     p, o = jax.device_put((params, opt_state), device)
     losses = []
     for b in batches:
-        p, o, loss = step(p, o, jax.device_put(b, device))
-        losses.append(float(loss))
+        p, o, value = step(p, o, jax.device_put(b, device))
+        losses.append(float(value))
     return losses, jax.tree_util.tree_map(np.asarray, jax.device_get(p))
+
+
+def default_tolerance(model: Any, batch: Any) -> float:
+    """The ``--verify`` bound when none is given: 1e-4 when the parameters and the activation are float32 (measured
+    reordering noise after a few steps is below 1e-5), 5e-2 when any is of lower precision (bfloat16 rounding)."""
+    x = model.check(batch)
+    leaves = jax.tree_util.tree_leaves(model.abstract().params) + jax.tree_util.tree_leaves(x)
+    low = any(jnp.issubdtype(l.dtype, jnp.floating) and jnp.finfo(l.dtype).bits < 32 for l in leaves)
+    return 5e-2 if low else 1e-4
 
 
 def _sequence_rows(seqs: list, tokens: int = 8192) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -99,9 +123,12 @@ def sequence_replay(model_name: str, config: Any, params: Any, opt_state: Any, s
     """Reference of variable-length training: per step, every sequence (token array, inputs ``s[:-1]``,
     targets ``s[1:]``) runs alone through the model (no packing, no pipelines, no CP/TP); the loss is the
     cross-entropy summed over all real tokens divided by their count, the update AdamW
-    (``reference_optimizer``).  Returns (losses, final params as numpy).  Dense models (no aux loss)."""
+    (``reference_optimizer``). ``params``/``opt_state``: the zoo's `LayeredModel` state. Returns (losses, final
+    params as numpy, in the same structure). Dense models (no aux loss)."""
+    from cfp.models.layered import zoo_full_params, zoo_params
     device = device if device is not None else jax.local_devices()[0]
     model = build_model(model_name, config)
+    params, opt_state = _as_zoo(params, opt_state, zoo_full_params)
 
     def loss_sum(p, x, y, w):
         logits, _ = model.apply(p, x)
@@ -122,7 +149,7 @@ def sequence_replay(model_name: str, config: Any, params: Any, opt_state: Any, s
         tokens = sum(int(s.size) - 1 for s in seqs)
         p, o = update(p, o, grads, jnp.float32(1.0 / tokens))
         losses.append(total / tokens)
-    return losses, jax.tree_util.tree_map(np.asarray, jax.device_get(p))
+    return losses, zoo_params(jax.tree_util.tree_map(np.asarray, jax.device_get(p)), config.num_layers)
 
 
 def loss_error(losses: list[float], ref: list[float]) -> float:
@@ -172,65 +199,74 @@ def leaf_errors(tree: Any, ref: Any, floor: float = 0.0) -> dict[str, float]:
 
 
 def identical_across_pipelines(trainer) -> bool:
-    """Whether every pipeline holds bit-identical values of every module it holds (local stages)."""
-    seen: dict[str, np.ndarray] = {}
-    for key in sorted(trainer.params):
-        for path, v in jax.tree_util.tree_flatten_with_path(trainer.params[key])[0]:
-            k, a = jax.tree_util.keystr(path), np.asarray(v)
-            if k in seen and not np.array_equal(seen[k], a):
-                return False
-            seen.setdefault(k, a)
-    return True
+    """Whether every pipeline holds bit-identical values of every parameter (single process: all stages local)."""
+    from cfp.layered.model import merge_stage_params
+    full = []
+    for p in range(len(trainer.layout.pipelines)):
+        parts = [jax.tree_util.tree_map(np.asarray, trainer.params[st.key]) for st in trainer.layout.placed_in(p)]
+        full.append(jax.tree_util.tree_leaves(merge_stage_params(parts, trainer.model.stacked)))
+    return all(len(f) == len(full[0]) and all(np.array_equal(a, b) for a, b in zip(f, full[0])) for f in full[1:])
+
+
+def _as_zoo(params: Any, opt_state: Any, convert: Callable) -> tuple[Any, Any]:
+    """A zoo `LayeredModel`'s parameters and AdamW state regrouped as the zoo model's ``{"params": ...}`` tree."""
+    return convert(params), jax.tree_util.tree_map(
+        lambda t: convert(t) if isinstance(t, dict) and set(t) == {"first", "layers", "last"} else t, opt_state,
+        is_leaf=lambda t: isinstance(t, dict) and set(t) == {"first", "layers", "last"})
 
 
 def microbatched_replay(model_name: str, config: Any, layout: Any, params: Any, opt_state: Any,
                         batches: Iterable[dict], *, learning_rate: float, weight_decay: float,
                         device: Optional[Any] = None):
-    """The engine's arithmetic on one device: (losses, final params as numpy, per-step gradients).
+    """The engine's arithmetic on one device: (losses, final params as numpy, per-step gradients), for the zoo's
+    `LayeredModel` state (``params``, ``opt_state``; results in the same structure).
 
-    Each pipeline accumulates its micro-batches' gradients in micro-batch order, starting from zeros;
-    the pipelines' sums are then added in pipeline order, and AdamW is applied -- the same float32
-    sums in the same order as ``HeteroTrainer.step``.  Only the programs differ (one whole-model
-    ``value_and_grad`` here, per-stage ``vjp`` with TP all-reduces there), so the comparison with the
-    engine isolates pipeline and TP errors from the reordering noise of micro-batching.
+    Each pipeline accumulates its micro-batches' gradients in micro-batch order, starting from zeros; the
+    pipelines' sums are then added in pipeline order, and AdamW is applied -- the same float32 sums in the same
+    order as ``HeteroTrainer.step``. Only the programs differ (one whole-model ``value_and_grad`` here, per-stage
+    ``vjp`` with TP all-reduces there), so the comparison with the engine isolates pipeline and TP errors from
+    the reordering noise of micro-batching.
     """
+    from cfp.models.layered import zoo_full_params, zoo_params
     device = device if device is not None else jax.local_devices()[0]
     model = build_model(model_name, config)
     coef = float(getattr(config, "aux_loss_coef", 0.0))
+    params, opt_state = _as_zoo(params, opt_state, zoo_full_params)
 
-    def part(p, x, t, w, total_w, aux_scale):
+    def part(p, x, t, w, aux_weight):
         logits, aux = model.apply(p, x)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), t)
-        ce_part = jnp.sum(ce * w.astype(jnp.float32)) / jnp.maximum(total_w, 1e-9)
-        aux = aux.astype(jnp.float32)
-        return ce_part + aux * aux_scale, (ce_part, aux)
+        loss_sum = jnp.sum(ce * w.astype(jnp.float32)) + aux.astype(jnp.float32) * aux_weight
+        return loss_sum, loss_sum
 
     grad = jax.jit(jax.grad(part, has_aux=True))
     add = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
     tx = reference_optimizer(learning_rate, weight_decay)
-    update = jax.jit(lambda p, o, g: _apply(tx, p, o, g))
+    update = jax.jit(lambda p, o, g, inv_w: _apply(tx, p, o, jax.tree_util.tree_map(lambda a: a * inv_w, g)))
     p, o = jax.device_put((params, opt_state), device)
     losses, grads_per_step = [], []
-    offsets, rows = layout.batch_offsets(), layout.global_batch
     for b in batches:
         b = jax.tree_util.tree_map(np.asarray, b)
-        total_w = np.float32(b["weights"].astype(np.float32).sum())
-        total, loss = None, 0.0
-        for pipe, off in zip(layout.pipelines, offsets):
+        total, loss_sum, weight = None, 0.0, 0.0
+        for pipe, off in zip(layout.pipelines, layout.batch_offsets()):
             mbs = pipe.micro_batch
-            aux_scale = np.float32(coef * mbs / rows)
             acc = jax.tree_util.tree_map(jnp.zeros_like, p)
             for m in range(pipe.chunks):
                 sl = slice(off + m * mbs, off + (m + 1) * mbs)
-                g, (ce, aux) = grad(p, *jax.device_put((b["inputs"][sl], b["targets"][sl],
-                                                 b["weights"][sl]), device), total_w, aux_scale)
+                w_mb = np.float32(b["weights"][sl].astype(np.float32).sum())
+                # the engine's `last`: sum(ce * w) + coef * aux * sum(w) per micro-batch, its gradient summed
+                g, v = grad(p, *jax.device_put((b["inputs"][sl], b["targets"][sl], b["weights"][sl]), device),
+                            np.float32(coef) * w_mb)
                 acc = add(acc, g)
-                loss += float(ce) + float(aux) * float(aux_scale)
+                loss_sum, weight = loss_sum + float(v), weight + float(w_mb)
             total = acc if total is None else add(total, acc)
-        grads_per_step.append(jax.tree_util.tree_map(np.asarray, jax.device_get(total)))
-        p, o = update(p, o, total)
-        losses.append(loss)
-    return losses, jax.tree_util.tree_map(np.asarray, jax.device_get(p)), grads_per_step
+        inv_w = np.float32(1.0) / np.float32(weight)
+        grads_per_step.append(zoo_params(jax.tree_util.tree_map(lambda a: np.asarray(a) * inv_w,
+                                                                jax.device_get(total)), config.num_layers))
+        p, o = update(p, o, total, inv_w)
+        losses.append(loss_sum / weight)
+    return losses, zoo_params(jax.tree_util.tree_map(np.asarray, jax.device_get(p)), config.num_layers), \
+        grads_per_step
 
 
 def _apply(tx, params, opt_state, grads):

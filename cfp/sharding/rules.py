@@ -48,13 +48,21 @@ def path_keys(path) -> tuple[str, ...]:
     return tuple(jax.tree_util.keystr(path, simple=True, separator="/").split("/")) if path else ()
 
 
-def tensor_dim(keys: Sequence[str], shape: Sequence[int], tp: int, strict: bool = False,
-               rules: Sequence[Rule] = TENSOR_RULES) -> int | None:
-    """The dim of the parameter at `keys` with `shape` that takes the tensor-parallel axes of size `tp`, or None
-    (replicated). `strict` raises ConfigError where a required rule's dim does not divide."""
-    if tp <= 1:
+# Other spellings of the rules' dims in users' logical axis names (Flax / MaxText vocabularies): a name is
+# looked up here first, so a model written with `nn.with_logical_partitioning(..., ("embed", "q_heads"))` gets
+# the same rules as the zoo.
+ALIASES: dict[str, str] = {"q_heads": "heads", "query_heads": "heads", "kv_head": "kv_heads", "expert": "exp",
+                           "experts": "exp", "ffn": "mlp", "hidden_mlp": "mlp"}
+
+
+def names_tensor_dim(names: Sequence[str | None] | None, shape: Sequence[int], tp: int, strict: bool = False,
+                     rules: Sequence[Rule] = TENSOR_RULES, what: str = "") -> int | None:
+    """The dim of a parameter of `shape` whose logical dim `names` a rule lists first and the tensor-parallel size
+    `tp` divides, or None (replicated; also with no names). `strict` raises ConfigError where a required rule's
+    dim does not divide."""
+    if tp <= 1 or not names or len(names) != len(shape):
         return None
-    dims = param_dims(keys, len(shape))
+    dims = [ALIASES.get(n, n) for n in names]
     for rule in rules:
         if rule.dim not in dims:
             continue
@@ -62,9 +70,18 @@ def tensor_dim(keys: Sequence[str], shape: Sequence[int], tp: int, strict: bool 
         if shape[d] % tp == 0:
             return d
         if strict and rule.required:
-            raise ConfigError(f"megatron layout: {DIM_FIELDS[rule.dim]}={shape[d]} of {'/'.join(keys)} "
+            raise ConfigError(f"megatron layout: {DIM_FIELDS.get(rule.dim, rule.dim)}={shape[d]} of {what} "
                               f"{tuple(shape)} is not divisible by the tensor-parallel size {tp}")
     return None
+
+
+def tensor_dim(keys: Sequence[str], shape: Sequence[int], tp: int, strict: bool = False,
+               rules: Sequence[Rule] = TENSOR_RULES) -> int | None:
+    """The dim of the zoo parameter at `keys` with `shape` that takes the tensor-parallel axes of size `tp`, or None
+    (replicated): `names_tensor_dim` of its names in `cfp.models.dims`."""
+    if tp <= 1:
+        return None
+    return names_tensor_dim(param_dims(keys, len(shape)), shape, tp, strict, rules, "/".join(keys))
 
 
 def dim_spec(dim: int | None, axes: Any) -> PartitionSpec:

@@ -1,13 +1,15 @@
-"""The boundary transfer a stage's activation layouts imply, priced from the one cost floor
-(`cfp.costs.ModelCost`): the search adds it to every candidate's step time, and to Megatron's."""
+"""The boundary transfer a stage's activation layouts imply: the search adds it to every candidate's step time,
+and to the rules table's."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
+import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from cfp.costs import ModelCost
+from cfp.runtime.stage import activations
 
 if TYPE_CHECKING:
     from cfp.runtime.stage.cases import StageCase
@@ -18,15 +20,27 @@ def _shards(spec: P, mesh_shape: dict) -> int:
     return math.prod(mesh_shape[a] for a in axes)
 
 
-def boundary_seconds(case: StageCase, act_in: P, act_out: P, link_gbps: float) -> float:
-    """Seconds per micro-batch to bring the stage its input activation and its output's gradient: every
-    device of the stage receives its shard (a replicated layout costs a full copy per device). Bytes per
-    sequence are `ModelCost`'s (token ids into the first stage, `boundary_bytes` between stages)."""
-    cost = ModelCost(case.config)
+def _bytes(leaves: Sequence, specs: Sequence[P], mesh_shape: dict) -> float:
+    return float(sum(math.prod(l.shape) * np.dtype(l.dtype).itemsize / _shards(s, mesh_shape)
+                     for l, s in zip(leaves, specs)))
+
+
+def boundary_seconds(case: "StageCase", act_in: Sequence[P], act_out: Sequence[P], link_gbps: float) -> float:
+    """Seconds per micro-batch to bring the stage its input (the micro-batch on the first stage, else the previous
+    stage's activation; one layout per leaf in `act_in`) and its output's gradient (one layout per differentiable
+    leaf in `act_out`): every device of the stage receives its shard (a replicated layout costs a full copy per
+    device)."""
     shape = dict(case.prog.mesh.shape)
-    per_device = case.micro_batch * case.prog.mesh.devices.size
-    st = case.prog.stage
-    total = per_device * (cost.token_bytes() if st.is_first else cost.boundary_bytes()) / _shards(act_in, shape)
-    if not st.is_last:
-        total += per_device * cost.boundary_bytes() / _shards(act_out, shape)
+    n = case.prog.mesh.devices.size
+    incoming = case.batch_like if case.prog.stage.is_first else case.x_like
+    total = n * _bytes(jax.tree_util.tree_leaves(incoming), act_in, shape)
+    if case.y_like is not None:
+        total += n * _bytes(activations.gradient_like(case.y_like), act_out, shape)
     return total / (link_gbps * 1e9)
+
+
+def replicated(case: "StageCase") -> tuple[list[P], list[P]]:
+    """The rules table's boundary layouts: every incoming leaf and outgoing gradient replicated."""
+    incoming = case.batch_like if case.prog.stage.is_first else case.x_like
+    out = activations.gradient_like(case.y_like) if case.y_like is not None else []
+    return [P()] * len(jax.tree_util.tree_leaves(incoming)), [P()] * len(out)

@@ -1,6 +1,6 @@
-"""How a stage is built: from the rules table (Megatron) or from a searched plan (its programs cut from the
-analysed stage step), always through the engine's `CompileCache`; and which plans a training run builds from
-(`plans_for_run`: none, searched, saved, or those of the checkpointed run)."""
+"""How a stage is built: from the rules table or from a searched plan (its programs cut from the analysed stage
+step), always through the engine's `CompileCache`; and which plans a training run builds from (`plans_for_run`:
+none, searched, saved, or those of the checkpointed run)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,6 @@ from typing import Any, Callable, Optional
 import jax
 
 from cfp.errors import ConfigError
-from cfp.models import init_params, min_batch_size, stage_modules
 from cfp.layout import Layout
 from cfp.runtime.stage.cache import Built, CompileCache
 from cfp.runtime.stage.cases import StageCase, analysed_step, megatron_program, replay_program, stage_cases
@@ -19,14 +18,14 @@ from cfp.runtime.stage.search import search_stage_plans
 from cfp.sharding.specs import resolve
 
 
-def _planned_programs(plans: StagePlans, config: Any, layout: Layout, cache: CompileCache,
-                      devices: list) -> dict:
-    """Stage key -> `StageProgram` of every stage whose plan runs a searched choice (the others run the
-    Megatron rules). Programs the search built come from `cache`; saved plans are re-analysed (no profiling,
-    no search) and checked against the analysis: same blocks, same strategies, same parameter layouts."""
+def _planned_programs(plans: StagePlans, layout: Layout, cache: CompileCache, devices: list,
+                      batch_like: Any) -> dict:
+    """Stage key -> `StageProgram` of every stage whose plan runs a searched choice (the others run the rules
+    table). Programs the search built come from `cache`; saved plans are re-analysed (no profiling, no search) and
+    checked against the analysis: same blocks, same strategies, same parameter layouts."""
     by_key = plans.by_key()
     out = {}
-    for case in stage_cases(plans.model, config, layout, cache, devices):
+    for case in stage_cases(layout, cache, batch_like, devices):
         plan = by_key[case.prog.stage.key]
         if plan.runs_searched:
             choice = plan.plan_choice()
@@ -51,45 +50,54 @@ def _checked(plan: StagePlan, case: StageCase, cache: CompileCache):
     return applied
 
 
-def build_programs(model_name: str, config: Any, layout: Layout, devices: list, cache: CompileCache,
-                   plans: Optional[StagePlans] = None) -> dict:
-    """Every stage's `StageProgram` through `cache`: a searched plan's where `plans` has one that runs, the
-    Megatron rules' elsewhere."""
-    mb_min = min_batch_size(config)
-    for i, p in enumerate(layout.pipelines):
-        if p.micro_batch % mb_min:
-            raise ConfigError(f"pipeline {i}: micro-batch size {p.micro_batch} must be "
-                              f"a multiple of {mb_min} so MoE token groups stay whole")
+def check_devices(layout: Layout, devices: list) -> None:
     for st in layout.placed:
         procs = sorted({devices[d].process_index for d in st.devices})
         if len(procs) > 1:
             raise ConfigError(
                 f"stage {st.key} uses devices {list(st.devices)} of processes {procs}; a stage's devices "
                 f"must belong to one process (choose devices_id accordingly)")
-    planned = _planned_programs(plans, config, layout, cache, devices) if plans else {}
-    modules = stage_modules(model_name, config)
-    full_like = jax.eval_shape(lambda: init_params(model_name, config, 0))
-    programs = {}
-    for st in layout.placed:
-        params_like = {"params": {n: full_like["params"][n] for n in st.module_names()}}
-        programs[st.key] = planned.get(st.key) or megatron_program(
-            model_name, config, st, [devices[d] for d in st.devices], params_like, modules, cache)
-    return programs
 
 
-def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: Any, layout: Layout,
-                  cache: CompileCache, checkpoint_dir: Optional[str] = None, resume: bool = False,
+def needs_search(cache: CompileCache, layout: Layout) -> list:
+    """Stages with TP > 1 whose model names no parameter dims: the rules table would leave them replicated."""
+    if cache.model.logical_names is not None:
+        return []
+    return [st.key for st in layout.placed if st.tp > 1]
+
+
+def build_programs(layout: Layout, devices: list, cache: CompileCache, plans: Optional[StagePlans] = None,
+                   batch_like: Any = None) -> dict:
+    """Every stage's `StageProgram` through `cache`: a searched plan's where `plans` has one that runs (for batches
+    shaped like `batch_like`), the rules table's elsewhere."""
+    check_devices(layout, devices)
+    if plans is not None and batch_like is None:
+        raise ConfigError("stage plans need the shape of the batches (an example batch) to rebuild their programs")
+    planned = _planned_programs(plans, layout, cache, devices, batch_like) if plans else {}
+    unnamed = [k for k in needs_search(cache, layout) if k not in planned and not (
+        plans and not plans.by_key()[k].runs_searched)]
+    if unnamed:
+        raise ConfigError(f"stages {unnamed} have TP > 1 but model {cache.model.name!r} names no parameter dims "
+                          "(logical_names): search their stage plans (--stage-plans search) or name the dims "
+                          "(nn.with_logical_partitioning, nnx.with_partitioning)")
+    return {st.key: planned.get(st.key) or megatron_program(st, [devices[d] for d in st.devices], cache)
+            for st in layout.placed}
+
+
+def plans_for_run(options: Optional[StagePlanOptions], layout: Layout, cache: CompileCache, batch_like: Any,
+                  checkpoint_dir: Optional[str] = None, resume: bool = False,
                   log: Callable[[str], None] = print) -> Optional[StagePlans]:
-    """The stage plans of a training run (None: Megatron rules). A resumed run reuses the plans saved next
-    to its checkpoints; a searched run saves them there (``<checkpoint_dir>/stage_plans``) and leaves the
-    programs it built in `cache`."""
+    """The stage plans of a training run (None: the rules table). A resumed run reuses the plans saved next to its
+    checkpoints; a searched run saves them there (``<checkpoint_dir>/stage_plans``) and leaves the programs it
+    built in `cache`."""
     if options is None or options.mode is StagePlanMode.MEGATRON:
         return None
     saved_dir = os.path.join(checkpoint_dir, "stage_plans") if checkpoint_dir else None
+    name = cache.model.name
     if options.mode is StagePlanMode.SAVED:
-        plans = StagePlans.load(options.directory).check(layout, model_name)
+        plans = StagePlans.load(options.directory).check(layout, name, batch_like)
         log(f"stage plans loaded from {options.directory} (no search)")
-    elif resume and saved_dir and _fits(saved_dir, layout, model_name, log):
+    elif resume and saved_dir and _fits(saved_dir, layout, name, batch_like, log):
         plans = StagePlans.load(saved_dir)
         log(f"stage plans of the checkpointed run reused from {saved_dir} (no search)")
     else:
@@ -98,19 +106,19 @@ def plans_for_run(options: Optional[StagePlanOptions], model_name: str, config: 
             raise ConfigError("--stage-plans search runs in a single process; search there and pass the "
                               "saved stage-plans directory (--stage-plans DIR) to the multi-process run")
         t0 = time.perf_counter()
-        plans = search_stage_plans(model_name, config, layout, cache, options, log=log)
+        plans = search_stage_plans(layout, cache, options, batch_like, log=log)
         log(f"stage plans searched in {time.perf_counter() - t0:.1f} s")
     if saved_dir and jax.process_index() == 0:
         log(f"stage plans saved to {plans.save(saved_dir)}")
     return plans
 
 
-def _fits(directory: str, layout: Layout, model_name: str, log) -> bool:
+def _fits(directory: str, layout: Layout, model_name: str, batch_like: Any, log) -> bool:
     """Whether `directory` holds stage plans for this layout (a run may resume onto another layout)."""
     if not os.path.isfile(os.path.join(directory, PLANS_FILE)):
         return False
     try:
-        StagePlans.load(directory).check(layout, model_name)
+        StagePlans.load(directory).check(layout, model_name, batch_like)
         return True
     except ConfigError as e:
         log(f"not reusing the checkpointed stage plans: {e}")

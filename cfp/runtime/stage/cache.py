@@ -3,38 +3,39 @@
 The engine owns one (`HeteroTrainer.cache`) and the stage-plan search is handed the same one, so the programs
 the search built and timed are the ones that train: nothing is rebuilt (or recompiled) between the search and
 the first step, a strategy switched back to reuses its compiled programs, and two runs that should not share
-compiled code (another optimizer, another process) simply hold two caches. It is bound to one optimizer: every
-program in it updates with `tx`.
+compiled code (another optimizer, another process) simply hold two caches. It is bound to one model and one optimizer:
+every program in it runs that model and updates with `tx`.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 from collections import Counter
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import optax
 
 from cfp.layout import PlacedStage
+
+if TYPE_CHECKING:
+    from cfp.layered.model import LayeredModel
 
 T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
 class StepKey:
-    """What a stage's analysed step depends on: the model, its config, the stage's modules, TP degree,
+    """What a stage's analysed step depends on (the cache's model and optimizer aside): its layers, TP degree,
     micro-batch and ends (the devices do not matter: an analysis is mesh-shape only)."""
-    model: str
-    config: Any
-    modules: tuple[str, ...]
+    layers: tuple[int, int]
     tp: int
     micro_batch: int
     is_first: bool
     is_last: bool
 
     @classmethod
-    def of(cls, model: str, config: Any, st: PlacedStage, micro_batch: int) -> "StepKey":
-        return cls(model, config, tuple(st.module_names()), st.tp, micro_batch, st.is_first, st.is_last)
+    def of(cls, st: PlacedStage, micro_batch: int) -> "StepKey":
+        return cls((st.layer_start, st.layer_end), st.tp, micro_batch, st.is_first, st.is_last)
 
 
 PlanChoice = Optional[tuple[tuple[int, ...], tuple[int, ...]]]   # (choice, shard_state); None: the rules table
@@ -42,10 +43,8 @@ PlanChoice = Optional[tuple[tuple[int, ...], tuple[int, ...]]]   # (choice, shar
 
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
-    """What a stage's programs depend on: the model, config, stage, its devices and its sharding (the rules
-    table, or a searched plan's choice)."""
-    model: str
-    config: Any
+    """What a stage's programs depend on (the cache's model and optimizer aside): the stage, its devices and its
+    sharding (the rules table, or a searched plan's choice)."""
     stage: PlacedStage
     devices: tuple
     plan: PlanChoice = None
@@ -58,11 +57,13 @@ class Built(enum.Enum):
 
 
 class CompileCache:
-    """Stage programs, analysed stage steps and replays of one optimizer, by key; `builds` counts what was
-    built (`Built` -> count), so a caller can see that nothing was built twice."""
+    """Stage programs, analysed stage steps and replays of one model and optimizer, by key; `builds` counts what
+    was built (`Built` -> count), so a caller can see that nothing was built twice."""
 
-    def __init__(self, tx: optax.GradientTransformation, tx_key: tuple):
-        self.tx, self.tx_key = tx, tuple(tx_key)
+    def __init__(self, model: "LayeredModel", tx: optax.GradientTransformation):
+        from cfp.runtime.stage.optim import ModelOptimizer
+        self.model, self.tx = model, tx
+        self.optimizer = ModelOptimizer(tx, model)      # the optimizer's split by stage (checked once here)
         self._entries: dict[tuple[Built, Any], Any] = {}
         self.builds: Counter = Counter()
 

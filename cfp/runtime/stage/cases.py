@@ -1,4 +1,4 @@
-"""Every stage of a layout as the stage-plan search and the replayed programs see it (`StageCase`: its Megatron
+"""Every stage of a layout as the stage-plan search and the replayed programs see it (`StageCase`: its rules-table
 `StageProgram`, micro-batch, micro-batches per step and activation shapes), and its analysed training step."""
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import dataclasses
 from typing import Any, Iterator, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from cfp.analysis.analysis import Analysis, analyze_with_program
 from cfp.ir.capture import Program
-from cfp.layout import Layout
+from cfp.layout import Layout, PlacedStage
+from cfp.runtime.stage import activations
 from cfp.runtime.stage.cache import Built, CompileCache, ProgramKey, StepKey
 from cfp.runtime.stage.program import StageProgram
 from cfp.runtime.stage.replay import StageReplay, stage_step
@@ -19,22 +19,22 @@ from cfp.runtime.stage.replay import StageReplay, stage_step
 
 @dataclasses.dataclass(frozen=True)
 class StageCase:
-    """One stage of a layout: its Megatron program (from the compile cache), its pipeline's micro-batch size and
-    micro-batches per step, its input activation (the first stage: tokens) and output (None on the last)."""
-    model: str
-    config: Any
+    """One stage of a layout: its rules-table program (from the compile cache), its pipeline's micro-batch size
+    and micro-batches per step, its input activation (None on the first stage), the micro-batch it reads (None
+    on middle stages) and its output activation (None on the last)."""
     prog: StageProgram
     micro_batch: int
     chunks: int
     x_like: Any
+    batch_like: Any
     y_like: Optional[Any]
 
     @property
     def step_key(self) -> StepKey:
-        return StepKey.of(self.model, self.config, self.prog.stage, self.micro_batch)
+        return StepKey.of(self.prog.stage, self.micro_batch)
 
     def program_key(self, plan=None) -> ProgramKey:
-        return ProgramKey(self.model, self.config, self.prog.stage, tuple(self.prog.devices), plan)
+        return ProgramKey(self.prog.stage, tuple(self.prog.devices), plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +46,11 @@ class AnalysedStep:
     args: tuple
 
 
-def megatron_program(model: str, config: Any, st, devices: list, params_like: Any, modules: tuple,
-                     cache: CompileCache) -> StageProgram:
-    """The stage's `StageProgram` under the Megatron rules, built once per cache."""
-    key = ProgramKey(model, config, st, tuple(devices))
-    return cache.get(Built.PROGRAM, key, lambda: StageProgram(st, modules, devices, params_like, cache.tx))
+def megatron_program(st: PlacedStage, devices: list, cache: CompileCache) -> StageProgram:
+    """The stage's `StageProgram` under the rules table, built once per cache."""
+    key = ProgramKey(st, tuple(devices))
+    return cache.get(Built.PROGRAM, key, lambda: StageProgram(cache.model, st, devices,
+                                                              cache.optimizer.stage(st)))
 
 
 def replay_program(case: StageCase, plan_choice: tuple, applied: Any, cache: CompileCache) -> StageProgram:
@@ -62,48 +62,47 @@ def replay_program(case: StageCase, plan_choice: tuple, applied: Any, cache: Com
         replay = cache.get(Built.REPLAY, (case.step_key, plan_choice),
                            lambda: StageReplay(step.program, step.analysis, applied, st.is_first, st.is_last))
         p = case.prog
-        return StageProgram(st, (p.embed, p.layer_mods, p.head), list(p.devices), p.params_like, cache.tx, replay)
+        return StageProgram(cache.model, st, list(p.devices), p.optimizer, replay)
     return cache.get(Built.PROGRAM, case.program_key(plan_choice), build)
 
 
-def stage_cases(model: str, config: Any, layout: Layout, cache: CompileCache,
+def micro_batch_like(batch_like: Any, rows: int) -> Any:
+    """ShapeDtypeStructs of a micro-batch of ``rows`` rows of batches shaped like ``batch_like``."""
+    return jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct((rows,) + tuple(l.shape[1:]), l.dtype),
+                                  batch_like)
+
+
+def stage_cases(layout: Layout, cache: CompileCache, batch_like: Any,
                 devices: Optional[list] = None) -> Iterator[StageCase]:
-    """Every stage of `layout` in pipeline order, its activation shapes chained through the stages."""
-    from cfp.models import init_params, stage_modules
+    """Every stage of `layout` in pipeline order, its activation shapes chained through the stages; `batch_like`:
+    the shape of a batch (any rows)."""
     devices = list(devices) if devices is not None else jax.devices()
-    modules = stage_modules(model, config)
-    full_like = jax.eval_shape(lambda: init_params(model, config, 0))
     for i, pipe in enumerate(layout.pipelines):
-        mbs = pipe.micro_batch
-        x_like = jax.ShapeDtypeStruct((mbs, config.seq_len), jnp.int32)
+        mb = micro_batch_like(batch_like, pipe.micro_batch)
+        x_like = None
         for st in layout.placed_in(i):
-            params_like = {"params": {n: full_like["params"][n] for n in st.module_names()}}
-            prog = megatron_program(model, config, st, [devices[d] for d in st.devices], params_like, modules,
-                                    cache)
-            y_like = jax.eval_shape(prog.forward, params_like, x_like)[0]
-            yield StageCase(model, config, prog, mbs, pipe.chunks, x_like, None if st.is_last else y_like)
+            prog = megatron_program(st, [devices[d] for d in st.devices], cache)
+            b = mb if (st.is_first or st.is_last) else None
+            y_like = jax.eval_shape(prog.run, prog.params_like, x_like, b)
+            yield StageCase(prog, pipe.micro_batch, pipe.chunks, x_like, b, None if st.is_last else y_like)
             x_like = y_like
 
 
-def example_args(case: StageCase, tx) -> tuple:
+def example_args(case: StageCase, cache: CompileCache) -> tuple:
     """Concrete (zero) arguments of `stage_step`: the search compiles and may time the whole step."""
     prog = case.prog
-    zeros = lambda s: np.zeros(s.shape, s.dtype)
-    params = jax.tree_util.tree_map(zeros, prog.params_like)
-    opt = jax.tree_util.tree_map(zeros, jax.eval_shape(tx.init, prog.params_like))
-    acc = jax.tree_util.tree_map(zeros, prog.params_like)
-    x = zeros(case.x_like)
-    one = np.float32(1.0)
-    if prog.stage.is_last:
-        shape = (case.micro_batch, case.config.seq_len)
-        return params, opt, acc, x, np.zeros(shape, np.int32), np.ones(shape, np.float32), one, one
-    return params, opt, acc, x, zeros(case.y_like), one
+    zeros = lambda t: jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), t)
+    params = zeros(prog.params_like)
+    opt = zeros(prog.optimizer.like)
+    g_y = None if case.y_like is None else zeros(activations.gradient_like(case.y_like))
+    return (params, opt, zeros(prog.params_like), zeros(case.x_like), zeros(case.batch_like), g_y,
+            np.float32(1.0), zeros(prog.optimizer.globals_like))
 
 
 def analysed_step(case: StageCase, cache: CompileCache) -> AnalysedStep:
     """The stage's `stage_step` analysed on its sub-mesh, once per stage signature and cache."""
     def build():
-        args = example_args(case, cache.tx)
-        analysis, program = analyze_with_program(stage_step(case.prog, cache.tx), case.prog.mesh, *args)
+        args = example_args(case, cache)
+        analysis, program = analyze_with_program(stage_step(case.prog), case.prog.mesh, *args)
         return AnalysedStep(analysis, program, args)
     return cache.get(Built.STEP, case.step_key, build)

@@ -14,11 +14,10 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from cfp.profiling import costmodel
 from cfp.profiling.options import ProfilerKind
-from cfp.runtime.stage.boundary import boundary_seconds
+from cfp.runtime.stage.boundary import boundary_seconds, replicated
 from cfp.runtime.stage.replay import stage_step
 from cfp.xla.compiled import compiled_figures, time_in_turns
 
@@ -48,7 +47,7 @@ class MegatronComparison:
                 f"ms): {'Megatron' if self.megatron_wins else 'searched plan'} runs")
 
 
-def compare_with_megatron(case, tx, step, result, picked, planned: Callable[[], Any], options,
+def compare_with_megatron(case, step, result, picked, planned: Callable[[], Any], options,
                           profiler) -> Optional[MegatronComparison]:
     """Time (or estimate) `picked` (the chosen verified choice of search `result` on analysed `step`, a
     `cfp.runtime.stage.search.Picked`) and the Megatron stage `case.prog` side by side; `planned()` gives the
@@ -61,11 +60,11 @@ def compare_with_megatron(case, tx, step, result, picked, planned: Callable[[], 
     budget = sopts.memory_per_device
     estimate = profiler.kind is ProfilerKind.ESTIMATE
     # the Megatron whole step is compiled for the cost model and for the memory budget only
-    megatron = _megatron_step(prog, tx, args) if estimate or budget is not None else None
+    megatron = _megatron_step(prog, args) if estimate or budget is not None else None
     mem = compiled_figures(megatron, analysis.mesh.shape, collectives=False).memory if megatron else 0
     fits = budget is None or mem <= budget
     plan = planned()
-    same = _same_stage_sharding(plan, prog)
+    same = _same_stage_sharding(plan, prog, case)
     if estimate:
         searched = result.steps[picked.plan_choice].compile(*args)
         t_s, t_m = (_estimated(c, analysis, picked.verified.choice, profiler.gpu) for c in (searched, megatron))
@@ -74,53 +73,51 @@ def compare_with_megatron(case, tx, step, result, picked, planned: Callable[[], 
         t_s = t_m = 0.0
         noise = None
     else:
-        (t_s, t_m), noise = _alternating([_runtime_run(p, args, case.chunks) for p in (plan, prog)],
+        (t_s, t_m), noise = _alternating([_runtime_run(p, args, case) for p in (plan, prog)],
                                          sopts.iters, sopts.warmup)
-    megatron_boundary = boundary_seconds(case, P(), P(), result.link_gbps)
+    megatron_boundary = boundary_seconds(case, *replicated(case), result.link_gbps)
     return MegatronComparison(t_s, t_m if fits else float("inf"), picked.boundary, megatron_boundary, mem, noise,
                               same)
 
 
-def _same_stage_sharding(a, b) -> bool:
+def _same_stage_sharding(a, b, case) -> bool:
     """Whether stage programs `a` and `b` place parameters, optimizer state and the activations they take and
     hand on alike (equivalent shardings leaf by leaf)."""
     def leaves(p):
-        return jax.tree_util.tree_leaves((p.shardings, p.opt_shardings, p.act_in, p.act_out))
+        x = p.act_in_shardings(case.x_like) if case.x_like is not None else None
+        g = p.act_out_shardings(case.y_like) if case.y_like is not None else None
+        return jax.tree_util.tree_leaves((p.shardings, p.opt_shardings, x, g))
     la, lb = leaves(a), leaves(b)
     return len(la) == len(lb) and all(
         x.is_equivalent_to(y, max(len(x.spec), len(y.spec))) for x, y in zip(la, lb))
 
 
-def _megatron_step(prog, tx, args):
-    """The stage step compiled with the Megatron stage's layouts (activations replicated)."""
+def _megatron_step(prog, args):
+    """The stage step compiled with the rules table's layouts (activations replicated)."""
     in_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * (len(args) - 3)
-    n_rest = len(jax.tree_util.tree_structure(jax.eval_shape(stage_step(prog, tx), *args)).children()) - 3
-    out_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings) + (prog.repl,) * n_rest
-    return jax.jit(stage_step(prog, tx), in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
+    out_sh = (prog.shardings, prog.opt_shardings, prog.grad_shardings, prog.repl, prog.repl)
+    return jax.jit(stage_step(prog), in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
 
 
-def _runtime_run(p, args, chunks: int) -> Callable[[], Any]:
-    """A function running stage program `p` as one pipeline step runs it on the example micro-batch: fwd and
-    bwd of `chunks` micro-batches, then the update; returns what to wait for. Seconds are per micro-batch."""
-    put = lambda v, s: jax.device_put(v, s)
-    state = {"params": p.place_params(args[0]), "opt": put(args[1], p.opt_shardings), "acc": p.zeros()}
-    x = put(args[3], p.act_in)
-    if p.stage.is_last:
-        fwd_args = (x,) + tuple(put(a, p.repl) for a in args[4:7])
-        bwd_args = fwd_args + (put(args[7], p.repl),)
-    else:
-        fwd_args = (x,)
-        bwd_args = (x, put(args[4], p.act_out), put(args[5], p.repl))
+def _runtime_run(p, args, case) -> tuple[Callable[[], Any], int]:
+    """A function running stage program `p` as one pipeline step runs it on the example micro-batch: fwd and bwd
+    of the pipeline's micro-batches, then the update; returns what to wait for. Seconds are per micro-batch."""
+    params, opt, _, x, batch, g_y, scale, globals_ = args
+    state = {"params": p.place_params(params), "opt": p.place_opt_state(opt), "acc": p.zeros()}
+    x = None if x is None else jax.device_put(x, p.act_in_shardings(case.x_like))
+    batch = None if batch is None else jax.device_put(batch, p.batch_shardings(case.batch_like))
+    g_y = None if g_y is None else jax.device_put(g_y, p.act_out_shardings(case.y_like))
 
     def run():
         outs = []
-        for _ in range(chunks):
-            outs.append(p.fwd(state["params"], *fwd_args))
-            r = p.bwd(state["params"], *bwd_args, state["acc"])
-            state["acc"] = r[0]
-        state["params"], state["opt"], flags = p.update(state["params"], state["opt"], [state["acc"]])
+        for _ in range(case.chunks):
+            outs.append(p.fwd(state["params"], x, batch))
+            state["acc"] = p.bwd(state["params"], x, batch, g_y, state["acc"])[0]
+        parts = [dict(state["acc"], layers=[state["acc"]["layers"]])]
+        state["params"], state["opt"], flags = p.update(state["params"], state["opt"], parts, scale, globals_)
+        state["acc"] = p.zeros()
         return outs, flags, state["params"]
-    return run, chunks
+    return run, case.chunks
 
 
 def _estimated(compiled, analysis, choice, gpu_name: str) -> float:

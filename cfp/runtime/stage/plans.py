@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from cfp.errors import ConfigError
 from cfp.files import write_json_atomic
@@ -16,8 +16,15 @@ from cfp.search.options import SearchOptions
 from cfp.search.plan import spec_entries
 
 PLANS_FILE = "stage_plans.json"
-PLANS_VERSION = 3   # 2: the analysed step accumulates gradients; Megatron may win a stage. 3: grouped records,
-                    # the layout as `Layout.to_json`
+PLANS_VERSION = 4   # 2: the analysed step accumulates gradients; Megatron may win a stage. 3: grouped records,
+                    # the layout as `Layout.to_json`. 4: any LayeredModel: per-leaf boundary layouts, the batch
+
+
+def batch_entries(batch_like: Any) -> tuple:
+    """A batch's leaves as (key path, shape without its rows, dtype), JSON-friendly."""
+    import jax
+    return tuple((jax.tree_util.keystr(p), tuple(int(d) for d in l.shape[1:]), str(l.dtype))
+                 for p, l in jax.tree_util.tree_flatten_with_path(batch_like)[0])
 
 
 def entries(spec) -> tuple:
@@ -80,7 +87,8 @@ class StagePlanOptions:
 class SearchedSharding:
     """A searched choice: per-block strategy indices `choice` with their `strategies` notation, the blocks
     whose state is stored sharded, each parameter's PartitionSpec entries by key path, and the activation
-    layouts at the stage's boundaries (entries; `act_out` empty on the last stage)."""
+    layouts at the stage's boundaries: `act_in` per leaf of its input (the micro-batch on the first stage, else the
+    activation), `act_out` per differentiable leaf of its output activation (empty on the last stage)."""
     choice: tuple[int, ...]
     strategies: tuple[str, ...]
     shard_state: tuple[int, ...] = ()
@@ -160,7 +168,7 @@ class StagePlan:
         if self.megatron:
             return "Megatron sharding (the searched plan was slower side by side, or was the Megatron sharding)"
         sharded = sum(1 for _, e in s.params if any(x is not None for x in e))
-        fmt = lambda e: "P(" + ", ".join(map(str, e)) + ")"
+        fmt = lambda es: ", ".join("P(" + ", ".join(map(str, e)) + ")" for e in es) or "-"
         return (f"{len(s.choice)} blocks, {len(set(s.strategies))} distinct strategies, "
                 f"{sharded}/{len(s.params)} parameters sharded"
                 + (f" (state sharded in {len(s.shard_state)} blocks)" if s.shard_state else "")
@@ -178,14 +186,19 @@ class StagePlans:
     plans: tuple[StagePlan, ...]
     config: dict = dataclasses.field(default_factory=dict)
     device: str = ""
+    batch: tuple = ()    # the batch the stages were searched for: (key path, shape without rows, dtype) per leaf
 
     def by_key(self) -> dict[tuple[int, int], StagePlan]:
         return {p.key: p for p in self.plans}
 
-    def check(self, layout: Layout, model: str) -> "StagePlans":
-        """Raise ConfigError unless every stage of `layout` has a plan made for it."""
+    def check(self, layout: Layout, model: str, batch_like: Any = None) -> "StagePlans":
+        """Raise ConfigError unless every stage of `layout` has a plan made for it (and, given `batch_like`, for
+        batches of its shapes)."""
         if model != self.model:
             raise ConfigError(f"stage plans were made for model {self.model!r}, not {model!r}")
+        if batch_like is not None and self.batch and batch_entries(batch_like) != self.batch:
+            raise ConfigError(f"stage plans were made for batches {list(self.batch)}, not "
+                              f"{list(batch_entries(batch_like))}; search again for these batches")
         by_key = self.by_key()
         for st in layout.placed:
             p, mb = by_key.get(st.key), layout.pipelines[st.pipeline].micro_batch
@@ -217,7 +230,7 @@ class StagePlans:
         try:
             plans = tuple(_plan_from_dict(p) for p in d["plans"])
             return cls(str(d["model"]), layout, plans, dict(d.get("config", {})),
-                       str(d.get("device", "")))
+                       str(d.get("device", "")), tuple(tuple(_nested(e)) for e in d.get("batch", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"stage plans {path!r} are malformed: {e!r}") from None
 

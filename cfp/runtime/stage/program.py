@@ -1,247 +1,323 @@
-"""One pipeline stage's jitted programs on its own TP sub-mesh.
+"""One pipeline stage's jitted programs on its own <CP,TP> sub-mesh, for any `LayeredModel`.
 
-A stage holds ``{"params": {name: subtree}}`` for its submodules (``embed`` in the first stage,
-``layers_i`` for its layers, ``head`` in the last) and runs:
+A stage holds the model's parameters for its place (``first`` on the first stage, its layers' slice, ``last`` on
+the last stage; `cfp.layered.model.stage_params`) and runs, with one signature for every place (``x`` is None
+on the first stage, ``batch`` None on middle stages):
 
-* ``fwd``  -- first/middle stages: ``x -> (y, aux)``; the last stage: ``x -> (ce_part, aux)`` where
-  ``ce_part = sum(ce * w) / total_weight`` uses the weight of the *whole global batch*, so summing the
-  parts over micro-batches and pipelines gives exactly the single-device loss (token weighting).
-* ``bwd``  -- recomputes the stage forward and applies ``jax.vjp`` (stage-level rematerialisation:
-  only each micro-batch's stage input is kept between fwd and bwd), adds the parameter gradient into
-  the accumulator (donated) and returns the input gradient for the previous stage.
-* ``update`` -- AdamW (optax) on this stage's parameters; it also returns, per parameter, whether
-  its summed gradient and its new value are finite, so NaN/Inf is caught in the step it appears.
+* ``fwd(params, x, batch)`` -- the stage's output activation, or on the last stage ``(loss_sum, weight)``;
+* ``bwd(params, x, batch, g_y, acc)`` -- recomputes the stage forward and applies ``jax.vjp`` (stage-level
+  rematerialisation: only each micro-batch's stage input is kept between fwd and bwd), adds the parameter
+  gradient of the *summed* loss into the accumulator (donated) and returns the input activation's gradient
+  (its floating leaves, `activations`) for the previous stage; the last stage's cotangent is 1 on
+  ``loss_sum`` and 0 on ``weight``;
+* ``gradient(grad_parts, scale)`` -- sums the pipelines' gradients (in pipeline order) and scales them by
+  ``1 / total weight``, so they are the gradient of ``sum(loss_sum) / sum(weight)``, the single-device loss;
+* ``apply_update(grads, opt_state, params, globals)`` -- the stage's part of the user's optimizer
+  (`cfp.runtime.stage.optim`: one compiled program per unit, outside any jit, so every pipeline computes the
+  same bits), and per parameter whether its gradient and new value are finite, so NaN/Inf is caught in the
+  step it appears.
 
-Packed variable-length micro-batches pass ``packed=(segment_ids, positions)`` (int32 [R,S]) to every
-program: attention stays inside each segment and positions restart per sequence.  A stage with ``cp`` > 1
-runs on a ("cp", "tp") mesh: tokens, activations, labels and ``packed`` are sharded over ``cp`` on the
-sequence dim and attention is context-parallel (ring) inside the programs.
-
-Under the Megatron rules activations and their gradients enter and leave replicated over the stage's
-``tp`` axis. Under a searched stage plan the three programs are cut from the analysed stage step
-(``cfp.runtime.stage.replay.StageReplay``) with every block tensor constrained to its searched layout, and
-parameters, optimizer state, gradients and activations take the plan's layouts. Either way moving
-activations to another stage (``comm.move``) needs no resharding logic of its own.
+Under the rules table (`cfp.runtime.sharding`: the model's logical dim names, Megatron-style) activations and
+their gradients enter and leave replicated over the stage's ``tp`` axis (and sharded on their sequence dim
+over ``cp``); under a searched stage plan the programs are cut from the analysed stage step
+(`cfp.runtime.stage.replay.StageReplay`) and every layout comes from the plan.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cfp.errors import ConfigError
-from cfp.models.attention import ContextParallel, CpMethod, context_parallel
+from cfp.layered.model import LayeredModel, concat_layers, stage_params
 from cfp.layout import PlacedStage
+from cfp.models.attention import ContextParallel, CpMethod, context_parallel
 from cfp.runtime.sharding import CP_AXIS, TP_AXIS, param_shardings, stage_mesh
+from cfp.runtime.stage import activations
+from cfp.runtime.stage.optim import StageOptimizer
 
 if TYPE_CHECKING:
     from cfp.runtime.stage.replay import StageReplay
 
 
 class StageProgram:
-    """Jitted fwd / bwd / zeros / update of one stage: with Megatron shardings, or cut from a searched
-    stage plan's analysed step (``replay``) with its layouts."""
+    """Jitted fwd / bwd / zeros / update of one stage: under the rules table, or cut from a searched stage plan's
+    analysed step (``replay``) with its layouts."""
 
-    def __init__(self, stage: PlacedStage, modules: tuple, devices: list, params_like: Any,
-                 tx: optax.GradientTransformation, replay: Optional["StageReplay"] = None):
-        self.stage = stage
-        self.embed, self.layer_mods, self.head = modules
+    def __init__(self, model: LayeredModel, stage: PlacedStage, devices: list, optimizer: StageOptimizer,
+                 replay: Optional["StageReplay"] = None):
+        self.model, self.stage, self.optimizer = model, stage, optimizer
         self.devices = tuple(devices)
         self.mesh = stage_mesh(devices, stage.cp)
         self.repl = NamedSharding(self.mesh, P())
-        # tokens, labels, segment ids and positions: sharded on the sequence dim under CP
-        self.rows = NamedSharding(self.mesh, P(None, CP_AXIS)) if stage.cp > 1 else self.repl
-        self._cp = _context_parallel(self.mesh, stage, modules) if stage.cp > 1 else None
-        self.params_like = params_like  # {"params": {name: ShapeDtypeStruct tree}}
-        self.tx = tx
+        self.params_like = optimizer.params_like
+        self._cp = _context_parallel(self.mesh, stage, model) if stage.cp > 1 else None
         self.replay = replay
         self.is_local = all(d.process_index == jax.process_index() for d in devices)
-        fwd, bwd, self._apply_update = (self._apply_rules() if replay is None
-                                        else self._apply_searched_plan(replay))
+        fwd, bwd = self._apply_rules() if replay is None else self._apply_searched_plan(replay)
         self._jit(fwd, bwd)
 
+    # ------------------------------------------------------------------ layouts
     def _apply_rules(self) -> tuple:
-        """The Megatron rules table (`cfp.runtime.sharding`): activations replicated over ``tp``."""
-        stage = self.stage
-        self.shardings = param_shardings(self.params_like, self.mesh)
+        """The rules table on the model's logical dim names: activations replicated over ``tp``."""
+        names = _stage_names(self.model, self.stage)     # None: every parameter replicated
+        self.shardings = param_shardings(self.params_like, names, self.mesh)
         self.grad_shardings = self.shardings
-        self.opt_shardings = self._opt_shardings()
-        self.act_in = self.act_out = self.g_x_sharding = self.rows
-        self.out_sharding = self.repl if stage.is_last else self.rows
-        fwd = self.last_forward if stage.is_last else self.forward
-        bwd = self._last_backward if stage.is_last else self._backward
-        return fwd, bwd, self._adamw
+        self.opt_shardings = self.optimizer.state_shardings(self.shardings, self.repl)
+        spec = _cp_spec if self.stage.cp > 1 else (lambda leaf: P())
+        self.act_in_spec = self.act_out_spec = self.g_x_spec = self.g_y_spec = spec
+        self.batch_spec = spec
+        self.out_spec = (lambda leaf: P()) if self.stage.is_last else spec
+        return self._forward, self._backward
 
     def _apply_searched_plan(self, replay: "StageReplay") -> tuple:
         """A searched stage plan: every layout from the plan, the programs cut from its analysed step."""
-        stage = self.stage
-        if stage.cp > 1:
-            raise ConfigError(f"stage {stage.key}: a searched stage plan runs without context "
-                              f"parallelism (cp={stage.cp})")
+        if self.stage.cp > 1:
+            raise ConfigError(f"stage {self.stage.key}: a searched stage plan runs without context "
+                              f"parallelism (cp={self.stage.cp})")
         self.shardings = self._named(replay.param_specs())
         self.grad_shardings = self._named(replay.grad_specs())
         self.opt_shardings = self._named(replay.opt_specs())
-        self.act_in = NamedSharding(self.mesh, replay.act_in())
-        self.act_out = NamedSharding(self.mesh, replay.act_out())
-        self.out_sharding = NamedSharding(self.mesh, replay.out_spec())
-        self.g_x_sharding = self.repl if stage.is_first else NamedSharding(self.mesh, replay.g_x_spec())
-        return replay.functions(self.mesh)
-
-    def _jit(self, fwd, bwd) -> None:
-        stage, tx = self.stage, self.tx
-        # The first stage's input is integer tokens: it returns no input gradient.
-        out_acc = ((self.grad_shardings, self.repl) if stage.is_first
-                   else (self.grad_shardings, self.g_x_sharding, self.repl))
-        self.fwd = jax.jit(fwd, out_shardings=(self.out_sharding, self.repl))
-        self.bwd = jax.jit(lambda *a, **kw: self._bwd_out(*bwd(*a, **kw)), out_shardings=out_acc,
-                           donate_argnums=(6 if stage.is_last else 4,))
-        self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
-            lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.grad_shardings)
-        self.opt_init = jax.jit(tx.init, out_shardings=self.opt_shardings)
-        self.update = jax.jit(self._update, donate_argnums=(0, 1),
-                              out_shardings=(self.shardings, self.opt_shardings, self.repl))
+        self.act_in_spec, self.g_x_spec = replay.act_in(), replay.g_x_spec()
+        self.act_out_spec, self.g_y_spec, self.out_spec = replay.act_out(), replay.g_y_spec(), replay.out_spec()
+        self.batch_spec = replay.batch_spec()
+        # the update is the optimizer partition's in every case: one program per unit, the same in every pipeline
+        return replay.functions(self.mesh)[:2]
 
     def _named(self, specs: Any) -> Any:
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
                                       is_leaf=lambda x: isinstance(x, P))
 
+    def shard(self, like: Any, spec: Any) -> Any:
+        """NamedShardings of a tree shaped like ``like`` under ``spec`` (a per-leaf function, or a plan's list)."""
+        leaves, treedef = jax.tree_util.tree_flatten(like)
+        return jax.tree_util.tree_unflatten(treedef, [NamedSharding(self.mesh, s)
+                                                      for s in _per_leaf(spec, leaves)])
+
+    def act_in_shardings(self, like: Any) -> Any:
+        return self.shard(like, self.act_in_spec)
+
+    def act_out_shardings(self, like: Any) -> Any:
+        """Where the gradient of this stage's output enters (one sharding per differentiable leaf)."""
+        return [NamedSharding(self.mesh, s) for s in _per_leaf(self.g_y_spec, activations.gradient_like(like))]
+
+    def batch_shardings(self, like: Any) -> Any:
+        return self.shard(like, self.batch_spec)
+
+    def _jit(self, fwd, bwd) -> None:
+        self.fwd = jax.jit(fwd)
+        self.bwd = jax.jit(bwd, donate_argnums=(4,))
+        self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
+            lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.grad_shardings)
+        self.gradient = jax.jit(self.summed)
+        self._finite = jax.jit(_finite_flags)
+        # the whole update as one program: for compiling ahead of time and for memory figures only (the runtime
+        # runs the partition's per-unit programs, `apply_update`)
+        self.fused_update = jax.jit(self._fused_update, donate_argnums=(0, 1),
+                                    out_shardings=(self.shardings, self.opt_shardings))
+
     # ------------------------------------------------------------------ pure stage functions
-    def _body(self, params, x, packed=None):
-        p = params["params"]
-        aux = jnp.zeros((), jnp.float32)
-        kw = {} if packed is None else {"segment_ids": packed[0], "positions": packed[1]}
-        scope = context_parallel(self._cp) if self._cp is not None else contextlib.nullcontext()
-        with scope:
-            # module-named scopes, as inside the full model: the CFP analysis cuts segments at them
-            if self.stage.is_first:
-                with jax.named_scope("embed"):
-                    x = self.embed.apply({"params": p["embed"]}, x,
-                                         **({"positions": packed[1]} if kw else {}))
-            for i in self.stage.layer_range:
-                with jax.named_scope(f"layers_{i}"):
-                    x, a = self.layer_mods[i].apply({"params": p[f"layers_{i}"]}, x, **kw)
-                aux = aux + a
-        return x, aux
+    def _scope(self):
+        return context_parallel(self._cp) if self._cp is not None else contextlib.nullcontext()
 
-    def forward(self, params, x, packed=None):
-        """The un-jitted stage function of a first/middle stage: ``x -> (y, aux)``."""
-        return self._body(params, x, packed)
+    def run(self, params, x, batch):
+        """The stage's forward as a plain function: ``first`` on the first stage, its layers, ``last`` on the
+        last; named scopes ``first``, ``layers_<i>``, ``last`` (the CFP analysis cuts segments at them)."""
+        st, m = self.stage, self.model
+        with self._scope():
+            if st.is_first:
+                with jax.named_scope("first"):
+                    x = m.first(params["first"], batch)
+            x = m.run_layers(params["layers"], x, st.layer_start, st.layer_end)
+            if st.is_last:
+                with jax.named_scope("last"):
+                    return tuple(m.last(params["last"], x, batch))
+        return x
 
-    def last_forward(self, params, x, targets, weights, total_weight, packed=None):
-        h, aux = self._body(params, x, packed)
-        with jax.named_scope("head"):
-            logits = self.head.apply({"params": params["params"]["head"]}, h)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-        # Same guard as cfp.models.loss_fn, applied to the whole global batch's weight.
-        return jnp.sum(ce * weights.astype(jnp.float32)) / jnp.maximum(total_weight, 1e-9), aux
+    def _forward(self, params, x, batch):
+        out = self.run(params, x, batch)
+        return _constrain(out, self.mesh, self.out_spec)
 
-    def vjp(self, fn, params, x):
-        """vjp w.r.t. params (and x unless x is the first stage's integer tokens)."""
+    def vjp(self, params, x, batch):
+        """``(output, pull)`` of the stage with ``pull(cotangent) -> (parameter gradient, input gradient as the
+        list of x's differentiable leaves)`` (an empty list on the first stage)."""
         if self.stage.is_first:
-            out, pull = jax.vjp(lambda p: fn(p, x), params)
-            return out, lambda ct: (pull(ct)[0], None)
-        return jax.vjp(fn, params, x)
+            out, pull = jax.vjp(lambda p: self.run(p, None, batch), params)
+            return out, lambda ct: (pull(ct)[0], [])
+        floats, others, how = activations.split(x)
+        out, pull = jax.vjp(lambda p, xf: self.run(p, activations.join(xf, others, how), batch), params, floats)
+        return out, pull
 
-    def _backward(self, params, x, g_y, aux_ct, acc, packed=None):
-        _, pull = self.vjp(lambda p, x_: self._body(p, x_, packed), params, x)
-        g_p, g_x = pull((g_y, aux_ct.astype(jnp.float32)))
-        return _add(acc, g_p), g_x
+    def cotangent(self, out_like, g_y):
+        """The output's cotangent: 1 on the last stage's ``loss_sum``, 0 on its weight; else ``g_y``."""
+        if self.stage.is_last:
+            return (jnp.ones((), out_like[0].dtype), jnp.zeros((), out_like[1].dtype))
+        return activations.cotangent(out_like, g_y)
 
-    def _last_backward(self, params, x, targets, weights, total_weight, aux_ct, acc, packed=None):
-        fn = lambda p, x_: self.last_forward(p, x_, targets, weights, total_weight, packed)
-        _, pull = self.vjp(fn, params, x)
-        g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct.astype(jnp.float32)))
-        return _add(acc, g_p), g_x
+    def _backward(self, params, x, batch, g_y, acc):
+        out, pull = self.vjp(params, x, batch)
+        g_p, g_x = pull(self.cotangent(out, g_y))
+        acc = jax.tree_util.tree_map(jnp.add, acc, g_p)
+        return acc, _constrain_list(list(g_x), self.mesh, self.g_x_spec), jnp.zeros((), jnp.float32)
 
-    def _bwd_out(self, acc, g_x):
-        # A scalar "done" output: all outputs of one execution become ready together, and unlike
-        # the accumulator it is never donated, so the timing watcher can wait on it safely.
-        done = jnp.zeros((), jnp.float32)
-        return (acc, done) if self.stage.is_first else (acc, g_x, done)
+    def update(self, params, opt_state, grad_parts, scale, globals_):
+        """New ``(params, opt_state, finite flags)`` from the pipelines' gradient pieces; ``globals_``: the
+        optimizer's values over all stages (`cfp.runtime.engine.HeteroTrainer` exchanges them)."""
+        return self.apply_update(self.gradient(grad_parts, scale), opt_state, params, globals_)
 
-    def _adamw(self, params, opt_state, grads):
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+    def apply_update(self, grads, opt_state, params, globals_):
+        """The optimizer on the step's gradient, and per parameter whether its gradient and new value are finite
+        ([2, leaves] in tree_leaves order), so NaN/Inf is caught in the step it appears."""
+        params, opt_state = self.optimizer.update(grads, opt_state, params, globals_)
+        return params, opt_state, self._finite(grads, params)
 
-    def _update(self, params, opt_state, grad_parts):
-        # The pipelines' gradients are summed here, in list order, fused with AdamW (one program).
-        grads = sum_trees(list(grad_parts))
-        params, opt_state = self._apply_update(params, opt_state, grads)
-        finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)])
-        # [2, leaves]: gradient / new parameter finite, in tree_leaves order of the stage's params
-        return params, opt_state, jnp.stack([finite(grads), finite(params)])
+    def _fused_update(self, params, opt_state, grad_parts, scale, globals_):
+        return self.optimizer.update(self.summed(grad_parts, scale), opt_state, params, globals_)
 
-    def _opt_shardings(self) -> Any:
-        """Optimizer-state leaves mirroring a parameter (Adam's mu/nu) share its sharding; the rest
-        (step counts) are replicated on the stage mesh."""
-        by_path = {jax.tree_util.keystr(p): s for p, s in
-                   jax.tree_util.tree_flatten_with_path(self.shardings)[0]}
-        like = jax.eval_shape(self.tx.init, self.params_like)
+    def total(self, grad_parts):
+        """The pipelines' gradients of the summed loss (each with its layers in consecutive pieces), joined and
+        summed in pipeline order."""
+        stacked = self.model.stacked
+        trees = [dict(part, layers=concat_layers(part["layers"], stacked)) for part in grad_parts]
+        total = trees[0]
+        for t in trees[1:]:
+            total = jax.tree_util.tree_map(jnp.add, total, t)
+        return total
 
-        def pick(path, _):
-            text = jax.tree_util.keystr(path)
-            for suffix, sh in by_path.items():
-                if text.endswith(suffix):
-                    return sh
-            return self.repl
-        return jax.tree_util.tree_map_with_path(pick, like)
+    def summed(self, grad_parts, scale):
+        """The step's gradient: `total` scaled by ``scale`` (1 / the step's total weight)."""
+        return _scaled(self.total(grad_parts), scale)
 
     # ------------------------------------------------------------------ placement, compiling
     def place_params(self, params: Any) -> Any:
         # from a host copy: the update donates the stage's buffers, which must never be the caller's
         # arrays (device_put onto a replicated sharding reuses the source buffer for its own device's shard)
-        return jax.device_put(jax.tree_util.tree_map(lambda a: np.array(a, copy=True), params),
-                              self.shardings)
+        return jax.device_put(jax.tree_util.tree_map(lambda a: np.array(a, copy=True), params), self.shardings)
 
-    def compile_jobs(self, micro_batch_size: int, seq_len: int, x_like: Any, y_like: Any,
-                     num_pipelines: int) -> list:
-        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time.
+    def place_opt_state(self, opt_state: Any) -> Any:
+        return jax.device_put(jax.tree_util.tree_map(lambda a: np.array(a, copy=True), opt_state),
+                              self.opt_shardings)
 
-        ``x_like`` / ``y_like``: the stage's input / output activation (None for the first stage's
-        tokens / the last stage's loss)."""
-        scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    def compile_jobs(self, x_like: Any, batch_like: Any, y_like: Any, pieces: list) -> list:
+        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time. ``x_like`` /
+        ``batch_like`` / ``y_like``: the stage's input activation / micro-batch / output (None where the stage has
+        none); ``pieces``: per pipeline, the layer-slice lengths its gradient arrives in."""
         params = _with_sharding(self.params_like, self.shardings)
         grads = _with_sharding(self.params_like, self.grad_shardings)
-        opt = _with_sharding(jax.eval_shape(self.tx.init, self.params_like), self.opt_shardings)
-        tok = jax.ShapeDtypeStruct((micro_batch_size, seq_len), jnp.int32, sharding=self.rows)
-        x = tok.update(sharding=self.act_in) if self.stage.is_first else _with_sharding(x_like, self.act_in)
-        if self.stage.is_last:
-            w = jax.ShapeDtypeStruct(tok.shape, jnp.float32, sharding=self.rows)
-            jobs = [(self.fwd, (params, x, tok, w, scalar)),
-                    (self.bwd, (params, x, tok, w, scalar, scalar, grads))]
-        else:
-            y = _with_sharding(y_like, self.act_out)
-            jobs = [(self.fwd, (params, x)), (self.bwd, (params, x, y, scalar, grads))]
-        return jobs + [(self.zeros, ()), (self.update, (params, opt, [grads] * num_pipelines))]
+        opt = _with_sharding(self.optimizer.like, self.opt_shardings)
+        x = None if x_like is None else _with_sharding(x_like, self.act_in_shardings(x_like))
+        b = None if batch_like is None else _with_sharding(batch_like, self.batch_shardings(batch_like))
+        g_y = None if y_like is None else [jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s) for l, s in zip(
+            activations.gradient_like(y_like), self.act_out_shardings(y_like))]
+        scalar = jax.ShapeDtypeStruct((), jnp.float32)
+        parts = [self.grad_parts_like(p) for p in pieces]
+        return [(self.fwd, (params, x, b)), (self.bwd, (params, x, b, g_y, grads)), (self.zeros, ()),
+                (self.fused_update, (params, opt, parts, scalar, self.optimizer.globals_like))]
+
+    def grad_parts_zeros(self, lengths: list[int]) -> Any:
+        """Zeros shaped like `grad_parts_like` (warming the update up)."""
+        return jax.tree_util.tree_map(lambda l: jax.device_put(jnp.zeros(l.shape, l.dtype), l.sharding),
+                                      self.grad_parts_like(lengths))
+
+    def layers_like(self, start: int, stop: int) -> Any:
+        """ShapeDtypeStructs of the stage's local layers ``start .. stop-1`` (a gradient piece sent to others)."""
+        return stage_params(self.params_like, start, stop, False, False, self.model.stacked)["layers"]
+
+    def layer_shardings(self, start: int, stop: int, params: bool = False) -> Any:
+        """Gradient (``params``: parameter) shardings of the stage's local layers ``start .. stop-1`` (a stacked
+        leaf's sharding holds for any number of layers)."""
+        layers = (self.shardings if params else self.grad_shardings)["layers"]
+        return layers if self.model.stacked else list(layers[start:stop])
+
+    def join_layers(self, pieces: list) -> Any:
+        """Consecutive layer pieces as the stage's own layers (a jitted concatenation of stacked pieces, on its
+        devices, onto its parameter shardings)."""
+        if not self.model.stacked:
+            return [layer for piece in pieces for layer in piece]
+        if len(pieces) == 1:
+            return pieces[0]
+        if not hasattr(self, "_join"):
+            self._join = jax.jit(lambda ps: concat_layers(ps, True), out_shardings=self.shardings["layers"])
+        return self._join(pieces)
+
+    def grad_parts_like(self, lengths: list[int]) -> Any:
+        """One pipeline's gradient for this stage, its layers in pieces of ``lengths`` layers."""
+        grads = _with_sharding(self.params_like, self.grad_shardings)
+        out = {k: v for k, v in grads.items() if k != "layers"}
+        bounds = np.cumsum([0] + list(lengths))
+        return dict(out, layers=[stage_params(grads, a, b, False, False, self.model.stacked)["layers"]
+                                 for a, b in zip(bounds[:-1], bounds[1:])])
 
 
-def _context_parallel(mesh, stage: PlacedStage, modules: tuple) -> ContextParallel:
-    """Ring attention over the stage's ``cp`` axis; heads stay sharded over ``tp`` when ``tp`` divides
-    both the query and the key/value heads (else attention gathers them)."""
-    cfg = modules[0].config
-    kv = getattr(cfg, "num_kv_heads", cfg.num_heads)
-    heads_ok = stage.tp > 1 and cfg.num_heads % stage.tp == 0 and kv % stage.tp == 0
+# ---------------------------------------------------------------------- helpers
+def _stage_names(model: LayeredModel, st: PlacedStage) -> Any:
+    """The stage's slice of the model's logical dim names (a stacked leaf's names hold for every slice)."""
+    names = model.logical_names
+    if names is None:
+        return None
+    layers = names["layers"] if model.stacked else list(names["layers"][st.layer_start:st.layer_end])
+    out = {"layers": layers}
+    if st.is_first:
+        out["first"] = names["first"]
+    if st.is_last:
+        out["last"] = names["last"]
+    return out
+
+
+def _finite_flags(grads, params):
+    finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)])
+    return jnp.stack([finite(grads), finite(params)])
+
+
+def _cp_spec(leaf) -> P:
+    """Under context parallelism: arrays of rank >= 2 ([rows, seq, ...]) sharded over ``cp`` on the sequence
+    dim, the rest (scalars such as the MoE aux loss) replicated."""
+    return P(None, CP_AXIS) if len(leaf.shape) >= 2 else P()
+
+
+def _indexed(spec) -> bool:
+    return isinstance(spec, (list, tuple))
+
+
+def _per_leaf(spec, leaves: list) -> list:
+    """Specs for ``leaves``: a per-leaf function, or a list of specs (a searched plan's)."""
+    if _indexed(spec):
+        if len(spec) != len(leaves):
+            raise ConfigError(f"a stage plan gives {len(spec)} activation layouts for {len(leaves)} leaves")
+        return list(spec)
+    return [spec(l) for l in leaves]
+
+
+def _constrain(tree: Any, mesh, spec) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    specs = _per_leaf(spec, leaves)
+    return jax.tree_util.tree_unflatten(treedef, [
+        jax.lax.with_sharding_constraint(l, NamedSharding(mesh, s)) for l, s in zip(leaves, specs)])
+
+
+def _constrain_list(leaves: list, mesh, spec) -> list:
+    return [jax.lax.with_sharding_constraint(l, NamedSharding(mesh, s))
+            for l, s in zip(leaves, _per_leaf(spec, leaves))]
+
+
+def _context_parallel(mesh, stage: PlacedStage, model: LayeredModel) -> ContextParallel:
+    """Ring attention over the stage's ``cp`` axis; heads stay sharded over ``tp`` when ``tp`` divides both the
+    query and the key/value heads (else attention gathers them)."""
+    if model.heads is None:
+        raise ConfigError(f"stage {stage.key} has cp={stage.cp} but model {model.name!r} has no context-parallel "
+                          "attention (only the zoo's attention honours cfp's context-parallel scope)")
+    q, kv = model.heads
+    heads_ok = stage.tp > 1 and q % stage.tp == 0 and kv % stage.tp == 0
     return ContextParallel(mesh, CP_AXIS, CpMethod.RING, TP_AXIS if heads_ok else None)
 
 
+def _scaled(tree: Any, scale) -> Any:
+    return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), tree)
+
+
 def _with_sharding(like: Any, shardings: Any) -> Any:
-    return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s),
-                                  like, shardings)
-
-
-def _add(a, b):
-    return jax.tree_util.tree_map(jnp.add, a, b)
-
-
-def sum_trees(trees: list) -> Any:
-    """Elementwise sum in list order (the order is fixed so every pipeline gets the same bits)."""
-    out = trees[0]
-    for t in trees[1:]:
-        out = _add(out, t)
-    return out
-
+    return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s), like, shardings)

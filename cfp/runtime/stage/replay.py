@@ -1,18 +1,18 @@
 """A stage's training step as the CFP passes see it, and the runtime's programs cut from it.
 
 `stage_step` is one stage's step on one micro-batch: the stage forward, its ``jax.vjp`` backward, the
-gradient added into the accumulator, and AdamW on the accumulated gradient. The stage-plan search analyses,
+gradient added into the accumulator, and the stage's part of the optimizer on the scaled accumulator. The stage-plan search analyses,
 profiles and times this program; `StageReplay` then cuts the runtime's three programs out of the same
 captured program under the searched choice, every block tensor constrained to its searched layout
 (`ConstraintHooks`, as `cfp.sharding.step.ShardedStep` does for the whole step):
 
-* forward  -- the operators the stage output (activation, or the last stage's loss part) and the aux loss need;
+* forward  -- the operators the stage output (activation, or the last stage's ``(loss_sum, weight)``) needs;
 * backward -- the operators the new accumulator and the input gradient need (the forward recomputed, as the
   Megatron stage programs do too);
-* update   -- the operators the new parameters and optimizer state need, with the summed gradients of all
-  micro-batches and pipelines substituted for the accumulator the step computed.
-
-So what runs is what was searched: same operators, same layouts, same named scopes (``cfp_b<N>``).
+The update is not cut from it: every stage runs the optimizer partition's per-unit programs
+(`cfp.runtime.stage.optim`), so all pipelines compute the same bits; the plan's parameter and optimizer-state
+layouts are where those programs find their inputs. So what runs forward and backward is what was searched:
+same operators, same layouts, same named scopes (``cfp_b<N>``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from cfp.analysis.analysis import Analysis
 from cfp.errors import ConfigError
@@ -28,39 +27,25 @@ from cfp.ir.capture import Program
 from cfp.sharding.constraints import ConstraintHooks
 from cfp.sharding.specs import StepShardings
 
-# flat argument groups of `stage_step`, in order
-_HEAD = ("params", "opt", "acc", "x")
-_MID_IN = _HEAD + ("g_y", "aux_ct")
-_LAST_IN = _HEAD + ("targets", "weights", "total_weight", "aux_ct")
+# flat argument and result groups of `stage_step`, in order
+_IN = ("params", "opt", "acc", "x", "batch", "g_y", "scale", "globals")
+_OUT = ("params", "opt", "acc", "g_x", "out")
 
 
-def stage_step(prog: Any, tx: optax.GradientTransformation) -> Callable:
-    """The stage's training step on one micro-batch, built from `StageProgram`'s functions.
-
-    First/middle stages: ``(params, opt_state, acc, x, g_y, aux_ct)``; the last stage:
-    ``(params, opt_state, acc, x, targets, weights, total_weight, aux_ct)``. Returns
-    ``(params, opt_state, acc, [g_x,] out, aux)`` with ``acc + grad`` as the new accumulator, ``g_x`` the
-    input gradient (not on the first stage) and ``out`` the activation sent on (the last stage: its loss part).
-    """
-    st = prog.stage
-
-    def finish(params, opt_state, acc, g_p, g_x, out, aux):
+def stage_step(prog: Any) -> Callable:
+    """The stage's training step on one micro-batch, built from `StageProgram`'s functions:
+    ``(params, opt_state, acc, x, batch, g_y, scale, globals) -> (params, opt_state, acc, g_x, out)`` with
+    ``acc + grad`` as the new accumulator, ``g_x`` the input gradient (its differentiable leaves; none on the first
+    stage), ``out`` the activation sent on (the last stage: ``(loss_sum, weight)``) and the stage's optimizer
+    update on ``scale`` times the new accumulator. ``x`` is None on the first stage, ``batch`` on middle stages,
+    ``g_y`` on the last."""
+    def step(params, opt_state, acc, x, batch, g_y, scale, globals_):
+        out, pull = prog.vjp(params, x, batch)
+        g_p, g_x = pull(prog.cotangent(out, g_y))
         acc = jax.tree_util.tree_map(jnp.add, acc, g_p)
-        updates, opt_state = tx.update(acc, opt_state, params)
-        head = (optax.apply_updates(params, updates), opt_state, acc)
-        return head + (() if st.is_first else (g_x,)) + (out, aux)
-
-    if st.is_last:
-        def step(params, opt_state, acc, x, targets, weights, total_weight, aux_ct):
-            fn = lambda p, x_: prog.last_forward(p, x_, targets, weights, total_weight)
-            (ce, aux), pull = prog.vjp(fn, params, x)
-            g_p, g_x = pull((jnp.ones((), jnp.float32), aux_ct))
-            return finish(params, opt_state, acc, g_p, g_x, ce, aux)
-    else:
-        def step(params, opt_state, acc, x, g_y, aux_ct):
-            (y, aux), pull = prog.vjp(prog.forward, params, x)
-            g_p, g_x = pull((g_y, aux_ct))
-            return finish(params, opt_state, acc, g_p, g_x, y, aux)
+        grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), acc)
+        params, opt_state = prog.optimizer.update(grads, opt_state, params, globals_)
+        return params, opt_state, acc, list(g_x), out
     return step
 
 
@@ -73,10 +58,8 @@ class StageReplay:
                  is_last: bool):
         self.program, self.analysis, self.shardings = program, analysis, shardings
         self.is_first, self.is_last = is_first, is_last
-        names_in = _LAST_IN if is_last else _MID_IN
-        names_out = ("params", "opt", "acc") + (() if is_first else ("g_x",)) + ("out", "aux")
-        self.inp = _groups(names_in, program.in_tree)
-        self.out = _groups(names_out, program.out_tree)
+        self.inp = _groups(_IN, program.in_tree)
+        self.out = _groups(_OUT, program.out_tree)
         self._params_tree = program.in_tree.children()[0]
         self._opt_tree = program.in_tree.children()[1]
 
@@ -95,55 +78,54 @@ class StageReplay:
         """The accumulator's (and the summed gradients') layouts."""
         return jax.tree_util.tree_unflatten(self._params_tree, self._specs("acc"))
 
-    def act_in(self):
-        return self._specs("x")[0]
+    def act_in(self) -> list:
+        """The input activation's layouts, one per leaf."""
+        return self._specs("x")
 
-    def act_out(self):
-        """The layout the output activation's gradient enters in (P() on the last stage)."""
-        return self._specs("g_y")[0] if not self.is_last else jax.sharding.PartitionSpec()
+    def batch_spec(self) -> list:
+        """The micro-batch's layouts, one per leaf (none on middle stages)."""
+        return self._specs("batch")
 
-    def out_spec(self):
-        """The layout the stage output (activation or loss part) leaves in."""
-        return self._specs("out", outputs=True)[0]
+    def g_y_spec(self) -> list:
+        """The layouts the output activation's gradient enters in, one per differentiable leaf."""
+        return self._specs("g_y")
 
-    def g_x_spec(self):
-        return self._specs("g_x", outputs=True)[0]
+    def act_out(self) -> list:
+        """The output activation's layouts (as the next stage's input gradient meets them): those of ``g_y``."""
+        return self.g_y_spec()
+
+    def out_spec(self) -> list:
+        """The layouts the stage output (activation or ``(loss_sum, weight)``) leaves in, one per leaf."""
+        return self._specs("out", outputs=True)
+
+    def g_x_spec(self) -> list:
+        return self._specs("g_x", outputs=True)
 
     # ------------------------------------------------------------------ programs
-    def functions(self, mesh: jax.sharding.Mesh) -> tuple[Callable, Callable, Callable]:
-        """(forward, backward, update) for a stage on `mesh`:
+    def functions(self, mesh: jax.sharding.Mesh) -> tuple[Callable, Callable]:
+        """(forward, backward) for a stage on `mesh` (the update is the optimizer partition's, per unit, as on every
+        stage: `cfp.runtime.stage.optim`):
 
-        * forward(params, x[, targets, weights, total_weight]) -> (out, aux)
-        * backward(params, x, [g_y | targets, weights, total_weight], aux_ct, acc) -> (acc, g_x or None)
-        * update(params, opt_state, grads) -> (params, opt_state)
+        * forward(params, x, batch) -> out
+        * backward(params, x, batch, g_y, acc) -> (acc, g_x, done)
         """
         hooks = ConstraintHooks.for_step(self.analysis, self.shardings, mesh)
         run = lambda inputs, outs, given=None: self.program.replay_part(
             inputs, outs, given, hooks.on_output, hooks.scope_of, hooks.on_input)
-        labels = ("targets", "weights", "total_weight") if self.is_last else ()
-        fwd_names = ("params", "x") + labels
-        bwd_names = ("params", "x") + (labels or ("g_y",)) + ("aux_ct", "acc")
+        out_tree = self.program.out_tree.children()[4]
 
-        def forward(*args):
-            out, aux = run(self._bind(fwd_names, args), self.out["out"] + self.out["aux"])
-            return out, aux
+        def forward(params, x, batch):
+            flat = run(self._bind(("params", "x", "batch"), (params, x, batch)), self.out["out"])
+            return jax.tree_util.tree_unflatten(out_tree, flat)
 
-        def backward(*args):
-            want = self.out["acc"] + self.out.get("g_x", [])
-            flat = run(self._bind(bwd_names, args), want)
+        def backward(params, x, batch, g_y, acc):
+            flat = run(self._bind(("params", "x", "batch", "g_y", "acc"), (params, x, batch, g_y, acc)),
+                       self.out["acc"] + self.out["g_x"])
             n = len(self.out["acc"])
-            acc = jax.tree_util.tree_unflatten(self._params_tree, flat[:n])
-            return acc, (flat[n] if not self.is_first else None)
+            return (jax.tree_util.tree_unflatten(self._params_tree, flat[:n]), list(flat[n:]),
+                    jnp.zeros((), jnp.float32))
 
-        def update(params, opt_state, grads):
-            acc_ids = [self.program.graph.outputs[i] for i in self.out["acc"]]
-            given = dict(zip(acc_ids, jax.tree_util.tree_leaves(grads)))
-            flat = run(self._bind(("params", "opt"), (params, opt_state)),
-                       self.out["params"] + self.out["opt"], given)
-            n = len(self.out["params"])
-            return (jax.tree_util.tree_unflatten(self._params_tree, flat[:n]),
-                    jax.tree_util.tree_unflatten(self._opt_tree, flat[n:]))
-        return forward, backward, update
+        return forward, backward
 
     def _bind(self, names, args) -> dict[int, Any]:
         """Flat input position -> value for the named argument groups."""
@@ -156,6 +138,11 @@ class StageReplay:
                                   f"stage step has {len(pos)}")
             out.update(zip(pos, leaves))
         return out
+
+
+def input_groups(program: Program) -> dict[str, list[int]]:
+    """Flat input positions of each argument group of an analysed `stage_step`."""
+    return _groups(_IN, program.in_tree)
 
 
 def _groups(names, tree) -> dict[str, list[int]]:

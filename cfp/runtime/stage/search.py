@@ -2,13 +2,13 @@
 
 For each stage — its layers, its TP sub-mesh, its pipeline's micro-batch and its per-device memory — the
 stage's training step on one micro-batch (`cfp.runtime.stage.replay.stage_step`: forward, ``jax.vjp``
-backward, gradient accumulation and the AdamW update, built from the stage functions of `StageProgram`) is
+backward, gradient accumulation and the stage's optimizer update, built from the stage functions of `StageProgram`) is
 analysed, its unique segments are profiled (through the profile cache, so segments with the same shapes on
 the same sub-mesh are shared by stages, pipelines and later runs) and per-block strategies are searched under
 the memory budget, parameter/optimizer-state sharding (ZeRO-3) included. Among the verified plans the search's
 step time plus the boundary transfer — the bytes each of the stage's devices receives for its incoming
-activation and outgoing activation's gradient in the layouts that plan gives them, per sequence from
-`cfp.costs.ModelCost` — picks the winner, which is then timed side by side with the stage's Megatron
+input (micro-batch or activation) and outgoing activation's gradient in the layouts that plan gives them, from
+their shapes — picks the winner, which is then timed side by side with the stage's rules-table (Megatron)
 sharding (`cfp.runtime.stage.compare`: both stages' runtime programs, timed in turns); the faster one runs, so
 a stage plan is never slower than Megatron beyond the measured noise.
 
@@ -24,7 +24,6 @@ import time
 from typing import Any, Callable, Optional
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from cfp.errors import InfeasibleError
 from cfp.profiling.profiler import profile
@@ -34,7 +33,8 @@ from cfp.runtime.stage.cache import CompileCache
 from cfp.runtime.stage.cases import AnalysedStep, StageCase, analysed_step, replay_program, stage_cases
 from cfp.runtime.stage.compare import compare_with_megatron
 from cfp.runtime.stage.plans import (SearchedSharding, SearchFigures, StagePlan, StagePlanOptions, StagePlans,
-                                     Timing, entries)
+                                     Timing, batch_entries, entries)
+from cfp.runtime.stage.replay import input_groups
 from cfp.search.search import VerifiedChoice, search
 from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.log import quiet_compiles
@@ -52,21 +52,23 @@ class Picked:
         return tuple(self.verified.choice), tuple(self.verified.shard_state)
 
 
-def _n_act(step: AnalysedStep) -> int:
-    """Flat position of the input activation among the stage step's inputs (its output's gradient follows)."""
-    return 2 * len(jax.tree_util.tree_leaves(step.args[0])) + len(jax.tree_util.tree_leaves(step.args[1]))
+def _boundary_specs(case: StageCase, step: AnalysedStep, applied: StepShardings) -> tuple[list, list]:
+    """(layouts of the stage's input leaves -- the micro-batch on the first stage, else the activation --, layouts
+    of its output gradient's leaves) under `applied`."""
+    groups = input_groups(step.program)
+    specs = applied.input_specs
+    incoming = groups["batch"] if case.prog.stage.is_first else groups["x"]
+    return [specs[i] for i in incoming], [specs[i] for i in groups["g_y"]]
 
 
 def _pick(case: StageCase, step: AnalysedStep, result, budget) -> Picked:
     """The verified choice of search `result` within `budget` with the least step time plus boundary transfer."""
     best = None
-    n_act = _n_act(step)
     for v in result.verified:
         if not math.isfinite(v.time) or (budget is not None and v.memory > budget):
             continue
         applied = resolve(step.analysis, v.choice, v.shard_state)
-        act_out = applied.input_specs[n_act + 1] if case.y_like is not None else P()
-        b = boundary_seconds(case, applied.input_specs[n_act], act_out, result.link_gbps)
+        b = boundary_seconds(case, *_boundary_specs(case, step, applied), result.link_gbps)
         if best is None or v.time + b < best.verified.time + best.boundary:
             best = Picked(v, applied, b)
     if best is None:
@@ -75,14 +77,15 @@ def _pick(case: StageCase, step: AnalysedStep, result, budget) -> Picked:
 
 
 def _sharding(case: StageCase, step: AnalysedStep, picked: Picked) -> SearchedSharding:
-    n_params, n_act = len(jax.tree_util.tree_leaves(step.args[0])), _n_act(step)
+    n_params = len(jax.tree_util.tree_leaves(step.args[0]))
     specs = picked.applied.input_specs
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(case.prog.params_like)[0]]
     v = picked.verified
+    act_in, act_out = _boundary_specs(case, step, picked.applied)
     return SearchedSharding(
         tuple(v.choice), tuple(step.analysis.notation(b, c) for b, c in enumerate(v.choice)),
         tuple(v.shard_state), tuple((k, entries(s)) for k, s in zip(paths, specs[:n_params])),
-        entries(specs[n_act]), entries(specs[n_act + 1]) if case.y_like is not None else ())
+        tuple(entries(s) for s in act_in), tuple(entries(s) for s in act_out))
 
 
 def search_stage(case: StageCase, cache: CompileCache, options: StagePlanOptions,
@@ -103,7 +106,7 @@ def search_stage(case: StageCase, cache: CompileCache, options: StagePlanOptions
         marks.append(time.perf_counter())
         picked = _pick(case, step, result, sopts.memory_per_device)
         planned = lambda: replay_program(case, picked.plan_choice, picked.applied, cache)
-        meg = compare_with_megatron(case, cache.tx, step, result, picked, planned, options, table.profiler)
+        meg = compare_with_megatron(case, step, result, picked, planned, options, table.profiler)
     marks.append(time.perf_counter())
     v = picked.verified
     searched = Timing(meg.searched_time if meg and not meg.same_sharding else float(v.time),
@@ -126,14 +129,13 @@ def _placed(plan: StagePlan, st) -> StagePlan:
     return dataclasses.replace(plan, pipeline=st.pipeline, stage=st.index)
 
 
-def search_stage_plans(model_name: str, config: Any, layout: Layout, cache: CompileCache,
-                       options: StagePlanOptions, devices: Optional[list] = None,
-                       log: Callable[[str], None] = print) -> StagePlans:
-    """Search every stage's plan (stages equal in layers, TP and micro-batch are searched once); the stage
-    programs built on the way stay in `cache` for the engine."""
+def search_stage_plans(layout: Layout, cache: CompileCache, options: StagePlanOptions, batch_like: Any,
+                       devices: Optional[list] = None, log: Callable[[str], None] = print) -> StagePlans:
+    """Search every stage's plan (stages equal in layers, TP and micro-batch are searched once) for batches shaped
+    like `batch_like`; the stage programs built on the way stay in `cache` for the engine."""
     done: dict[tuple, StagePlan] = {}
     plans = []
-    for case in stage_cases(model_name, config, layout, cache, devices):
+    for case in stage_cases(layout, cache, batch_like, devices):
         st = case.prog.stage
         key = case.step_key
         if st.tp == 1:
@@ -144,8 +146,10 @@ def search_stage_plans(model_name: str, config: Any, layout: Layout, cache: Comp
             plan = done[key] = search_stage(case, cache, options, log)
         plans.append(plan)
     devices = list(devices) if devices is not None else jax.devices()
-    return StagePlans(model_name, layout, tuple(plans), dataclasses.asdict(config),
-                      device_kind(devices[0]))
+    model = cache.model
+    config = dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else {}
+    return StagePlans(model.name, layout, tuple(plans), config, device_kind(devices[0]),
+                      batch_entries(batch_like))
 
 
 def device_kind(device) -> str:

@@ -110,6 +110,15 @@ COMMANDS: dict[str, Run | Skip] = {
     ".venv/bin/cfp plan --cluster examples/clusters/local.yaml --model llama2 --num-layers 4 --out l.json": Run(
         "plan", (("--num-layers 4", "--num-layers 2"),), ("l.json",)),
     ".venv/bin/cfp train --layout l.json --steps 3 --verify": Run("plan", (("--steps 3", "--steps 1"),)),
+    # Your own model on mixed GPUs (docs/own-model.md)
+    "cfp plan --cluster examples/clusters/local.yaml --model examples/own_model_linen.py:factory --out linen.json":
+        Run("own_model", (), ("linen.json",)),
+    "cfp train --model examples/own_model_linen.py:factory --layout linen.json --steps 3 --verify": Run(
+        "own_model", (("--steps 3", "--steps 1"),)),
+    **{f"python examples/own_model_{s}.py": Skip(
+        f"tests/test_own_model_examples.py (in `make test`) trains own_model_{s}.py's factory() on the example's "
+        "layout and checks it against its own_step; tests/test_scripts.py lists it as tested there")
+       for s in ("linen", "nnx", "equinox")},
     # Variable-length data
     ".venv/bin/cfp data analyze --input stdlib --max-seq-len 2048 --out runs/lengths": Run(
         "data", (), ("runs/lengths",)),

@@ -13,7 +13,9 @@ or option cannot break one unnoticed (`make test-scripts`; `bash .ci/run` runs i
 * `Covered` scripts are not run on their own (a module other benchmarks import, the shared body of the per-GPU
   scripts): the scripts named in `by` run them, and each of those must name it. `DocRun` scripts have their
   shrunk run in tests/test_readme.py, as the documented command that quotes them (its tables must hold a `Run`
-  of a command naming the script); `CiRun` ones are run whole by a `make` target that .ci/run runs (the demo).
+  of a command naming the script); `CiRun` ones are run whole by a `make` target that .ci/run runs (the demo);
+  `InSuite` ones are imported and exercised by a test of `make test` (`by`: the test, `path::name[param]`),
+  which must name the script, so running them here again would only repeat it.
 * Runs use test_readme's working directory (links to the repository's folders, a copy of cfp_test/, whose
   scripts write next to themselves, and `.venv/bin/{python,cfp}` = this interpreter) and inherit the suite's
   XLA flags (8 devices, backend optimisation level 0: the runs check that scripts work, not their speed).
@@ -62,10 +64,16 @@ class CiRun:
     target: str                                 # the make target .ci/run runs and whose recipe runs the script
 
 
+@dataclasses.dataclass(frozen=True)
+class InSuite:
+    by: str                                     # tests/FILE.py::TEST[PARAM]: the suite's test that runs it
+    reason: str
+
+
 _SEARCHED = r"searched ParallelBlock Strategies solution"
 _SMALL_CFP = "--profiler estimate --gpu A100-SXM-80G --max-combinations 2 --no-progress"
 
-SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun] = {
+SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun | InSuite] = {
     # benchmarks: each prints measured or estimated figures; the runs check that they come out
     "benchmarks/analysis_time.py": (Run("--num-layers 2 --configs tiny --repeats 1", r"tiny"),),
     "benchmarks/batching.py": DocRun(),
@@ -77,12 +85,16 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun] = {
             "estimate --max-combinations 1 --verify 0 --rows alpa-ilp,cfp", r"cfp speedup vs alpa-ilp", name="gpu")),
     "benchmarks/moe_wi.py": (Run("--batch-size 8 --iters 1", r"ms"),),
     "benchmarks/mutants.py": (Run("--list", r"\w+ +\w+ +cfp/"),),     # the full run is the suite many times over
+    "benchmarks/optimizer_partition.py": (Run("--layers 2 --width 16 --rounds 1", r"staged/whole median"),),
     "benchmarks/planner_measured.py": (Run("--config tiny --num-layers 1 --global-batch-size 8 --rounds 1 "
                                            "--max-layouts 1", r"worst estimate/measured ratio"),),
     "benchmarks/planner_optimality.py": DocRun(),
     "benchmarks/planner_paper.py": (Run("", r"MFU"),),
     "benchmarks/planner_phase2.py": (Run("--sizes 64", r"64"),),
     "benchmarks/planner_scale.py": (Run("--sizes 64", r"64"),),
+    "benchmarks/planner_user_model.py": (Run("--model tests/layered_mixer.py:make --global-batch-size 8 "
+                                             "--example-rows 1 --layouts planner --rounds 1 --steps 1",
+                                             r"worst estimate/measured ratio"),),
     "benchmarks/random_plan_check.py": (Run("--models gpt --num-layers 1 --plans 1", r"gpt"),),
     "benchmarks/regen_golden_plans.py": DocRun(),
     "benchmarks/remat.py": (Run("--layers 1 --batch 8 --rounds 3 --profiler estimate --gpu A100-SXM-80G",
@@ -109,6 +121,10 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun] = {
     "examples/hetero_train.py": DocRun(),
     "examples/linen_cnn.py": DocRun(),
     "examples/scanned_linen.py": DocRun(),
+    **{f"examples/own_model_{style}.py": InSuite(
+        f"tests/test_own_model_examples.py::test_example_trains_like_the_users_own_step[{style}]",
+        "the suite imports the example and trains its factory() on the example's own uneven layout, checked "
+        "against its own_step (the user's unsharded step)") for style in ("linen", "nnx", "equinox")},
     # cfp_test: the paper's per-model scripts, one mode each, and the three-mode checks
     "cfp_test/run_mode.sh": (Run("gpt --num_layer 1 --batch_size 8 --mode analysis", r"global analysis time"),),
     "cfp_test/bert/bert_test.sh": (Run("--num_layer 1 --batch_size 8 --mode analysis", r"global analysis time"),),
@@ -173,9 +189,33 @@ def test_every_script_has_a_shrunk_run():
             recipe = re.search(rf"^{how.target}:.*\n((?:\t.*\n)+)", _text("Makefile"), re.M)
             assert recipe and script in recipe.group(1), f"`make {how.target}` does not run {script}"
             assert re.search(rf"^make {how.target}$", _text(".ci/run"), re.M), f".ci/run does not run make {how.target}"
+        elif isinstance(how, InSuite):
+            assert len(how.reason) > 20, f"{script}: say what the test does with it"
+            assert_tested(script, how.by)
         else:
             assert how and all(r.expect for r in how), f"{script}: every run needs the output it must show"
             assert len({r.name for r in how}) == len(how), f"{script}: its runs need distinct names"
+
+
+def assert_tested(script: str, by: str) -> None:
+    """`by` (tests/FILE.py::TEST[PARAM]) is a test of `make test` whose text names `script`, either whole or
+    as a pattern with PARAM in it (`own_model_{name}.py` for PARAM `linen`)."""
+    m = re.fullmatch(r"(tests/\w+\.py)::(\w+)(?:\[(\w+)\])?", by)
+    assert m, f"{script}: {by!r} is not tests/FILE.py::TEST[PARAM]"
+    path, test, param = m.groups()
+    assert (ROOT / path).is_file(), f"{script} is tested by {path}, which is gone"
+    text = _text(path)
+    assert re.search(rf"^def {test}\(", text, re.M), f"{script} is tested by {by}, which {path} does not define"
+    marks = text.split(f"def {test}(")[0].rsplit("\ndef ", 1)[-1] + "".join(re.findall(r"^pytestmark.*", text, re.M))
+    assert not re.search(r"mark\.(readme|scripts)\b", marks), f"{by} is not part of `make test`"
+    name = Path(script).name
+    named = name in text
+    if param:
+        assert f'"{param}"' in text, f"{script} is tested by {by}, whose parameters have no {param!r}"
+        head, _, tail = name.partition(param)
+        named = named or bool(head and tail) and re.search(rf"{re.escape(head)}\{{\w+\}}{re.escape(tail)}",
+                                                            text) is not None
+    assert named, f"{script} is tested by {by}, which does not name it"
 
 
 def _text(script: str) -> str:

@@ -50,7 +50,9 @@ def _runs(args, space, data, cfg, params):
 
     from cfp.data import train
     from cfp.data.batching import get_method
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models.layered import zoo_params
+    from cfp.runtime.engine import zoo_trainer
+    layered = zoo_params(params, cfg.num_layers)
     given = train.with_fits(train.parse_strategies(args.strategies), space)
     runs = []
     for number in (int(m) for m in args.methods.split(",")):
@@ -64,9 +66,9 @@ def _runs(args, space, data, cfg, params):
             sets += [(f"Hydraulis strategy {i}", [g]) for i, g in enumerate(given)]
         for label, cands in sets:
             opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step)
-            trainer = HeteroTrainer(args.model, cfg, train.layout_of(cands[0], cfg.num_layers, jax.device_count()),
-                                    opts.schedule, learning_rate=opts.learning_rate, weight_decay=opts.weight_decay)
-            trainer.load_state(params, trainer.tx.init(params), 0)
+            trainer = zoo_trainer(args.model, cfg, train.layout_of(cands[0], cfg.num_layers, jax.device_count()),
+                                  opts.schedule, learning_rate=opts.learning_rate, weight_decay=opts.weight_decay)
+            trainer.load_state(layered, trainer.tx.init(layered), 0)
             runs.append([label, method, cands, opts, trainer, 0, 0, 0.0, None, set()])
             print(f"method {number} ({method.name}), {label}: " + " | ".join(train.describe(c) for c in cands))
     return runs

@@ -71,12 +71,12 @@ def measure(model: str, cfg, layouts, rounds: int, log) -> tuple[list[list[float
     """Per layout and round (the layouts in turns, after a warm-up step each): the step's wall seconds and CPU
     seconds (all the process's threads); and per round and layout, the cores the host gave a reference
     program measured just before the step (`host_share`)."""
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.engine import zoo_trainer
     from cfp.runtime.schedules import ScheduleName
     trainers = []
     for name, lay in layouts:
         t0 = time.perf_counter()
-        tr = HeteroTrainer(model, cfg, lay).init(0)
+        tr = zoo_trainer(model, cfg, lay, example_batch=_batch(model, cfg, 1)).init()
         tr.set_schedule(ScheduleName.ONE_F_ONE_B)
         tr.compile()
         trainers.append(tr)

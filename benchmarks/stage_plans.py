@@ -44,14 +44,18 @@ def _run(name: str, args) -> None:
     import numpy as np
     from cfp.layout import Layout
     from cfp.models import get_config
-    from cfp.runtime.engine import HeteroTrainer, compile_cache
+    from cfp.models.layered import zoo_model
+    from cfp.runtime.engine import HeteroTrainer, adamw, zoo_trainer
+    from cfp.runtime.stage.cache import CompileCache
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.runtime.stage.search import search_stage_plans
     from cfp.models import make_batch
     model, overrides, lists = LAYOUTS[name]
     cfg = get_config(model, "tiny", **overrides)
     layout = Layout.from_lists(*lists)
-    programs = compile_cache(1e-3, 0.01)    # the searched run's: its trainer runs the programs the search built
+    example = jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, 1, 0))
+    compile_cache = lambda: CompileCache(zoo_model(model, cfg, 0), adamw(1e-3, 0.01))  # noqa: E731
+    programs = compile_cache()    # the searched run's: its trainer runs the programs the search built
     import tempfile
     cache = args.cache_dir or tempfile.mkdtemp(prefix="cfp_stage_plans_bench_")
     from cfp.search.options import SearchOptions
@@ -61,18 +65,19 @@ def _run(name: str, args) -> None:
     print(f"\n== {name}: {model} {overrides}, layout {lists[0]} layers {lists[1]} batch {lists[2]} "
           f"chunks {lists[3]}")
     t0 = time.perf_counter()
-    plans = search_stage_plans(model, cfg, layout, programs, opts, log=print)
+    plans = search_stage_plans(layout, programs, opts, example, log=print)
     t_plan = time.perf_counter() - t0
     t0 = time.perf_counter()
-    again = search_stage_plans(model, cfg, layout, compile_cache(1e-3, 0.01), opts, log=lambda *_: None)
+    again = search_stage_plans(layout, compile_cache(), opts, example, log=lambda *_: None)
     t_again = time.perf_counter() - t0
     print(f"planning time (measured): {t_plan:.1f} s{' (fresh profile cache)' if not args.cache_dir else ''}; "
           f"again with the profile cache {t_again:.1f} s "
           f"({sum(p.figures.profile_compiles for p in again.plans if p.figures)} profile compiles)")
-    trainers = {"megatron": HeteroTrainer(model, cfg, layout, learning_rate=1e-3),
-                "searched": HeteroTrainer(model, cfg, layout, learning_rate=1e-3, plans=plans, cache=programs)}
+    trainers = {"megatron": zoo_trainer(model, cfg, layout, learning_rate=1e-3, example_batch=example),
+                "searched": HeteroTrainer(programs.model, None, layout, plans=plans, cache=programs,
+                                          example_batch=example)}
     for t in trainers.values():
-        t.init(0)
+        t.init()
         t.compile()
     batches = [jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, layout.global_batch, s))
                for s in range(args.steps)]

@@ -77,20 +77,20 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun | InSuite] = {
     # benchmarks: each prints measured or estimated figures; the runs check that they come out
     "benchmarks/analysis_time.py": (Run("--num-layers 2 --configs tiny --repeats 1", r"tiny"),),
     "benchmarks/batching.py": DocRun(),
-    "benchmarks/calibrate_cpu.py": (Run("--repeats 1", r"all-reduce fit: latency"),),     # never --write here
+    "benchmarks/calibrate_cpu.py": (Run("--repeats 1 --micro-batches 1,2", r"all-reduce fit: latency"),),     # never --write here
     "benchmarks/compare.py": (
         Run("--model gpt --num-layers 1 --batch-size 8 --iters 2 --profile-iters 3 --max-combinations 2 "
             "--verify 1", r"cfp speedup vs alpa-ilp", name="cpu"),
         Run("--model llama2 --num-layers 1 --batch-size 8 --mesh 2x4 --iters 1 --gpu A100-PCIe-40G --profiler "
             "estimate --max-combinations 1 --verify 0 --rows alpa-ilp,cfp", r"cfp speedup vs alpa-ilp", name="gpu")),
-    "benchmarks/moe_wi.py": (Run("--batch-size 8 --iters 1", r"ms"),),
+    "benchmarks/moe_wi.py": (Run("--batch-size 8 --iters 1 --meshes 2x4", r"median step .* ms \(measured\)"),),
     "benchmarks/mutants.py": (Run("--list", r"\w+ +\w+ +cfp/"),),     # the full run is the suite many times over
     "benchmarks/optimizer_partition.py": (Run("--layers 2 --width 16 --rounds 1", r"staged/whole median"),),
     "benchmarks/planner_measured.py": (Run("--config tiny --num-layers 1 --global-batch-size 8 --rounds 1 "
                                            "--max-layouts 1", r"worst estimate/measured ratio"),),
     "benchmarks/planner_optimality.py": DocRun(),
-    "benchmarks/planner_paper.py": (Run("", r"MFU"),),
-    "benchmarks/planner_phase2.py": (Run("--sizes 64", r"64"),),
+    "benchmarks/planner_paper.py": (Run("--rows 1", r"paper-llama2-a\.yaml +7B .*%"),),
+    "benchmarks/planner_phase2.py": (Run("--sizes 64 --paper 1", r"planner_scale 64 .*%"),),
     "benchmarks/planner_scale.py": (Run("--sizes 64", r"64"),),
     "benchmarks/planner_user_model.py": (Run("--model tests/layered_mixer.py:make --global-batch-size 8 "
                                              "--example-rows 1 --layouts planner --rounds 1 --steps 1",

@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # two pytest workers: compiles dominate the suite and run one per core (tests/conftest.py)
 TEST_JOBS ?= 2
 
-.PHONY: demo test test-readme install clean
+.PHONY: demo test test-readme test-scripts install clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PY)" || { echo "make: no Python >= 3.12 found (see scripts/find-python.sh)" >&2; exit 1; }
@@ -20,11 +20,19 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "not readme" tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "not readme and not scripts" tests
 
 # every README command and code block, shrunk (tests/test_readme.py); CI runs it after the suite
 test-readme: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m readme tests/test_readme.py
+
+# every script of benchmarks/, examples/ and cfp_test/, shrunk (tests/test_scripts.py), each run's time listed
+test-scripts: $(STAMP)
+	@rm -f .script-times
+	@status=0; CFP_SCRIPT_TIMES=$(CURDIR)/.script-times $(BIN)/python -m pytest -q -n $(TEST_JOBS) -m scripts \
+	  tests/test_scripts.py || status=$$?; \
+	echo "script run times (measured; CPU = the run's processes' user + system seconds):"; \
+	sort .script-times 2>/dev/null; rm -f .script-times; exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

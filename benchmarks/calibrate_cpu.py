@@ -21,7 +21,7 @@ runs). Figures are per core-second; the catalog's per-device figures are cores x
     threads and memory copies).
 Medians of `--repeats` runs. Prints the figures (measured), the fits and the catalog values they give.
 
-    PYTHONPATH=$PWD python benchmarks/calibrate_cpu.py [--repeats 9] [--write]
+    PYTHONPATH=$PWD python benchmarks/calibrate_cpu.py [--repeats 9] [--micro-batches 1,2,3,4,5,6,8] [--write]
 """
 from __future__ import annotations
 
@@ -147,19 +147,20 @@ def softmax_rate(repeats: int) -> float:
     return statistics.median(rates)
 
 
-def stage_points(repeats: int, copies: int) -> list[tuple[int, float]]:
+def stage_points(repeats: int, copies: int, micro_batches=STAGE_MICRO_BATCHES) -> list[tuple[int, float]]:
     """(micro-batch, CPU seconds per copy) of the forward + backward programs of a middle one-layer Llama-2
     "small" stage (the runtime's compiled programs, `HeteroTrainer.compile_jobs`) at 1-8 sequences, `copies`
     of it (one per core, on distinct devices) run at once as a pipeline's busy stages are: they share the
     last-level cache."""
     from cfp.layout import Layout
-    from cfp.models import get_config
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.models import get_config, make_batch
+    from cfp.runtime.engine import zoo_trainer
     cfg = get_config("llama2", "small", num_layers=3)
     out = []
-    for mb in STAGE_MICRO_BATCHES:
-        trainer = HeteroTrainer("llama2", cfg, Layout.from_lists(
-            [[1, 1, 1]] * copies, [[1, 1, 1]] * copies, [2 * mb] * copies, [2] * copies))
+    for mb in micro_batches:
+        trainer = zoo_trainer("llama2", cfg, Layout.from_lists(
+            [[1, 1, 1]] * copies, [[1, 1, 1]] * copies, [2 * mb] * copies, [2] * copies), abstract=True,
+            example_batch=make_batch("llama2", cfg, 1, 0))
         jobs = [trainer.compile_jobs((p, 1))[:2] for p in range(copies)]
         runs = [[(prog.lower(*like).compile(), like) for prog, like in pair] for pair in jobs]
         total = 0.0
@@ -237,7 +238,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--write", action="store_true", help=f"write the figures to {os.path.relpath(OUT)}")
+    ap.add_argument("--micro-batches", default=",".join(map(str, STAGE_MICRO_BATCHES)),
+                    help="the stage's micro-batch sizes timed (the stage fit: a cache split needs 2+ either side)")
     args = ap.parse_args()
+    try:
+        micro_batches = tuple(int(v) for v in args.micro_batches.split(","))
+    except ValueError:
+        micro_batches = ()
+    if not micro_batches or min(micro_batches) < 1 or list(micro_batches) != sorted(set(micro_batches)):
+        raise SystemExit(f"calibrate_cpu: --micro-batches {args.micro_batches!r} must be increasing positive "
+                         "integers, e.g. 1,2,4")
+    if args.write and micro_batches != STAGE_MICRO_BATCHES:
+        raise SystemExit("calibrate_cpu: --write takes the default --micro-batches (the catalog's stage fit)")
     cores, devices = os.cpu_count() or 1, len(jax.devices())
     load = os.getloadavg()[0]
     print(f"{devices} {jax.devices()[0].platform} devices on {cores} cores; host load average {load:.1f}")
@@ -250,7 +262,7 @@ def main() -> None:
           f"(fitted; worst point off by {np.expm1(worst):.0%})")
     mem = memory_rate(args.repeats)
     print(f"elementwise x*a+b, 1 and 4 MiB per device, all devices: {mem / 1e9:.2f} GB per CPU second (measured)")
-    stage = stage_points(args.repeats, cores)
+    stage = stage_points(args.repeats, cores, micro_batches)
     for mb, t in stage:
         print(f"Llama-2 small middle stage of 1 layer, forward + backward, {mb} sequences, {cores} at once: "
               f"{t * 1e3:.2f} ms CPU each (measured)")

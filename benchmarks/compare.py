@@ -2,6 +2,7 @@
 
     python benchmarks/compare.py --model gpt [--config tiny] [--num-layers 2] [--batch-size 16] [--mesh 8|2x4]
                                  [--memory-per-device 4MB] [--iters 20] [--gpu A100-SXM-80G]
+                                 [--profile-iters 5] [--max-combinations 12] [--verify 2] [--rows cfp,fsdp]
 
 Rows: data-parallel, fsdp, megatron-tp, dp-tp (2-D mesh only), alpa-ilp, cfp. Columns: median step time, ratio
 to the cfp row, per-device memory of the compiled step (arguments + outputs + temporaries, from
@@ -115,7 +116,7 @@ def _ilp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
     try:
         t0 = time.perf_counter()
         analysis, program = analyze_with_program(step, spec, *example_args)
-        cm = CostModel()
+        cm = AlphaBeta()
         if args.gpu:
             from cfp.hardware.gpus import get_gpu
             cm = AlphaBeta.for_gpu(get_gpu(args.gpu))
@@ -145,7 +146,8 @@ def _cfp_row(args, step, example_args, spec, mesh, budget, log) -> Row:
         t0 = time.perf_counter()
         log(f"planning cfp (profiler {args.profiler}) ...")
         sharded = autoshard(step, mesh, *example_args, memory_limit=budget, profiler=args.profiler,
-                            gpu=args.gpu, iters=args.profile_iters)
+                            gpu=args.gpu, iters=args.profile_iters, max_combinations=args.max_combinations,
+                            verify=args.verify)
         row.plan_time = time.perf_counter() - t0
         row.note = f"choice {list(sharded.shardings.choice)}"
         flat = jax.tree_util.tree_leaves(sharded.shard_args(*example_args))
@@ -235,8 +237,12 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default="8", help="8 (1-D) or 2x4 (2-D)")
     p.add_argument("--memory-per-device", default=None, help="per-device budget, e.g. 4MB or 2GB")
     p.add_argument("--iters", type=positive_int, default=20, help="timed rounds (every row once per round)")
-    p.add_argument("--profile-iters", dest="profile_iters", type=positive_int, default=5,
-                   help="cfp's timed runs per profiled combination and verified plan")
+    p.add_argument("--profile-iters", dest="profile_iters", type=positive_int, default=None,
+                   help="cfp's timed runs per profiled combination and verified plan (default: cfp.SearchOptions')")
+    p.add_argument("--max-combinations", type=positive_int, default=None,
+                   help="cfp's profiled combinations per segment kind (default: cfp.SearchOptions')")
+    p.add_argument("--verify", type=int, default=None,
+                   help="cfp's best DP plans compiled and timed whole (default: cfp.SearchOptions')")
     p.add_argument("--gpu", default=None, help="catalog GPU: ILP cost model rates, and cfp's estimate profiler")
     p.add_argument("--profiler", choices=("measure", "estimate"), default="measure")
     p.add_argument("--ilp-time-limit", type=float, default=60.0)

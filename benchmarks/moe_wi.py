@@ -1,7 +1,7 @@
 """Which dim of the MoE expert weights should take the tensor-parallel axes: the experts ("exp") or the
 feed-forward size ("mlp")? Times one tiny MoE train step both ways, side by side, on 8 CPU devices.
 
-    python benchmarks/moe_wi.py [--config tiny] [--batch-size 16] [--iters 20]
+    python benchmarks/moe_wi.py [--config tiny] [--batch-size 16] [--iters 20] [--meshes 4,2x4]
 
 Every parameter not under `moe` gets the same spec in both variants (the `cfp.sharding.rules` table); only
 `moe/wi` and `moe/wo` (and their optimizer state) differ. Meshes: "4" (megatron-tp over 4 devices, as a
@@ -56,12 +56,16 @@ def main():
     p.add_argument("--config", default="tiny")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--meshes", default="4,2x4", help="which of the meshes 4 (megatron-tp) and 2x4 (dp-tp) to time")
     a = p.parse_args()
+    meshes = tuple(m for m in (("4", "megatron-tp"), ("2x4", "dp-tp")) if m[0] in a.meshes.split(","))
+    if not meshes or len(meshes) != len(a.meshes.split(",")):
+        raise SystemExit(f"moe_wi: --meshes {a.meshes!r} must name some of 4, 2x4 (comma-separated)")
     ts = train_step("moe", get_config("moe", a.config))
     params, opt = ts.init(0)
     args = (params, opt, ts.make_batch(a.batch_size, 0))
     ref = float(jax.jit(ts.step)(*args)[2])
-    for mesh_text, baseline in (("4", "megatron-tp"), ("2x4", "dp-tp")):
+    for mesh_text, baseline in meshes:
         mesh = MeshSpec.parse(mesh_text).make()
         runs = {}
         for name, rules in ORDERS.items():

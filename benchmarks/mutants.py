@@ -455,6 +455,27 @@ MUTANTS: tuple[Mutant, ...] = (
            "            if lay.slots > 2 * limit:\n                continue\n            c = scheme.row_cost",
            ("tests/test_data_rows.py",),
            "merging micro-batches lets one exceed the scheme's slot limit (its memory budget)"),
+    # ---- issue 28: one options record; every script exercised
+    Mutant("autoshard-ignores-options", "options", "cfp/api.py",
+           "sopts = (options or SearchOptions()).replace(progress=verbose,",
+           "sopts = SearchOptions().replace(progress=verbose,",
+           ("tests/test_options.py",),
+           "cfp.autoshard drops the SearchOptions it is given and searches with the defaults"),
+    Mutant("stage-search-ignores-options", "options", "cfp/runtime/stage/plans.py",
+           "return self.search.replace(cache_dir=self.search.profile.cache_dir or default_cache_dir(), progress=False)",
+           "return SearchOptions(profile=ProfileOptions(cache_dir=default_cache_dir(), progress=False))",
+           ("tests/test_options.py",),
+           "the stage planner searches every stage with the default options, whatever --stage-memory/--stage-profiler say"),
+    Mutant("cli-flag-drops-given-value", "options", "cfp/cli/options.py",
+           "values = {f.name: getattr(args, flag.replace(\"-\", \"_\")) for f, flag, _ in _flag_fields(record)",
+           "values = {f.name: getattr(record(), f.name) for f, flag, _ in _flag_fields(record)",
+           ("tests/test_options.py",),
+           "`cfp search` parses its flags but builds the options from the record's defaults"),
+    Mutant("compare-ilp-cost-model-renamed", "scripts", "benchmarks/compare.py",
+           "        cm = AlphaBeta()\n",
+           "        cm = CostModel()\n",
+           ("tests/test_scripts.py::test_script_runs_shrunk[benchmarks/compare.py-cpu]",),
+           "benchmarks/compare.py's ILP row uses a name the ILP baseline renamed (issue 28's NameError)"),
 )
 
 

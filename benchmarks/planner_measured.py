@@ -18,6 +18,7 @@ differently and whether their measured medians differ by more than the runs' spr
 middle three), and `worst estimate/measured ratio: R` (the ratio furthest from 1).
 
     PYTHONPATH=$PWD python benchmarks/planner_measured.py [--model llama2 --config small --num-layers 8]
+        [--global-batch-size 16] [--rounds 5] [--max-layouts N]
 """
 from __future__ import annotations
 
@@ -70,12 +71,12 @@ def measure(model: str, cfg, layouts, rounds: int, log) -> tuple[list[list[float
     """Per layout and round (the layouts in turns, after a warm-up step each): the step's wall seconds and CPU
     seconds (all the process's threads); and per round and layout, the cores the host gave a reference
     program measured just before the step (`host_share`)."""
-    from cfp.runtime.engine import HeteroTrainer
+    from cfp.runtime.engine import zoo_trainer
     from cfp.runtime.schedules import ScheduleName
     trainers = []
     for name, lay in layouts:
         t0 = time.perf_counter()
-        tr = HeteroTrainer(model, cfg, lay).init(0)
+        tr = zoo_trainer(model, cfg, lay, example_batch=_batch(model, cfg, 1)).init()
         tr.set_schedule(ScheduleName.ONE_F_ONE_B)
         tr.compile()
         trainers.append(tr)
@@ -134,13 +135,15 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--global-batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-layouts", type=int, default=None,
+                    help="time the planner's pick and the first N-1 other layouts only (default: all)")
     args = ap.parse_args()
     with open(CLUSTER) as f:
         cluster = parse_cluster(yaml.safe_load(f))
     cfg = get_config(args.model, args.config, num_layers=args.num_layers)
     options = PlannerOptions(global_batch_size=args.global_batch_size)
     cm = CostModel(cfg, cluster, options.schedule)
-    layouts = candidates(cm, options)
+    layouts = candidates(cm, options)[:args.max_layouts]
     est = [cm.estimate(lay).step_time for _, lay in layouts]
     print(f"{args.model} {args.config} ({cfg.num_layers} layers, seq {cfg.seq_len}, {cfg.dtype}), global batch "
           f"{args.global_batch_size}, schedule 1f1b, on {cluster.summary()}; host load average "

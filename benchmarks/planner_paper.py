@@ -9,9 +9,11 @@ cfp's runtime, whose attention materialises float32 scores; HexiScale runs flash
 environment), so the "flash" column re-prices the planner's layout with fused attention
 (`StepFeatures(fused_attention=True)`), everything else unchanged. All our figures are estimates.
 
-    PYTHONPATH=$PWD python benchmarks/planner_paper.py
+    PYTHONPATH=$PWD python benchmarks/planner_paper.py [--rows N]
 """
 from __future__ import annotations
+
+import argparse
 
 import yaml
 
@@ -35,9 +37,14 @@ ROWS = (("paper-llama2-a.yaml", "7B", 31.19), ("paper-llama2-a.yaml", "13B", 27.
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=len(ROWS), help="the first N rows of the table only")
+    args = ap.parse_args()
+    if not 1 <= args.rows <= len(ROWS):
+        raise SystemExit(f"planner_paper: --rows {args.rows} must be 1..{len(ROWS)}")
     print(f"{'cluster':<28} {'model':>5} {'ours (catalog)':>15} {'ours (HexiScale peaks)':>23} "
           f"{'flash':>7} {'Megatron-style':>15} {'reported':>9} {'planning':>9}")
-    for path, name, reported in ROWS:
+    for path, name, reported in ROWS[:args.rows]:
         with open(f"examples/clusters/{path}") as f:
             cluster = parse_cluster(yaml.safe_load(f))
         cfg = get_config("llama2", name, dtype="bfloat16")

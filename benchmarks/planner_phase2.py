@@ -2,7 +2,7 @@
 HexiScale's clusters (`examples/clusters/`, Llama bf16) and the mixed clusters of `planner_scale.py`;
 prints the estimated MFU of both, the planner's CPU time (measured) and the step-time ratio.
 
-    PYTHONPATH=$PWD python benchmarks/planner_phase2.py [--sizes 64 256 1024]
+    PYTHONPATH=$PWD python benchmarks/planner_phase2.py [--sizes 64 256 1024] [--paper N]
 """
 from __future__ import annotations
 
@@ -24,9 +24,12 @@ PAPER = (("paper-llama2-a.yaml", "7B"), ("paper-llama2-a.yaml", "13B"), ("paper-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=[64, 256, 1024])
+    ap.add_argument("--paper", type=int, default=len(PAPER), help="the first N of HexiScale's clusters only")
     args = ap.parse_args()
+    if not 0 <= args.paper <= len(PAPER):
+        raise SystemExit(f"planner_phase2: --paper {args.paper} must be 0..{len(PAPER)}")
     cases = []
-    for path, name in PAPER:
+    for path, name in PAPER[:args.paper]:
         with open(f"examples/clusters/{path}") as f:
             cases.append((path, parse_cluster(yaml.safe_load(f)), name))
     cases += [(f"planner_scale {n}", scale_cluster(n), "13B" if n < 128 else "70B") for n in args.sizes]

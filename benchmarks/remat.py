@@ -2,13 +2,14 @@
 analysis and search, plan speed side by side, and compiled memory with and without remat.
 
     python benchmarks/remat.py [--layers 4] [--batch 32] [--rounds 10] [--policy nothing_saveable]
+                               [--profiler measure|estimate --gpu A100-SXM-80G]
 
-Both twins are searched by cfp (measure profiler, 2x4 mesh). Then, timed in turns (interleaved rounds, so a
-burst of load on a shared host lands on all alike): the remat model under its own cfp plan, under its plain
-twin's cfp plan (the twins analyse to the same blocks, so the choice carries over), and under data
-parallelism; the plain model under its cfp plan and data parallelism. Memory is XLA's compiled per-device
-figure (arguments + outputs + temporaries, and temporaries alone): remat should keep its saving under cfp's
-plans as it does under `jax.jit` on one device.
+Both twins are searched by cfp (measure profiler unless --profiler estimate, 2x4 mesh). Then, timed in turns
+(interleaved rounds, so a burst of load on a shared host lands on all alike): the remat model under its own
+cfp plan, under its plain twin's cfp plan (the twins analyse to the same blocks, so the choice carries over),
+and under data parallelism; the plain model under its cfp plan and data parallelism. Memory is XLA's compiled
+per-device figure (arguments + outputs + temporaries, and temporaries alone): remat should keep its saving
+under cfp's plans as it does under `jax.jit` on one device.
 """
 import argparse
 import os
@@ -64,9 +65,9 @@ def _temp(compiled) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def search(label, step, args, mesh):
+def search(label, step, args, mesh, profiler="measure", gpu=None):
     t0 = time.perf_counter()
-    searched = cfp.autoshard(step, mesh, *args, iters=3, max_combinations=4)
+    searched = cfp.autoshard(step, mesh, *args, iters=3, max_combinations=4, profiler=profiler, gpu=gpu)
     wall = time.perf_counter() - t0
     a = searched.analysis
     recomputed = sum(d.role is DotRole.RECOMPUTE for b in a.blocks for d in b.dots)
@@ -83,6 +84,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--policy", default="default", help=f"one of {', '.join(POLICIES)}")
+    p.add_argument("--profiler", choices=("measure", "estimate"), default="measure",
+                   help="how cfp's search ranks plans (estimate: the cost model of --gpu)")
+    p.add_argument("--gpu", default=None, help="catalog GPU of --profiler estimate")
     a = p.parse_args()
     if a.layers < 1 or a.batch < 8 or a.batch % 8 or a.rounds < 3 or a.policy not in POLICIES:
         raise SystemExit(f"remat: --layers >= 1, --batch a multiple of 8, --rounds >= 3, --policy one of "
@@ -93,8 +97,8 @@ def main() -> None:
     plain_step, args = problem(a.layers, a.batch, False, a.policy)
     remat_step, _ = problem(a.layers, a.batch, True, a.policy)
     print("search:")
-    plain = search("plain", plain_step, args, mesh)
-    remat = search("remat", remat_step, args, mesh)
+    plain = search("plain", plain_step, args, mesh, a.profiler, a.gpu)
+    remat = search("remat", remat_step, args, mesh, a.profiler, a.gpu)
     ra, rp = remat.analysis, remat.program
     steps = {
         "remat, cfp plan": remat,

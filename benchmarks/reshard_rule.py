@@ -1,6 +1,6 @@
 """Check `cfp.sharding.reshard`'s rule against XLA on every pair of tensor layouts.
 
-    .venv/bin/python benchmarks/reshard_rule.py [--partitioner shardy|gspmd]
+    .venv/bin/python benchmarks/reshard_rule.py [--partitioner shardy|gspmd] [--meshes 2x4 4x2 8] [--max-rank 4]
 
 For every pair of layouts of rank-2 and rank-3 tensors (16 per dim) on 2x4, 4x2 and 8 meshes and of rank-4
 tensors on 2x4, it compiles the move from one to the other and reads XLA's log for an involuntary full
@@ -50,6 +50,9 @@ def rematerializations(mesh_spec, src, path, shape) -> tuple:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--partitioner", choices=("shardy", "gspmd"), default="shardy")
+    p.add_argument("--meshes", nargs="+", choices=[m for m, _ in SWEEP], default=[m for m, _ in SWEEP],
+                   help="meshes of the sweep (default: all)")
+    p.add_argument("--max-rank", type=int, choices=(2, 3, 4), default=4, help="largest tensor rank swept")
     args = p.parse_args(argv)
     ensure_host_devices()
     import jax
@@ -59,8 +62,10 @@ def main(argv=None) -> int:
     jax.config.update("jax_use_shardy_partitioner", args.partitioner == "shardy")
     pairs = remat = missed = flagged = dirty = 0
     for mesh_text, ranks in SWEEP:
+        if mesh_text not in args.meshes:
+            continue
         mesh_spec = MeshSpec.parse(mesh_text)
-        for rank in ranks:
+        for rank in (r for r in ranks if r <= args.max_rank):
             shape = (16,) * rank
             for src, dst in itertools.permutations(all_layouts(rank, len(mesh_spec.shape)), 2):
                 pairs += 1

@@ -1,7 +1,8 @@
 """A scanned Flax Linen transformer (`nn.scan` over stacked layers) against its unrolled twin, measured side by
 side on 8 simulated CPU devices (2x4 mesh).
 
-    python benchmarks/scan_vs_unrolled.py [--layers 4] [--scaling 2,64] [--rounds 10]
+    python benchmarks/scan_vs_unrolled.py [--layers 4] [--scaling 2,64] [--rounds 10] [--profiler measure]
+                                          [--scaling-profiler measure] [--skip-plans]
 
 1. Plans: cfp searches (measure profiler) the scanned model and its unrolled twin (the same `Block`, one
    module per layer); the scanned model's cfp plan, data parallel and FSDP, and the twin's cfp plan and data
@@ -74,13 +75,13 @@ def _search(step_fn, args, mesh, profiler: str = "measure"):
     return cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=4, profiler=profiler, gpu=gpu)
 
 
-def plans(layers: int, rounds: int, mesh) -> None:
+def plans(layers: int, rounds: int, mesh, profiler: str = "measure") -> None:
     steps, args_of = {}, {}
     for scanned in (True, False):
         name = "scanned" if scanned else "unrolled"
         step_fn, args = problem(layers, scanned)
         t0 = time.perf_counter()
-        s = _search(step_fn, args, mesh)
+        s = _search(step_fn, args, mesh, profiler)
         a = s.analysis
         print(f"{name} ({layers} layers): {len(a.blocks)} blocks, {len(a.segments)} segments "
               f"({a.num_unique_segments} unique, repeats {[seg.repeat for seg in a.segments]}), "
@@ -138,6 +139,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--scaling-profiler", choices=("estimate", "measure"), default="measure",
                    help="profiler of the scaling runs (measure: runs every candidate; estimate: compiles only)")
+    p.add_argument("--profiler", choices=("measure", "estimate"), default="measure",
+                   help="profiler of the plans' searches (estimate: the H100-SXM cost model; the plans are then "
+                        "timed side by side all the same)")
     p.add_argument("--skip-plans", action="store_true")
     a = p.parse_args()
     try:
@@ -149,7 +153,7 @@ def main() -> None:
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, mesh 2x4")
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     if not a.skip_plans:
-        plans(a.layers, a.rounds, mesh)
+        plans(a.layers, a.rounds, mesh, a.profiler)
     if depths:
         scaling(depths, mesh, a.scaling_profiler)
 

@@ -1,7 +1,7 @@
 """Megatron stage shardings vs searched stage plans, side by side, on layouts where they differ.
 
     python benchmarks/stage_plans.py [--steps 6] [--profiler measure|estimate] [--gpu A100-SXM-80G]
-                                     [--layouts vocab moe] [--verify N]
+                                     [--layouts vocab moe] [--verify N] [--max-combinations N]
 
 Layouts (8 simulated CPU devices):
   vocab — llama2, 2 layers, vocab 8192: pipeline [TP2 stage: embed + layer 0, TP4 stage: layer 1 + the wide head],
@@ -44,35 +44,42 @@ def _run(name: str, args) -> None:
     import numpy as np
     from cfp.layout import Layout
     from cfp.models import get_config
-    from cfp.runtime.engine import HeteroTrainer, compile_cache
+    from cfp.models.layered import zoo_model
+    from cfp.runtime.engine import HeteroTrainer, adamw, zoo_trainer
+    from cfp.runtime.stage.cache import CompileCache
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.runtime.stage.search import search_stage_plans
     from cfp.models import make_batch
     model, overrides, lists = LAYOUTS[name]
     cfg = get_config(model, "tiny", **overrides)
     layout = Layout.from_lists(*lists)
-    programs = compile_cache(1e-3, 0.01)    # the searched run's: its trainer runs the programs the search built
+    example = jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, 1, 0))
+    compile_cache = lambda: CompileCache(zoo_model(model, cfg, 0), adamw(1e-3, 0.01))  # noqa: E731
+    programs = compile_cache()    # the searched run's: its trainer runs the programs the search built
     import tempfile
     cache = args.cache_dir or tempfile.mkdtemp(prefix="cfp_stage_plans_bench_")
-    opts = StagePlanOptions("search", profiler=args.profiler, gpu=args.gpu, cache_dir=cache,
-                            **({"verify": args.verify} if args.verify is not None else {}))
+    from cfp.search.options import SearchOptions
+    given = {"verify": args.verify, "max_combinations": args.max_combinations}
+    opts = StagePlanOptions("search", search=SearchOptions().replace(
+        kind=args.profiler, gpu=args.gpu, cache_dir=cache, **{k: v for k, v in given.items() if v is not None}))
     print(f"\n== {name}: {model} {overrides}, layout {lists[0]} layers {lists[1]} batch {lists[2]} "
           f"chunks {lists[3]}")
     t0 = time.perf_counter()
-    plans = search_stage_plans(model, cfg, layout, programs, opts, log=print)
+    plans = search_stage_plans(layout, programs, opts, example, log=print)
     t_plan = time.perf_counter() - t0
     t0 = time.perf_counter()
-    again = search_stage_plans(model, cfg, layout, compile_cache(1e-3, 0.01), opts, log=lambda *_: None)
+    again = search_stage_plans(layout, compile_cache(), opts, example, log=lambda *_: None)
     t_again = time.perf_counter() - t0
     print(f"planning time (measured): {t_plan:.1f} s{' (fresh profile cache)' if not args.cache_dir else ''}; "
           f"again with the profile cache {t_again:.1f} s "
           f"({sum(p.figures.profile_compiles for p in again.plans if p.figures)} profile compiles)")
-    trainers = {"megatron": HeteroTrainer(model, cfg, layout, learning_rate=1e-3),
-                "searched": HeteroTrainer(model, cfg, layout, learning_rate=1e-3, plans=plans, cache=programs)}
+    trainers = {"megatron": zoo_trainer(model, cfg, layout, learning_rate=1e-3, example_batch=example),
+                "searched": HeteroTrainer(programs.model, None, layout, plans=plans, cache=programs,
+                                          example_batch=example)}
     for t in trainers.values():
-        t.init(0)
+        t.init()
         t.compile()
-    batches = [jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, layout.total_batch_size, s))
+    batches = [jax.tree_util.tree_map(np.asarray, make_batch(model, cfg, layout.global_batch, s))
                for s in range(args.steps)]
     stats = {k: [] for k in trainers}
     for s, b in enumerate(batches):
@@ -119,9 +126,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", default=None)
     ap.add_argument("--cache-dir", default=None, help="profile cache (default: cfp's)")
     ap.add_argument("--verify", type=int, default=None,
-                    help="DP solutions each stage search verifies whole (default: StagePlanOptions')")
+                    help="DP solutions each stage search verifies whole (default: SearchOptions')")
+    ap.add_argument("--max-combinations", type=int, default=None,
+                    help="combinations profiled per segment kind (default: SearchOptions')")
     ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
     args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error(f"--steps {args.steps}: at least 2 (each trainer's first step is a warm-up, not timed)")
     ensure_host_devices(8)
     for name in args.layouts:
         _run(name, args)

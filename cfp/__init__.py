@@ -20,8 +20,10 @@ from cfp.planner.cluster import Cluster, parse_cluster
 from cfp.planner.layered import plan_layout
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
+from cfp.profiling.options import ProfileOptions
 from cfp.profiling.table import ProfileTable
 from cfp.runtime.training import RunOptions, TrainOptions, TrainResult, run_training, train_pipelines
+from cfp.search.options import SearchOptions
 from cfp.search.plan import Plan, load_plan
 from cfp.search.search import SearchResult
 from cfp.sharding.check import check_collectives
@@ -33,7 +35,7 @@ from cfp.version import __version__
 __all__ = [
     # intra-operator parallelism (CFP): analyse, search, apply, save and reload plans
     "analyze", "autoshard", "apply_plan", "load_plan", "Plan", "MeshSpec", "ShardedStep", "StepShardings",
-    "Analysis", "SearchResult", "ProfileTable", "check_collectives",
+    "Analysis", "SearchResult", "ProfileTable", "check_collectives", "SearchOptions", "ProfileOptions",
     # heterogeneous clusters: planner and training runtime
     "LayeredModel", "from_linen", "from_nnx", "from_equinox", "train_pipelines", "RunOptions",
     "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "plan_layout", "Layout",

@@ -8,7 +8,6 @@ from cfp.analysis.analysis import analyze_with_program
 from cfp.ir.state import mapping_pairs, set_state_pairs
 from cfp.mesh import MeshSpec
 from cfp.sharding.step import ShardedStep, apply_choice
-from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile
 from cfp.errors import ConfigError, PlanError
 from cfp.search.plan import Plan, load_plan, make_plan, spec_entries, spec_from_entries
@@ -20,16 +19,19 @@ from cfp.xla.log import quiet_compiles
 __all__ = ["autoshard", "load_plan", "apply_plan", "Plan"]
 
 
-def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profiler: str = "measure",
-              gpu: str | None = None, iters: int = 5, top_k: int = 4, max_combinations: int = 12,
-              verify: int = 2, cache_dir: str | None = None, plan_out: str | None = None,
-              shard_state: bool = True, state: dict | None = None, donate: bool = False,
-              verbose: bool = False) -> ShardedStep:
+def autoshard(step_fn: Callable, mesh, *example_args, options: SearchOptions | None = None, memory_limit=None,
+              profiler: str | None = None, gpu: str | None = None, iters: int | None = None,
+              top_k: int | None = None, max_combinations: int | None = None, verify: int | None = None,
+              cache_dir: str | None = None, plan_out: str | None = None, shard_state: bool | None = None,
+              state: dict | None = None, donate: bool | None = None, verbose: bool = False) -> ShardedStep:
     """Search the fastest intra-operator plan of `step_fn(*example_args)` on `mesh` within `memory_limit`.
 
-    `mesh`: a jax Mesh, a `MeshSpec` or "2x4"; `memory_limit`: per-device bytes or a string like "2GB";
-    `profiler`: "measure" (time on the local devices) or "estimate" (cost model of `gpu`); `shard_state`: under
-    a budget, also consider storing parameters and optimizer state sharded (ZeRO-3). Returns the
+    `mesh`: a jax Mesh, a `MeshSpec` or "2x4". How to search is a `SearchOptions` (`options`; None: its
+    defaults, the same as `cfp search`'s); the keywords given (not None) replace its fields: `memory_limit`
+    (`memory_per_device`: per-device bytes or a string like "2GB"), `profiler` ("measure": time on the local
+    devices, or "estimate": cost model of `gpu`), `iters`, `top_k`, `max_combinations`, `verify`,
+    `cache_dir` (a profile cache; None: none), `shard_state` (under a budget, also consider storing parameters
+    and optimizer state sharded, ZeRO-3) and `donate`. Returns the
     `ShardedStep` (call it like `step_fn`): `.plan` is the `Plan` to save and reapply (`cfp.apply_plan`),
     `.shardings` the applied `StepShardings`, `.search` the `SearchResult` (figures, `report()`), `.profile`
     the `ProfileTable`. Raises InfeasibleError when nothing fits `memory_limit`.
@@ -44,10 +46,14 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     log = print if verbose else (lambda *_: None)
     if hasattr(mesh, "devices"):
         mesh = MeshSpec.auto(mesh)
-    popts = ProfileOptions(kind=profiler, gpu=gpu, iters=iters, cache_dir=cache_dir,
-                           max_combinations=max_combinations, progress=verbose)
-    sopts = SearchOptions(memory_per_device=memory_limit, top_k=top_k, verify=verify, iters=iters,
-                          shard_state=shard_state, donate=donate)
+    given = {"memory_per_device": memory_limit, "kind": profiler, "gpu": gpu, "iters": iters, "top_k": top_k,
+             "max_combinations": max_combinations, "verify": verify, "cache_dir": cache_dir,
+             "shard_state": shard_state, "donate": donate}
+    if options is not None and not isinstance(options, SearchOptions):
+        raise ConfigError(f"options={options!r} must be a SearchOptions")
+    sopts = (options or SearchOptions()).replace(progress=verbose,
+                                                 **{k: v for k, v in given.items() if v is not None})
+    popts, donate = sopts.profile, sopts.donate
     analysis, program = analyze_with_program(step_fn, MeshSpec.of(mesh), *example_args)
     if state is not None:
         set_state_pairs(analysis.graph, mapping_pairs(program.in_tree, program.out_tree, state))
@@ -64,7 +70,7 @@ def autoshard(step_fn: Callable, mesh, *example_args, memory_limit=None, profile
     plan = make_plan(analysis, step.shardings, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
                                                 "flops": b.flops, "profiler": str(table.profiler)})
     # the same Plan `cfp search --plan-out` writes: per-block estimates and profile points for `cfp explain`
-    plan = with_estimates(plan, analysis, table, gpu)
+    plan = with_estimates(plan, analysis, table, popts.gpu)
     if plan_out:
         plan.save(plan_out)
     return step.with_results(plan=plan, search=result, profile=table)

@@ -74,8 +74,9 @@ def test_example_trains_like_the_users_own_step(name):
     model, batch, tx = ex.factory()
     layout = Layout.from_lists(*LAYOUT)
     # Equinox names no dims: its TP-2 stage's plan is searched (estimated here: deterministic, few compiles)
-    plans = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", max_combinations=2, top_k=1,
-                             verify=0) if model.logical_names is None else None
+    plans = StagePlanOptions("search", search=cfp.SearchOptions().replace(
+        kind="estimate", gpu="A100-SXM-80G", max_combinations=2, top_k=1, verify=0)) \
+        if model.logical_names is None else None
     result = cfp.train_pipelines(model, tx, layout, batch, steps=STEPS, stage_plans=plans,
                                  log=lambda *a, **k: None)
     assert all(np.isfinite(v) for v in result.losses.values())

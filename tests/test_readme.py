@@ -1,21 +1,24 @@
-"""Every command and code block of README.md and of the user guide (docs/**/*.md) runs, shrunk where needed, so a
-renamed field or option cannot break a documented path unnoticed. Below, "the README" means all those pages
-(`DOC_PAGES`); python blocks run for the pages of `PYTHON_PAGES`, each page in its own interpreter.
+"""Every command and code block of the docs -- README.md and every page under docs/ (`PAGES`) -- runs, shrunk
+where needed, so a renamed field or option cannot break a documented path unnoticed. Nothing here depends on
+which page a command is on: moving text between pages needs no change to this file.
 
-* Every ```python block runs, in order, in ONE shared namespace (a later block may use names an earlier one
-  defined), exactly as written, in a fresh temporary directory, in a fresh interpreter without the suite's
-  XLA_FLAGS: the README's own first block must set up the devices and the step it uses.
-* Every command of a shell block (``` with no language, or sh/bash/shell) is listed in `COMMANDS`: either
-  `Run` (with the substitutions that shrink it: fewer layers and steps, fewer profiled combinations; each
-  must apply, so a changed README command fails here until the table is looked at again) or `Skip` with a written
-  reason. A command in neither fails the test, and so does a table entry the README no longer has. Inline
+* Every ```python block of a page runs, in order, in ONE namespace per page (a later block may use names an
+  earlier one of the same page defined), exactly as written, in a fresh temporary directory, in a fresh
+  interpreter without the suite's XLA_FLAGS: a page's own first block must set up the devices and the step it
+  uses (a sketch with `...` placeholders is fenced as ```py, which does not run). A file a block saves
+  (`.save("plan.json")`) must exist afterwards.
+* Every command of a shell block (``` with no language, or sh/bash/shell) of any page is listed in `COMMANDS`:
+  either `Run` (with the substitutions that shrink it: fewer layers and steps, fewer profiled combinations;
+  each must apply, so a changed command fails here until the table is looked at again) or `Skip` with a
+  written reason. A command in neither fails the test, and so does a table entry no page has any more. Inline
   `code` of the prose that starts like a command (`cfp ...`, `.venv/bin/...`, `benchmarks/...`, `make ...`)
   is held to the same rule by `INLINE` (command names and templates with placeholders are skips).
 * Commands run with bash from a temporary directory holding links to the repository's folders (a copy of
   `cfp_test/`, whose scripts write next to themselves) and a
   `.venv/bin/` whose `cfp` and `python` are this interpreter, so `.venv/bin/cfp ...`, `python ...` and
   `cfp_test/...` lines run verbatim; outputs (plan.json, l.json, runs/...) land in the temporary directory.
-  Commands of one `group` share that directory, in README order (a search's plan.json feeds explain).
+  Commands of one `group` share that directory, in the tables' order (`COMMANDS`, then `INLINE`: a search's
+  plan.json feeds explain), whichever pages they are on.
 """
 from __future__ import annotations
 
@@ -32,23 +35,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-# the user guide's pages: their commands are held to the same rule as README.md's. The guide's pages come first:
-# they hold each group's commands in the order they build on each other, which README.md's short examples repeat
-DOC_PAGES = sorted((ROOT / "docs").glob("**/*.md")) + [README]
-# pages whose ```python blocks run as written, each in its own interpreter
-PYTHON_PAGES = [README, ROOT / "docs" / "autoshard.md"]
 
 
-def docs_text() -> str:
-    """README.md and every docs/ page, one after another (each page's fences are balanced)."""
-    return "\n".join(p.read_text() for p in DOC_PAGES)
+def doc_pages() -> list[Path]:
+    """README.md, then every Markdown page under docs/ (sorted)."""
+    return [README] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+PAGES = doc_pages()
 SHELL_LANGS = {"", "sh", "bash", "shell"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    group: str                                  # commands of a group share one directory, in README order
-    subs: tuple[tuple[str, str], ...] = ()      # (README text, shrunk text); each must occur in the command
+    group: str                                  # commands of a group share one directory, in the tables' order
+    subs: tuple[tuple[str, str], ...] = ()      # (doc text, shrunk text); each must occur in the command
     expect: tuple[str, ...] = ()                # files the command must leave behind (relative to its directory)
     exit_code: int = 0                          # a README example of a one-line error exits 2
 
@@ -110,6 +111,15 @@ COMMANDS: dict[str, Run | Skip] = {
     ".venv/bin/cfp plan --cluster examples/clusters/local.yaml --model llama2 --num-layers 4 --out l.json": Run(
         "plan", (("--num-layers 4", "--num-layers 2"),), ("l.json",)),
     ".venv/bin/cfp train --layout l.json --steps 3 --verify": Run("plan", (("--steps 3", "--steps 1"),)),
+    # Your own model on mixed GPUs (docs/own-model.md)
+    "cfp plan --cluster examples/clusters/local.yaml --model examples/own_model_linen.py:factory --out linen.json":
+        Run("own_model", (), ("linen.json",)),
+    "cfp train --model examples/own_model_linen.py:factory --layout linen.json --steps 3 --verify": Run(
+        "own_model", (("--steps 3", "--steps 1"),)),
+    **{f"python examples/own_model_{s}.py": Skip(
+        f"tests/test_own_model_examples.py (in `make test`) trains own_model_{s}.py's factory() on the example's "
+        "layout and checks it against its own_step; tests/test_scripts.py lists it as tested there")
+       for s in ("linen", "nnx", "equinox")},
     # Variable-length data
     ".venv/bin/cfp data analyze --input stdlib --max-seq-len 2048 --out runs/lengths": Run(
         "data", (), ("runs/lengths",)),
@@ -127,14 +137,6 @@ COMMANDS: dict[str, Run | Skip] = {
     # docs/commands.md
     ".venv/bin/cfp enum-benchmark --model gpt --num-layers 2 --mesh 2x4 --limit 4": Run(
         "enum", (("--num-layers 2", "--num-layers 1"), ("--limit 4", "--limit 2"))),
-    # docs/own-model.md (tests/test_own_model_examples.py checks these examples' training against unsharded steps)
-    "cfp plan --cluster examples/clusters/local.yaml --model examples/own_model_linen.py:factory --out linen.json":
-        Run("own_model", (), ("linen.json",)),
-    "cfp train --model examples/own_model_linen.py:factory --layout linen.json --steps 3 --verify": Run(
-        "own_model", (("--steps 3", "--steps 1"),)),
-    "python examples/own_model_linen.py": Run("own_model_linen", ((".py", ".py --steps 1"),)),
-    "python examples/own_model_nnx.py": Run("own_model_nnx", ((".py", ".py --steps 1"),)),
-    "python examples/own_model_equinox.py": Run("own_model_equinox", ((".py", ".py --steps 1"),)),
 }
 
 _OUTPUT = "a line the demo printed, quoted in prose: output, not a command"
@@ -269,7 +271,7 @@ def inline_commands(markdown: str) -> list[str]:
 
 
 def all_commands(markdown: str) -> list[tuple[str, Run | Skip | None]]:
-    """(command, how the suite runs it or None) of every fenced and inline README command, in README order
+    """(command, how the suite runs it or None) of every fenced and inline command of a page, in page order
     within each kind."""
     return ([(c, COMMANDS.get(c)) for c in readme_commands(markdown)]
             + [(c, INLINE.get(c)) for c in inline_commands(markdown)])
@@ -277,7 +279,7 @@ def all_commands(markdown: str) -> list[tuple[str, Run | Skip | None]]:
 
 def shrunk(cmd: str, run: Run) -> str:
     for old, new in run.subs:
-        assert old in cmd, f"substitution {old!r} no longer applies to README command {cmd!r}"
+        assert old in cmd, f"substitution {old!r} no longer applies to doc command {cmd!r}"
         cmd = cmd.replace(old, new, 1)
     return cmd
 
@@ -288,13 +290,23 @@ def test_blocks_and_commands_are_found():
     assert readme_commands(md) == ["ls -l dir", "make x"]
 
 
+def _rel(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def test_doc_pages_are_readme_and_docs():
+    assert PAGES[0] == README and all(_rel(p).startswith("docs/") and p.suffix == ".md" for p in PAGES[1:])
+
+
 def test_every_readme_command_is_run_or_skipped_with_a_reason():
-    md = docs_text()
-    unknown = [c for c, how in all_commands(md) if how is None]
-    assert not unknown, ("README commands neither run nor skipped (add them to COMMANDS or INLINE in "
+    texts = {_rel(p): p.read_text() for p in PAGES}
+    unknown = [f"{page}: {c}" for page, md in texts.items() for c, how in all_commands(md) if how is None]
+    assert not unknown, ("doc commands neither run nor skipped (add them to COMMANDS or INLINE in "
                          f"tests/test_readme.py, shrunk, or with a reason): {unknown}")
-    stale = [c for c in COMMANDS if c not in readme_commands(md)] + [c for c in INLINE if c not in inline_commands(md)]
-    assert not stale, f"tests/test_readme.py lists commands the README no longer has: {stale}"
+    fenced = {c for md in texts.values() for c in readme_commands(md)}
+    inline = {c for md in texts.values() for c in inline_commands(md)}
+    stale = [c for c in COMMANDS if c not in fenced] + [c for c in INLINE if c not in inline]
+    assert not stale, f"tests/test_readme.py lists commands no page ({', '.join(texts)}) has any more: {stale}"
     for c, how in list(COMMANDS.items()) + list(INLINE.items()):
         if isinstance(how, Skip):
             assert len(how.reason) > 20, f"skip of {c!r} needs a written reason"
@@ -329,9 +341,9 @@ GROUPS = sorted({how.group for how in list(COMMANDS.values()) + list(INLINE.valu
 @pytest.mark.parametrize("group", GROUPS)
 def test_readme_commands_run(group, tmp_path):
     env = _workdir(tmp_path)
-    cmds = [(c, how) for c, how in dict(all_commands(docs_text())).items()    # a command two pages show runs once
+    cmds = [(c, how) for c, how in list(COMMANDS.items()) + list(INLINE.items())
             if isinstance(how, Run) and how.group == group]
-    assert cmds, f"group {group} has no README command"
+    assert cmds, f"group {group} has no command"
     for c, run in cmds:
         cmd = shrunk(c, run)
         if cmd.startswith("cfp "):          # prose names the installed `cfp`: the .venv's, as `make` installs it
@@ -339,7 +351,7 @@ def test_readme_commands_run(group, tmp_path):
         r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == run.exit_code, (
-            f"README command exited {r.returncode}, not {run.exit_code}: {c}\nran: {cmd}\n"
+            f"doc command exited {r.returncode}, not {run.exit_code}: {c}\nran: {cmd}\n"
             f"stdout tail:\n{r.stdout[-3000:]}\nstderr tail:\n{r.stderr[-3000:]}")
         if run.exit_code:
             assert len(r.stderr.strip().splitlines()) == 1, f"{cmd!r}: not one line:\n{r.stderr}"
@@ -353,23 +365,39 @@ blocks = {blocks!r}
 ns = {{"__name__": "__main__"}}
 for i, block in enumerate(blocks):
     try:
-        exec(compile(block, f"<README.md python block {{i}}>", "exec"), ns)
+        exec(compile(block, f"<{page} python block {{i}}>", "exec"), ns)
     except BaseException as e:
-        print(f"README python block {{i}} ({{block.splitlines()[0]!r}}) raised {{type(e).__name__}}: {{e}}",
+        print(f"{page} python block {{i}} ({{block.splitlines()[0]!r}}) raised {{type(e).__name__}}: {{e}}",
               file=sys.stderr)
         raise
 """
 
 
+def saved_files(blocks: list[str]) -> list[str]:
+    """The files the blocks save by a literal name (`.save("plan.json")`)."""
+    return [name for b in blocks for name in re.findall(r"""\.save\(\s*["']([^"']+)["']""", b)]
+
+
+def test_saved_files_are_found():
+    assert saved_files(['x.save("plan.json")  # the Plan', "p.save( 'a/b.json')", "save(x)"]) == ["plan.json", "a/b.json"]
+
+
+PYTHON_PAGES = [p for p in PAGES if python_blocks(p.read_text())]
+
+
+def test_some_page_has_python_blocks():
+    assert PYTHON_PAGES, "no page of the docs has a python block (the quickstart's autoshard example)"
+
+
 @pytest.mark.readme
-@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PYTHON_PAGES, ids=[_rel(p) for p in PYTHON_PAGES])
 def test_readme_python_blocks_run_as_written(page, tmp_path):
-    """As a newcomer runs them: a fresh interpreter, no XLA_FLAGS from the suite, nothing predefined."""
+    """As a newcomer runs them: a fresh interpreter per page, no XLA_FLAGS from the suite, nothing predefined."""
     blocks = python_blocks(page.read_text())
-    assert blocks, f"{page.name} has no python block"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-c", PYTHON_RUNNER.format(blocks=blocks)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-4000:]}"
-    assert (tmp_path / "plan.json").exists()
+    r = subprocess.run([sys.executable, "-c", PYTHON_RUNNER.format(blocks=blocks, page=_rel(page))], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{_rel(page)}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-4000:]}"
+    for name in saved_files(blocks):
+        assert (tmp_path / name).exists(), f"{_rel(page)}'s python blocks saved no {name}"

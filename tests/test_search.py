@@ -73,7 +73,11 @@ def test_parse_bytes_rejects(bad):
 def test_search_options_validate():
     assert SearchOptions(memory_per_device="1MB").memory_per_device == 10**6
     with pytest.raises(ConfigError, match="iters=2"):
-        SearchOptions(iters=2)
+        SearchOptions().replace(iters=2)
+    with pytest.raises(ConfigError, match="unknown search option.*itres"):
+        SearchOptions().replace(itres=5)
+    with pytest.raises(ConfigError, match="top_k=0"):
+        SearchOptions(top_k=0)
     with pytest.raises(ConfigError, match="lots"):
         SearchOptions(memory_per_device="lots")
 

@@ -20,9 +20,10 @@ def _cfg():
 
 def _options(cache_dir):
     from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.search.options import SearchOptions
     # the cost model ranks and the DP's best is taken unverified (no timing on a shared host, fewer compiles)
-    return StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(cache_dir),
-                            max_combinations=2, top_k=2, verify=0)
+    return StagePlanOptions("search", search=SearchOptions().replace(
+        kind="estimate", gpu="A100-SXM-80G", cache_dir=str(cache_dir), max_combinations=2, top_k=2, verify=0))
 
 
 @pytest.fixture(scope="module")
@@ -190,12 +191,13 @@ def test_search_times_megatron_side_by_side(tmp_path):
     from cfp.models import get_config
     from cfp.runtime.stage.build import build_programs
     from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.search.options import SearchOptions
     from cfp.runtime.stage.search import search_stage_plans
     import jax
     layout = Layout.from_lists([[2]], [[1]], [2], [1])
     cfg = get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)
-    opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
-                            max_combinations=2, top_k=1, verify=1)
+    opts = StagePlanOptions("search", search=SearchOptions().replace(
+        kind="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path), max_combinations=2, top_k=1, verify=1))
     logs = []
     programs = zoo_cache("llama2", cfg)
     plans = search_stage_plans(layout, programs, opts, zoo_batch("llama2", cfg), log=logs.append)
@@ -242,6 +244,7 @@ def test_search_then_training_builds_each_stage_program_once(tmp_path, monkeypat
     from cfp.models import make_batch
     from cfp.runtime.stage import cases
     from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.search.options import SearchOptions
     from cfp.runtime.stage.program import StageProgram
     from cfp.runtime.stage.replay import StageReplay
     from cfp.runtime.stage.search import search_stage_plans
@@ -264,8 +267,8 @@ def test_search_then_training_builds_each_stage_program_once(tmp_path, monkeypat
     monkeypatch.setattr(cases, "analyze_with_program", analysis)
     layout = Layout.from_lists([[2], [2]], [[1], [1]], [2, 2], [1, 1])
     cfg = _one_layer_cfg()
-    opts = StagePlanOptions("search", profiler="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path),
-                            max_combinations=2, top_k=1, verify=1)   # verify: the searched program is built
+    opts = StagePlanOptions("search", search=SearchOptions().replace(
+        kind="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path), max_combinations=2, top_k=1, verify=1))   # verify: the searched program is built
     programs = zoo_cache("llama2", cfg)
     plans = search_stage_plans(layout, programs, opts, zoo_batch("llama2", cfg), log=lambda *_: None)
     in_search = list(built["program"])

@@ -5,6 +5,7 @@ import argparse
 import itertools
 import time
 
+from cfp.cli.options import add_record_flags, record_from_args
 from cfp.cli.common import (DEFAULT_CATALOG_GPU, add_model_options, build_step, check_output_dir, check_output_file,
                             ensure_host_devices, model_config, positive_int)
 from cfp.errors import ConfigError
@@ -12,17 +13,11 @@ from cfp.profiling.options import ProfilerKind
 
 
 def _profile_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profiler", choices=("measure", "estimate"), default="measure",
-                   help="measure: time on the local devices; estimate: cost model of --gpu")
-    p.add_argument("--gpu", default=None, help="catalog GPU for --profiler estimate (e.g. A100-SXM-80G)")
-    p.add_argument("--iters", type=positive_int, default=5, help="timed runs per measurement (>= 3)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs before each measurement")
-    p.add_argument("--top-k", type=positive_int, default=4, help="fastest and smallest combinations kept per segment")
-    p.add_argument("--max-combinations", type=positive_int, default=12,
-                   help="combinations profiled per segment kind before pruning by analytic cost")
+    """The profiling pass's flags, generated from `ProfileOptions` (defaults included), and its cache's."""
+    from cfp.profiling.options import ProfileOptions
+    add_record_flags(p, ProfileOptions)
     p.add_argument("--cache-dir", default=None, help="profile cache directory (default: ~/.cache/cfp/profiles)")
     p.add_argument("--no-cache", action="store_true", help="profile again, ignoring and not writing the cache")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def add_parser(sub) -> None:
@@ -34,11 +29,9 @@ def add_parser(sub) -> None:
     s = sub.add_parser("search", help="profile, then search the fastest plan within a memory budget")
     add_model_options(s)
     _profile_options(s)
-    s.add_argument("--memory-per-device", default=None, help="per-device memory budget, e.g. 2GB or 512MB")
-    s.add_argument("--verify", type=int, default=2, help="best DP plans compiled and timed whole")
+    from cfp.search.options import SearchOptions
+    add_record_flags(s, SearchOptions)
     s.add_argument("--plan-out", default=None, help="write the chosen plan (JSON) here")
-    s.add_argument("--no-shard-state", dest="shard_state", action="store_false",
-                   help="under a budget, do not consider storing parameters/optimizer state sharded (ZeRO-3)")
     s.set_defaults(func=run_search)
 
     e = sub.add_parser("enum-benchmark", help="every strategy combination of one segment: comm, compute, time, memory")
@@ -53,9 +46,13 @@ def add_parser(sub) -> None:
 def _popts(args):
     from cfp.profiling.options import ProfileOptions, default_cache_dir
     cache = None if args.no_cache else (args.cache_dir or default_cache_dir())
-    return ProfileOptions(kind=args.profiler, gpu=args.gpu, iters=args.iters, warmup=args.warmup,
-                          cache_dir=cache, max_combinations=args.max_combinations,
-                          progress=not args.no_progress)
+    return record_from_args(ProfileOptions, args, cache_dir=cache)
+
+
+def search_options(args):
+    """The `SearchOptions` of `cfp search`'s flags (each flag's default is the record's)."""
+    from cfp.search.options import SearchOptions
+    return record_from_args(SearchOptions, args, profile=_popts(args))
 
 
 def _check_outputs(args) -> None:
@@ -115,16 +112,14 @@ def _dump_table(table, dump_dir) -> None:
 def run_search(args) -> int:
     from cfp.sharding.specs import resolve
     from cfp.profiling.profiler import profile
-    from cfp.search.options import SearchOptions
     from cfp.search.plan import make_plan
     from cfp.search.search import search
     t0 = time.perf_counter()
-    sopts = SearchOptions(memory_per_device=args.memory_per_device, top_k=args.top_k, verify=args.verify,
-                          iters=args.iters, warmup=args.warmup, shard_state=args.shard_state)
+    sopts = search_options(args)
     from cfp.xla.log import quiet_compiles
-    popts, _, example_args, analysis, program = _prepare(args)
+    _, _, example_args, analysis, program = _prepare(args)
     with quiet_compiles() as xla_log:
-        table = profile(program, analysis, popts)
+        table = profile(program, analysis, sopts.profile)
         print(f"profiled {len(table.segments)} segment kinds in {table.profile_time:.2f} s "
               f"({table.compiles} compiles)")
         _dump_table(table, args.dump_dir)
@@ -148,7 +143,7 @@ def run_search(args) -> int:
 
 def _labels(args, result) -> tuple[str, str]:
     """How the printed time and memory were obtained (every figure says measured or estimated)."""
-    if args.profiler != "estimate":
+    if args.profiler != ProfilerKind.ESTIMATE.value:
         how = "measured on this host" if result.time_label == "measured" else result.time_label
         return how, "measured: compiled on this host"
     from cfp.hardware.gpus import get_gpu

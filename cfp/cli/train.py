@@ -90,8 +90,10 @@ def _stage_plan_options(p: argparse.ArgumentParser) -> None:
                         "stage plans")
     p.add_argument("--stage-memory", default=None, help="per-device memory budget of the stage search, "
                    "e.g. 2GB (default: unbounded)")
-    p.add_argument("--stage-profiler", choices=("measure", "estimate"), default="measure",
-                   help="stage search: time segments here, or estimate them for --gpu")
+    from cfp.profiling.options import ProfileOptions, ProfilerKind
+    p.add_argument("--stage-profiler", choices=[k.value for k in ProfilerKind], default=ProfileOptions().kind.value,
+                   help="stage search: time segments here, or estimate them for --gpu (the stage search's other "
+                        "options are cfp search's defaults, cfp.SearchOptions)")
     common.add_gpu(p, None, "GPU of the stage search's estimate profiler")
 
 
@@ -124,8 +126,10 @@ def _even_partition(rows, num_layers: int) -> list[list[int]]:
 
 def _stage_plans(args: argparse.Namespace):
     from cfp.runtime.stage.plans import StagePlanOptions
-    return StagePlanOptions.parse(args.stage_plans, memory_per_device=args.stage_memory,
-                                  profiler=args.stage_profiler, gpu=args.gpu)
+    from cfp.search.options import SearchOptions
+    given = {"memory_per_device": args.stage_memory, "kind": args.stage_profiler, "gpu": args.gpu}
+    return StagePlanOptions.parse(args.stage_plans,
+                                  SearchOptions().replace(**{k: v for k, v in given.items() if v is not None}))
 
 
 LAYOUT_FLAGS = ("hetero_configs", "layer_partitions", "devices_id")

@@ -55,16 +55,22 @@ class ProfileOptions:
     width shrinks so the beam stays within ~8M picks). The rule is printed with every pruned segment.
     """
 
-    kind: ProfilerKind = ProfilerKind.MEASURE
-    gpu: str | None = None
-    iters: int = 5
-    warmup: int = 2
-    cache_dir: str | None = None     # None: no cache
-    max_combinations: int = 12
-    per_block: int = 2
+    # `help` metadata: the field is a flag of `cfp profile`/`cfp search`, generated with this record's default
+    # (cfp.cli.options); `flag` names it where the field's name would read badly on the command line
+    kind: ProfilerKind = dataclasses.field(default=ProfilerKind.MEASURE, metadata={
+        "flag": "profiler", "help": "measure: time on the local devices; estimate: cost model of --gpu"})
+    gpu: str | None = dataclasses.field(default=None, metadata={
+        "help": "catalog GPU of --profiler estimate (e.g. A100-SXM-80G); under measure, ranks pruned spaces"})
+    iters: int = dataclasses.field(default=5, metadata={"help": "timed runs per measurement (>= 3)"})
+    warmup: int = dataclasses.field(default=2, metadata={"help": "untimed runs before each measurement"})
+    cache_dir: str | None = None     # None: no cache (the CLI and the stage planner default to the user cache)
+    max_combinations: int = dataclasses.field(default=12, metadata={
+        "help": "combinations profiled per segment kind; larger spaces are pruned by analytic cost"})
+    per_block: int = dataclasses.field(default=2, metadata={
+        "help": "strategies kept per block when a segment's space is pruned"})
     pool_limit: int = 8192           # exact ranking up to this many combinations, a beam this wide beyond
     overlap_compile: bool = True     # compile combination i+1 in a thread while combination i runs
-    progress: bool = True
+    progress: bool = dataclasses.field(default=True, metadata={"help": "progress bar while profiling"})
 
     def __post_init__(self):
         kind = self.kind

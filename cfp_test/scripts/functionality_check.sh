@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the three CFP modes (analysis, profile, search) for one model and check each one's key output:
 #   cfp_test/scripts/functionality_check.sh MODEL [--num_layer 2] [--batch_size 16] [extra cfp options]
-# Environment as cfp_test/run_mode.sh (MESH, CONFIG, CFP). Exit status 0 only when all three modes pass.
+# Environment as cfp_test/run_mode.sh (MESH, CONFIG, CFP), and PROFILE_OPTIONS: extra cfp options of the profile
+# and search modes only, e.g. "--profiler estimate --gpu A100-SXM-80G --max-combinations 2" (split on spaces).
+# Exit status 0 only when all three modes pass.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 model="${1:?usage: functionality_check.sh MODEL [--num_layer N] [--batch_size B] [extra cfp options]}"; shift
@@ -29,6 +31,7 @@ check() {   # check MODE NEEDLE [options of that mode]
   fi
 }
 check analysis "global analysis time"
-check profile "profile time:" --no-progress
-check search "searched ParallelBlock Strategies solution" --no-progress
+read -r -a profile_options <<< "${PROFILE_OPTIONS:-}"
+check profile "profile time:" --no-progress ${profile_options[@]+"${profile_options[@]}"}
+check search "searched ParallelBlock Strategies solution" --no-progress ${profile_options[@]+"${profile_options[@]}"}
 exit $failed

@@ -40,21 +40,15 @@ class StagePlanMode(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class StagePlanOptions:
-    """How stage plans are made. `memory_per_device`: per-device bytes (or "2GB") of every stage, None for
-    unbounded; `profiler`: "measure" or "estimate" (with `gpu`); `cache_dir`: the profile cache (None: the
-    default cache, so a second run with the same stages profiles nothing)."""
+    """How stage plans are made: `mode`, the `directory` of SAVED plans and, under SEARCH, how each stage is
+    searched: `search`, the `SearchOptions` that `cfp.autoshard` and `cfp search` take (the same record, the
+    same defaults), its `memory_per_device` every stage's per-device budget. A stage search uses the default
+    profile cache when `search.profile.cache_dir` is None (so a second run with the same stages profiles
+    nothing) and shows no progress bar."""
 
     mode: StagePlanMode = StagePlanMode.MEGATRON
     directory: Optional[str] = None          # SAVED: where the plans are
-    memory_per_device: Any = None
-    profiler: str = "measure"
-    gpu: Optional[str] = None
-    cache_dir: Optional[str] = None
-    max_combinations: int = 8
-    top_k: int = 3
-    verify: int = 1           # DP solutions verified whole (the uniform ones and Megatron join them)
-    iters: int = 3
-    shard_state: bool = True
+    search: SearchOptions = SearchOptions()
 
     def __post_init__(self):
         mode = self.mode
@@ -67,27 +61,26 @@ class StagePlanOptions:
             object.__setattr__(self, "mode", mode)
         if (mode is StagePlanMode.SAVED) != bool(self.directory):
             raise ConfigError("saved stage plans need a directory (and only they take one)")
-        self.profile_options()
-        self.search_options()
+        if not isinstance(self.search, SearchOptions):
+            raise ConfigError(f"search={self.search!r} must be a SearchOptions")
 
     @classmethod
-    def parse(cls, text: str, **kw) -> "StagePlanOptions":
+    def parse(cls, text: str, search: Optional[SearchOptions] = None) -> "StagePlanOptions":
         """`megatron`, `search` or a directory of saved stage plans (the CLI's --stage-plans)."""
+        search = search or SearchOptions()
         if text in (m.value for m in (StagePlanMode.MEGATRON, StagePlanMode.SEARCH)):
-            return cls(StagePlanMode(text), **kw)
+            return cls(StagePlanMode(text), search=search)
         if not os.path.isfile(os.path.join(text, PLANS_FILE)):
             raise ConfigError(f"--stage-plans {text!r} is neither megatron, search nor a directory holding "
                               f"{PLANS_FILE}")
-        return cls(StagePlanMode.SAVED, directory=text, **kw)
+        return cls(StagePlanMode.SAVED, directory=text, search=search)
 
-    def profile_options(self):
-        return ProfileOptions(kind=self.profiler, gpu=self.gpu, iters=self.iters,
-                              cache_dir=self.cache_dir or default_cache_dir(),
-                              max_combinations=self.max_combinations, progress=False)
+    def search_options(self) -> SearchOptions:
+        """`search` as a stage search runs it: the default profile cache unless one is named, no progress bar."""
+        return self.search.replace(cache_dir=self.search.profile.cache_dir or default_cache_dir(), progress=False)
 
-    def search_options(self):
-        return SearchOptions(memory_per_device=self.memory_per_device, top_k=self.top_k,
-                             verify=self.verify, iters=self.iters, shard_state=self.shard_state)
+    def profile_options(self) -> ProfileOptions:
+        return self.search_options().profile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # two pytest workers: compiles dominate the suite and run one per core (tests/conftest.py)
 TEST_JOBS ?= 2
 
-.PHONY: demo test test-readme test-scripts install clean
+.PHONY: demo test test-slow test-readme test-scripts install clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PY)" || { echo "make: no Python >= 3.12 found (see scripts/find-python.sh)" >&2; exit 1; }
@@ -20,7 +20,11 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "not readme and not scripts" tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "not readme and not scripts and not slow" tests
+
+# the slow tier (tests/conftest.py's SLOW and tests marked slow); CI runs it after the suite
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "slow and not readme and not scripts" tests
 
 # every README command and code block, shrunk (tests/test_readme.py); CI runs it after the suite
 test-readme: $(STAMP)

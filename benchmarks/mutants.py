@@ -4,7 +4,7 @@ Each mutant is one search/replace on a source file (the `MUTANTS` table below; k
 unlikely to rewrite). For every mutant the script copies the repository (tracked and untracked, non-ignored files)
 to a temporary directory, applies the replacement there -- a mutant whose `old` text is not found exactly once is
 an ERROR (the table needs updating), never "caught" -- and runs the mutant's test files in the copy with
-`pytest -x -m "not slow"` and `PYTHONPATH` pointing at the copy. It prints one row per mutant: which test caught
+`pytest -x` (fast and slow tiers alike) and `PYTHONPATH` pointing at the copy. It prints one row per mutant: which test caught
 it, SURVIVED, or ERROR, with the measured wall time. Exit status 1 if any mutant survived or errored.
 
     python benchmarks/mutants.py                 # all mutants, one at a time
@@ -518,7 +518,7 @@ _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
 
 def _run_tests(tests: tuple[str, ...], dest: str, timeout: float) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=dest, PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
     try:
         p = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

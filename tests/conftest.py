@@ -125,3 +125,39 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile("cfp", derandomize=True, database=None, max_examples=60, deadline=None,
                           print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("cfp")
+
+
+# ---- the slow tier: `make test` leaves these out, `make test-slow` (run by `bash .ci/run` after it) runs them.
+# Each took 20+ s of CPU (CFP_TEST_CPU_LOG on the suite), and what it checks has a cheaper check in `make test`
+# (the runtime against one device on one layout, the examples' factories, the data path's packed rows); the
+# mutation check (benchmarks/mutants.py) runs the tests it names in either tier. Ids: file::test, optionally [param].
+SLOW = (
+    "test_user_programs.py::test_explicit_and_auto_meshes_give_the_same_plan",
+    "test_user_programs.py::test_example_trains_like_the_unsharded_step_and_chains",
+    "test_user_programs.py::test_donated_arguments_are_consumed",
+    "test_data_train.py::",
+    "test_default_opt_level.py::",
+    "test_own_model_examples.py::",
+    "test_runtime.py::test_matches_single_device_gpipe_and_1f1b[2-1-1+4]",
+    "test_runtime.py::test_matches_single_device_gpipe_and_1f1b[4+2+1+1]",
+    "test_runtime.py::test_resume_reproduces_losses_also_on_another_layout",
+    "test_runtime.py::test_gradient_is_token_weighted",
+    "test_autoshard.py::test_budget_below_data_parallel_shards_state",
+    "test_stage_plans.py::test_stage_plans_give_the_single_device_gradient",
+    "test_stage_plans.py::test_search_then_training_builds_each_stage_program_once",
+    "test_stage_plans.py::test_search_times_megatron_side_by_side",
+    "test_cost_facts.py::test_same_definition_figures_agree_with_model_cost",
+    "test_data_switch.py::test_mixed_strategy_step_equals_sequence_reference",
+    "test_profiling.py::test_cache_never_mixes_models",
+    "test_user_pipelines.py::test_stop_and_resume_onto_another_layout",
+    "test_train_cli.py::test_keep_checkpoints_prunes_through_training_and_resume_continues",
+    "test_remat.py::test_search_on_a_remat_model_trains_like_the_unsharded_step",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        nodeid = item.nodeid.split("/")[-1]
+        if any(nodeid == s or (nodeid.startswith(s) and (s.endswith("::") or nodeid[len(s)] == "["))
+               for s in SLOW):
+            item.add_marker(pytest.mark.slow)

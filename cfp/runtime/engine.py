@@ -221,7 +221,8 @@ class HeteroTrainer:
             per_pipe = []
             for p, m in zip(self.layout.pipelines, chunks):
                 acts = SCHEDULES[self.schedule](p.num_stages, m)
-                check_schedule(acts, m)
+                if m:   # a pipeline given no micro-batches this step runs nothing
+                    check_schedule(acts, m)
                 per_pipe.append(acts)
             self._orders[key] = global_order(per_pipe)
         return self._orders[key]

@@ -238,6 +238,9 @@ class Schedule:
             runs = ", ".join(n.value for n, s in SCHEDULES.items() if s.runs_on_engine)
             raise ConfigError(f"schedule {self.name.value} is priced, generated and simulated, but the runtime "
                               f"does not run it yet (it runs {runs})")
+        if num_microbatches == 0 and num_stages >= 1:   # a step whose dispatch gave this pipeline nothing
+            return ScheduleTable(self.name.value, self.placement.stages(num_stages, 1), 0,
+                                 tuple(() for _ in range(num_stages)))
         return self.pattern(num_stages, num_microbatches)
 
     def equal_bubble(self, num_stages: int, microbatches: int, v: Optional[int] = None) -> float:

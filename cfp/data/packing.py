@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp.data.rows import arrange, pack_rows, row_count, row_width
+from cfp.data.rows import arrange, first_fit, pack_rows, row_count, row_width
 from cfp.data.schemes import CostForm, Scheme
 from cfp.errors import InfeasibleError
 from cfp.runtime.schedules import pipeline_time as _schedule_time
@@ -210,19 +210,8 @@ def _rows_decreasing(lengths: np.ndarray) -> list[list[int]]:
     """First-fit decreasing into rows, each as wide as its first (longest) sequence's `row_width`: a shorter
     sequence takes the first gap it fits (a row's attention costs the same however full it is) or opens a
     narrower row. Rows come widest first; indices into `lengths`."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in np.argsort(-lengths, kind="stable").tolist():
-        s = int(lengths[i])
-        for r, free in enumerate(room):
-            if s <= free:
-                rows[r].append(i)
-                room[r] -= s
-                break
-        else:
-            rows.append([i])
-            room.append(row_width(s) - s)
-    return rows
+    order = np.argsort(-lengths, kind="stable").tolist()
+    return first_fit([(i, int(lengths[i])) for i in order], row_width)
 
 
 def _group_rows(rows: list[list[int]], widths: list[int], target: int) -> MicroBatches:

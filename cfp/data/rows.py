@@ -76,9 +76,15 @@ class MicroBatchRows:
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     """First-fit in the given order into rows of `width` tokens: indices into `lengths` per row."""
+    return first_fit([(i, int(s)) for i, s in enumerate(lengths)], lambda s: width)
+
+
+def first_fit(items: Sequence[tuple[int, int]], width_of) -> list[list[int]]:
+    """``items`` (index, length) in the given order, each into the first row with room for it, else into a new
+    row ``width_of(length)`` wide: the indices per row."""
     rows: list[list[int]] = []
     room: list[int] = []
-    for i, s in enumerate(lengths):
+    for i, s in items:
         for r, free in enumerate(room):
             if s <= free:
                 rows[r].append(i)
@@ -86,7 +92,7 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
                 break
         else:
             rows.append([i])
-            room.append(width - s)
+            room.append(width_of(s) - s)
     return rows
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from cfp.errors import ConfigError
-from cfp.runtime.schedule_table import Action, KeptBytes, Phase, ScheduleTable, peak_kept
+from cfp.runtime.schedule_table import Action, KeptBytes, Phase, ScheduleTable, kept_change, peak_kept
 from cfp.runtime.simulate import ActionCosts, EventState, Simulation, finish, run_events, simulate
 
 
@@ -247,18 +247,11 @@ def _swapped(table: ScheduleTable, rows, d: int, limit: Sequence[float], kept: K
     B, else None."""
     cur, peak, seen = 0.0, 0.0, set()
     for a in rows[d]:
-        c = a.vstage
-        if a.phase is Phase.FWD:
-            cur += kept.inputs[c]
-        elif a.phase is Phase.BWD:
-            cur -= kept.inputs[c]
-        elif a.phase is Phase.BWD_INPUT:
-            cur += kept.weight[c] - kept.inputs[c]
-            seen.add((c, a.microbatch))
-        else:
-            if (c, a.microbatch) not in seen:
-                return None
-            cur -= kept.weight[c]
+        if a.phase is Phase.BWD_INPUT:
+            seen.add((a.vstage, a.microbatch))
+        elif a.phase is Phase.BWD_WEIGHT and (a.vstage, a.microbatch) not in seen:
+            return None
+        cur += kept_change(a, kept)
         peak = max(peak, cur)
     if peak > limit[d] * (1 + 1e-9):
         return None

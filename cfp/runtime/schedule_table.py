@@ -226,6 +226,19 @@ class KeptBytes:
         return cls(u, u)
 
 
+def kept_change(a: Action, kept: KeptBytes) -> float:
+    """What a stage keeps more (or less) after action ``a``: F keeps its input, B trades it for W's stash, W and a
+    whole backward free what they used."""
+    c = a.vstage
+    if a.phase is Phase.FWD:
+        return kept.inputs[c]
+    if a.phase is Phase.BWD:
+        return -kept.inputs[c]
+    if a.phase is Phase.BWD_INPUT:
+        return kept.weight[c] - kept.inputs[c]
+    return -kept.weight[c]
+
+
 def kept_profile(table: ScheduleTable, kept: KeptBytes) -> list[list[float]]:
     """Per stage, what it keeps after each of its actions (a stage's actions run one at a time in its order, so
     its memory depends on the order only)."""
@@ -233,15 +246,7 @@ def kept_profile(table: ScheduleTable, kept: KeptBytes) -> list[list[float]]:
     for acts in table:
         cur, row = 0.0, []
         for a in acts:
-            c = a.vstage
-            if a.phase is Phase.FWD:
-                cur += kept.inputs[c]
-            elif a.phase is Phase.BWD:
-                cur -= kept.inputs[c]
-            elif a.phase is Phase.BWD_INPUT:
-                cur += kept.weight[c] - kept.inputs[c]
-            else:
-                cur -= kept.weight[c]
+            cur += kept_change(a, kept)
             row.append(cur)
         out.append(row)
     return out

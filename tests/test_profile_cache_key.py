@@ -89,7 +89,7 @@ def _step(activation: str, literal: float, precision: str | None, dtype: str):
 def _environment(i: Inputs):
     """XLA_FLAGS, the default matmul precision and the version strings of `i`, restored afterwards."""
     saved_flags = os.environ.get("XLA_FLAGS")
-    modules = {"cfp": cfp, "jax": jax, "jaxlib": jaxlib}
+    modules = {"cfp": cfp.version, "jax": jax, "jaxlib": jaxlib}   # cfp's version lives in cfp/version.py
     saved_versions = {name: m.__version__ for name, m in modules.items()}
     try:
         os.environ["XLA_FLAGS"] = ((saved_flags or "") + " " + i.xla_flags).strip()

@@ -86,6 +86,8 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun | InSuite] = {
     "benchmarks/moe_wi.py": (Run("--batch-size 8 --iters 1 --meshes 2x4", r"median step .* ms \(measured\)"),),
     "benchmarks/mutants.py": (Run("--list", r"\w+ +\w+ +cfp/"),),     # the full run is the suite many times over
     "benchmarks/optimizer_partition.py": (Run("--layers 2 --width 16 --rounds 1", r"staged/whole median"),),
+    "benchmarks/schedules_sim.py": (Run("", r"equal stages, p=4, m=8"),),        # simulated only: seconds
+    "benchmarks/stage_time_ratios.py": (Run("--small --rounds 3", r"worst estimated/measured ratio"),),
     "benchmarks/planner_measured.py": (Run("--config tiny --num-layers 1 --global-batch-size 8 --rounds 1 "
                                            "--max-layouts 1", r"worst estimate/measured ratio"),),
     "benchmarks/planner_optimality.py": DocRun(),

@@ -366,8 +366,7 @@ def _option_cases():
     return [
         (SearchOptions, {}, "top_k", [1, 4], BAD_NUMBERS),
         (SearchOptions, {}, "verify", [0, 2], [-1, True, 1.5, "2", None, math.nan]),
-        (SearchOptions, {}, "iters", [3, 9], [2, 0, True, 3.0, None, math.inf]),
-        (SearchOptions, {}, "warmup", [0, 3], [-1, True, 0.5, None]),
+        (SearchOptions, {}, "profile", [ProfileOptions(), ProfileOptions(iters=9)], [None, {"iters": 3}, 3]),
         (SearchOptions, {}, "timing_budget", [0.5, 10, 60.0], [0, -1, True, "10", None, math.nan, math.inf]),
         (SearchOptions, {}, "link_gbps", [None, 1.0, 25], [0, -3.0, True, "25", math.nan, math.inf]),
         (SearchOptions, {}, "memory_per_device", [None, "2GB", 10**9, "1.5GiB"],

@@ -21,7 +21,7 @@ from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.subprogram import segment_io
-from cfp.version import __version__
+import cfp.version as version
 
 
 class _Names:
@@ -80,5 +80,5 @@ def segment_cache_key(program: Program, analysis: Analysis, segment: Segment, op
              f"device {device_kind} x{jax.device_count()}",
              f"profiler {profile_settings(options)}",
              f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}",
-             f"cfp {__version__} jax {jax.__version__} jaxlib {jaxlib.__version__}"]
+             f"cfp {version.__version__} jax {jax.__version__} jaxlib {jaxlib.__version__}"]
     return "seg-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]

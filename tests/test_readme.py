@@ -157,7 +157,7 @@ INLINE: dict[str, Run | Skip] = {
         "injects each bug into a copy of the repository and runs its tests: about 15 minutes, a release check"),
     "make test-readme": Skip("this file's README-command tests: `bash .ci/run` runs them after `make test`"),
     "make test-slow": Skip("the suite's slow tier: `bash .ci/run` runs it after `make test`, not a command to shrink"),
-    "make test-scripts": Skip("tests/test_scripts.py, every script shrunk: `bash .ci/run` runs it itself"),
+    "make test-scripts": Skip("tests/test_scripts.py, every script shrunk: a make target of its own, not shrinkable"),
     "make PY=/path/to/python3.12 test": Skip("`make test` with another interpreter: CI runs `make test`"),
     'pip install -e ".[test]"': Skip("the install `make test` (so CI) does"),
     "bash .ci/run": Skip("CI itself, which runs this suite"),

@@ -20,15 +20,15 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --durations=20 -m "not readme and not scripts and not slow" tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=20 -m "not readme and not scripts and not slow" tests
 
 # the slow tier (tests/conftest.py's SLOW and tests marked slow); CI runs it after the suite
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --durations=20 -m "slow and not readme and not scripts" tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=20 -m "slow and not readme and not scripts" tests
 
 # every README command and code block, shrunk (tests/test_readme.py); CI runs it after the suite
 test-readme: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --durations=0 -m readme tests/test_readme.py
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=0 -m readme tests/test_readme.py
 
 # every script of benchmarks/, examples/ and cfp_test/, shrunk (tests/test_scripts.py), each run's time listed
 test-scripts: $(STAMP)

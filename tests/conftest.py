@@ -134,7 +134,6 @@ settings.load_profile("cfp")
 SLOW = (
     "test_user_programs.py::test_explicit_and_auto_meshes_give_the_same_plan",
     "test_user_programs.py::test_example_trains_like_the_unsharded_step_and_chains",
-    "test_user_programs.py::test_donated_arguments_are_consumed",
     "test_data_train.py::",
     "test_default_opt_level.py::",
     "test_own_model_examples.py::",

@@ -94,7 +94,8 @@ COMMANDS: dict[str, Run | Skip] = {
     ".venv/bin/cfp explain plan.json --plot plan.png": Run("search", (), ("plan.png",)),
     ".venv/bin/cfp diff tests/golden/plans/gpt_8.json tests/golden/plans/gpt_8_wide_vocab.json": Run("search"),
     "cfp_test/scripts/llama2_functionality_check.sh": Run(
-        "functionality", (("check.sh", "check.sh --num_layer 1 --batch_size 8"),)),
+        "functionality", (("check.sh", "check.sh --num_layer 1 --batch_size 8"),
+                          ("cfp_test/", 'PROFILE_OPTIONS="--max-combinations 2" cfp_test/'))),
     # Heterogeneous 3D-parallel training
     '.venv/bin/cfp train --model llama2 --num-layers 4 --hetero-configs "[[2,1,1],[4]]" --layer-partitions '
     '"[[2,1,1],[4]]" --global-batch-size 6 2 --chunks 3 1 --schedule 1f1b --steps 5 --verify --timeline-dir /tmp/tl':
@@ -129,12 +130,13 @@ COMMANDS: dict[str, Run | Skip] = {
         "data", (("--config tiny", "--config tiny --gpu A100-SXM-80G"),), ("parallel_scheme_space.json",)),
     ".venv/bin/cfp data propose --schemes parallel_scheme_space.json --input stdlib --gpus 8 --tokens-per-step 8192":
         Run("data"),
-    # the proposal measures every default scheme (over 10 min here): shrunk to one step of a strategy naming one
-    # scheme, measured in about 1 min (2.5 min with compilation)
+    # measuring every default scheme up to 1024-token rows took over 10 min here: shrunk to one step of
+    # 128-token rows (the proposal path as written; 130 s measured)
     ".venv/bin/cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 3": Run(
-        "data", (("--steps 3", '--steps 1 --strategies "[[(1,2,1),(1,2,1),(1,2,1),(1,2,1)]]"'),)),
+        "data", (("--steps 3", "--steps 1 --max-seq-len 128 --tokens-per-step 1024"),)),
     '.venv/bin/cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 4 --verify '
-    '--strategies "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"': Run("data_strategies", (("--steps 4", "--steps 1"),)),
+    '--strategies "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"': Run("data_strategies", (
+        ("--steps 4", "--steps 1 --max-seq-len 128 --tokens-per-step 1024"),)),   # 409 s at 1024-token rows; 66 s
     ".venv/bin/cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 "
     "--max-seq-len 32768": Run("data", (("--gpus 1024", "--gpus 64"), ("--tokens-per-step 1600000",
                                                                         "--tokens-per-step 100000 --steps 1"))),

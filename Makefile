@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # two pytest workers: compiles dominate the suite and run one per core (tests/conftest.py)
 TEST_JOBS ?= 2
 
-.PHONY: demo test test-slow test-readme test-scripts install clean
+.PHONY: demo test test-slow test-readme test-slow-readme test-scripts install clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PY)" || { echo "make: no Python >= 3.12 found (see scripts/find-python.sh)" >&2; exit 1; }
@@ -29,6 +29,10 @@ test-slow: $(STAMP)
 # every README command and code block, shrunk (tests/test_readme.py); CI runs it after the suite
 test-readme: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=0 -m readme tests/test_readme.py
+
+# the slow tier and test-readme in one pytest run (CI): one pool of workers, so neither waits out the other's tail
+test-slow-readme: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=30 -m "(slow or readme) and not scripts" tests
 
 # every script of benchmarks/, examples/ and cfp_test/, shrunk (tests/test_scripts.py), each run's time listed
 test-scripts: $(STAMP)

@@ -108,7 +108,6 @@ def own_step(tx):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--cluster", default=os.path.join(os.path.dirname(__file__), "clusters", "local.yaml"))
     a = p.parse_args()
     model, batch, tx = factory()
     # two pipelines of unequal stages: TP 2 then TP 1 (4 + 2 layers), and three TP 1 stages (1 + 2 + 3 layers)

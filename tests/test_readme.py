@@ -163,6 +163,13 @@ INLINE: dict[str, Run | Skip] = {
         "injects each bug into a copy of the repository and runs its tests: about 15 minutes, a release check"),
     "make test-readme": Skip("this file's README-command tests: `bash .ci/run` runs them after `make test`"),
     "make test-slow": Skip("the suite's slow tier: `bash .ci/run` runs it after `make test`, not a command to shrink"),
+    "make test-slow-readme": Skip("the slow tier and this file's README-command tests in one run: `bash .ci/run` "
+                                  "runs it after `make test`"),
+    "python benchmarks/calibrate_cpu.py --repeats 9 --write": Skip(
+        "rewrites the cpu catalog entry from this host's measurements; tests/test_scripts.py runs "
+        "calibrate_cpu.py shrunk, without --write"),
+    "PYTHONPATH=$PWD python benchmarks/planner_user_model.py --rounds 3": Skip(
+        "a benchmark of minutes; tests/test_scripts.py runs planner_user_model.py shrunk"),
     "make test-scripts": Skip("tests/test_scripts.py, every script shrunk: a make target of its own, not shrinkable"),
     "make PY=/path/to/python3.12 test": Skip("`make test` with another interpreter: CI runs `make test`"),
     'pip install -e ".[test]"': Skip("the install `make test` (so CI) does"),
@@ -390,11 +397,24 @@ def test_saved_files_are_found():
     assert saved_files(['x.save("plan.json")  # the Plan', "p.save( 'a/b.json')", "save(x)"]) == ["plan.json", "a/b.json"]
 
 
-PYTHON_PAGES = [p for p in PAGES if python_blocks(p.read_text())]
+def _runs_elsewhere(page: Path) -> bool:
+    """A page whose python blocks another page opens with, verbatim and in order (the README's quickstart block
+    is docs/autoshard.md's first): that page's run runs them."""
+    mine = python_blocks(page.read_text())
+    return any(other != page and python_blocks(other.read_text())[:len(mine)] == mine for other in PAGES)
+
+
+PYTHON_PAGES = [p for p in PAGES if python_blocks(p.read_text()) and not _runs_elsewhere(p)]
 
 
 def test_some_page_has_python_blocks():
     assert PYTHON_PAGES, "no page of the docs has a python block (the quickstart's autoshard example)"
+
+
+def test_the_readme_python_block_runs_as_the_start_of_docs_autoshard():
+    """The README's block is not run on its own: it must stay the opening of docs/autoshard.md's, which runs."""
+    assert python_blocks(README.read_text()) and _runs_elsewhere(README)
+    assert README not in PYTHON_PAGES and ROOT / "docs" / "autoshard.md" in PYTHON_PAGES
 
 
 @pytest.mark.readme

@@ -131,9 +131,11 @@ COMMANDS: dict[str, Run | Skip] = {
     ".venv/bin/cfp data propose --schemes parallel_scheme_space.json --input stdlib --gpus 8 --tokens-per-step 8192":
         Run("data"),
     # measuring every default scheme up to 1024-token rows took over 10 min here: shrunk to one step of
-    # 128-token rows (the proposal path as written; 130 s measured)
+    # 128-token rows of a strategy of one scheme (the proposal is `cfp data propose` above and
+    # tests/test_data_cli.py's)
     ".venv/bin/cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 3": Run(
-        "data", (("--steps 3", "--steps 1 --max-seq-len 128 --tokens-per-step 1024"),)),
+        "data", (("--steps 3", '--steps 1 --max-seq-len 128 --tokens-per-step 1024 '
+                                '--strategies "[[(1,2,1),(1,2,1),(1,2,1),(1,2,1)]]"'),)),
     '.venv/bin/cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 4 --verify '
     '--strategies "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"': Run("data_strategies", (
         ("--steps 4", "--steps 1 --max-seq-len 128 --tokens-per-step 1024"),)),   # 409 s at 1024-token rows; 66 s

@@ -4,6 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # two pytest workers: compiles dominate the suite and run one per core (tests/conftest.py)
 TEST_JOBS ?= 2
+PYTEST = $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal
 
 .PHONY: demo test test-slow test-readme test-slow-readme test-scripts install clean
 
@@ -20,19 +21,19 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=20 -m "not readme and not scripts and not slow" tests
+	$(PYTEST) --durations=20 -m "not readme and not scripts and not slow" tests
 
 # the slow tier (tests/conftest.py's SLOW and tests marked slow); CI runs it after the suite
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=20 -m "slow and not readme and not scripts" tests
+	$(PYTEST) --durations=20 -m "slow and not readme and not scripts" tests
 
 # every README command and code block, shrunk (tests/test_readme.py); CI runs it after the suite
 test-readme: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=0 -m readme tests/test_readme.py
+	$(PYTEST) --durations=0 -m readme tests/test_readme.py
 
 # the slow tier and test-readme in one pytest run (CI): one pool of workers, so neither waits out the other's tail
 test-slow-readme: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal --durations=30 -m "(slow or readme) and not scripts" tests
+	$(PYTEST) --durations=30 -m "(slow or readme) and not scripts" tests
 
 # every script of benchmarks/, examples/ and cfp_test/, shrunk (tests/test_scripts.py), each run's time listed
 test-scripts: $(STAMP)

@@ -72,7 +72,7 @@ def measure(model: str, cfg, layouts, rounds: int, log) -> tuple[list[list[float
     seconds (all the process's threads); and per round and layout, the cores the host gave a reference
     program measured just before the step (`host_share`)."""
     from cfp.runtime.engine import zoo_trainer
-    from cfp.runtime.schedules import ScheduleName
+    from cfp.schedules.registry import ScheduleName
     trainers = []
     for name, lay in layouts:
         t0 = time.perf_counter()

@@ -129,7 +129,7 @@ def main() -> None:
                     help="comma-separated names of the candidate layouts to run (the planner's pick first)")
     args = ap.parse_args()
     from cfp.cli.factory import load_factory
-    from cfp.planner.layered import facts_for
+    from cfp.planner.model_facts import facts_for
     with open(CLUSTER) as f:
         cluster = parse_cluster(yaml.safe_load(f))
     user, zoo_config = (_zoo(args.zoo) if args.zoo else (load_factory(args.model), None))

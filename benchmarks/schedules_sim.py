@@ -1,8 +1,8 @@
-"""Pipeline schedules in the event simulation (`cfp.runtime.simulate`): every figure here is simulated, none timed.
+"""Pipeline schedules in the event simulation (`cfp.schedules.simulate`): every figure here is simulated, none timed.
 
 1. Equal stages (p = 4, m = 8; F:B:W = 1:1:1 and 1:2:1, cfp's recomputing backward): each schedule's table
    (written out, or generated from equal times) replayed, its makespan and bubble (the busiest stage's idle
-   share) next to its theory (`cfp.runtime.schedule_time`) and 1F1B's.
+   share) next to its theory (`cfp.schedules.formulas`) and 1F1B's.
 2. An uneven heterogeneous pipeline, the shape of issue 27's acceptance run (Llama-2 tiny, 8 layers cut 3/2/2/1,
    the first stage on 2 devices with TP 2, 8 micro-batches of 2 on this machine's `cpu` catalog entry): action
    times estimated by the cost model, the fixed ZB-H1 pattern (written for equal stages) against the tables the
@@ -17,15 +17,15 @@ from cfp.models import get_config
 from cfp.planner.cluster import parse_cluster
 from cfp.planner.costmodel import CostModel
 from cfp.planner.schedule_choice import action_costs
-from cfp.runtime.schedules import SCHEDULES, ScheduleName, ScheduleSpec
-from cfp.runtime.simulate import ActionCosts, simulate
+from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec
+from cfp.schedules.simulate import ActionCosts, simulate
 
 LOCAL = {"inter_machine_bandwidth": "1.75GB/s", "machines": [{"gpu": "cpu", "count": 8,
                                                                "intra_bandwidth": "1.75GB/s"}]}
 
 
 def equal_stages(p: int = 4, m: int = 8) -> None:
-    print(f"equal stages, p={p}, m={m} (simulated from equal unit times; theory: cfp.runtime.schedule_time)")
+    print(f"equal stages, p={p}, m={m} (simulated from equal unit times; theory: cfp.schedules.formulas)")
     print(f"  {'F:B:W':<8} {'schedule':<14} {'makespan':>9} {'theory':>8} {'bubble':>8} {'/ 1F1B bubble':>14}")
     for fbw in ((1, 1, 1), (1, 2, 1)):
         base = None

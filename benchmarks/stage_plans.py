@@ -48,7 +48,7 @@ def _run(name: str, args) -> None:
     from cfp.runtime.engine import HeteroTrainer, adamw, zoo_trainer
     from cfp.runtime.stage.cache import CompileCache
     from cfp.runtime.stage.plans import StagePlanOptions
-    from cfp.runtime.stage.search import search_stage_plans
+    from cfp.runtime.stage.plan_search import search_stage_plans
     from cfp.models import make_batch
     model, overrides, lists = LAYOUTS[name]
     cfg = get_config(model, "tiny", **overrides)

@@ -37,7 +37,7 @@ from cfp.layout import Layout  # noqa: E402
 from cfp.planner.costmodel import CostModel, Estimate, precision_of  # noqa: E402
 from cfp.planner.options import PlannerOptions  # noqa: E402
 from cfp.planner.step_features import GradSync, Recompute, StepFeatures  # noqa: E402
-from cfp.runtime.schedules import ScheduleName  # noqa: E402
+from cfp.schedules.registry import ScheduleName  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +229,7 @@ def local_rows(iters: int = 10) -> None:
     from cfp.xla.hlo import parse_collectives
     from cfp.cli.common import build_step
     from cfp.errors import CfpError
-    from cfp.profiling import costmodel
+    from cfp.profiling import gpu_estimate
     from cfp.xla.compiled import compiled_cost, time_compiled
     Baseline, baseline_step = _baselines()
     cpu = get_gpu("cpu")
@@ -246,10 +246,10 @@ def local_rows(iters: int = 10) -> None:
             placed = jax.device_put(example_args, shardings)
             compiled = fn.lower(*placed).compile()
             cost = compiled_cost(compiled)
-            colls = [(c.kind, c.bytes, costmodel.group_size(c.axes, spec.shape))
+            colls = [(c.kind, c.bytes, gpu_estimate.group_size(c.axes, spec.shape))
                      for c in parse_collectives(compiled.as_text(), spec.shape)]
-            est = (costmodel.compute_time(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
-                                          cpu, "float32") + costmodel.comm_time(colls, cpu))
+            est = (gpu_estimate.compute_time(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+                                          cpu, "float32") + gpu_estimate.comm_time(colls, cpu))
             meas = time_compiled(compiled, placed, iters, 2)
             rows.append((f"{model}/{config} {b.value}", est, meas))
             print(f"{rows[-1][0]:<32} estimated {est * 1e3:9.2f} ms  measured {meas * 1e3:9.2f} ms  "

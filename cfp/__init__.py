@@ -17,7 +17,7 @@ from cfp.layered.model import LayeredModel
 from cfp.layout import Layout
 from cfp.mesh import MeshSpec
 from cfp.planner.cluster import Cluster, parse_cluster
-from cfp.planner.layered import plan_layout
+from cfp.planner.model_facts import plan_layout
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
 from cfp.profiling.options import ProfileOptions

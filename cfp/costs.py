@@ -14,7 +14,7 @@ A MoE model alternates dense and expert layers (odd layers are MoE); a layer's f
 kinds, exact for stages of an even number of layers.
 
 Used by the planner (`cfp.planner.costmodel`), the data pass's estimated scheme space
-(`cfp.data.scheme_space`) and the stage search's boundary pricing (`cfp.runtime.stage.search`).
+(`cfp.data.scheme_space`) and the stage search's boundary pricing (`cfp.runtime.stage.plan_search`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from cfp.errors import ConfigError
-from cfp.models.api import build_model
+from cfp.models.zoo import build_model
 from cfp.models.configs import MODEL_FAMILIES, BertConfig, LlamaConfig, MoEConfig
 from cfp.models.dims import param_dims
 from cfp.sharding.rules import path_keys, tensor_dim

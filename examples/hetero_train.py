@@ -52,7 +52,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from cfp.layout import Layout
-    from cfp.runtime.schedules import ScheduleName
+    from cfp.schedules.registry import ScheduleName
     from cfp.runtime.timeline import theoretical_bubble
     from cfp.runtime.training import DataSource, TrainOptions, run_training
 

@@ -12,7 +12,7 @@ from cfp.data.rows import WIDTHS, arrange, row_shapes, row_width
 from cfp.data.schemes import CostForm, Scheme
 from cfp.data.train import DataTrainOptions, plan_step
 from cfp.models.attention import attention_block, causal_pairs
-from cfp.runtime.schedules import Phase
+from cfp.schedules.registry import Phase
 from cfp.runtime.timeline import Event
 
 ROWS1 = Scheme(1, 1, 1, 2e-9, 3e-6, 4e-3, 1024, CostForm.ROWS)

@@ -3,7 +3,7 @@ ordinary saved `Plan`s, apply to their steps, and are the optimum of an exhausti
 
 The reference is independent of the search's DP and of how it assembles its cost rows: it enumerates every
 combination of the profiled strategy combinations of every segment and prices each as the sum of the segment
-times plus the resharding between consecutive segments (`costmodel.reshard_cost` on the layouts both sides give
+times plus the resharding between consecutive segments (`gpu_estimate.reshard_cost` on the layouts both sides give
 each shared tensor). The golden choice must reach that minimum, and the search run again on the same table must
 pick it and price it at the reference's figure (the golden plans' heads reshard from the layers' layout, so a
 search that dropped the resharding term prices them low and fails here, as does one that pruned the optimum).
@@ -49,7 +49,7 @@ def test_golden_plan_applies_to_its_step(case):
 
 def _reference_optimum(analysis, table, gpu):
     """(min seconds, the choices reaching it) over every combination of profiled segment entries."""
-    from cfp.profiling import costmodel
+    from cfp.profiling import gpu_estimate
     segs = analysis.segments
     entries = [table.segments[s.kind].entries for s in segs]
     specs = [[analysis.segment_specs(s, e.choice) for e in es] for s, es in zip(segs, entries)]
@@ -58,7 +58,7 @@ def _reference_optimum(analysis, table, gpu):
 
     def move(i, a, b):
         if (i, a, b) not in moves:
-            moves[i, a, b] = costmodel.reshard_cost(analysis, specs[i][a], specs[i + 1][b], link)
+            moves[i, a, b] = gpu_estimate.reshard_cost(analysis, specs[i][a], specs[i + 1][b], link)
         return moves[i, a, b]
 
     def seconds(picks):

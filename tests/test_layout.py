@@ -13,7 +13,7 @@ from cfp.planner.cluster import parse_cluster
 from cfp.planner.layout_file import LayoutFile, load_layout_file, write_layout_file
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import find_layout
-from cfp.runtime.schedules import ScheduleName
+from cfp.schedules.registry import ScheduleName
 
 LOCAL = {"inter_machine_bandwidth": "1.75GB/s",
          "machines": [{"gpu": "cpu", "count": 8, "intra_bandwidth": "1.75GB/s"}]}

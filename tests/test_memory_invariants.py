@@ -19,7 +19,7 @@ really is:
   exactly (a0 under GPipe less a0 under 1F1B is their difference in stored inputs times the input's bytes).
   The first stage's input is the micro-batch, of which the model's ``first`` reads the token ids: the planner
   counts those. (The runtime keeps more: each micro-batch placed on a first or last stage, every leaf of it --
-  the zoo's targets and weights too -- until the step ends; `cfp.runtime.dispatch.ScheduleRun._batch`. The
+  the zoo's targets and weights too -- until the step ends; `cfp.runtime.executor.ScheduleRun._batch`. The
   planner leaves that out: 12 bytes per token position and micro-batch of the step against its 4 per stored
   one, small beside a layer's activations.)
 - the backward's working set, a0 + n a1: the compiled backward program (arguments + outputs - aliased +
@@ -43,7 +43,7 @@ Stages: first, middle and last; TP 1, 2 and 4 (Llama-2's 2 KV heads replicated a
 pipelines; GPipe and 1F1B. The sharded-state (FSDP) feature, which cfp's runtime does not run, is checked
 against a data-parallel step compiled with every block's state sharded (`cfp.sharding.step.apply_choice`).
 
-Search (`cfp.search.state.StateEstimator`, `cfp.sharding.specs.donated_bytes`): what storing blocks' state
+Search (`cfp.search.state_sharding.StateEstimator`, `cfp.sharding.specs.donated_bytes`): what storing blocks' state
 sharded (ZeRO-3) saves per device equals the drop in the compiled step's argument bytes, under data-parallel
 and non-data-parallel block strategies alike (claimed exactly: the estimate counts each state tensor's shard
 before and after, as the step stores it); the bytes a donating step hands over equal XLA's aliased bytes.
@@ -61,7 +61,7 @@ from cfp.layout import Layout
 from cfp.models import get_config
 from cfp.planner.cluster import parse_cluster
 from cfp.planner.costmodel import CostModel
-from cfp.runtime.schedules import SCHEDULES, Phase, ScheduleName
+from cfp.schedules.registry import SCHEDULES, Phase, ScheduleName
 
 CPU = parse_cluster({"inter_machine_bandwidth": "1GB/s",
                      "machines": [{"gpu": "cpu", "count": 8, "intra_bandwidth": "10GB/s"}]})
@@ -334,7 +334,7 @@ def test_search_state_saving_is_the_compiled_arguments_drop(gpt_step, compiled_s
     (every block, then every other block), under data-parallel and non-data-parallel strategies; and a
     donating step's aliased bytes are `donated_bytes` (`compiled_steps`). Exact: both count each state
     tensor's shard."""
-    from cfp.search.state import StateEstimator
+    from cfp.search.state_sharding import StateEstimator
     analysis, _, _ = gpt_step
     choices = _choices(analysis)
     every = tuple(range(len(analysis.blocks)))

@@ -134,7 +134,7 @@ def test_stage_planner_and_autoshard_choose_the_same_plan(tmp_path):
     from cfp.runtime.stage.cases import example_args, stage_cases
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.runtime.stage.replay import stage_step
-    from cfp.runtime.stage.search import search_stage_plans
+    from cfp.runtime.stage.plan_search import search_stage_plans
     from programs import zoo_batch, zoo_cache
     opts = SearchOptions().replace(kind="estimate", gpu=GPU, cache_dir=str(tmp_path), max_combinations=2, top_k=1,
                                    verify=0, memory_per_device="380KB")

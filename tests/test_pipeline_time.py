@@ -1,9 +1,9 @@
-"""The one pipeline-time formula (`cfp.runtime.schedules.pipeline_time`) against the longest path of the
+"""The one pipeline-time formula (`cfp.schedules.registry.pipeline_time`) against the longest path of the
 stage x micro-batch grid computed cell by cell, in the two cases the planner and the data pass use it."""
 import numpy as np
 import pytest
 
-from cfp.runtime.schedules import SCHEDULES, pipeline_time
+from cfp.schedules.registry import SCHEDULES, pipeline_time
 
 
 def _longest_path(cells: np.ndarray) -> float:

@@ -19,7 +19,7 @@ from cfp.planner.layout_file import load_layout_file
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import find_layout
 from cfp.planner.random_clusters import optimality_case, random_cluster
-from cfp.runtime.schedules import ScheduleName
+from cfp.schedules.registry import ScheduleName
 from cfp.runtime.sharding import param_specs
 
 LOCAL = {"inter_machine_bandwidth": "1.75GB/s",
@@ -102,7 +102,7 @@ def test_compiled_stages_agree_with_the_cost_model(model):
     out (measured -4.8% on every stage; < 0.01% before those flags existed); backward bytes depend on XLA's
     buffer reuse (measured -17%..+0.2%), hence the wider bound. MoE (experts split over TP, dispatch and
     combine einsums) and BERT (a replicated MLM head) are checked on a 2-layer TP-2 stage and a TP-1 stage."""
-    from cfp.planner.check import check_compiled_stages
+    from cfp.runtime.cost_check import check_compiled_stages
     S = lambda d, n: Stage(tuple(d), n, 0)
     if model == "llama2":
         cfg = get_config("llama2", "small", num_layers=3)
@@ -308,7 +308,7 @@ def test_cli_plans_moe_and_bert(model, tmp_path, capsys):
 
 
 def test_split_by_type_deals_every_type_evenly():
-    from cfp.planner.partition import split_by_type
+    from cfp.planner.metis import split_by_type
     cl = random_cluster(random.Random(207), 8)      # 5 machines of 3 types
     for k in (1, 2, 3, 8):
         parts = split_by_type(cl, k)

@@ -10,8 +10,8 @@ from cfp.planner.layout_file import load_layout_file
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import find_layout
 from cfp.planner.schedule_choice import SIMULATED_WITHIN, kept_bytes, schedule_reports
-from cfp.runtime.schedule_table import kept_profile
-from cfp.runtime.schedules import ScheduleSpec
+from cfp.schedules.actions import kept_profile
+from cfp.schedules.registry import ScheduleSpec
 
 CFG = get_config("llama2", "7B", dtype="bfloat16", num_layers=12, seq_len=2048, hidden_size=2048, num_heads=16,
                  ffn_size=5504)

@@ -6,7 +6,7 @@ import pytest
 
 from cfp.analysis.analysis import analyze_with_program
 from cfp.errors import ConfigError
-from cfp.profiling import costmodel
+from cfp.profiling import gpu_estimate
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GPUS, get_gpu
 from cfp.profiling.options import ProfileOptions, ProfilerKind

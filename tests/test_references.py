@@ -44,7 +44,7 @@ def test_search_pays_resharding_between_segments(chain):
     The case is one where the resharding decides: the fastest combination by segment times alone reshards and
     is not the optimum, so a DP that leaves the resharding out picks it and fails."""
     from cfp.hardware.gpus import get_gpu
-    from cfp.profiling import costmodel
+    from cfp.profiling import gpu_estimate
     from cfp.search.options import SearchOptions
     from cfp.search.search import search
     analysis, program, table, args = chain
@@ -55,7 +55,7 @@ def test_search_pays_resharding_between_segments(chain):
     for combo in itertools.product(*(table.segments[s.kind].entries for s in segs)):
         compute = sum(e.time for e in combo)
         specs = [analysis.segment_specs(s, e.choice) for s, e in zip(segs, combo)]
-        moves = sum(costmodel.reshard_cost(analysis, a, b, link) for a, b in zip(specs, specs[1:]))
+        moves = sum(gpu_estimate.reshard_cost(analysis, a, b, link) for a, b in zip(specs, specs[1:]))
         priced.append((compute + moves, compute, sum((e.choice for e in combo), ())))
     best = min(priced)
     by_compute = min(priced, key=lambda c: c[1])

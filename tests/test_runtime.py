@@ -8,7 +8,7 @@ import pytest
 from cfp.errors import ConfigError
 from cfp.cli.train import parse_nested_list
 from cfp.layout import Layout
-from cfp.runtime.schedules import (SCHEDULES, Phase, ScheduleName, global_order, gpipe,
+from cfp.schedules.registry import (SCHEDULES, Phase, ScheduleName, global_order, gpipe,
                                    one_f_one_b)
 
 # ----------------------------------------------------------------------------- layout

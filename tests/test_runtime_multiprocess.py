@@ -35,7 +35,7 @@ def _losses(text):
 
 
 def _in_process(steps, schedule="1f1b", **kw):  # the `cfp train` default
-    from cfp.runtime.schedules import ScheduleName
+    from cfp.schedules.registry import ScheduleName
     from cfp.runtime.training import DataSource, TrainOptions, run_training
     layout = Layout.from_lists([[2, 1, 1], [2, 1, 1]], [[1, 1, 1], [1, 1, 1]], [6, 2], [3, 1],
                                [[[0, 1], [4], [2]], [[5, 6], [3], [7]]])

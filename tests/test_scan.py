@@ -19,7 +19,7 @@ from cfp.hardware.gpus import get_gpu
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile
 from cfp.profiling.subprogram import SegmentPart, SegmentProgram, segment_io
-from cfp.search.loops import LoopBodies
+from cfp.search.loop_figures import LoopBodies
 from cfp.search.search import _candidate_rows
 from cfp.xla.compiled import compiled_figures
 from cfp.sharding.step import apply_choice

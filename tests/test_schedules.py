@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (`cfp.runtime.schedules`): tables over virtual stages, their validation, the event
+"""Pipeline schedules as data (`cfp.schedules.registry`): tables over virtual stages, their validation, the event
 simulation, the generator and the theory -- on cases small enough to work out by hand, and on broken tables."""
 import itertools
 import random
@@ -6,11 +6,11 @@ import random
 import pytest
 
 from cfp.errors import ConfigError
-from cfp.runtime.schedule_gen import generate
-from cfp.runtime.schedule_table import (Action, KeptBytes, Phase, Placement, ScheduleTable, check_table, global_order,
+from cfp.schedules.generate import generate
+from cfp.schedules.actions import (Action, KeptBytes, Phase, Placement, ScheduleTable, check_table, global_order,
                                         live_microbatches, peak_kept, vstage_layers)
-from cfp.runtime.schedules import SCHEDULES, ScheduleName, ScheduleSpec, schedule_choices
-from cfp.runtime.simulate import ActionCosts, simulate
+from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec, schedule_choices
+from cfp.schedules.simulate import ActionCosts, simulate
 
 F, BW, B, W = Phase.FWD, Phase.BWD, Phase.BWD_INPUT, Phase.BWD_WEIGHT
 

@@ -28,7 +28,7 @@ def _options(cache_dir):
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-    from cfp.runtime.stage.search import search_stage_plans
+    from cfp.runtime.stage.plan_search import search_stage_plans
     cache = tmp_path_factory.mktemp("profiles")
     layout = Layout.from_lists(*LISTS)
     programs = zoo_cache("llama2", _cfg())
@@ -121,7 +121,7 @@ def test_stage_programs_impose_the_searched_block_layouts(searched):
 
 
 def test_second_search_profiles_nothing(searched, capsys):
-    from cfp.runtime.stage.search import search_stage_plans
+    from cfp.runtime.stage.plan_search import search_stage_plans
     layout, first, cache, _ = searched
     searched_first = [p for p in first.plans if p.figures]
     assert searched_first and all(p.figures.profile_compiles > 0 for p in searched_first[:1])
@@ -137,7 +137,7 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
     import dataclasses
 
     import jax
-    from cfp.runtime.stage.build import build_programs
+    from cfp.runtime.stage.builder import build_programs
     from cfp.runtime.stage.plans import StagePlans
     layout, plans, _, programs = searched
     plans.save(str(tmp_path))
@@ -163,7 +163,7 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
 
 
 def test_resumed_run_keeps_its_stage_plans(searched, tmp_path):
-    from cfp.runtime.stage.build import plans_for_run
+    from cfp.runtime.stage.builder import plans_for_run
     from cfp.runtime.stage.plans import StagePlanOptions
     layout, plans, cache, programs = searched
     plans.save(str(tmp_path / "ck" / "stage_plans"))
@@ -189,10 +189,10 @@ def test_search_times_megatron_side_by_side(tmp_path):
     """With whole-step verification the stage's winner is compared with its Megatron sharding on the same
     step and cost model, and the faster one is what the plan runs."""
     from cfp.models import get_config
-    from cfp.runtime.stage.build import build_programs
+    from cfp.runtime.stage.builder import build_programs
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.search.options import SearchOptions
-    from cfp.runtime.stage.search import search_stage_plans
+    from cfp.runtime.stage.plan_search import search_stage_plans
     import jax
     layout = Layout.from_lists([[2]], [[1]], [2], [1])
     cfg = get_config("llama2", "tiny", num_layers=1, seq_len=8, vocab_size=64, hidden_size=32, ffn_size=64)
@@ -247,7 +247,7 @@ def test_search_then_training_builds_each_stage_program_once(tmp_path, monkeypat
     from cfp.search.options import SearchOptions
     from cfp.runtime.stage.program import StageProgram
     from cfp.runtime.stage.replay import StageReplay
-    from cfp.runtime.stage.search import search_stage_plans
+    from cfp.runtime.stage.plan_search import search_stage_plans
     built = {"program": [], "replay": 0, "analysis": 0}
     init_program, init_replay, analyse = StageProgram.__init__, StageReplay.__init__, cases.analyze_with_program
 

@@ -133,7 +133,7 @@ def test_a_step_not_measured_in_full_still_writes_its_timeline_without_a_bubble(
     from types import SimpleNamespace
 
     from cfp.layout import Layout
-    from cfp.runtime.schedules import ScheduleName
+    from cfp.schedules.registry import ScheduleName
     from cfp.runtime.training import _timeline
     full = gpipe(Timeline(), 2, 2).events
     opts = SimpleNamespace(timeline_dir=str(tmp_path / "tl"), schedule=ScheduleName.GPIPE,
@@ -162,8 +162,8 @@ def test_split_backward_replays_and_bounds_its_makespan():
     simulation give that step's makespan; the critical path through B and W (B after the next stage's B, W after
     its B) is that makespan too, and a W recorded before its B contradicts the schedule (inf)."""
     import dataclasses
-    from cfp.runtime.schedules import SCHEDULES, ScheduleName
-    from cfp.runtime.simulate import ActionCosts, simulate
+    from cfp.schedules.registry import SCHEDULES, ScheduleName
+    from cfp.schedules.simulate import ActionCosts, simulate
     from cfp.runtime.timeline import Event, critical_path, median_action_seconds, replay_measured
     table = SCHEDULES[ScheduleName.ZB_H1].pattern(3, 6)
     costs = ActionCosts.per_stage([1.0, 2.0, 1.0], [1.0, 1.5, 1.2], [0.5, 1.0, 0.7], table.placement)

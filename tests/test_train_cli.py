@@ -102,7 +102,7 @@ def test_resume_refuses_a_corrupt_checkpoint(tmp_path, capsys):
 def test_stage_plan_search_keeps_its_plans_under_checkpoint_dir_alone(tmp_path, capsys, monkeypatch):
     """--stage-plans search with --checkpoint-dir and no --checkpoint-every: the directory reaches the stage-plan
     step (which saves the plans in DIR/stage_plans) instead of being refused as unused."""
-    import cfp.runtime.stage.build as sp
+    import cfp.runtime.stage.builder as sp
     from cfp.errors import CfpError
     from cfp.runtime.stage.plans import StagePlanMode
     seen = {}

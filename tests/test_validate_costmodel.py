@@ -13,7 +13,7 @@ from cfp.planner.cluster import parse_cluster
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel
 from cfp.planner.step_features import GradSync, Recompute, StepFeatures
-from cfp.runtime.schedules import ScheduleName
+from cfp.schedules.registry import ScheduleName
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

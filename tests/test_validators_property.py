@@ -170,7 +170,7 @@ def test_stages_built_directly_are_checked_like_documents(field, bad):
 @given(layouts(num_layers=2), st.sampled_from(["1f1b", "gpipe"]))
 def test_layout_files_round_trip(layout, schedule):
     from cfp.planner.layout_file import LayoutFile, parse_layout_file
-    from cfp.runtime.schedules import ScheduleName
+    from cfp.schedules.registry import ScheduleName
     lf = LayoutFile("gpt", "tiny", {"num_layers": 2}, ScheduleName(schedule), layout, {"step_time": 1.0}, {})
     back = parse_layout_file(json.loads(json.dumps(lf.to_dict())))
     assert back == lf
@@ -186,7 +186,7 @@ BAD_LAYOUT_FILE = {"format": ["cfp-layout/3", None, 2], "model": ["gpt5", 3, Non
 @settings(max_examples=5)
 def test_a_layout_file_broken_in_one_place_is_a_config_error(field, value, layout):
     from cfp.planner.layout_file import LayoutFile, parse_layout_file
-    from cfp.runtime.schedules import ScheduleName
+    from cfp.schedules.registry import ScheduleName
     doc = LayoutFile("gpt", "tiny", {"num_layers": 2}, ScheduleName.GPIPE, layout, {}, {}).to_dict()
     doc[field] = value = copy.deepcopy(value)
     if field == "overrides" and isinstance(value, dict):

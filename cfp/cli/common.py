@@ -38,7 +38,7 @@ DEFAULT_WEIGHT_DECAY = 0.01
 DEFAULT_SEED = 0
 DEFAULT_CATALOG_GPU = DEFAULT_GPU     # where a command needs some GPU of the catalog for its estimates
 DEFAULT_KEEP_CHECKPOINTS = 3
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")   # the registry's (`cfp.runtime.schedules`)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")   # the registry's (`cfp.schedules.registry`)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -159,7 +159,7 @@ def add_schedule(p: argparse.ArgumentParser) -> None:
 def schedule_text(text: str) -> str:
     """argparse type of `cfp plan --schedule`: a schedule name, ``interleaved:V`` or ``auto``."""
     from cfp.errors import ConfigError
-    from cfp.runtime.schedules import schedule_choices
+    from cfp.schedules.registry import schedule_choices
     try:
         schedule_choices(text)
     except ConfigError as e:

@@ -222,7 +222,7 @@ def run_train(args) -> int:
     from cfp.data.breakdown import format_summary
     from cfp.models import get_config, init_params
     from cfp.runtime.engine import zoo_trainer
-    from cfp.runtime.schedules import ScheduleName
+    from cfp.schedules.registry import ScheduleName
 
     method = get_method(args.batching_method)
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 def _factory_facts(args, cluster, overrides):
     """(cost facts, description) of the model a factory returns, derived on its step-0 example micro-batch."""
     from cfp.cli.factory import load_factory
-    from cfp.planner.layered import facts_for
+    from cfp.planner.model_facts import facts_for
     given = {"--config": args.config, "--stage-times": args.stage_times,
              **{"--" + k.replace("_", "-"): v for k, v in overrides.items()}}
     for flag, value in given.items():

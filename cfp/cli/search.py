@@ -5,7 +5,7 @@ import argparse
 import itertools
 import time
 
-from cfp.cli.options import add_record_flags, record_from_args
+from cfp.cli.flags import add_record_flags, record_from_args
 from cfp.cli.common import (DEFAULT_CATALOG_GPU, add_model_options, build_step, check_output_dir, check_output_file,
                             ensure_host_devices, model_config, positive_int)
 from cfp.errors import ConfigError
@@ -174,7 +174,7 @@ def run_enum(args) -> int:
     check_output_dir(args.dump_dir, "--dump-dir")
     ensure_host_devices()
     from cfp.analysis.analysis import analyze_with_program
-    from cfp.profiling import costmodel
+    from cfp.profiling import gpu_estimate
     from cfp.hardware.gpus import get_gpu
     from cfp.profiling.options import ProfileOptions
     from cfp.profiling.profiler import Profiler
@@ -189,11 +189,11 @@ def run_enum(args) -> int:
     print(f"segment kind {seg.kind} blocks {seg.start}..{seg.stop - 1}, space {space}; "
           f"enumerating {len(choices)} combinations; cost model: {gpu.name}")
     prof = Profiler(program, analysis, ProfileOptions(iters=args.iters, progress=False), log=lambda *_: None)
-    dtype = costmodel.dominant_dtype(analysis, seg.blocks)
+    dtype = gpu_estimate.dominant_dtype(analysis, seg.blocks)
     print(f"{'combination':<28} {'comm MB':>9} {'comm ms':>9} {'compute ms':>10} {'measured ms':>11} {'memory MB':>10}")
     for e in prof.profile_segment(seg, choices):
-        ct = costmodel.comm_time(e.collectives, gpu)
-        cp = costmodel.compute_time(e.flops, e.bytes_accessed, gpu, dtype)
+        ct = gpu_estimate.comm_time(e.collectives, gpu)
+        cp = gpu_estimate.compute_time(e.flops, e.bytes_accessed, gpu, dtype)
         print(f"{str(list(e.choice)):<28} {e.comm_bytes / 1e6:9.3f} {ct * 1e3:9.4f} {cp * 1e3:10.4f} "
               f"{e.measured * 1e3:11.3f} {e.memory / 1e6:10.3f}")
     return 0

@@ -17,11 +17,11 @@ import numpy as np
 from cfp.data.milp import Milp
 from cfp.data.schemes import Scheme
 from cfp.errors import InfeasibleError
-from cfp.runtime.schedules import pipeline_time
+from cfp.schedules.registry import pipeline_time
 
 
 def pipeline_estimate(scheme: Scheme, lengths: np.ndarray) -> float:
-    """Each sequence its own micro-batch through pp like stages (`cfp.runtime.schedules.pipeline_time`)."""
+    """Each sequence its own micro-batch through pp like stages (`cfp.schedules.registry.pipeline_time`)."""
     if lengths.size == 0:
         return 0.0
     return pipeline_time([1.0] * scheme.pp, scheme.seq_cost(lengths).tolist())

@@ -21,7 +21,7 @@ import numpy as np
 from cfp.data.rows import arrange, first_fit, pack_rows, row_count, row_width
 from cfp.data.schemes import CostForm, Scheme
 from cfp.errors import InfeasibleError
-from cfp.runtime.schedules import pipeline_time as _schedule_time
+from cfp.schedules.registry import pipeline_time as _schedule_time
 
 MicroBatches = list[list[int]]   # per micro-batch, indices into the pipeline's length list
 
@@ -73,7 +73,7 @@ def pack_fixed_rows(lengths: Sequence[int], max_len: int) -> MicroBatches:
 
 
 def pipeline_time(scheme: Scheme, lengths: np.ndarray, mbs: MicroBatches, packed: bool = True) -> float:
-    """Σ micro-batch cost + (pp-1)·slowest micro-batch: `cfp.runtime.schedules.pipeline_time` of pp like stages
+    """Σ micro-batch cost + (pp-1)·slowest micro-batch: `cfp.schedules.registry.pipeline_time` of pp like stages
     (`packed`: False for padded micro-batches, one sequence per row)."""
     if not mbs:
         return 0.0

@@ -36,7 +36,7 @@ import numpy as np
 from cfp.data.rows import MIN_WIDTH, row_pairs
 from cfp.data.schemes import CostForm, Scheme, SchemeSpace, fit_nonnegative, fit_quadratic
 from cfp.errors import ConfigError
-from cfp.runtime.schedules import ScheduleName
+from cfp.schedules.registry import ScheduleName
 
 DEFAULT_MFU = 0.5
 PIPELINED = 4       # micro-batches in flight when timing a pipeline of pp > 1 stages

@@ -28,7 +28,7 @@ from cfp.data.schemes import Scheme, SchemeSpace
 from cfp.data.sources import Sequences
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.models.configs import MoEConfig
-from cfp.runtime.schedules import ScheduleName
+from cfp.schedules.registry import ScheduleName
 
 Shape = tuple[int, int, int]   # (cp, tp, pp)
 

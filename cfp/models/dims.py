@@ -19,7 +19,7 @@ Dims = tuple[Optional[str], ...]
 DIM_FIELDS = {"heads": "num_heads", "kv_heads": "num_kv_heads", "mlp": "ffn_size", "vocab": "vocab_size",
               "exp": "num_experts", "embed": "hidden_size"}
 
-# (owning module, parameter) -> dims; models/common.py's Attention and MLP, llama.py's SwiGLU, moe.py's MoEFFN,
+# (owning module, parameter) -> dims; models/layers.py's Attention and MLP, llama.py's SwiGLU, moe.py's MoEFFN,
 # the GPT/Llama embedding and LM head (BERT's tied-free head `transform`/`decoder` is left replicated)
 PARAM_DIMS: dict[tuple[str, str], Dims] = {
     # Attention: q/k/v kernels [H, heads, D], biases [heads, D]; out [heads, D, H]

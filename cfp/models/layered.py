@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from cfp.layered.model import LayeredModel
-from cfp.models.api import _resolve, init_params, stage_modules
+from cfp.models.zoo import _resolve, init_params, stage_modules
 from cfp.models.configs import Config, MoEConfig
 from cfp.models.dims import param_dims
 from cfp.sharding.rules import path_keys

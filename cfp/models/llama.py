@@ -7,7 +7,7 @@ from typing import Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from cfp.models.common import (INIT, PARAM_DTYPE, Attention, check_seq_len, compose,
+from cfp.models.layers import (INIT, PARAM_DTYPE, Attention, check_seq_len, compose,
                                compute_dtype, dense, zero_aux)
 from cfp.models.configs import LlamaConfig
 

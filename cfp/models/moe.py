@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from cfp.errors import ConfigError
 from cfp.models import gpt
-from cfp.models.common import INIT, PARAM_DTYPE, compose, compute_dtype
+from cfp.models.layers import INIT, PARAM_DTYPE, compose, compute_dtype
 from cfp.models.configs import MoEConfig
 
 Embed = gpt.Embed

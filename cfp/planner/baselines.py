@@ -8,7 +8,7 @@ from cfp.planner.build import build_layout, stage_layouts
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.options import PlannerOptions
-from cfp.planner.partition import machine_groups
+from cfp.planner.metis import machine_groups
 from cfp.planner.planner import pipeline_counts
 
 

@@ -15,7 +15,7 @@ gradient) at the device's memory bandwidth (softmax passes at its softmax rate w
 `cpu` entry). TP all-reduces add the device's fixed cost per collective (0 for the datasheet entries). MFU is
 against the dense peaks of that precision.
 
-Step time = slowest pipeline (the schedule's `cfp.runtime.schedules.pipeline_time`: the sum of the stage
+Step time = slowest pipeline (the schedule's `cfp.schedules.registry.pipeline_time`: the sum of the stage
 times plus (m-1) times the slowest stage, sends included) + gradient sync across pipelines (ring
 all-reduce per layer over the slowest link) + the memory-bound AdamW update. Collectives come from
 `cfp.hardware.collectives.collective_time`. Unlike FlashFlex's model no empirical factors (1.8, 1.1)
@@ -44,8 +44,8 @@ from cfp.costs import Part, model_figures
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
 from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, collective_sync_seconds
-from cfp.runtime import schedule_time
-from cfp.runtime.schedules import ScheduleName, ScheduleSpec, schedule_choices
+from cfp.schedules import formulas
+from cfp.schedules.registry import ScheduleName, ScheduleSpec, schedule_choices
 
 
 _MISSING = object()
@@ -159,7 +159,7 @@ class _PipelineFigures:
 class CostModel:
     """Estimates a `Layout` of `config` (a zoo model config, or a model's `ModelFigures`: its derived
     `CostFacts`) on `cluster` with `schedule` (one schedule, a list of them or "auto",
-    `cfp.runtime.schedules.schedule_choices`: each pipeline is priced with the fastest of them whose activation
+    `cfp.schedules.registry.schedule_choices`: each pipeline is priced with the fastest of them whose activation
     memory fits; stages are sized by the first); stages whose shape and device `stage_times` has measured are
     priced by the measured time (their TP collectives included in it); `features`: how the step runs (default:
     cfp's runtime)."""
@@ -437,13 +437,13 @@ class CostModel:
         return self.stage_times.lookup(gpu, StageShape(st.tp, st.layers, first, last, mb))
 
     def pipeline_time(self, stages: tuple[StageEstimate, ...], chunks: int, spec: ScheduleSpec = None) -> float:
-        """The schedule's pipeline time (`cfp.runtime.schedule_time`) of stages that each take their forward,
+        """The schedule's pipeline time (`cfp.schedules.formulas`) of stages that each take their forward,
         backward (B, then W) and the sends in and out of them (not overlapped with compute; v times over with v
         virtual stages per stage, half with the forward, half with B) per micro-batch."""
         spec = spec or self.spec
-        if spec.entry.seconds is schedule_time.one_f_one_b_seconds:       # the sums are all it needs (planning at scale)
+        if spec.entry.seconds is formulas.one_f_one_b_seconds:       # the sums are all it needs (planning at scale)
             prev_send = [0.0] + [s.send for s in stages[:-1]]
-            return schedule_time.pipeline_time([s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send)],
+            return formulas.pipeline_time([s.fwd + s.bwd + s.send + p for s, p in zip(stages, prev_send)],
                                                chunks)
         f, b, w = self.action_seconds(stages, spec)
         return spec.entry.seconds(f, b, w, chunks, spec.v)
@@ -499,7 +499,7 @@ class CostModel:
                                 own_update=max(own, default=0.0), schedule=spec, options=tuple(options))
 
     def dp_time(self, layout: Layout) -> float:
-        """Gradient sync as the runtime does it (`cfp.runtime.dispatch.sync_gradients`): every stage receives
+        """Gradient sync as the runtime does it (`cfp.runtime.executor.sync_gradients`): every stage receives
         its modules' gradients from every other pipeline, resharded onto its devices -- per layer a gather of
         the pipelines' pieces (the largest per-device shard among them) over the slowest link the layout spans
         -- and sums them (memory-bound); a stage syncs its layers one after another, stages at once, so the

@@ -20,7 +20,7 @@ from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.options import PlannerOptions
-from cfp.planner.partition import size_cuts, size_orders
+from cfp.planner.metis import size_cuts, size_orders
 
 MAX_DEVICES = 16
 

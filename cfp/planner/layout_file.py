@@ -11,7 +11,7 @@ from cfp.errors import ConfigError
 from cfp.files import write_text_atomic
 from cfp.layout import Layout
 from cfp.models import get_config
-from cfp.runtime.schedules import ScheduleName, ScheduleSpec
+from cfp.schedules.registry import ScheduleName, ScheduleSpec
 
 FORMAT = "cfp-layout/2"     # 2: the layout is `Layout.to_json`; 1 had the seed's five list fields
 OLD_FORMATS = ("cfp-layout/1",)

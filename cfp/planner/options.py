@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from cfp.errors import ConfigError
 from cfp.planner.measured import MeasuredStageTimes
-from cfp.runtime.schedules import ScheduleName, ScheduleSpec, schedule_choices
+from cfp.schedules.registry import ScheduleName, ScheduleSpec, schedule_choices
 
 
 def _positive(name: str, v) -> int:
@@ -20,7 +20,7 @@ def _positive(name: str, v) -> int:
 class PlannerOptions:
     """`global_batch_size` sequences per step; `micro_batch_sizes` tried per micro-batch;
     `max_pipelines` caps the data-parallel degree searched (None: as many as the batch allows);
-    `schedule`: one schedule, a list of them or "auto" (`cfp.runtime.schedules.schedule_choices`): each pipeline
+    `schedule`: one schedule, a list of them or "auto" (`cfp.schedules.registry.schedule_choices`): each pipeline
     runs the fastest of them whose memory fits;
     `refine_evaluations` bounds the local refinement (a count, not a time, so plans are deterministic);
     `phase2_metis` offers METIS' compute-balanced stage cut next to one TP degree per device type

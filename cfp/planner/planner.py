@@ -23,7 +23,7 @@ from cfp.planner.cluster import Cluster
 from cfp.layout import Layout
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.options import PlannerOptions
-from cfp.planner.partition import (balanced_stages, cluster_graph, machine_groups, split_by_type,
+from cfp.planner.metis import (balanced_stages, cluster_graph, machine_groups, split_by_type,
                                    split_pipelines, split_stages, stage_orders)
 from cfp.planner.refine import refine
 

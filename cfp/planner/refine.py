@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Sequence
 from cfp.planner.build import allocate_chunks, best_order, max_chunks, pipeline_terms, split_layers
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel, Estimate
-from cfp.planner.partition import size_cuts, size_orders
+from cfp.planner.metis import size_cuts, size_orders
 
 _SHIFTS = (1, 2, 3, 4, 8, 16, 32, 64)
 _EPS = 1e-9

@@ -2,7 +2,7 @@
 generated from the cost model's action times under the memory the plan leaves each stage for kept activations.
 
 The cost model (`cfp.planner.costmodel`) prices every candidate schedule of a pipeline by its time formula
-(`cfp.runtime.schedule_time`) and its activation memory per stage (`Schedule.counts`: the virtual-stage inputs and
+(`cfp.schedules.formulas`) and its activation memory per stage (`Schedule.counts`: the virtual-stage inputs and
 W stashes its pattern keeps at most) and takes the fastest whose stages fit. `schedule_reports` then builds, for
 each pipeline, the table the runtime would generate (`Schedule.generated`) from per-virtual-stage F, B and W
 seconds estimated by the cost model, under a per-stage limit in bytes -- what the stage's memory holds beyond its
@@ -16,9 +16,9 @@ from typing import Optional
 
 from cfp.layout import Layout, Pipeline
 from cfp.planner.costmodel import CostModel, Estimate
-from cfp.runtime.schedule_table import KeptBytes, ScheduleTable, peak_kept, vstage_layers
-from cfp.runtime.schedules import ScheduleSpec
-from cfp.runtime.simulate import ActionCosts, Simulation
+from cfp.schedules.actions import KeptBytes, ScheduleTable, peak_kept, vstage_layers
+from cfp.schedules.registry import ScheduleSpec
+from cfp.schedules.simulate import ActionCosts, Simulation
 
 MAX_SIMULATED_ACTIONS = 20000   # larger pipelines are chosen by the formula only (the generator is pure Python)
 SIMULATED_WITHIN = 1.15          # candidates slower than this times the fastest fitting one by formula: not simulated

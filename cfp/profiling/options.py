@@ -56,7 +56,7 @@ class ProfileOptions:
     """
 
     # `help` metadata: the field is a flag of `cfp profile`/`cfp search`, generated with this record's default
-    # (cfp.cli.options); `flag` names it where the field's name would read badly on the command line
+    # (cfp.cli.flags); `flag` names it where the field's name would read badly on the command line
     kind: ProfilerKind = dataclasses.field(default=ProfilerKind.MEASURE, metadata={
         "flag": "profiler", "help": "measure: time on the local devices; estimate: cost model of --gpu"})
     gpu: str | None = dataclasses.field(default=None, metadata={

@@ -22,7 +22,7 @@ from cfp.analysis.blocks import data_parallel_choice
 from cfp.analysis.block_sharding import shards
 from cfp.analysis.segments import Segment
 from cfp.ir.capture import Program
-from cfp.profiling import costmodel
+from cfp.profiling import gpu_estimate
 from cfp.hardware.gpus import get_gpu
 from cfp.profiling.options import ProfileOptions, ProfilerKind, ProfilerSpec
 from cfp.profiling.subprogram import SegmentProgram
@@ -100,11 +100,11 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
         total *= n
     if total <= options.max_combinations:
         return list(itertools.product(*[range(n) for n in space])), f"exhaustive: all {total} combinations"
-    gpu = get_gpu(options.gpu or costmodel.DEFAULT_RANKING_GPU)
+    gpu = get_gpu(options.gpu or gpu_estimate.DEFAULT_RANKING_GPU)
     g, shape = analysis.graph, analysis.mesh.shape
     layouts = {(b, s): analysis.layout(b, s)
                for b in segment.blocks for s in range(len(analysis.blocks[b].strategies))}
-    own = {k: costmodel.block_cost(analysis, lay, gpu) for k, lay in layouts.items()}
+    own = {k: gpu_estimate.block_cost(analysis, lay, gpu) for k, lay in layouts.items()}
     # memory proxy: per-device bytes of every tensor the block's layout places (weights, optimizer state and
     # activations alike); each block also keeps its leanest strategy so memory-bound budgets have candidates
     foot = {k: sum(g.tensor(t).nbytes // shards(spec, shape) for t, spec in lay.specs)
@@ -120,7 +120,7 @@ def candidate_choices(analysis: Analysis, segment: Segment, options: ProfileOpti
     def pair(i, ci, j, cj):
         key = (i, ci, j, cj)
         if key not in pair_cost:
-            pair_cost[key] = costmodel.reshard_cost(analysis, specs[(blocks[i], ci)], specs[(blocks[j], cj)], link)
+            pair_cost[key] = gpu_estimate.reshard_cost(analysis, specs[(blocks[i], ci)], specs[(blocks[j], cj)], link)
         return pair_cost[key]
 
     def cost(choice):
@@ -235,15 +235,15 @@ class Profiler:
     def _entry(self, seg: Segment, choice, sp: SegmentProgram, compiled, quiet=None) -> ProfileEntry:
         shape = self.analysis.mesh.shape
         fig = compiled_figures(compiled, shape)
-        colls = costmodel.collective_groups(fig, shape)
+        colls = gpu_estimate.collective_groups(fig, shape)
         measured = None
         if self.options.kind is ProfilerKind.MEASURE:
             measured = time_compiled(compiled, sp.example_inputs(), self.options.iters, self.options.warmup, quiet)
             t = measured
         else:
-            dtype = costmodel.dominant_dtype(self.analysis, seg.blocks)
-            rate = costmodel.dots_rate(self.analysis, zip(seg.blocks, choice), self.gpu)
-            t = costmodel.estimated_time(fig, shape, self.gpu, dtype, rate)
+            dtype = gpu_estimate.dominant_dtype(self.analysis, seg.blocks)
+            rate = gpu_estimate.dots_rate(self.analysis, zip(seg.blocks, choice), self.gpu)
+            t = gpu_estimate.estimated_time(fig, shape, self.gpu, dtype, rate)
         return ProfileEntry(tuple(choice), t, fig.memory - sp.borrowed_bytes, sum(c[1] for c in colls), fig.flops,
                             fig.bytes_accessed, colls, measured)
 

@@ -1,6 +1,6 @@
 """Per-block cost-model figures of a plan: what each block costs under its strategy and what the runner-up would.
 
-Every figure is an estimate of the `cfp.profiling.costmodel` analytic model on a catalog GPU (dots by dtype,
+Every figure is an estimate of the `cfp.profiling.gpu_estimate` analytic model on a catalog GPU (dots by dtype,
 precision and per-device GEMM shape; the block's predicted collectives over the GPU's link), per device and
 per step; memory is the per-device bytes of the tensors the block's layout places (weights, optimizer state and
 activations alike), not a compiled figure.
@@ -15,7 +15,7 @@ from cfp.analysis.block_sharding import block_layout, shards
 from cfp.errors import ConfigError
 from cfp.hardware import rates
 from cfp.hardware.gpus import GpuSpec
-from cfp.profiling import costmodel
+from cfp.profiling import gpu_estimate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +96,12 @@ def strategy_cost(analysis: Analysis, block: int, strategy: int, gpu: GpuSpec) -
     of the block: a scan body's block counts one iteration's tensors and a 1/N share of the stacked tensors
     (all N layers' weights, optimizer state, saved activations) it places, so N runs count them once."""
     g, shape = analysis.graph, analysis.mesh.shape
-    mp = costmodel.matmul_precision()
+    mp = gpu_estimate.matmul_precision()
     compute = sum(rates.dot_time(f, gpu, dt, mp, mnk)
-                  for f, dt, mnk in costmodel.dot_costs(analysis, [(block, strategy)]))
+                  for f, dt, mnk in gpu_estimate.dot_costs(analysis, [(block, strategy)]))
     lay = block_layout(g, analysis.blocks[block], strategy, shape)
-    comm = sum(costmodel.collective_seconds("all-reduce" if c.kind == "all-reduce" else "all-gather", c.bytes,
-                                            costmodel.group_size(c.axes, shape), gpu) for c in lay.collectives)
+    comm = sum(gpu_estimate.collective_seconds("all-reduce" if c.kind == "all-reduce" else "all-gather", c.bytes,
+                                            gpu_estimate.group_size(c.axes, shape), gpu) for c in lay.collectives)
     runs = g.repeat(analysis.blocks[block].forward.op)
     memory = sum(g.tensor(t).nbytes // shards(spec, shape) * _tensor_runs(analysis, t) for t, spec in lay.specs)
     return compute, comm, int(memory // runs)

@@ -7,15 +7,15 @@ in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pi
 (e.g. packed variable-length rows with segment ids; any count, any shape, none at all):
 
 1. Every pipeline runs its schedule (GPipe, 1F1B or ZB-H1: each backward as B then a deferred W) on its
-   micro-batches (``dispatch.ScheduleRun``); each stage
+   micro-batches (``executor.ScheduleRun``); each stage
    accumulates the gradient of its micro-batches' summed ``loss_sum``; the step's loss is
    ``sum(loss_sum) / sum(weight)`` over every micro-batch of every pipeline.
-2. Gradient sync (``dispatch.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from
+2. Gradient sync (``executor.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from
    every pipeline (resharded from that pipeline's stages onto this stage's shardings) and sums them in pipeline
    order.
 3. The optimizer per stage of pipeline 0 (`cfp.runtime.stage.optim`): the user's optax transformation on the
    stage's part, on the summed gradient scaled by ``1 / sum(weight)``; then every other pipeline's stages get
-   the new parameters from pipeline 0's (``dispatch.broadcast_params``), so all pipelines hold the same bits
+   the new parameters from pipeline 0's (``executor.broadcast_params``), so all pipelines hold the same bits
    whatever their stage boundaries and TP degrees, and only pipeline 0 holds optimizer state. A NaN or Inf in
    the loss, a summed gradient or a new parameter raises ``NumericalError`` naming the step and the leaf.
 
@@ -38,13 +38,13 @@ import optax
 from cfp.errors import ConfigError, NumericalError
 from cfp.layered.model import LayeredModel, merge_stage_params, stage_params
 from cfp.layout import Layout
-from cfp.runtime.dispatch import (ActivationShapes, ScheduleRun, broadcast_params, check_micro_batches,
+from cfp.runtime.executor import (ActivationShapes, ScheduleRun, broadcast_params, check_micro_batches,
                                   grad_pieces, split_batch, sync_gradients)
-from cfp.runtime.schedules import SCHEDULES, ScheduleName, check_schedule, global_order
-from cfp.runtime.stage.build import build_programs
+from cfp.schedules.registry import SCHEDULES, ScheduleName, check_schedule, global_order
+from cfp.runtime.stage.builder import build_programs
 from cfp.runtime.stage.cache import CompileCache
 from cfp.runtime.stage.plans import StagePlans
-from cfp.runtime.state import gather_stages, host
+from cfp.runtime.host_state import gather_stages, host
 from cfp.runtime.timeline import Event
 from cfp.runtime.timing import StepClock
 from cfp.xla.compiled import compiled_memory

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from cfp.errors import ConfigError
 from cfp.files import write_json_atomic
-from cfp.runtime.schedules import Phase
+from cfp.schedules.registry import Phase
 
 
 _COLORS = {Phase.FWD: "#4C72B0", Phase.BWD: "#DD8452", Phase.BWD_INPUT: "#C44E52", Phase.BWD_WEIGHT: "#55A868"}
@@ -93,11 +93,11 @@ def critical_path(events: list[Event]) -> float:
 
 
 def replay_measured(events: list[Event], table) -> "Simulation":
-    """One pipeline's measured actions replayed in the event simulation (`cfp.runtime.simulate`) of the table it
+    """One pipeline's measured actions replayed in the event simulation (`cfp.schedules.simulate`) of the table it
     ran (one virtual stage per stage): each action takes its measured duration, every stage owns its compute, so
     the makespan and bubble are those of devices that do not share cores (on a shared host an idle device gives
     its cores to the others and wall time hides the bubble)."""
-    from cfp.runtime.simulate import ActionCosts, simulate
+    from cfp.schedules.simulate import ActionCosts, simulate
     if table.v != 1:
         raise ConfigError(f"schedule {table.name}: replaying measured actions needs one virtual stage per stage")
     measured = {(e.phase, e.stage, e.microbatch): e.duration for e in events}

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from cfp.runtime.schedules import Phase
+from cfp.schedules.registry import Phase
 from cfp.runtime.timeline import Event
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from cfp.errors import ConfigError
 from cfp.files import check_output_dir
 from cfp.layout import Layout
-from cfp.runtime.schedules import SCHEDULES, Phase, ScheduleName
+from cfp.schedules.registry import SCHEDULES, Phase, ScheduleName
 
 if TYPE_CHECKING:
     import optax
@@ -285,7 +285,7 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
          keep_state: bool = False) -> "TrainResult":
     """The run's steps in order: stage plans, trainer, initial state, training, report, timeline, verification."""
     from cfp.runtime.engine import HeteroTrainer
-    from cfp.runtime.stage.build import plans_for_run
+    from cfp.runtime.stage.builder import plans_for_run
     from cfp.runtime.stage.cache import CompileCache
     from cfp.runtime.stage.plans import report_lines
     _check_before_work(opts)
@@ -317,7 +317,7 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
 
 def _stage_plan_options(opts: RunOptions, cache: "CompileCache", log) -> Optional["StagePlanOptions"]:
     """The run's stage-plan options; a model that names no parameter dims gets its TP stages searched."""
-    from cfp.runtime.stage.build import needs_search
+    from cfp.runtime.stage.builder import needs_search
     from cfp.runtime.stage.plans import StagePlanMode, StagePlanOptions
     unnamed = needs_search(cache, opts.layout)
     if unnamed and (opts.stage_plans is None or opts.stage_plans.mode is StagePlanMode.MEGATRON):
@@ -463,9 +463,9 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
 def _simulated_line(opts, tl, q: int, v: dict) -> str:
     """Pipeline q's measured actions replayed with every stage owning its compute (`replay_measured`), the same
     with each stage's median measured F, B and W (a shared host stalls a few actions for far longer than they
-    compute), and the schedule's time formula on those medians (`cfp.runtime.schedule_time`)."""
-    from cfp.runtime.schedule_time import bubble_of
-    from cfp.runtime.simulate import ActionCosts, simulate
+    compute), and the schedule's time formula on those medians (`cfp.schedules.formulas`)."""
+    from cfp.schedules.formulas import bubble_of
+    from cfp.schedules.simulate import ActionCosts, simulate
     from cfp.runtime.timeline import median_action_seconds, replay_measured
     entry = SCHEDULES[opts.schedule]
     p, m = v["stages"], v["microbatches"]

@@ -42,7 +42,7 @@ class SearchOptions:
     """The one record of how a plan is searched, profiling included: `cfp.autoshard`, `cfp search` and the
     stage planner (`cfp train --stage-plans search`) all build it, so the same step and budget give the same
     plan from each. Its defaults are the only ones; the CLI's flags and their `--help` defaults are generated
-    from its fields (and those of `profile`, see cfp.cli.options).
+    from its fields (and those of `profile`, see cfp.cli.flags).
 
     `profile`: how the segments are profiled (`ProfileOptions`); its `iters` and `warmup` also time the
     verified plans. `memory_per_device`: per-device bytes budget (None: unbounded). `top_k`: per segment, the

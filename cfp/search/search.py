@@ -14,13 +14,13 @@ from cfp.baselines.uniform import dp_tp_choice
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.hardware.gpus import GpuSpec, get_gpu
 from cfp.ir.capture import Program
-from cfp.profiling import costmodel
+from cfp.profiling import gpu_estimate
 from cfp.profiling.options import ProfilerKind, ProfilerSpec
 from cfp.profiling.table import ProfileTable
 from cfp.search.dp import DPSolution, dp_search
-from cfp.search.loops import LoopBodies
+from cfp.search.loop_figures import LoopBodies
 from cfp.search.options import SearchOptions, fmt_bytes
-from cfp.search.state import StateEstimator
+from cfp.search.state_sharding import StateEstimator
 from cfp.sharding.specs import donated_bytes
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.xla.compiled import compiled_figures, compiled_memory, time_compiled, time_interleaved
@@ -148,9 +148,9 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     mesh = mesh if mesh is not None else analysis.mesh.make()
     link = options.link_gbps or (gpu.link_gbps if gpu else measure_link_gbps(mesh))
     uniform = data_parallel_choice(analysis.graph, analysis.blocks)
-    steps: dict = {}
-    scale, estimator = _calibrate(program, analysis, table, uniform, example_args, mesh, options=options, steps=steps,
-                                  log=log)
+    loops = LoopBodies(program, analysis, table, gpu, mesh) if analysis.graph.loops else None
+    steps = StepCache(program, analysis, mesh)
+    scale, estimator = _calibrate(analysis, table, uniform, example_args, options=options, steps=steps, log=log)
     cands, cost, mem = _candidate_rows(analysis.segments, entries, estimator, scale, link)
     trans = _transitions(analysis, cands, link)
     solutions = _dp_solutions(cost, mem, trans, options, log)
@@ -158,9 +158,8 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     own = set(keys)
     if options.verify:
         solutions, keys = _with_uniform_choices(analysis, uniform, solutions, keys, options.shard_state)
-    loops = LoopBodies(program, analysis, table, gpu, mesh) if analysis.graph.loops else None
-    verified = [_verify_solution(program, analysis, sol, choice, shard, example_args, mesh, steps=steps,
-                                 options=options, gpu=gpu, log=log, loops=loops)
+    verified = [_verify_solution(analysis, sol, choice, shard, example_args, steps=steps, options=options,
+                                 gpu=gpu, log=log, loops=loops)
                 for sol, (choice, shard) in zip(solutions, keys)]
     if gpu is None and options.verify:
         verified = _time_side_by_side(verified, steps, example_args, options, log)
@@ -216,18 +215,31 @@ def _segment_entries(analysis: Analysis, table: ProfileTable, top_k: int) -> lis
     return entries
 
 
-def _calibrate(program, analysis, table, uniform, example_args, mesh, *, options: SearchOptions, steps, log):
+class StepCache(dict):
+    """The search's sharded steps by (choice, sharded-state blocks), each built once on ``mesh`` and shared by the
+    memory calibration, the verification and the side-by-side timing."""
+
+    def __init__(self, program: Program, analysis: Analysis, mesh: jax.sharding.Mesh):
+        super().__init__()
+        self.program, self.analysis, self.mesh = program, analysis, mesh
+
+    def step(self, choice, shard=()) -> ShardedStep:
+        key = (tuple(choice), tuple(shard))
+        if key not in self:
+            self[key] = apply_choice(self.program, self.analysis, key[0], self.mesh, shard_state=key[1])
+        return self[key]
+
+
+def _calibrate(analysis, table, uniform, example_args, *, options: SearchOptions, steps: StepCache, log):
     """(memory scale of the summed segment memories, state-sharding estimator or None), both calibrated on
     whole compiles of data parallel (plain, and with every block's state sharded) when verifying."""
-    scale = (_memory_scale(program, analysis, table, uniform, example_args, mesh, steps=steps, log=log,
-                           donate=options.donate)
+    scale = (_memory_scale(analysis, table, uniform, example_args, steps=steps, log=log, donate=options.donate)
              if options.verify else 1.0)
     # Under a budget every candidate also exists with its state sharded (ZeRO-3): less memory, more gathering.
     estimator = (StateEstimator(analysis, uniform)
                  if options.memory_per_device is not None and options.shard_state else None)
     if estimator is not None and options.verify and (uniform, ()) in steps:
-        _state_scale(program, analysis, estimator, uniform, example_args, mesh, steps=steps, log=log,
-                     donate=options.donate)
+        _state_scale(analysis, estimator, uniform, example_args, steps=steps, log=log, donate=options.donate)
     return scale, estimator
 
 
@@ -255,7 +267,7 @@ def _transitions(analysis: Analysis, cands, link: float) -> list:
     for i in range(len(segs) - 1):
         a = [analysis.segment_specs(segs[i], e.choice) for e, _ in cands[i]]
         b = [analysis.segment_specs(segs[i + 1], e.choice) for e, _ in cands[i + 1]]
-        trans.append([[costmodel.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])
+        trans.append([[gpu_estimate.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])
     return trans
 
 
@@ -289,14 +301,13 @@ def _with_uniform_choices(analysis: Analysis, uniform, solutions, keys, shard_st
     return solutions, keys
 
 
-def _verify_solution(program, analysis, sol: DPSolution, choice, shard, example_args, mesh, *, steps,
+def _verify_solution(analysis, sol: DPSolution, choice, shard, example_args, *, steps: StepCache,
                      options: SearchOptions, gpu: GpuSpec | None, log, loops=None) -> VerifiedChoice:
     """Compile (and unless `verify` is 0, time or estimate) one choice whole."""
     if options.verify == 0:
         return VerifiedChoice(choice=choice, shard_state=shard, dp_time=sol.time, time=sol.time, memory=sol.memory,
                               flops=0.0)
-    step = steps.get((choice, shard)) or apply_choice(program, analysis, choice, mesh, shard_state=shard)
-    steps[(choice, shard)] = step
+    step = steps.step(choice, shard)
     v = _verify(step, example_args, choice, shard, sol.time, options=options, gpu=gpu, analysis=analysis, loops=loops)
     timing = (f"({'estimated: ' + gpu.name + ' cost model'}) {v.time:.4g} s" if gpu else "timed below")
     log(f"plan {list(choice)}{' sharded state' if shard else ''}: DP estimate {sol.time:.4g} s, whole step "
@@ -371,7 +382,7 @@ def _step_memory(step: ShardedStep, memory: int, donate: bool) -> int:
     return memory - donated_bytes(step.analysis, step.shardings) if donate else memory
 
 
-def _memory_scale(program, analysis, table, uniform, example_args, mesh, *, steps, log, donate=False) -> float:
+def _memory_scale(analysis, table, uniform, example_args, *, steps: StepCache, log, donate=False) -> float:
     """whole-step memory / sum of segment memories, measured on the data-parallel plan.
 
     Segments profiled alone each count their own peak of temporaries, while the whole step reuses buffers
@@ -386,7 +397,7 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, *, step
                 f"choice {list(choice)}; segment memories are summed unscaled")
             return 1.0
         total += entry.memory * seg.repeat
-    step = steps[(uniform, ())] = apply_choice(program, analysis, uniform, mesh)
+    step = steps.step(uniform)
     whole = _step_memory(step, compiled_memory(step.compile(*example_args)), donate)
     scale = whole / total if total else 1.0
     log(f"memory calibration: data-parallel plan {fmt_bytes(whole)} whole vs {fmt_bytes(total)} summed over "
@@ -394,13 +405,13 @@ def _memory_scale(program, analysis, table, uniform, example_args, mesh, *, step
     return scale
 
 
-def _state_scale(program, analysis, estimator: StateEstimator, uniform, example_args, mesh, *, steps, log,
+def _state_scale(analysis, estimator: StateEstimator, uniform, example_args, *, steps: StepCache, log,
                  donate=False) -> None:
     """Calibrate the state-sharding savings on one whole compile: data parallel with every block's state
     sharded (FSDP) against plain data parallel."""
     every = tuple(range(len(analysis.blocks)))
-    step = steps[(uniform, every)] = apply_choice(program, analysis, uniform, mesh, shard_state=every)
-    plain = steps[(uniform, ())]
+    step = steps.step(uniform, every)
+    plain = steps.step(uniform)
     actual = (_step_memory(plain, compiled_memory(plain.compile(*example_args)), donate)
               - _step_memory(step, compiled_memory(step.compile(*example_args)), donate))
     est = sum(estimator.segment(seg.blocks, tuple(uniform[b] for b in seg.blocks)).memory
@@ -427,8 +438,8 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, *, options:
     elif gpu is None:
         t, noise = float("nan"), 0.0      # measured by `_time_side_by_side`, with every other fitting plan
     else:
-        dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
-        t = costmodel.estimated_time(fig, shape, gpu, dtype, costmodel.dots_rate(analysis, enumerate(choice), gpu))
+        dtype = gpu_estimate.dominant_dtype(analysis, range(len(analysis.blocks)))
+        t = gpu_estimate.estimated_time(fig, shape, gpu, dtype, gpu_estimate.dots_rate(analysis, enumerate(choice), gpu))
     extra_t, extra_flops = loops.extra(choice) if loops is not None else (0.0, 0.0)
     if gpu is not None:
         t += extra_t

@@ -58,7 +58,7 @@ propagate as on one device (nothing is masked). `OptimizerPartition.merge` rebui
 ``(params, opt_state)`` (host numpy) from one pipeline's stages, for checkpoints and verification.
 """
 from cfp.runtime.optimizer.flow import GLOBAL_LIMIT
-from cfp.runtime.optimizer.layered import Part, StageHolding, Unit
+from cfp.runtime.optimizer.param_tree import Part, StageHolding, Unit
 from cfp.runtime.optimizer.partition import OptimizerPartition
 from cfp.runtime.optimizer.stage import StageOptimizer
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from cfp.ir import _jax_internals as jxi
-from cfp.runtime.optimizer.layered import STACKED, Leaves, Unit
+from cfp.runtime.optimizer.param_tree import STACKED, Leaves, Unit
 
 # The most values one global reduction over the layers may hold (they cross stages every step).
 GLOBAL_LIMIT = 4096

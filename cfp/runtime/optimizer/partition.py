@@ -10,8 +10,8 @@ import numpy as np
 import optax
 
 from cfp.errors import ConfigError
-from cfp.runtime.optimizer.layered import StageHolding, Unit
-from cfp.runtime.optimizer.plan import COMBINE, Analysis, analyse, run_eqns
+from cfp.runtime.optimizer.param_tree import StageHolding, Unit
+from cfp.runtime.optimizer.update_plan import COMBINE, Analysis, analyse, run_eqns
 from cfp.runtime.optimizer.stage import StageOptimizer
 
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from cfp.errors import ConfigError
 from cfp.ir import _jax_internals as jxi
 from cfp.runtime.optimizer.flow import Flow
-from cfp.runtime.optimizer.layered import STACKED, Leaves, Part, StageHolding, Unit
-from cfp.runtime.optimizer.plan import Analysis, Round, needed, run_eqns
+from cfp.runtime.optimizer.param_tree import STACKED, Leaves, Part, StageHolding, Unit
+from cfp.runtime.optimizer.update_plan import Analysis, Round, needed, run_eqns
 
 
 def _shape(flow: Flow, consts: dict, order, reads, atoms) -> tuple:

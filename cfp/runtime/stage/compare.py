@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from cfp.profiling import costmodel
+from cfp.profiling import gpu_estimate
 from cfp.profiling.options import ProfilerKind
 from cfp.runtime.stage.boundary import boundary_seconds, replicated
 from cfp.runtime.stage.replay import stage_step
@@ -50,7 +50,7 @@ class MegatronComparison:
 def compare_with_megatron(case, step, result, picked, planned: Callable[[], Any], options,
                           profiler) -> Optional[MegatronComparison]:
     """Time (or estimate) `picked` (the chosen verified choice of search `result` on analysed `step`, a
-    `cfp.runtime.stage.search.Picked`) and the Megatron stage `case.prog` side by side; `planned()` gives the
+    `cfp.runtime.stage.plan_search.Picked`) and the Megatron stage `case.prog` side by side; `planned()` gives the
     stage program of the picked choice (what the runtime would run, kept in the compile cache). None when the
     search verified nothing whole (`verify` 0)."""
     sopts = options.search_options()
@@ -125,9 +125,9 @@ def _estimated(compiled, analysis, choice, gpu_name: str) -> float:
     gpu = get_gpu(gpu_name)
     shape = analysis.mesh.shape
     fig = compiled_figures(compiled, shape, collectives=True)
-    dtype = costmodel.dominant_dtype(analysis, range(len(analysis.blocks)))
+    dtype = gpu_estimate.dominant_dtype(analysis, range(len(analysis.blocks)))
     # the dots of both are the stage's same dots; their rate is taken at the searched choice's shapes
-    return costmodel.estimated_time(fig, shape, gpu, dtype, costmodel.dots_rate(analysis, enumerate(choice), gpu))
+    return gpu_estimate.estimated_time(fig, shape, gpu, dtype, gpu_estimate.dots_rate(analysis, enumerate(choice), gpu))
 
 
 def _alternating(runs: list[tuple[Callable[[], Any], int]], iters: int, warmup: int) -> tuple[list[float], float]:

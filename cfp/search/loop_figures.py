@@ -13,7 +13,7 @@ from typing import Sequence
 from cfp.analysis.analysis import Analysis
 from cfp.hardware.gpus import GpuSpec
 from cfp.ir.capture import Program
-from cfp.profiling import costmodel
+from cfp.profiling import gpu_estimate
 from cfp.profiling.subprogram import SegmentPart, SegmentProgram, segment_io
 from cfp.profiling.table import ProfileTable
 from cfp.xla.compiled import compiled_figures
@@ -58,7 +58,7 @@ class LoopBodies:
         fig = compiled_figures(SegmentProgram(self.program, a, seg, sub, self.mesh, part).compile(), a.mesh.shape)
         t = 0.0
         if self.gpu is not None:
-            dtype = costmodel.dominant_dtype(a, seg.blocks)
-            t = costmodel.estimated_time(fig, a.mesh.shape, self.gpu, dtype,
-                                         costmodel.dots_rate(a, zip(seg.blocks, sub), self.gpu))
+            dtype = gpu_estimate.dominant_dtype(a, seg.blocks)
+            t = gpu_estimate.estimated_time(fig, a.mesh.shape, self.gpu, dtype,
+                                         gpu_estimate.dots_rate(a, zip(seg.blocks, sub), self.gpu))
         return t, fig.flops

@@ -1,6 +1,6 @@
 """Schedules generated from each virtual stage's F, B and W times under a per-stage memory limit.
 
-The generator runs the event simulation (`cfp.runtime.simulate.run_events`) with a policy in place of a table:
+The generator runs the event simulation (`cfp.schedules.simulate.run_events`) with a policy in place of a table:
 whenever a stage is idle it runs one of the actions whose inputs have arrived --
 
 * a backward (B, or the whole backward): the oldest micro-batch's, the later virtual stage first (it is on the
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from cfp.errors import ConfigError
-from cfp.runtime.schedule_table import Action, KeptBytes, Phase, ScheduleTable, kept_change, peak_kept
-from cfp.runtime.simulate import ActionCosts, EventState, Simulation, finish, run_events, simulate
+from cfp.schedules.actions import Action, KeptBytes, Phase, ScheduleTable, kept_change, peak_kept
+from cfp.schedules.simulate import ActionCosts, EventState, Simulation, finish, run_events, simulate
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,15 @@
 """Pipeline schedules as data: the registry (`SCHEDULES`), their fixed patterns and their generated forms.
 
 A schedule (`ScheduleSpec`: a `ScheduleName` and ``v``, the virtual stages per stage) gives, for ``p`` stages and
-``m`` micro-batches, a `ScheduleTable` (`cfp.runtime.schedule_table`): every stage's ordered actions over virtual
+``m`` micro-batches, a `ScheduleTable` (`cfp.schedules.actions`): every stage's ordered actions over virtual
 stages placed on the stages. Its `Schedule` entry says how it places virtual stages (`Placement`), whether its
 backward runs as B (input gradient) and W (weight gradient), how much each stage keeps in its fixed pattern (the
 table it runs with equal stage times: GPipe, 1F1B, interleaved 1F1B and ZB-H1 written out; ZB-V generated from
-equal times), and its time (`cfp.runtime.schedule_time`).
+equal times), and its time (`cfp.schedules.formulas`).
 
 ``Schedule.generated`` builds the table from each virtual stage's F, B and W times under a per-stage memory limit
-(`cfp.runtime.schedule_gen`): of the fixed pattern and the generator's tables, the shortest by the event
-simulation (`cfp.runtime.simulate`) with those times, so a slow stage does not idle the fast ones. Every table is
+(`cfp.schedules.generate`): of the fixed pattern and the generator's tables, the shortest by the event
+simulation (`cfp.schedules.simulate`) with those times, so a slow stage does not idle the fast ones. Every table is
 validated (`check_table`) before it is handed on. ``global_order`` merges pipelines' tables into the order the
 executor dispatches (every process of a multi-process run walks the same order).
 """
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from cfp.errors import ConfigError
-from cfp.runtime import schedule_time
-from cfp.runtime.schedule_gen import generate
-from cfp.runtime.schedule_table import (Action, GlobalAction, KeptBytes, Phase, Placement, ScheduleTable,
+from cfp.schedules import formulas
+from cfp.schedules.generate import generate
+from cfp.schedules.actions import (Action, GlobalAction, KeptBytes, Phase, Placement, ScheduleTable,
                                         StageActions, check_table, global_order, kept_profile, linear_table,
                                         peak_kept)
-from cfp.runtime.schedule_time import pipeline_time
-from cfp.runtime.simulate import ActionCosts, Simulation, simulate
+from cfp.schedules.formulas import pipeline_time
+from cfp.schedules.simulate import ActionCosts, Simulation, simulate
 
 __all__ = ["Action", "GlobalAction", "Phase", "Placement", "ScheduleTable", "StageActions", "check_table",
            "global_order", "pipeline_time", "ScheduleName", "ScheduleSpec", "Schedule", "SCHEDULES", "gpipe",
@@ -180,7 +180,7 @@ class Schedule:
     """One schedule as data. ``fixed(p, m, v)``: its written-out pattern (None: generated from equal times);
     ``counts(stage, p, m, v)``: the most virtual-stage inputs (kept from F to the backward) and W stashes (kept
     from B to W) its pattern keeps on a stage at once (closed form; the planner prices memory by it);
-    ``seconds``: its time formula (`cfp.runtime.schedule_time`); ``runs_on_engine``: whether the runtime's stage
+    ``seconds``: its time formula (`cfp.schedules.formulas`); ``runs_on_engine``: whether the runtime's stage
     programs run it."""
     name: ScheduleName
     placement: Placement
@@ -247,12 +247,12 @@ class Schedule:
         """The bubble of its time formula with equal stages whose F, B and W take the same time (GPipe and 1F1B:
         (p - 1) / (m + p - 1))."""
         t = self.theory(num_stages, microbatches, 1.0, 1.0, 1.0, v)
-        return schedule_time.bubble_of(t, microbatches, 3.0)
+        return formulas.bubble_of(t, microbatches, 3.0)
 
     def theory(self, num_stages: int, microbatches: int, fwd: float, bwd_input: float, bwd_weight: float,
                v: Optional[int] = None) -> float:
-        """The pass's seconds with ``num_stages`` equal stages (`cfp.runtime.schedule_time`)."""
-        return schedule_time.theory(self.seconds, num_stages, microbatches, v or self.default_v,
+        """The pass's seconds with ``num_stages`` equal stages (`cfp.schedules.formulas`)."""
+        return formulas.theory(self.seconds, num_stages, microbatches, v or self.default_v,
                                     fwd, bwd_input, bwd_weight)
 
 
@@ -291,17 +291,17 @@ def _pattern(name: ScheduleName, p: int, m: int, v: int) -> ScheduleTable:
 
 SCHEDULES: dict[ScheduleName, Schedule] = {
     ScheduleName.GPIPE: Schedule(ScheduleName.GPIPE, Placement.LINEAR, False, lambda p, m, v: gpipe(p, m),
-                                 _counts_gpipe, schedule_time.one_f_one_b_seconds, runs_on_engine=True),
+                                 _counts_gpipe, formulas.one_f_one_b_seconds, runs_on_engine=True),
     ScheduleName.ONE_F_ONE_B: Schedule(ScheduleName.ONE_F_ONE_B, Placement.LINEAR, False,
                                        lambda p, m, v: one_f_one_b(p, m), _counts_1f1b,
-                                       schedule_time.one_f_one_b_seconds, runs_on_engine=True),
+                                       formulas.one_f_one_b_seconds, runs_on_engine=True),
     ScheduleName.INTERLEAVED: Schedule(ScheduleName.INTERLEAVED, Placement.LOOP, False,
                                        lambda p, m, v: interleaved(p, m, v) if m % p == 0 else None,
-                                       _counts_interleaved, schedule_time.interleaved_seconds, default_v=2),
+                                       _counts_interleaved, formulas.interleaved_seconds, default_v=2),
     ScheduleName.ZB_H1: Schedule(ScheduleName.ZB_H1, Placement.LINEAR, True, lambda p, m, v: zb_h1(p, m),
-                                 _counts_zb_h1, schedule_time.zb_h1_seconds, runs_on_engine=True),
+                                 _counts_zb_h1, formulas.zb_h1_seconds, runs_on_engine=True),
     ScheduleName.ZB_V: Schedule(ScheduleName.ZB_V, Placement.V, True, lambda p, m, v: None, _counts_zb_v,
-                                schedule_time.zb_v_seconds, default_v=2),
+                                formulas.zb_v_seconds, default_v=2),
 }
 
 

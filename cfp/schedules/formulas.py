@@ -20,7 +20,7 @@ leaves idle with deferred weight gradients: the busiest stage waits for the forw
 the input gradient coming back, less one W per other stage, and never less than the forward (the last stage
 cannot start before the first forward reaches it). ZB-V runs two half-size virtual stages per stage in a V, so
 its fill and drain are half of ZB-H1's. These are the figures with equal times that the generated schedules are
-tested against (`tests/test_schedules.py`); with unequal stages the event simulation (`cfp.runtime.simulate`) of
+tested against (`tests/test_schedules.py`); with unequal stages the event simulation (`cfp.schedules.simulate`) of
 the generated schedule is the figure to trust, and the planner's explanation shows both.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ import optax
 from cfp.errors import ConfigError
 from cfp.ir import _jax_internals as jxi
 from cfp.runtime.optimizer.flow import GLOBAL_LIMIT, REPL, ValueClass, Flow, Walker
-from cfp.runtime.optimizer.layered import Leaves, leaf_table
+from cfp.runtime.optimizer.param_tree import Leaves, leaf_table
 
 COMBINE: dict[str, Callable] = {"add": jnp.add, "max": jnp.maximum, "min": jnp.minimum, "mul": jnp.multiply,
                                 "and": jnp.logical_and, "or": jnp.logical_or}

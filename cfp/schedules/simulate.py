@@ -5,7 +5,7 @@ its transfers, so a stage computes whenever its next action's inputs are there, 
 or measured per-action seconds in ``measured``) and per-boundary send times; a transfer starts when its producer
 ends and its link is free (first come, first served) and the consumer may start when it arrives. The same event
 loop, driven by a policy that picks each stage's next action instead of reading it from a table, generates
-schedules (`cfp.runtime.schedule_gen`).
+schedules (`cfp.schedules.generate`).
 
 Reported (`Simulation`): the makespan; each stage's busy time; the **bubble**, the fraction of the makespan during
 which the busiest stage is idle (stage imbalance, which no schedule removes, is not counted); the **imbalance**,
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from cfp.errors import ConfigError
-from cfp.runtime.schedule_table import Action, Phase, ScheduleTable
+from cfp.schedules.actions import Action, Phase, ScheduleTable
 
 
 @dataclass(frozen=True)

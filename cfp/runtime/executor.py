@@ -1,7 +1,7 @@
 """One pass of every pipeline's schedule over a global batch, and the gradient sync across pipelines.
 
 All actions of all pipelines are dispatched in one dependency-respecting global order
-(``schedules.global_order``); JAX's asynchronous dispatch lets stages on different devices run at the same
+(``cfp.schedules.registry.global_order``); JAX's asynchronous dispatch lets stages on different devices run at the same
 time. The last stage of each pipeline returns every micro-batch's ``(loss_sum, weight)``; each stage
 accumulates the gradient of the summed ``loss_sum`` over its micro-batches, and the update scales the sum by
 ``1 / total weight`` (`StageProgram.update`), so the step's gradient is that of the single-device loss
@@ -18,9 +18,9 @@ import numpy as np
 from cfp.errors import ConfigError, NumericalError
 from cfp.layout import Layout, PlacedStage
 from cfp.runtime import comm
-from cfp.runtime.schedules import Phase
+from cfp.schedules.registry import Phase
 from cfp.runtime.stage import activations
-from cfp.runtime.state import process_allgather
+from cfp.runtime.host_state import process_allgather
 from cfp.runtime.timing import StepClock
 
 

@@ -4,9 +4,9 @@ devices), on two corpora of real text with different length distributions.
 Corpora (`--corpora`, each INPUT[:UNIT] as `cfp data train --input/--unit` takes them): by default the
 Python standard library split into top-level definitions (long-tailed source code) and its docstrings
 (English prose, mostly short), both on any Python install. Per corpus the runs are: methods 0 and 1 on the
-best single-scheme strategy the fits find, method 3 with the per-step strategy choice, method 4 on the
-strategy `cfp data propose` finds and with the per-step choice. The per-step candidates are `--strategies`
-(Hydraulis' notation) plus the single-scheme strategy of method 0, so the choice can always fall back on it.
+best single-scheme mix the fits find, method 3 with the per-step mix choice, method 4 on the
+mix `cfp data propose` finds and with the per-step choice. The per-step candidates are `--mixes`
+(Hydraulis' notation) plus the single-scheme mix of method 0, so the choice can always fall back on it.
 
 Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change in
 machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is kept out
@@ -37,7 +37,7 @@ patient_collectives()
 HYDRAULIS = "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"
 CORPORA = "stdlib:definition,stdlib:docstring"
 QUICK = {"steps": 2, "tokens_per_step": 1024, "max_seq_len": 128, "methods": "0,4", "proposed": False,
-         "strategies": "[[(1,2,1),(1,2,1)], [(1,4,1)]]", "uniform": "[(1,4,1)]"}
+         "mixes": "[[(1,2,1),(1,2,1)], [(1,4,1)]]", "uniform": "[(1,4,1)]"}
 
 
 @dataclasses.dataclass
@@ -70,7 +70,7 @@ def _space(args, cfg, params, shapes):
         space = SchemeSpace.load(args.schemes)
         if (space.model, space.config) != (args.model, args.config) or space.longest > args.max_seq_len:
             space = None
-    if space is None:   # every strategy named (no proposal, no search of a uniform one): only their schemes
+    if space is None:   # every mix named (no proposal, no search of a uniform one): only their schemes
         named_only = args.uniform and not args.proposed
         space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
                               shapes=shapes if named_only else None)
@@ -97,9 +97,9 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
     from cfp.data.batching import get_method
     from cfp.runtime.engine import HeteroTrainer
     n = jax.device_count()
-    given = train.with_fits(train.parse_strategies(args.strategies), space)
-    uniform = (train.with_fits(train.parse_strategies(args.uniform), space)[0] if args.uniform else
-               train.uniform_strategy(space, data.lengths, n, args.tokens_per_step).pipelines())
+    given = train.with_fits(train.parse_mixes(args.mixes), space)
+    uniform = (train.with_fits(train.parse_mixes(args.uniform), space)[0] if args.uniform else
+               train.uniform_mix(space, data.lengths, n, args.tokens_per_step).pipelines())
     runs = []
     for number in (int(m) for m in args.methods.split(",")):
         method = get_method(number)
@@ -150,7 +150,7 @@ def _step_all(runs, corpora, step):
         st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step)
         r.records.append(rec)
         print(f"  step {step + 1} {r.corpus} method {r.method.number} {r.label}: "
-              f"{train.describe(r.candidates[rec.strategy])}, {rec.real_tokens} tokens, {rec.micro_batches} "
+              f"{train.describe(r.candidates[rec.mix])}, {rec.real_tokens} tokens, {rec.micro_batches} "
               f"micro-batches, {rec.seconds:.2f} s, loss {rec.loss:.4f}")
 
 
@@ -167,7 +167,7 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
     print(f"\n{corpus}: {len(data)} sequences, median {int(np.median(data.lengths))} tokens, "
           f"p90 {int(np.percentile(data.lengths, 90))}; losses of all runs equal step by step within "
           f"{spread:.1e} relative ({'ok' if spread <= 1e-4 else 'NOT EQUAL'}, tolerance 1e-4)")
-    head = ["method", "strategy", "tokens/s", "padding", "vs m0", "per-step range", "work m0/this"]
+    head = ["method", "mix", "tokens/s", "padding", "vs m0", "per-step range", "work m0/this"]
     head += [LABELS[k] for k in PARTS] + ["est/meas span"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -179,7 +179,7 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
         parts = {k: sum(rec.summary()[k] for rec in r.records) for k in PARTS}
         total = sum(parts.values())
         acc = [t.estimated_span / t.span for rec in r.records for t in rec.pipelines if t.span > 0]
-        used = sorted({rec.strategy for rec in r.records})
+        used = sorted({rec.mix for rec in r.records})
         strat = r.label + ": ran " + " and ".join(train.describe(r.candidates[i]) for i in used)
         row = [f"{r.method.number} {r.method.name}", strat, f"{tps:,.0f}", f"{100 * (1 - r.real / slots):.1f}%",
                f"{tps / (base.real / base.seconds):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}",
@@ -200,11 +200,11 @@ def main() -> None:
     ap.add_argument("--memory-mb", type=float, default=48.0)
     ap.add_argument("--schemes", default="parallel_scheme_space.json")
     ap.add_argument("--methods", default="0,1,3,4")
-    ap.add_argument("--strategies", default=HYDRAULIS, help="per-step candidates of methods 3 and 4")
+    ap.add_argument("--mixes", default=HYDRAULIS, help="per-step candidates of methods 3 and 4")
     ap.add_argument("--uniform", default=None,
-                    help="the strategy of methods 0 and 1 (default: the best single-scheme one the fits find)")
+                    help="the mix of methods 0 and 1 (default: the best single-scheme one the fits find)")
     ap.add_argument("--no-proposed", dest="proposed", action="store_false",
-                    help="leave out method 4 on the proposed strategy")
+                    help="leave out method 4 on the proposed mix")
     ap.add_argument("--quick", action="store_true", help="CI size: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     args = ap.parse_args()
     if args.quick:
@@ -224,11 +224,11 @@ def main() -> None:
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
     params = init_params(args.model, cfg, 0)
     corpora = {c: _load(c, args.max_seq_len) for c in args.corpora.split(",")}
-    named = train.parse_strategies(args.strategies) + (train.parse_strategies(args.uniform) if args.uniform else [])
+    named = train.parse_mixes(args.mixes) + (train.parse_mixes(args.uniform) if args.uniform else [])
     space = _space(args, cfg, params, train.shapes_of(named))
     print(f"scheme space: {space.source}; {space.parallel_pipelines} pipelines side by side at full speed")
-    if args.uniform:    # method 0's strategy must hold every sequence: cut them where it ends, as `cfp data train`
-        cap = max(s.max_len for s in train.with_fits(train.parse_strategies(args.uniform), space)[0])
+    if args.uniform:    # method 0's mix must hold every sequence: cut them where it ends, as `cfp data train`
+        cap = max(s.max_len for s in train.with_fits(train.parse_mixes(args.uniform), space)[0])
         if cap < args.max_seq_len:
             print(f"sequences cut at {cap} tokens, the longest {args.uniform} holds under the fits")
             corpora = {c: _load(c, cap) for c in corpora}

@@ -146,7 +146,7 @@ SLOW = (
     "test_stage_plans.py::test_search_then_training_builds_each_stage_program_once",
     "test_stage_plans.py::test_search_times_megatron_side_by_side",
     "test_cost_facts.py::test_same_definition_figures_agree_with_model_cost",
-    "test_data_switch.py::test_mixed_strategy_step_equals_sequence_reference",
+    "test_data_switch.py::test_heterogeneous_mix_step_equals_sequence_reference",
     "test_profiling.py::test_cache_never_mixes_models",
     "test_user_pipelines.py::test_stop_and_resume_onto_another_layout",
     "test_train_cli.py::test_keep_checkpoints_prunes_through_training_and_resume_continues",

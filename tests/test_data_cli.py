@@ -82,22 +82,22 @@ def test_propose_names_gpus_and_the_values_that_would_do(tmp_path, capsys):
            f"give --gpus {smallest} or more" in capsys.readouterr().err
 
 
-def test_strategies_notation_parses_and_bad_values_are_named():
-    from cfp.data.train import parse_strategies
+def test_mixes_notation_parses_and_bad_values_are_named():
+    from cfp.data.train import parse_mixes
     from cfp.errors import ConfigError
-    assert parse_strategies("[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]") == [[(1, 2, 2), (2, 1, 1), (1, 2, 1)],
+    assert parse_mixes("[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]") == [[(1, 2, 2), (2, 1, 1), (1, 2, 1)],
                                                                             [(1, 4, 2)]]
-    assert parse_strategies("[(1,4,2)]") == parse_strategies("(1,4,2)") == [[(1, 4, 2)]]
+    assert parse_mixes("[(1,4,2)]") == parse_mixes("(1,4,2)") == [[(1, 4, 2)]]
     for bad, named in (("[[(1,2)]]", "(1, 2)"), ("[[(0,1,1)]]", "(0, 1, 1)"), ("[]", "non-empty"),
-                       ("[[(1,2,2)], 7]", "strategy 1 7"), ("(1,2", "Hydraulis' notation")):
+                       ("[[(1,2,2)], 7]", "mix 1 7"), ("(1,2", "Hydraulis' notation")):
         with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
-            parse_strategies(bad)
+            parse_mixes(bad)
 
 
 @pytest.mark.slow   # ~1-3 min (it measures three schemes); the engine's parts are tested in test_data_train.py
-def test_data_train_runs_hydraulis_strategies_and_verifies(tmp_path, capsys):
-    """`cfp data train --strategies` in Hydraulis' notation (a pp=2 pipeline beside a CP one, and a one-device
-    strategy): the schemes are measured here, every step runs a candidate the log names, and --verify's
+def test_data_train_runs_hydraulis_mixes_and_verifies(tmp_path, capsys):
+    """`cfp data train --mixes` in Hydraulis' notation (a pp=2 pipeline beside a CP one, and a one-device
+    mix): the schemes are measured here, every step runs a candidate the log names, and --verify's
     replay passes."""
     import re
 
@@ -108,12 +108,12 @@ def test_data_train_runs_hydraulis_strategies_and_verifies(tmp_path, capsys):
     for i, n in enumerate((30, 60, 90, 120, 45, 70, 20, 100, 80, 50, 110, 35)):
         (docs / f"{i}.txt").write_text("".join(chr(c) for c in rng.integers(97, 123, n)))
     argv = ["data", "train", "--model", "llama2", "--input", str(docs), "--max-seq-len", "128", "--steps", "2",
-            "--tokens-per-step", "200", "--strategies", "[[(1,2,2),(2,1,1)], [(1,1,1)]]", "--schemes",
+            "--tokens-per-step", "200", "--mixes", "[[(1,2,2),(2,1,1)], [(1,1,1)]]", "--schemes",
             str(tmp_path / "s.json"), "--verbose", "--verify"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "measured cp1tp2pp2" in out and "measured cp2tp1pp1" in out and "measured cp1tp1pp1" in out
-    assert len(re.findall(r"step \d: strategy [01] \[", out)) == 2
+    assert len(re.findall(r"step \d: mix [01] \[", out)) == 2
     assert re.search(r"verify: max relative error \S+ over 2 steps \(ok tolerance", out), out
     # where the time went: a line per step and one for the run (parts in %), one per pipeline with --verbose
     parts = (r"host assign\+dispatch (\d+)% \| real tokens (\d+)% \| padding (\d+)% \| cross-sequence attn (\d+)% "
@@ -123,7 +123,7 @@ def test_data_train_runs_hydraulis_strategies_and_verifies(tmp_path, capsys):
     assert len(lines) == 3 and all(abs(sum(map(int, x[:8])) - 100) <= 4 for x in lines), lines
     assert len(re.findall(r"pipeline \d: host \S+  real \S+ .* span measured \S+ s, estimated", out)) >= 2
     assert re.search(r"padding: \S+% of the token slots computed", out)
-    bad = argv[:-6] + ["--strategies", "[[(1,2)]]", "--schemes", str(tmp_path / "s.json")]
+    bad = argv[:-6] + ["--mixes", "[[(1,2)]]", "--schemes", str(tmp_path / "s.json")]
     assert main(bad) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(1, 2)" in err

@@ -1,7 +1,7 @@
 """Packed variable-length steps on the training engine, against a reference written here (each sequence alone
-in its row through the model's own `apply`, no packing, pipelines, CP or TP): a strategy mixing a pp=2 TP
+in its row through the model's own `apply`, no packing, pipelines, CP or TP): a mix mixing a pp=2 TP
 pipeline, a CP pipeline and a TP pipeline gives the reference's loss and gradient (every pipeline's tokens
-counted once, normalised by the real tokens); a strategy switch moves the state exactly, and a run that
+counted once, normalised by the real tokens); a mix switch moves the state exactly, and a run that
 switches away and back equals one that never switched."""
 import jax
 import jax.numpy as jnp
@@ -17,10 +17,10 @@ from programs import trainer_of, zoo_cache
 
 MODEL = "llama2"
 LR, WD = 1e-2, 0.01
-A = [(1, 2, 2), (2, 1, 1), (1, 2, 1)]     # the acceptance strategy: pp=2 beside pp=1, one with cp=2
+A = [(1, 2, 2), (2, 1, 1), (1, 2, 1)]     # the acceptance mix: pp=2 beside pp=1, one with cp=2
 B = [(1, 4, 2)]
 # float32 reordering noise (packing, TP all-reduces, the ring's online softmax, pipeline sums) measured
-# 4-5e-7 normwise on the gradient and 6-9e-8 on the loss (strategies A and B); a pipeline's tokens dropped
+# 4-5e-7 normwise on the gradient and 6-9e-8 on the loss (mixes A and B); a pipeline's tokens dropped
 # or the sum normalised by padded slots is off by >1e-1.
 TOL = 1e-5
 
@@ -66,13 +66,13 @@ def _host(tree):
 @pytest.fixture(scope="module")
 def setup():
     cfg = get_config(MODEL, "tiny", seq_len=128)
-    cache = zoo_cache(MODEL, cfg, LR, WD)     # the trainers of one strategy run the same compiled programs
+    cache = zoo_cache(MODEL, cfg, LR, WD)     # the trainers of one mix run the same compiled programs
     params = jax.tree_util.tree_map(np.asarray, cache.model.params)
     trainer = lambda shapes: trainer_of(cache, Layout.from_schemes(shapes, cfg.num_layers), "1f1b")
     return cfg, params, trainer
 
 
-def test_mixed_strategy_step_equals_sequence_reference(setup):
+def test_heterogeneous_mix_step_equals_sequence_reference(setup):
     """Pipelines (1,2,2), (2,1,1), (1,2,1) with 2, 1 and 3 micro-batches (one a single sequence): the engine's
     loss and gradient against the reference, and one AdamW step against optax's applied to it."""
     cfg, params, trainer = setup

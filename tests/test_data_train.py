@@ -64,7 +64,7 @@ def _rel(a, b) -> float:
 
 
 # Candidate 0 is cheap but holds sequences of at most 70 tokens; candidate 1 holds 128. The draw of steps 1-3
-# (longest 80, 68, 80 tokens) makes the run choose 1, 0, 1: the strategy changes between steps.
+# (longest 80, 68, 80 tokens) makes the run choose 1, 0, 1: the mix changes between steps.
 SWITCHING = ([(1, 2, 2), (2, 1, 1), (1, 2, 1)], 70, 1e-4), ([(1, 4, 2)], 128, 1e-1)
 
 
@@ -91,7 +91,7 @@ def test_run_matches_sequence_by_sequence_reference(method, candidates):
     trainer = zoo_trainer(MODEL, cfg, layout_of(cands[0], cfg.num_layers, 8), learning_rate=LR, weight_decay=WD)
     trainer.load_state(layered, trainer.tx.init(layered), 0)
     res = run(opts, data, trainer, cands, log=None)
-    assert [r.strategy for r in res.steps] == ([0, 0, 0] if len(cands) == 1 else [1, 0, 1])
+    assert [r.mix for r in res.steps] == ([0, 0, 0] if len(cands) == 1 else [1, 0, 1])
     ref_losses, ref_params = _reference(cfg, params, data, 3, opts.seed, opts.tokens_per_step)
     ref_params, params = zoo_params(ref_params, cfg.num_layers), layered
     np.testing.assert_allclose(res.losses, ref_losses, rtol=1e-5)

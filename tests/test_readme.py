@@ -131,13 +131,13 @@ COMMANDS: dict[str, Run | Skip] = {
     ".venv/bin/cfp data propose --schemes parallel_scheme_space.json --input stdlib --gpus 8 --tokens-per-step 8192":
         Run("data"),
     # measuring every default scheme up to 1024-token rows took over 10 min here: shrunk to one step of
-    # 128-token rows of a strategy of one scheme (the proposal is `cfp data propose` above and
+    # 128-token rows of a mix of one scheme (the proposal is `cfp data propose` above and
     # tests/test_data_cli.py's)
     ".venv/bin/cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 3": Run(
         "data", (("--steps 3", '--steps 1 --max-seq-len 128 --tokens-per-step 1024 '
-                                '--strategies "[[(1,2,1),(1,2,1),(1,2,1),(1,2,1)]]"'),)),
+                                '--mixes "[[(1,2,1),(1,2,1),(1,2,1),(1,2,1)]]"'),)),
     '.venv/bin/cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 4 --verify '
-    '--strategies "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"': Run("data_strategies", (
+    '--mixes "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"': Run("data_mixes", (
         ("--steps 4", "--steps 1 --max-seq-len 128 --tokens-per-step 1024"),)),   # 409 s at 1024-token rows; 66 s
     ".venv/bin/cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 "
     "--max-seq-len 32768": Run("data", (("--gpus 1024", "--gpus 64"), ("--tokens-per-step 1600000",
@@ -193,7 +193,7 @@ INLINE: dict[str, Run | Skip] = {
     "cfp plan --stage-times <checkpoint-dir>/stage_plans": Skip(_TEMPLATE.format("<checkpoint-dir>")),
     "benchmarks/planner_optimality.py --first 200 --seeds 300": Run(
         "planner_optimality", (("benchmarks/", "python benchmarks/"), ("--seeds 300", "--seeds 2"))),
-    'benchmarks/batching.py --steps 3 --tokens-per-step 2048 --max-seq-len 256 --no-proposed --strategies '
+    'benchmarks/batching.py --steps 3 --tokens-per-step 2048 --max-seq-len 256 --no-proposed --mixes '
     '"[[(1,2,1),(1,2,1)], [(1,4,1)]]" --uniform "[(1,4,1)]"': Skip(
         "the benchmark of the README's table (14 min on a loaded 2-core host, most of it compiling); its "
         "CI-sized form, `benchmarks/batching.py --quick`, runs"),
@@ -206,7 +206,7 @@ INLINE: dict[str, Run | Skip] = {
     "benchmarks/calibrate_cpu.py --write": Skip(
         "rewrites the cpu catalog entry's figures (cfp/hardware/cpu_calibration.py) from this host's measurements; "
         "benchmarks/stage_time_ratios.py measures the planner's stage times against the runtime's"),
-    "cfp data train --strategies": Skip(_NAME), "cfp train": Skip(_NAME), "cfp data train": Skip(_NAME),
+    "cfp data train --mixes": Skip(_NAME), "cfp train": Skip(_NAME), "cfp data train": Skip(_NAME),
     "cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 --max-seq-len 32768":
         Skip("the fenced `cfp data bench-planner` command of \"Variable-length data\", run above, shrunk"),
     "benchmarks/compare.py --num-layers 2 --mesh 8 --iters 10 --override ...": Skip(

@@ -1,4 +1,4 @@
-"""`cfp data`: variable-length data (Hydraulis): analyze lengths, build the scheme space, propose strategies,
+"""`cfp data`: variable-length data (Hydraulis): analyze lengths, build the scheme space, propose mixes,
 train with a batching method, and time the planner at scale.
 
     cfp data analyze --input stdlib --max-seq-len 2048
@@ -6,7 +6,7 @@ train with a batching method, and time the planner at scale.
     cfp data propose --schemes parallel_scheme_space.json --input stdlib --gpus 64 --tokens-per-step 262144
     cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 5
     cfp data train --model llama2 --config tiny --input stdlib --batching-method 4 --steps 4 --verify \
-        --strategies "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"
+        --mixes "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"
     cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 --max-seq-len 32768
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _load(args, max_seq_len):
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("data", help="variable-length data: analyze lengths, build schemes, propose "
-                              "strategies, train, time the planner", description=__doc__.splitlines()[0])
+                              "mixes, train, time the planner", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION", parser_class=type(p))
     _analyze_parser(sub)
     _schemes_parser(sub)
@@ -76,14 +76,14 @@ def _schemes_parser(sub) -> None:
 
 
 def _propose_parser(sub) -> None:
-    q = sub.add_parser("propose", help="heterogeneous strategies for a length distribution (DP)")
+    q = sub.add_parser("propose", help="heterogeneous mixes for a length distribution (DP)")
     q.add_argument("--schemes", required=True, help="scheme-space JSON from `cfp data schemes`")
     _input_options(q)
-    q.add_argument("--gpus", type=positive_int, required=True, help="GPUs the strategy may use")
+    q.add_argument("--gpus", type=positive_int, required=True, help="GPUs the mix may use")
     q.add_argument("--tokens-per-step", type=positive_int, required=True, help="tokens in one training step")
     q.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="truncate longer sequences (default: the schemes' longest)")
-    q.add_argument("--out", default="strategies.json", help="strategy JSON to write")
+    q.add_argument("--out", default="mixes.json", help="mix JSON to write")
     q.set_defaults(func=run, action=run_propose, out_files={"out": "--out"})
 
 
@@ -93,13 +93,14 @@ def _train_parser(sub) -> None:
     common.add_config(t)
     _input_options(t)
     t.add_argument("--batching-method", type=int, choices=(0, 1, 3, 4), default=4,
-                   help="0: pad to the longest, 1: pack, 3: heterogeneous strategy, 4: heterogeneous with "
+                   help="0: pad to the longest, 1: pack, 3: heterogeneous mix, 4: heterogeneous with "
                         "fine-grained packing")
     common.add_steps(t)
     t.add_argument("--tokens-per-step", type=positive_int, default=16384, help="tokens in one training step")
     t.add_argument("--max-seq-len", type=positive_int, default=2048, help="longest sequence (longer ones are cut)")
-    t.add_argument("--strategies", default=None,
-                   help="strategy JSON from `cfp data propose`, or Hydraulis' notation: a list of strategies, "
+    t.add_argument("--mixes", "--strategies", default=None,
+                   help="mix JSON from `cfp data propose`, or Hydraulis' notation: a list of mixes (Hydraulis' "
+                        "strategies, hence the flag's other name), "
                         "each a list of (cp, tp, pp) pipelines, e.g. \"[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]\"; "
                         "each step runs the one the fitted costs rate fastest (default: proposed here)")
     t.add_argument("--schemes", default="parallel_scheme_space.json",
@@ -187,7 +188,7 @@ def run_propose(args) -> int:
     st = propose(space, seqs.lengths, args.gpus, args.tokens_per_step)
     dt = time.perf_counter() - t0
     st.save(args.out)
-    print(f"strategy on {st.devices} of {args.gpus} GPUs: {st.describe()}")
+    print(f"mix on {st.devices} of {args.gpus} GPUs: {st.describe()}")
     print(f"estimated step time: {st.estimated_step_s:.4g} s ({space.source})")
     print(f"proposal time: {dt:.2f} s (measured); wrote {args.out}")
     return 0
@@ -232,12 +233,12 @@ def run_train(args) -> int:
     params = init_params(args.model, cfg, args.seed)
     candidates, parallel = _candidates(args, method, cfg, params, seqs)
     cap = max(s.max_len for pipes in candidates for s in pipes)
-    if cap < int(seqs.lengths.max()):   # given strategies: no pipeline holds the longest sequences
-        print(f"sequences cut at {cap} tokens, the longest any pipeline of the strategies holds under the "
+    if cap < int(seqs.lengths.max()):   # given mixes: no pipeline holds the longest sequences
+        print(f"sequences cut at {cap} tokens, the longest any pipeline of the mixes holds under the "
               f"scheme fits (--max-seq-len {args.max_seq_len}, --memory-mb {args.memory_mb})")
         seqs = _load(args, cap)
     for i, pipes in enumerate(candidates):
-        print(f"method {method.number} ({method.name}); strategy {i}: {train.describe(pipes)}")
+        print(f"method {method.number} ({method.name}); mix {i}: {train.describe(pipes)}")
     opts = train.DataTrainOptions(model=args.model, method=method, steps=args.steps,
                                   tokens_per_step=args.tokens_per_step, learning_rate=args.lr, seed=args.seed,
                                   ilp_max_sequences=args.ilp_max_sequences, weight_decay=args.weight_decay,
@@ -263,19 +264,19 @@ def run_train(args) -> int:
 
 
 def _candidates(args, method, cfg, params, seqs) -> tuple[list, float | None]:
-    """The candidate strategies (per pipeline its fitted scheme): given (Hydraulis' notation or a proposal's
+    """The candidate mixes (per pipeline its fitted scheme): given (Hydraulis' notation or a proposal's
     JSON) or proposed here from the measured scheme space; with the space's `parallel_pipelines`."""
     import jax
 
     from cfp.data import train
-    from cfp.data.propose import Strategy
-    given = train.load_strategies(args.strategies) if args.strategies else None
-    if isinstance(given, Strategy):
+    from cfp.data.propose import SchemeMix
+    given = train.load_mixes(args.mixes) if args.mixes else None
+    if isinstance(given, SchemeMix):
         return [given.pipelines()], None
     space = _measured_space(args, cfg, params, train.shapes_of(given) if given else None)
     if given:
         return train.with_fits(given, space), space.parallel_pipelines
-    propose_fn = train.propose if method.heterogeneous else train.uniform_strategy
+    propose_fn = train.propose if method.heterogeneous else train.uniform_mix
     return ([propose_fn(space, seqs.lengths, jax.device_count(), args.tokens_per_step).pipelines()],
             space.parallel_pipelines)
 
@@ -337,14 +338,14 @@ def run_bench_planner(args) -> int:
         step_lens = lengths[ids[:n]]
         times.append(_timed(lambda: assign_step(METHODS[4], pipes, step_lens)))
         counts.append(n)
-    print(f"strategy on {st.devices} GPUs: {st.describe()}")
+    print(f"mix on {st.devices} GPUs: {st.describe()}")
     print(f"estimated step time: {st.estimated_step_s:.3f} s ({space.source})")
     print(f"proposal time: {t_prop:.2f} s (measured)")
     cpu, wall = np.median(times, axis=0) * 1e3
     print(f"per-step assignment time: {cpu:.1f} ms CPU, {wall:.1f} ms wall (measured, median of {args.steps} "
           f"steps of ~{int(np.mean(counts))} sequences; dispatch + fine-grained packing)")
     big = []
-    for _ in range(args.steps):   # the goal's size: 10^4 sequences in one step, same strategy
+    for _ in range(args.steps):   # the goal's size: 10^4 sequences in one step, same mix
         step_lens = lengths[rng.permutation(lengths.size)[:10_000]]
         big.append(_timed(lambda: assign_step(METHODS[4], pipes, step_lens)))
     cpu, wall = np.median(big, axis=0) * 1e3

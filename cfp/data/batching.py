@@ -1,9 +1,9 @@
 """Batching methods (Hydraulis' numbering) as data, and turning a step's sequences into micro-batches.
 
-  0 padding                       one strategy; micro-batches of whole sequences padded to their longest
-  1 fixed-length packing          one strategy; sequences packed first-fit into max_len-token rows
-  3 dispatch + fixed packing      heterogeneous strategy; dispatch, then first-fit rows per pipeline
-  4 dispatch + fine-grained       heterogeneous strategy; dispatch, then cost-balanced micro-batches
+  0 padding                       one mix; micro-batches of whole sequences padded to their longest
+  1 fixed-length packing          one mix; sequences packed first-fit into max_len-token rows
+  3 dispatch + fixed packing      heterogeneous mix; dispatch, then first-fit rows per pipeline
+  4 dispatch + fine-grained       heterogeneous mix; dispatch, then cost-balanced micro-batches
 Every micro-batch is laid out in rows (`cfp.data.rows`): padded, one sequence per row; packed, several per
 row, rows as wide as the micro-batch's longest sequence (rounded up to a `WIDTHS` bucket), their count a
 power of two; a micro-batch never computes more than its scheme's `max_len` token slots. So a pipeline
@@ -35,7 +35,7 @@ class Packing(enum.Enum):
 class Method:
     number: int
     name: str
-    heterogeneous: bool      # dispatch to a heterogeneous strategy (else a uniform one, sequences split evenly)
+    heterogeneous: bool      # dispatch to a heterogeneous mix (else a uniform one, sequences split evenly)
     packing: Packing
 
 

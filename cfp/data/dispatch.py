@@ -1,4 +1,4 @@
-"""Stage one of the per-step assignment: dispatch a step's sequences to the pipelines of a strategy.
+"""Stage one of the per-step assignment: dispatch a step's sequences to the pipelines of a mix.
 
 A pipeline's estimated time is Σ seq_cost + (pp-1)·seq_cost(longest) (Hydraulis' estimate; packing refines
 it). The greedy takes sequences longest first and gives each to the pipeline whose time grows least to the
@@ -54,7 +54,7 @@ def _check_fit(pipelines: Sequence[Scheme], lengths: np.ndarray) -> None:
     longest = max(s.max_len for s in pipelines)
     if lengths.size and lengths.max() > longest:
         raise InfeasibleError(f"a sequence of {int(lengths.max())} tokens fits no pipeline (longest "
-                              f"capacity {longest}); propose strategies for this max length")
+                              f"capacity {longest}); propose mixes for this max length")
 
 
 def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Strategy proposal (Hydraulis): a set of pipelines with different <CP,TP,PP> schemes for a length distribution.
+"""SchemeMix proposal (Hydraulis): a set of pipelines with different <CP,TP,PP> schemes for a length distribution.
 
 Dynamic program over (devices, length interval): t[u][j] is the least step time with u device units for all
 sequences of length <= b_j, where b_0 < b_1 < ... are length boundaries (quantiles of the data plus every
@@ -31,7 +31,7 @@ class Group:
 
 
 @dataclasses.dataclass(frozen=True)
-class Strategy:
+class SchemeMix:
     groups: tuple[Group, ...]
     estimated_step_s: float   # the DP's estimate for tokens_per_step (cost-model or measured fits)
     devices: int
@@ -45,24 +45,24 @@ class Strategy:
                 "groups": [dict(dataclasses.asdict(g), scheme=scheme_json(g.scheme)) for g in self.groups]}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Strategy":
+    def from_json(cls, d: dict) -> "SchemeMix":
         try:
             groups = tuple(Group(Scheme(**g["scheme"]), int(g["pipelines"]), int(g["min_len"]), int(g["max_len"]))
                            for g in d["groups"])
             return cls(groups, float(d["estimated_step_s"]), int(d["devices"]))
         except (KeyError, TypeError) as e:
-            raise ConfigError(f"not a strategy file ({e}); write one with `cfp data propose`") from None
+            raise ConfigError(f"not a mix file ({e}); write one with `cfp data propose`") from None
 
     def save(self, path: str) -> None:
         write_json_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str) -> "Strategy":
+    def load(cls, path: str) -> "SchemeMix":
         try:
             with open(path) as fh:
                 return cls.from_json(json.load(fh))
         except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cannot read strategy file {path!r}: {e}") from None
+            raise ConfigError(f"cannot read mix file {path!r}: {e}") from None
 
     def describe(self) -> str:
         return ", ".join(f"{g.pipelines}x{g.scheme.name}[{g.min_len + 1}..{g.max_len}]" for g in self.groups)
@@ -84,7 +84,7 @@ def _interval_work(lengths: np.ndarray, bounds: np.ndarray, s: Scheme, scale: fl
 
 
 def propose(space: SchemeSpace, lengths, gpus: int, tokens_per_step: float, num_bounds: int = 16,
-            max_units: int = 256) -> Strategy:
+            max_units: int = 256) -> SchemeMix:
     lengths = np.asarray(lengths, np.int64)
     if gpus < 1 or tokens_per_step <= 0 or lengths.size == 0:
         raise ConfigError(f"propose needs gpus >= 1 (got {gpus}), tokens_per_step > 0 (got {tokens_per_step}) "
@@ -104,8 +104,8 @@ def propose(space: SchemeSpace, lengths, gpus: int, tokens_per_step: float, num_
     t, choice = _dp(schemes, bounds, work, units, unit)
     u = int(np.argmin(t[:, -1]))
     if not np.isfinite(t[u, -1]):
-        raise InfeasibleError(f"no strategy on {gpus} GPUs holds every length (schemes' max lengths too short)")
-    return Strategy(_backtrack(choice, schemes, bounds, u, unit), float(t[u, -1]), u * unit)
+        raise InfeasibleError(f"no mix on {gpus} GPUs holds every length (schemes' max lengths too short)")
+    return SchemeMix(_backtrack(choice, schemes, bounds, u, unit), float(t[u, -1]), u * unit)
 
 
 def _blocks(s: Scheme, unit: int) -> tuple[int, int]:

@@ -1,11 +1,11 @@
 """`cfp data train`: variable-length training with a batching method on the training engine.
 
-A *strategy* is a list of pipelines, each a <CP,TP,PP> scheme with its fitted cost (`Scheme`); it runs as the
+A *mix* is a list of pipelines, each a <CP,TP,PP> scheme with its fitted cost (`Scheme`); it runs as the
 engine's layout `Layout.from_schemes` (pp stages of cp x tp devices per pipeline). Each step draws
 sequences (shuffled, seeded by (seed, step)) until `tokens_per_step` real tokens, and for every candidate
-strategy assigns them with the batching method (cfp.data.batching: dispatch to pipelines, then packing into
+mix assigns them with the batching method (cfp.data.batching: dispatch to pipelines, then packing into
 micro-batches); the step runs the candidate whose fitted pipeline times (micro-batch costs + (pp-1) x the
-slowest micro-batch, the bubble of GPipe and 1F1B alike) rate fastest -- Hydraulis' dynamic strategies -- on
+slowest micro-batch, the bubble of GPipe and 1F1B alike) rate fastest -- Hydraulis' dynamic mixes -- on
 `cfp.runtime.engine.HeteroTrainer`, switching its layout when the choice changes.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cfp.data.breakdown import (PARTS, PipelineTime, format_pipeline, format_sum
                                 step_summary)
 from cfp.data.dispatch import shared_spans
 from cfp.data.packing import pipeline_time
-from cfp.data.propose import Strategy, propose
+from cfp.data.propose import SchemeMix, propose
 from cfp.data.schemes import Scheme, SchemeSpace
 from cfp.data.sources import Sequences
 from cfp.errors import ConfigError, InfeasibleError
@@ -62,9 +62,9 @@ class DataTrainOptions:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """What one step ran: the chosen strategy, its sequences (indices into the data), the estimates and where
+    """What one step ran: the chosen mix, its sequences (indices into the data), the estimates and where
     its time went (per pipeline, `cfp.data.breakdown`)."""
-    strategy: int
+    mix: int
     sequences: tuple[int, ...]
     estimates: tuple[float, ...]    # fitted step time of every candidate (inf: cannot hold the step)
     pipelines: tuple[PipelineTime, ...] = ()
@@ -102,25 +102,25 @@ class DataTrainResult:
         return {k: sum(r.summary()[k] for r in self.steps) for k in PARTS}
 
 
-# ----------------------------------------------------------------------------- strategies
-def parse_strategies(text: str) -> list[list[Shape]]:
-    """Hydraulis' notation: a list of strategies, each a list of (cp, tp, pp) pipelines, e.g.
-    ``"[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"``; one strategy alone (``"[(1,4,2)]"``) is accepted too."""
+# ----------------------------------------------------------------------------- mixes
+def parse_mixes(text: str) -> list[list[Shape]]:
+    """Hydraulis' notation: a list of mixes, each a list of (cp, tp, pp) pipelines, e.g.
+    ``"[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"``; one mix alone (``"[(1,4,2)]"``) is accepted too."""
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ConfigError(f"strategies {text!r} is neither a strategy JSON file nor Hydraulis' notation, "
+        raise ConfigError(f"mixes {text!r} is neither a mix JSON file nor Hydraulis' notation, "
                           "e.g. \"[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]\"") from None
     if isinstance(value, tuple) and len(value) == 3 and all(isinstance(v, int) for v in value):
         value = [value]
     if isinstance(value, (list, tuple)) and value and all(_is_shape(v) for v in value):
         value = [value]
     if not isinstance(value, (list, tuple)) or not value:
-        raise ConfigError(f"strategies {text!r} must be a non-empty list of strategies")
+        raise ConfigError(f"mixes {text!r} must be a non-empty list of mixes")
     out = []
     for i, st in enumerate(value):
         if not isinstance(st, (list, tuple)) or not st or not all(_is_shape(p) for p in st):
-            raise ConfigError(f"strategy {i} {st!r} must be a non-empty list of (cp, tp, pp) triples of "
+            raise ConfigError(f"mix {i} {st!r} must be a non-empty list of (cp, tp, pp) triples of "
                               "positive integers")
         out.append([tuple(int(v) for v in p) for p in st])
     return out
@@ -131,34 +131,34 @@ def _is_shape(v) -> bool:
             and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v))
 
 
-def load_strategies(text: str) -> list[list[Shape]] | Strategy:
-    """`--strategies`: a strategy JSON file written by `cfp data propose`, else Hydraulis' notation."""
+def load_mixes(text: str) -> list[list[Shape]] | SchemeMix:
+    """`--mixes`: a mix JSON file written by `cfp data propose`, else Hydraulis' notation."""
     if os.path.exists(text) or text.endswith(".json"):
-        return Strategy.load(text)
-    return parse_strategies(text)
+        return SchemeMix.load(text)
+    return parse_mixes(text)
 
 
-def shapes_of(strategies: Sequence[Sequence[Shape]]) -> list[Shape]:
-    """The distinct (cp, tp, pp) schemes the strategies use, in first-use order."""
-    return list(dict.fromkeys(s for st in strategies for s in st))
+def shapes_of(mixes: Sequence[Sequence[Shape]]) -> list[Shape]:
+    """The distinct (cp, tp, pp) schemes the mixes use, in first-use order."""
+    return list(dict.fromkeys(s for st in mixes for s in st))
 
 
-def with_fits(strategies: Sequence[Sequence[Shape]], space: SchemeSpace) -> list[list[Scheme]]:
-    """Each strategy's pipelines as the space's fitted schemes; ConfigError naming a scheme without a fit."""
+def with_fits(mixes: Sequence[Sequence[Shape]], space: SchemeSpace) -> list[list[Scheme]]:
+    """Each mix's pipelines as the space's fitted schemes; ConfigError naming a scheme without a fit."""
     fits = {(s.cp, s.tp, s.pp): s for s in space.schemes}
-    missing = [s for s in shapes_of(strategies) if s not in fits]
+    missing = [s for s in shapes_of(mixes) if s not in fits]
     if missing:
         raise ConfigError(f"the scheme space has no fit for (cp, tp, pp) {missing}; it has "
                           f"{sorted(fits)}")
-    return [[fits[s] for s in st] for st in strategies]
+    return [[fits[s] for s in st] for st in mixes]
 
 
 def layout_of(pipelines: Sequence[Scheme], num_layers: int, num_devices: int):
-    """The engine layout of a strategy (consecutive devices); ConfigError if it needs too many devices."""
+    """The engine layout of a mix (consecutive devices); ConfigError if it needs too many devices."""
     from cfp.layout import Layout
     need = sum(s.devices for s in pipelines)
     if need > num_devices:
-        raise ConfigError(f"strategy {describe(pipelines)} needs {need} devices, only {num_devices} are "
+        raise ConfigError(f"mix {describe(pipelines)} needs {need} devices, only {num_devices} are "
                           "available")
     return Layout.from_schemes([(s.cp, s.tp, s.pp) for s in pipelines], num_layers)
 
@@ -167,8 +167,8 @@ def describe(pipelines: Sequence[Scheme]) -> str:
     return "[" + ", ".join(f"({s.cp},{s.tp},{s.pp})" for s in pipelines) + "]"
 
 
-def uniform_strategy(space: SchemeSpace, lengths, gpus: int, tokens_per_step: int) -> Strategy:
-    """Best strategy using one scheme only (what a fixed-strategy system would run)."""
+def uniform_mix(space: SchemeSpace, lengths, gpus: int, tokens_per_step: int) -> SchemeMix:
+    """Best mix using one scheme only (what a fixed-mix system would run)."""
     best = None
     for s in space.schemes:
         if s.max_len < np.max(lengths) or s.devices > gpus:
@@ -214,14 +214,14 @@ def plan_step(opts: DataTrainOptions, candidates: Sequence[Sequence[Scheme]], le
         est.append(max(times))
     k = int(np.argmin(est))
     if plans[k] is None:
-        raise InfeasibleError(f"no strategy holds the step's longest sequence ({int(lengths.max())} tokens)")
+        raise InfeasibleError(f"no mix holds the step's longest sequence ({int(lengths.max())} tokens)")
     return k, plans[k], tuple(est), per_pipe[k]
 
 
 def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, layouts, step: int):
     """Draw, plan, arrange and run one step; (StepStats, StepRecord). The host's share (drawing, assignment,
-    arranging rows, switching the strategy) is timed with the step; compiling new shapes (`trainer.warm`) and
-    moving into the run's first strategy (step 0) are not."""
+    arranging rows, switching the mix) is timed with the step; compiling new shapes (`trainer.warm`) and
+    moving into the run's first mix (step 0) are not."""
     t0 = time.perf_counter()
     ids = step_sequences(data, step, opts.seed, opts.tokens_per_step)
     lengths = data.lengths[ids]
@@ -231,12 +231,12 @@ def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, lay
     mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed) for mb in pl] for pl in plan]
     host = time.perf_counter() - t0
     t0 = time.perf_counter()
-    trainer.set_layout(layouts[k])    # switching strategy: part of the step, except into the first one
+    trainer.set_layout(layouts[k])    # switching mix: part of the step, except into the first one
     host += (time.perf_counter() - t0) if step > 0 else 0.0
     trainer.warm(mbs)                 # compiles new shapes outside the timed step
     stats = trainer.step(mbs)
     times = step_breakdown(stats.events, stats.seconds, host, pipes, plan, lengths, packed, per_pipe)
-    rec = StepRecord(strategy=k, sequences=tuple(int(i) for i in ids), estimates=est, pipelines=tuple(times),
+    rec = StepRecord(mix=k, sequences=tuple(int(i) for i in ids), estimates=est, pipelines=tuple(times),
                      plan=tuple(tuple(tuple(mb) for mb in p) for p in plan), micro_batches=sum(len(p) for p in plan),
                      loss=stats.loss, real_tokens=stats.real_tokens, slots=stats.tokens,
                      seconds=host + stats.seconds)
@@ -245,7 +245,7 @@ def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, lay
 
 def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[Sequence[Scheme]],
         log: Optional[Callable[[str], None]] = print, verbose: bool = False) -> DataTrainResult:
-    """Train `opts.steps` steps, each on the fastest-rated candidate strategy; `log` one line per step with
+    """Train `opts.steps` steps, each on the fastest-rated candidate mix; `log` one line per step with
     where its time went (`verbose`: one more per pipeline)."""
     n_dev = len(trainer.devices)
     layouts = [layout_of(p, trainer.model.num_layers, n_dev) for p in candidates]
@@ -274,10 +274,10 @@ def estimate_accuracy(res: DataTrainResult) -> str:
 
 
 def step_line(step: int, rec: StepRecord, candidates) -> str:
-    """A step's log line: strategy, loss, throughput, padding and where the time went."""
+    """A step's log line: mix, loss, throughput, padding and where the time went."""
     others = "" if len(candidates) == 1 else "  (estimated " + ", ".join(
         f"{i}: {e:.3g} s" for i, e in enumerate(rec.estimates)) + ")"
-    return (f"step {step + 1}: strategy {rec.strategy} {describe(candidates[rec.strategy])}{others}  loss "
+    return (f"step {step + 1}: mix {rec.mix} {describe(candidates[rec.mix])}{others}  loss "
             f"{rec.loss:.4f}  {rec.real_tokens} tokens in {rec.micro_batches} micro-batches  non-pad tokens/s: "
             f"{rec.real_tokens / rec.seconds:.0f}  padding: {100 * (1 - rec.real_tokens / rec.slots):.1f}% "
             f"(measured)\n    time: {format_summary(rec.summary())} (measured; compute split by the fits' "

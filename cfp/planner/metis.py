@@ -96,10 +96,10 @@ def split_pipelines(cluster: Cluster, k: int, rate, graph: tuple | None = None) 
 
 def split_by_type(cluster: Cluster, k: int) -> list[list[int]]:
     """Phase 1's alternative cut: each device type's devices (machine-major) dealt in `k` contiguous,
-    near-equal slices, one per pipeline, so every pipeline gets the same mix of types (data-parallel
+    near-equal slices, one per pipeline, so every pipeline gets the same share of each type (data-parallel
     replicas of one heterogeneous pipeline), keeping machines whole where the counts allow. METIS'
     min-cut keeps fast-linked machines together instead, which this cut can beat when pipelines of
-    equal mix balance better. Empty pipelines are dropped."""
+    equal shares balance better. Empty pipelines are dropped."""
     parts: list[list[int]] = [[] for _ in range(k)]
     by_type: dict[str, list[int]] = defaultdict(list)
     for d in cluster.devices:

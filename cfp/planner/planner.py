@@ -4,8 +4,8 @@ pipelines and the TP degree of each device type.
 
 Search: for every pipeline count, phase 1's METIS cut (`split_pipelines`), then TP maps (uniform degrees,
 then coordinate descent over types). The best map of every count is tried again with phase 2's
-compute-balanced METIS stage cut offered and on phase 1's equal-mix cut (`split_by_type`); the three
-best counts, the two best other maps and the best equal-mix layout are refined (`refine`) and the
+compute-balanced METIS stage cut offered and on phase 1's equal-share cut (`split_by_type`); the three
+best counts, the two best other maps and the best equal-share layout are refined (`refine`) and the
 fastest estimate wins."""
 from __future__ import annotations
 
@@ -251,10 +251,10 @@ def _find_layout(cluster: Cluster, config, options: PlannerOptions,
         others = [_with_metis(search, c) for c in others[:2]] + others[2:]
         found.sort(key=key)
         others.sort(key=key)
-    # phase 1's other cut, pipelines of equal type mix, for the best TP map of every pipeline count
+    # phase 1's other cut, pipelines of equal type shares, for the best TP map of every pipeline count
     typed = sorted((c for c in (_by_type(search, c) for c in found) if c is not None), key=key)
     # refined: the three best pipeline counts, the two best other TP maps (one that loses before
-    # refinement can win after it) and the best equal-mix cut
+    # refinement can win after it) and the best equal-share cut
     picked = [c.layout for c in found[:3] + others[:2] + typed[:1]]
     best_layout, best_est = _refine_all(cm, picked, options)
     return PlannerResult(best_layout.checked(), best_est, search.count, time.perf_counter() - t0)

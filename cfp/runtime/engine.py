@@ -1,7 +1,7 @@
 """The training engine: heterogeneous hybrid 3D parallelism (FlashFlex/HexiScale) and Hydraulis' variable-length
-strategies in one executor, for any `LayeredModel` and any optax optimizer.
+mixes in one executor, for any `LayeredModel` and any optax optimizer.
 
-A step runs a *strategy*: a ``Layout`` of pipelines, each a list of stages, each stage its layers on a <CP,TP>
+A step runs a ``Layout`` of pipelines, each a list of stages, each stage its layers on a <CP,TP>
 sub-mesh. ``HeteroTrainer.step(batch)`` takes either a global batch (any pytree; the pipelines' rows concatenated
 in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pipeline, its list of micro-batches
 (e.g. packed variable-length rows with segment ids; any count, any shape, none at all):
@@ -19,7 +19,7 @@ in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pi
    whatever their stage boundaries and TP degrees, and only pipeline 0 holds optimizer state. A NaN or Inf in
    the loss, a summed gradient or a new parameter raises ``NumericalError`` naming the step and the leaf.
 
-``set_layout`` switches the strategy between steps: the state is gathered and placed on the new layout's stages
+``set_layout`` switches the layout between steps (a data mix's, `cfp.data`): the state is gathered and placed on the new layout's stages
 (a copy, bit-exact). Per-action start/end times are measured by ``timing.StepClock``.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def zoo_trainer(model_name: str, config: Any, layout: Layout, schedule: "str | S
 
 class HeteroTrainer:
     """Holds each local stage's parameters and optimizer state of ``model`` and runs training steps with
-    ``optimizer`` on its layout (the strategy; ``set_layout`` switches it between steps). Its stage programs are
+    ``optimizer`` on its layout (``set_layout`` switches it between steps). Its stage programs are
     built through ``cache`` (its `CompileCache`; a new one unless given: pass the one the stage-plan search
     filled, so the searched programs run as built), from ``plans`` (searched stage plans) where given, else the
     rules table on the model's logical dim names."""
@@ -127,7 +127,7 @@ class HeteroTrainer:
         self._act_shape = ActivationShapes(layout, self.programs)
 
     def set_layout(self, layout: Layout) -> bool:
-        """Switch to another strategy between steps: the state is gathered from the current stages and placed on
+        """Switch to another layout between steps: the state is gathered from the current stages and placed on
         the new layout's (values copied, unchanged). Returns whether the layout changed."""
         if layout == self.layout:
             return False

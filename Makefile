@@ -5,8 +5,11 @@ STAMP := $(VENV)/.installed
 # two pytest workers: compiles dominate the suite and run one per core (tests/conftest.py)
 TEST_JOBS ?= 2
 PYTEST = $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal
+DURATIONS ?= 40
+SCRIPT_TIMES = echo "script run times (measured; CPU = the run's processes' user + system seconds):"; \
+	sort .script-times 2>/dev/null; rm -f .script-times
 
-.PHONY: demo test test-slow test-readme test-slow-readme test-scripts install clean
+.PHONY: demo test test-slow test-readme test-rest test-scripts install clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PY)" || { echo "make: no Python >= 3.12 found (see scripts/find-python.sh)" >&2; exit 1; }
@@ -31,17 +34,19 @@ test-slow: $(STAMP)
 test-readme: $(STAMP)
 	$(PYTEST) --durations=0 -m readme tests/test_readme.py
 
-# the slow tier and test-readme in one pytest run (CI): one pool of workers, so neither waits out the other's tail
-test-slow-readme: $(STAMP)
-	$(PYTEST) --durations=30 -m "(slow or readme) and not scripts" tests
+# everything `make test` leaves out, in one pytest run (CI): the slow tier, every README and docs command and code
+# block shrunk (tests/test_readme.py) and every script shrunk (tests/test_scripts.py); one pool of workers, so none
+# waits out another's tail; each script run's time listed at the end
+test-rest: $(STAMP)
+	@rm -f .script-times
+	@status=0; CFP_SCRIPT_TIMES=$(CURDIR)/.script-times $(PYTEST) --durations=$(DURATIONS) \
+	  -m "slow or readme or scripts" tests || status=$$?; $(SCRIPT_TIMES); exit $$status
 
 # every script of benchmarks/, examples/ and cfp_test/, shrunk (tests/test_scripts.py), each run's time listed
 test-scripts: $(STAMP)
 	@rm -f .script-times
-	@status=0; CFP_SCRIPT_TIMES=$(CURDIR)/.script-times $(BIN)/python -m pytest -q -n $(TEST_JOBS) -m scripts \
-	  tests/test_scripts.py || status=$$?; \
-	echo "script run times (measured; CPU = the run's processes' user + system seconds):"; \
-	sort .script-times 2>/dev/null; rm -f .script-times; exit $$status
+	@status=0; CFP_SCRIPT_TIMES=$(CURDIR)/.script-times $(PYTEST) -m scripts tests/test_scripts.py || status=$$?; \
+	$(SCRIPT_TIMES); exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

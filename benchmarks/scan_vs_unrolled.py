@@ -8,7 +8,7 @@ side on 8 simulated CPU devices (2x4 mesh).
    module per layer); the scanned model's cfp plan, data parallel and FSDP, and the twin's cfp plan and data
    parallel are then timed in turns (interleaved rounds, so load on a shared host lands on all alike).
 2. Scaling: analysis, profiling and search time of the scanned model at 2 and at 64 layers (a smaller width),
-   each searched twice in turns; the faster run counts. Analysis: tracing, blocks, segments. Profiling: the
+   each searched `--scaling-runs` times (default 2) in turns; the fastest run counts. Analysis: tracing, blocks, segments. Profiling: the
    segments' compiles and runs (the body once, whatever the depth). Search: the memory calibration's whole
    compile, the DP, the verified plans' whole compiles, their side-by-side timing and the loop bodies' figures.
    Under the default `measure` profiler the search runs every verified plan's whole step, whose run time grows
@@ -70,18 +70,18 @@ def problem(layers: int, scanned: bool, dim: int = 64, seq: int = 16, batch: int
     return lm_step_problem(Transformer(vocab, dim, 4, layers, scanned), optax.adam(1e-3), batch, seq, vocab)
 
 
-def _search(step_fn, args, mesh, profiler: str = "measure"):
+def _search(step_fn, args, mesh, profiler: str = "measure", max_combinations: int = 4):
     gpu = "H100-SXM" if profiler == "estimate" else None
-    return cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=4, profiler=profiler, gpu=gpu)
+    return cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations, profiler=profiler, gpu=gpu)
 
 
-def plans(layers: int, rounds: int, mesh, profiler: str = "measure") -> None:
+def plans(layers: int, rounds: int, mesh, profiler: str = "measure", max_combinations: int = 4) -> None:
     steps, args_of = {}, {}
     for scanned in (True, False):
         name = "scanned" if scanned else "unrolled"
         step_fn, args = problem(layers, scanned)
         t0 = time.perf_counter()
-        s = _search(step_fn, args, mesh, profiler)
+        s = _search(step_fn, args, mesh, profiler, max_combinations)
         a = s.analysis
         print(f"{name} ({layers} layers): {len(a.blocks)} blocks, {len(a.segments)} segments "
               f"({a.num_unique_segments} unique, repeats {[seg.repeat for seg in a.segments]}), "
@@ -108,16 +108,16 @@ def plans(layers: int, rounds: int, mesh, profiler: str = "measure") -> None:
           f"unrolled {udp / un:.3f}x")
 
 
-def scaling(depths: list[int], mesh, profiler: str) -> None:
+def scaling(depths: list[int], mesh, profiler: str, runs: int = 2, max_combinations: int = 4) -> None:
     print(f"analysis + search time of the scanned model (dim 32, seq 8, batch 16) at {depths} layers, "
           f"{profiler} profiler:")
     problems = {n: problem(n, True, dim=32, seq=8, batch=16, vocab=64) for n in depths}
-    _search(*problems[depths[0]], mesh, profiler)    # warm-up: JAX's own first-use costs are not the search's
+    _search(*problems[depths[0]], mesh, profiler, max_combinations)   # warm-up: JAX's first-use costs are not the search's
     best: dict[int, tuple] = {}
-    for _ in range(2):
+    for _ in range(runs):
         for n in depths:
             t0 = time.perf_counter()
-            s = _search(*problems[n], mesh, profiler)
+            s = _search(*problems[n], mesh, profiler, max_combinations)
             total = time.perf_counter() - t0
             parts = (s.analysis.analysis_time, s.profile.profile_time, s.search.search_time, total)
             if n not in best or total < best[n][-1]:
@@ -125,7 +125,7 @@ def scaling(depths: list[int], mesh, profiler: str) -> None:
     for n in depths:
         a, p, srch, total, blocks = best[n]
         print(f"  {n:3d} layers: {blocks} blocks; analysis {a:.2f} s, profiling {p:.2f} s, search {srch:.2f} s, "
-              f"autoshard total {total:.2f} s (measured, faster of 2 runs)")
+              f"autoshard total {total:.2f} s (measured, fastest of {runs} runs)")
     lo, hi = best[depths[0]], best[depths[-1]]
     print(f"{depths[-1]} vs {depths[0]} layers (measured): autoshard total (analysis + profiling + search) "
           f"{hi[3] / lo[3]:.2f}x, analysis + profiling + search {sum(hi[:3]) / sum(lo[:3]):.2f}x, "
@@ -143,19 +143,22 @@ def main() -> None:
                    help="profiler of the plans' searches (estimate: the H100-SXM cost model; the plans are then "
                         "timed side by side all the same)")
     p.add_argument("--skip-plans", action="store_true")
+    p.add_argument("--scaling-runs", type=int, default=2, help="searches per depth in the scaling (the fastest counts)")
+    p.add_argument("--max-combinations", type=int, default=4, help="profiled combinations per segment (every search)")
     a = p.parse_args()
     try:
         depths = [int(n) for n in a.scaling.split(",") if n]
     except ValueError:
         raise SystemExit(f"scan_vs_unrolled: --scaling {a.scaling!r} must be comma-separated layer counts") from None
-    if a.layers < 1 or a.rounds < 3 or any(n < 1 for n in depths):
-        raise SystemExit("scan_vs_unrolled: --layers and every --scaling count must be >= 1, --rounds >= 3")
+    if a.layers < 1 or a.rounds < 3 or any(n < 1 for n in depths) or a.scaling_runs < 1 or a.max_combinations < 1:
+        raise SystemExit("scan_vs_unrolled: --layers, every --scaling count, --scaling-runs and --max-combinations "
+                         "must be >= 1, --rounds >= 3")
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, mesh 2x4")
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     if not a.skip_plans:
-        plans(a.layers, a.rounds, mesh, a.profiler)
+        plans(a.layers, a.rounds, mesh, a.profiler, a.max_combinations)
     if depths:
-        scaling(depths, mesh, a.scaling_profiler)
+        scaling(depths, mesh, a.scaling_profiler, a.scaling_runs, a.max_combinations)
 
 
 if __name__ == "__main__":

@@ -99,11 +99,12 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun | InSuite] = {
                                              r"worst estimate/measured ratio"),),
     "benchmarks/random_plan_check.py": (Run("--models gpt --num-layers 1 --plans 1", r"gpt"),),
     "benchmarks/regen_golden_plans.py": DocRun(),
-    "benchmarks/remat.py": (Run("--layers 1 --batch 8 --rounds 3 --profiler estimate --gpu A100-SXM-80G",
+    "benchmarks/remat.py": (Run("--layers 1 --batch 8 --rounds 3 --profiler estimate --gpu A100-SXM-80G --max-combinations 1",
                                 r"remat: \d+ blocks"),),
     "benchmarks/reshard_rule.py": (Run("--meshes 8 --max-rank 2", r"layout pairs, measured"),),
     "benchmarks/scan_vs_unrolled.py": (Run("--layers 1 --scaling 1 --rounds 3 --profiler estimate "
-                                           "--scaling-profiler estimate", r"autoshard total"),),
+                                           "--scaling-profiler estimate --scaling-runs 1 --max-combinations 1",
+                                           r"autoshard total"),),
     "benchmarks/side_by_side.py": Covered(
         "the benchmarks' shared timing module, imported (not run) by the benchmarks that time plans side by side",
         ("benchmarks/remat.py", "benchmarks/scan_vs_unrolled.py", "benchmarks/user_programs.py", "examples/demo.py")),

@@ -476,6 +476,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "        cm = CostModel()\n",
            ("tests/test_scripts.py::test_script_runs_shrunk[benchmarks/compare.py-cpu]",),
            "benchmarks/compare.py's ILP row uses a name the ILP baseline renamed (issue 28's NameError)"),
+    # ---- issue 27: the activations a schedule keeps
+    Mutant("executor-keeps-forward-inputs", "runtime", "cfp/runtime/executor.py",
+           "        x = self.saved.pop((key, m))\n",
+           "        x = self.saved[(key, m)]\n",
+           ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
+           "the dispatcher never frees a micro-batch's kept input after its backward (1F1B keeps GPipe's memory)"),
+    Mutant("schedule-kept-ignores-stash", "schedules", "cfp/schedules/actions.py",
+           "        return kept.weight[c] - kept.inputs[c]\n",
+           "        return 0.0\n",
+           ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
+           "the schedule's memory model keeps B's input but not the output gradient W needs"),
 )
 
 

@@ -8,7 +8,8 @@ side on 8 simulated CPU devices (2x4 mesh).
    module per layer); the scanned model's cfp plan, data parallel and FSDP, and the twin's cfp plan and data
    parallel are then timed in turns (interleaved rounds, so load on a shared host lands on all alike).
 2. Scaling: analysis, profiling and search time of the scanned model at 2 and at 64 layers (a smaller width),
-   each searched `--scaling-runs` times (default 2) in turns; the fastest run counts. Analysis: tracing, blocks, segments. Profiling: the
+   each searched `--scaling-runs` times (default 2) in turns; the fastest run counts. Analysis: tracing, blocks,
+   segments. Profiling: the
    segments' compiles and runs (the body once, whatever the depth). Search: the memory calibration's whole
    compile, the DP, the verified plans' whole compiles, their side-by-side timing and the loop bodies' figures.
    Under the default `measure` profiler the search runs every verified plan's whole step, whose run time grows
@@ -112,7 +113,8 @@ def scaling(depths: list[int], mesh, profiler: str, runs: int = 2, max_combinati
     print(f"analysis + search time of the scanned model (dim 32, seq 8, batch 16) at {depths} layers, "
           f"{profiler} profiler:")
     problems = {n: problem(n, True, dim=32, seq=8, batch=16, vocab=64) for n in depths}
-    _search(*problems[depths[0]], mesh, profiler, max_combinations)   # warm-up: JAX's first-use costs are not the search's
+    # warm-up: JAX's own first-use costs are not the search's
+    _search(*problems[depths[0]], mesh, profiler, max_combinations)
     best: dict[int, tuple] = {}
     for _ in range(runs):
         for n in depths:

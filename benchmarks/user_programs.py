@@ -58,11 +58,11 @@ def _row(label, steps, args, rounds, budget):
               f"(compiled){vs}")
 
 
-def bench(name: str, fraction: float, rounds: int) -> None:
+def bench(name: str, fraction: float, rounds: int, max_combinations: int = 4) -> None:
     mod = _example(name)
     step_fn, args, _ = mod.problem()
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    searched = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=4)
+    searched = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations)
     program, analysis = searched.program, searched.analysis
     uniform = data_parallel_choice(analysis.graph, analysis.blocks)
     dp = apply_choice(program, analysis, uniform, mesh)
@@ -72,7 +72,8 @@ def bench(name: str, fraction: float, rounds: int) -> None:
           + (f" (the {searched.search.baseline} baseline)" if searched.search.baseline else ""))
     _row("no budget", {"cfp": searched, "data parallel": dp, "FSDP": fsdp}, args, rounds, None)
     try:
-        tight = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=4, memory_limit=budget)
+        tight = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations,
+                              memory_limit=budget)
         if tight.search.baseline:
             print(f"    cfp under the budget chose the {tight.search.baseline} baseline")
     except InfeasibleError as e:
@@ -87,14 +88,16 @@ def main() -> None:
     p.add_argument("--budget-fraction", type=float, default=0.85)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--styles", default=",".join(STYLES), help=f"comma-separated subset of {','.join(STYLES)}")
+    p.add_argument("--max-combinations", type=int, default=4, help="profiled combinations per segment")
     a = p.parse_args()
     styles = [s for s in a.styles.split(",") if s]
     bad = [s for s in styles if s not in STYLES]
-    if bad or not 0 < a.budget_fraction or a.rounds < 3:
-        raise SystemExit(f"user_programs: styles {bad} must be among {STYLES}, --budget-fraction > 0, --rounds >= 3")
+    if bad or not 0 < a.budget_fraction or a.rounds < 3 or a.max_combinations < 1:
+        raise SystemExit(f"user_programs: styles {bad} must be among {STYLES}, --budget-fraction > 0, --rounds >= 3, "
+                         "--max-combinations >= 1")
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, mesh 2x4")
     for name in styles:
-        bench(name, a.budget_fraction, a.rounds)
+        bench(name, a.budget_fraction, a.rounds, a.max_combinations)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,13 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from cfp.costs import ModelCost  # noqa: E402
 from cfp.hardware.collectives import get_link  # noqa: E402
 from cfp.hardware.gpus import get_gpu  # noqa: E402
+from cfp.layout import Layout  # noqa: E402
 from cfp.models.configs import GPTConfig, LlamaConfig  # noqa: E402
-from cfp.costs import ModelCost  # noqa: E402
 from cfp.planner.baselines import _megatron, megatron_layout  # noqa: E402
 from cfp.planner.cluster import Cluster, Machine  # noqa: E402
-from cfp.layout import Layout  # noqa: E402
 from cfp.planner.costmodel import CostModel, Estimate, precision_of  # noqa: E402
 from cfp.planner.options import PlannerOptions  # noqa: E402
 from cfp.planner.step_features import GradSync, Recompute, StepFeatures  # noqa: E402

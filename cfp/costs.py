@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from cfp.errors import ConfigError
-from cfp.models.zoo import build_model
 from cfp.models.configs import MODEL_FAMILIES, BertConfig, LlamaConfig, MoEConfig
 from cfp.models.dims import param_dims
+from cfp.models.zoo import build_model
 from cfp.sharding.rules import path_keys, tensor_dim
 
 Gemm = tuple[float, tuple[float, float, float]]     # (FLOPs, per-device GEMM shape (m, n, k))

@@ -12,8 +12,8 @@ from cfp.data.rows import WIDTHS, arrange, row_shapes, row_width
 from cfp.data.schemes import CostForm, Scheme
 from cfp.data.train import DataTrainOptions, plan_step
 from cfp.models.attention import attention_block, causal_pairs
-from cfp.schedules.registry import Phase
 from cfp.runtime.timeline import Event
+from cfp.schedules.registry import Phase
 
 ROWS1 = Scheme(1, 1, 1, 2e-9, 3e-6, 4e-3, 1024, CostForm.ROWS)
 ROWS2 = Scheme(1, 2, 2, 1e-9, 2e-6, 2e-3, 512, CostForm.ROWS)

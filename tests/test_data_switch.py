@@ -10,9 +10,9 @@ import optax
 import pytest
 
 from cfp.data.batching import materialize
+from cfp.layout import Layout
 from cfp.models import build_model, get_config
 from cfp.models.layered import zoo_full_params, zoo_params
-from cfp.layout import Layout
 from programs import trainer_of, zoo_cache
 
 MODEL = "llama2"

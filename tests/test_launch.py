@@ -189,6 +189,11 @@ def test_initialize_refuses_late_or_bad_env(monkeypatch):
     with pytest.raises(ConfigError, match="CFP_PROCESS_ID=5"):
         maybe_initialize_distributed()
     monkeypatch.setenv("CFP_PROCESS_ID", "1")
+    for bad in ("0", "ten", "2.5"):
+        monkeypatch.setenv("CFP_HEARTBEAT_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match=f"CFP_HEARTBEAT_TIMEOUT='{bad}' must be a whole number of seconds"):
+            maybe_initialize_distributed()
+    monkeypatch.delenv("CFP_HEARTBEAT_TIMEOUT")
     with pytest.raises(CfpError, match="after JAX devices were used"):
         maybe_initialize_distributed()
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from cfp.errors import ConfigError
+from cfp.layout import Layout, Pipeline, Stage
 from cfp.models import get_config
 from cfp.models.layered import zoo_model
 from cfp.planner.build import allocate_chunks, max_chunks, split_layers
-from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.cluster import parse_cluster
 from cfp.planner.costmodel import CostModel
 from cfp.planner.exhaustive import exhaustive_layout
@@ -19,8 +19,8 @@ from cfp.planner.layout_file import load_layout_file
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import find_layout
 from cfp.planner.random_clusters import optimality_case, random_cluster
-from cfp.schedules.registry import ScheduleName
 from cfp.runtime.sharding import param_specs
+from cfp.schedules.registry import ScheduleName
 
 LOCAL = {"inter_machine_bandwidth": "1.75GB/s",
          "machines": [{"gpu": "cpu", "count": 8, "intra_bandwidth": "1.75GB/s"}]}

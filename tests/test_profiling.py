@@ -6,9 +6,9 @@ import pytest
 
 from cfp.analysis.analysis import analyze_with_program
 from cfp.errors import ConfigError
-from cfp.profiling import gpu_estimate
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GPUS, get_gpu
+from cfp.profiling import gpu_estimate
 from cfp.profiling.options import ProfileOptions, ProfilerKind
 from cfp.profiling.profiler import Profiler, candidate_choices, profile
 from cfp.profiling.subprogram import SegmentProgram, segment_io

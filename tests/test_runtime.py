@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from cfp.errors import ConfigError
 from cfp.cli.train import parse_nested_list
+from cfp.errors import ConfigError
 from cfp.layout import Layout
 from cfp.schedules.registry import (SCHEDULES, Phase, ScheduleName, global_order, gpipe,
-                                   one_f_one_b)
+                                    one_f_one_b)
 
 # ----------------------------------------------------------------------------- layout
 
@@ -205,16 +205,37 @@ def check_gradients(trainer, model, cfg):
     assert errs[worst] < GRAD_TOL, (worst, errs[worst])
 
 
-def check_steps(trainer, model, cfg):
-    """STEPS AdamW steps: losses and whole-tree parameters vs the micro-batched reference."""
+def check_steps(trainer, model, cfg) -> dict:
+    """STEPS AdamW steps: losses and whole-tree parameters vs the micro-batched reference, and each step's
+    activations kept between actions (per stage, read from the dispatcher's buffers) equal to its schedule's
+    prediction; returns the last step's."""
+    import jax
     from cfp.runtime.verify import loss_error, tree_error
     from references import identical_across_pipelines
     p0, ref_losses, ref_params, _ = microbatched_reference(model, cfg, trainer.layout)
-    losses = [trainer.step(b).loss for b in batches(model, cfg, trainer.layout.global_batch)]
+    losses = []
+    for b in batches(model, cfg, trainer.layout.global_batch):
+        stats = trainer.step(b)
+        losses.append(stats.loss)
+        like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), trainer.micro_batches(b)[0][0])
+        assert stats.kept_peak == trainer.kept_prediction(like), trainer.schedule
     assert loss_error(losses, ref_losses) < LOSS_RTOL
     assert tree_error(trainer.state()[0], ref_params) < PARAM_TOL
     assert tree_error(p0, ref_params) > 1000 * PARAM_TOL  # the check can see a missing update
     assert identical_across_pipelines(trainer)
+    return stats.kept_peak
+
+
+def check_kept_counts(layout, kept: dict) -> None:
+    """The activations each stage keeps, in micro-batch inputs: GPipe all m of them, 1F1B at most p - s on stage
+    s (the memory it exists to save); a first stage's input is the batch itself (nothing kept)."""
+    for q, pipe in enumerate(layout.pipelines):
+        p, m = pipe.num_stages, pipe.chunks
+        assert kept["gpipe"][(q, 0)] == kept["1f1b"][(q, 0)] == 0
+        for s in range(1, p):
+            unit = kept["gpipe"][(q, s)] // m         # one micro-batch's input to stage s, bytes per device
+            assert unit > 0 and kept["gpipe"][(q, s)] == m * unit, (q, s)
+            assert kept["1f1b"][(q, s)] == min(p - s, m) * unit, (q, s)
 
 
 LAYOUTS = [  # hetero_configs, layer_partitions, global batch, chunks
@@ -232,12 +253,14 @@ def test_matches_single_device_gpipe_and_1f1b(tps, parts, gbs, chunks):
     cfg = tiny(layout.num_layers)
     trainer = make_trainer(cfg, layout)
     check_gradients(trainer.init(), "llama2", cfg)
+    kept = {}
     for schedule in ("zb-h1", "gpipe", "1f1b"):  # F and whole-backward programs are schedule-independent
         trainer.set_schedule(schedule)
         if schedule == "zb-h1":     # B and W: the gradient before the optimizer too
             check_gradients(trainer.init(), "llama2", cfg)
         trainer.init()
-        check_steps(trainer, "llama2", cfg)
+        kept[schedule] = check_steps(trainer, "llama2", cfg)
+    check_kept_counts(layout, kept)
 
 
 def test_skipped_update_is_caught(monkeypatch):

@@ -82,7 +82,7 @@ def test_dead_process_ends_the_job_with_an_error():
     procs = []
     for rank in range(2):
         env = _env(CFP_COORDINATOR=f"127.0.0.1:{port}", CFP_NUM_PROCESSES="2",
-                   CFP_PROCESS_ID=str(rank), CFP_DEVICES_PER_PROC="4",
+                   CFP_PROCESS_ID=str(rank), CFP_DEVICES_PER_PROC="4", CFP_HEARTBEAT_TIMEOUT="10",
                    XLA_FLAGS="--xla_force_host_platform_device_count=4")
         procs.append(subprocess.Popen(CFP + ["train"] + MODEL + LAYOUT +
                                       ["--steps", "100000", "--data", "synthetic"],

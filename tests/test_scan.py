@@ -13,16 +13,16 @@ from jax.sharding import PartitionSpec as P
 from cfp.analysis.analysis import Analysis, analyze_with_program
 from cfp.analysis.blocks import data_parallel_choice, trace_view
 from cfp.analysis.loops import stacked_dims
-from cfp.ir.state import state_pairs
 from cfp.baselines.uniform import dp_tp_choice
 from cfp.hardware.gpus import get_gpu
+from cfp.ir.state import state_pairs
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.profiler import profile
 from cfp.profiling.subprogram import SegmentPart, SegmentProgram, segment_io
 from cfp.search.loop_figures import LoopBodies
 from cfp.search.search import _candidate_rows
-from cfp.xla.compiled import compiled_figures
 from cfp.sharding.step import apply_choice
+from cfp.xla.compiled import compiled_figures
 from programs import MlpStack, lm_step_problem, train, two_layer_mlp
 
 DIM, SEQ, BATCH, VOCAB, LAYERS, STEPS = 16, 4, 8, 32, 3, 3

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from cfp.errors import ConfigError
-from cfp.schedules.generate import generate
 from cfp.schedules.actions import (Action, KeptBytes, Phase, Placement, ScheduleTable, check_table, global_order,
-                                        live_microbatches, peak_kept, vstage_layers)
+                                   live_microbatches, peak_kept, vstage_layers)
+from cfp.schedules.generate import generate
 from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec, schedule_choices
 from cfp.schedules.simulate import ActionCosts, simulate
 

@@ -1,5 +1,5 @@
 """Every script of benchmarks/ and examples/ and every shell script of cfp_test/ runs, shrunk, so a renamed field
-or option cannot break one unnoticed (`make test-scripts`; not yet in `bash .ci/run`, see docs/limits.md).
+or option cannot break one unnoticed (`make test-scripts`, and in CI `make test-rest`).
 
 * `SCRIPTS` lists each script (`*.py` and `*.sh` under those folders) with its shrunk runs: small arguments
   (fewer layers, steps, rounds and profiled combinations; the estimate profiler where the script's figures are
@@ -20,7 +20,7 @@ or option cannot break one unnoticed (`make test-scripts`; not yet in `bash .ci/
   scripts write next to themselves, and `.venv/bin/{python,cfp}` = this interpreter) and inherit the suite's
   XLA flags (8 devices, backend optimisation level 0: the runs check that scripts work, not their speed).
   Each run's wall and CPU time (its processes' user + system seconds) are printed and, when CFP_SCRIPT_TIMES
-  names a file, appended to it (`make test-scripts` prints them sorted).
+  names a file, appended to it (`make test-scripts` and `make test-rest` print them sorted).
 """
 from __future__ import annotations
 
@@ -99,8 +99,8 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun | InSuite] = {
                                              r"worst estimate/measured ratio"),),
     "benchmarks/random_plan_check.py": (Run("--models gpt --num-layers 1 --plans 1", r"gpt"),),
     "benchmarks/regen_golden_plans.py": DocRun(),
-    "benchmarks/remat.py": (Run("--layers 1 --batch 8 --rounds 3 --profiler estimate --gpu A100-SXM-80G --max-combinations 1",
-                                r"remat: \d+ blocks"),),
+    "benchmarks/remat.py": (Run("--layers 1 --batch 8 --rounds 3 --profiler estimate --gpu A100-SXM-80G "
+                                "--max-combinations 1", r"remat: \d+ blocks"),),
     "benchmarks/reshard_rule.py": (Run("--meshes 8 --max-rank 2", r"layout pairs, measured"),),
     "benchmarks/scan_vs_unrolled.py": (Run("--layers 1 --scaling 1 --rounds 3 --profiler estimate "
                                            "--scaling-profiler estimate --scaling-runs 1 --max-combinations 1",

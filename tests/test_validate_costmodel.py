@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from cfp.layout import Layout, Pipeline, Stage
 from cfp.models.configs import GPTConfig
 from cfp.planner.cluster import parse_cluster
-from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel
 from cfp.planner.step_features import GradSync, Recompute, StepFeatures
 from cfp.schedules.registry import ScheduleName

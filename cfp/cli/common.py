@@ -6,8 +6,8 @@ import argparse
 import math
 import os
 
-from cfp.errors import ConfigError
 from cfp import files
+from cfp.errors import ConfigError
 from cfp.hardware.gpus import DEFAULT_GPU
 from cfp.models.configs import MODEL_NAMES
 

@@ -5,9 +5,9 @@ import argparse
 import itertools
 import time
 
-from cfp.cli.flags import add_record_flags, record_from_args
 from cfp.cli.common import (DEFAULT_CATALOG_GPU, add_model_options, build_step, check_output_dir, check_output_file,
                             ensure_host_devices, model_config, positive_int)
+from cfp.cli.flags import add_record_flags, record_from_args
 from cfp.errors import ConfigError
 from cfp.profiling.options import ProfilerKind
 

@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from cfp.data.dispatch import dispatch
-from cfp.data.rows import arrange, row_count, row_width
 from cfp.data.packing import MicroBatches, pack_balanced, pack_fixed, pack_fixed_rows
+from cfp.data.rows import arrange, row_count, row_width
 from cfp.data.schemes import CostForm, Scheme
 from cfp.errors import ConfigError
 

@@ -7,10 +7,10 @@ Typical use::
     params, opt_state = ts.init(0)
     params, opt_state, loss = jax.jit(ts.step)(params, opt_state, ts.make_batch(8, 1))
 """
-from cfp.models.zoo import (TrainStep, build_model, init_params, loss_fn, make_batch,
-                            min_batch_size, stage_modules, train_step)
 from cfp.models.configs import (CONFIG_CLASSES, CONFIGS, MODEL_NAMES, BertConfig, Config,
                                 GPTConfig, LlamaConfig, MoEConfig, MoEModelConfig, get_config)
+from cfp.models.zoo import (TrainStep, build_model, init_params, loss_fn, make_batch,
+                            min_batch_size, stage_modules, train_step)
 
 __all__ = [
     "MODEL_NAMES", "CONFIGS", "CONFIG_CLASSES", "Config", "GPTConfig", "LlamaConfig",

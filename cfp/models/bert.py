@@ -7,9 +7,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from cfp.models.configs import BertConfig
 from cfp.models.layers import (MLP, Attention, compose, compute_dtype, dense, layer_norm,
                                token_and_position, zero_aux)
-from cfp.models.configs import BertConfig
 
 LN_EPS = 1e-12  # BERT's LayerNorm epsilon
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import optax
 
 from cfp.layered.model import LayeredModel
-from cfp.models.zoo import _resolve, init_params, stage_modules
 from cfp.models.configs import Config, MoEConfig
 from cfp.models.dims import param_dims
+from cfp.models.zoo import _resolve, init_params, stage_modules
 from cfp.sharding.rules import path_keys
 
 PACKED_KEYS = ("segment_ids", "positions")

@@ -7,9 +7,9 @@ from typing import Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
+from cfp.models.configs import LlamaConfig
 from cfp.models.layers import (INIT, PARAM_DTYPE, Attention, check_seq_len, compose,
                                compute_dtype, dense, zero_aux)
-from cfp.models.configs import LlamaConfig
 
 
 def apply_rope(x, theta: float = 10000.0, positions: Optional[jnp.ndarray] = None):

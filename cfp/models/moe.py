@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from cfp.errors import ConfigError
 from cfp.models import gpt
-from cfp.models.layers import INIT, PARAM_DTYPE, compose, compute_dtype
 from cfp.models.configs import MoEConfig
+from cfp.models.layers import INIT, PARAM_DTYPE, compose, compute_dtype
 
 Embed = gpt.Embed
 Head = gpt.Head

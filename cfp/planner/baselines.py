@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cfp.planner.build import build_layout, stage_layouts
 from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.build import build_layout, stage_layouts
 from cfp.planner.costmodel import CostModel, Estimate
-from cfp.planner.options import PlannerOptions
 from cfp.planner.metis import machine_groups
+from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import pipeline_counts
 
 

@@ -36,11 +36,11 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 
+from cfp.costs import Part, model_figures
 from cfp.hardware import rates
 from cfp.hardware.collectives import collective_time
 from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.layout import Layout, Pipeline, Stage
-from cfp.costs import Part, model_figures
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
 from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, collective_sync_seconds

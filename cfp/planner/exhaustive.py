@@ -16,11 +16,11 @@ import itertools
 from typing import Iterator, Optional, Sequence
 
 from cfp.errors import InfeasibleError
-from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms
 from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms
 from cfp.planner.costmodel import CostModel, Estimate
-from cfp.planner.options import PlannerOptions
 from cfp.planner.metis import size_cuts, size_orders
+from cfp.planner.options import PlannerOptions
 
 MAX_DEVICES = 16
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from cfp.errors import InfeasibleError
+from cfp.layout import Layout
 from cfp.planner.build import build_layout, orders_signature, stage_layouts
 from cfp.planner.cluster import Cluster
-from cfp.layout import Layout
 from cfp.planner.costmodel import CostModel, Estimate
-from cfp.planner.options import PlannerOptions
 from cfp.planner.metis import (balanced_stages, cluster_graph, machine_groups, split_by_type,
-                                   split_pipelines, split_stages, stage_orders)
+                               split_pipelines, split_stages, stage_orders)
+from cfp.planner.options import PlannerOptions
 from cfp.planner.refine import refine
 
 

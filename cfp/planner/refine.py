@@ -24,8 +24,8 @@ from __future__ import annotations
 import itertools
 from typing import Iterator, Optional, Sequence
 
-from cfp.planner.build import allocate_chunks, best_order, max_chunks, pipeline_terms, split_layers
 from cfp.layout import Layout, Pipeline, Stage
+from cfp.planner.build import allocate_chunks, best_order, max_chunks, pipeline_terms, split_layers
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.metis import size_cuts, size_orders
 

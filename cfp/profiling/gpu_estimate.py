@@ -12,8 +12,8 @@ import math
 from typing import Iterable, Sequence
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.blocks import loops_of
 from cfp.analysis.block_sharding import BlockLayout
+from cfp.analysis.blocks import loops_of
 from cfp.hardware import rates
 from cfp.hardware.collectives import LINKS, collective_time, link_collective_time
 from cfp.hardware.gpus import GpuSpec

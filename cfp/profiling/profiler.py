@@ -18,17 +18,17 @@ import jax
 import numpy as np
 
 from cfp.analysis.analysis import Analysis
-from cfp.analysis.blocks import data_parallel_choice
 from cfp.analysis.block_sharding import shards
+from cfp.analysis.blocks import data_parallel_choice
 from cfp.analysis.segments import Segment
+from cfp.hardware.gpus import get_gpu
 from cfp.ir.capture import Program
 from cfp.profiling import gpu_estimate
-from cfp.hardware.gpus import get_gpu
+from cfp.profiling.cachekey import segment_cache_key
 from cfp.profiling.options import ProfileOptions, ProfilerKind, ProfilerSpec
 from cfp.profiling.subprogram import SegmentProgram
-from cfp.xla.compiled import compiled_figures, device_kind, time_compiled
-from cfp.profiling.cachekey import segment_cache_key
 from cfp.profiling.table import ProfileEntry, ProfileTable, SegmentProfile, cache_load, cache_store
+from cfp.xla.compiled import compiled_figures, device_kind, time_compiled
 
 
 def _count(n: int) -> str:

@@ -19,8 +19,8 @@ in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pi
    whatever their stage boundaries and TP degrees, and only pipeline 0 holds optimizer state. A NaN or Inf in
    the loss, a summed gradient or a new parameter raises ``NumericalError`` naming the step and the leaf.
 
-``set_layout`` switches the layout between steps (a data mix's, `cfp.data`): the state is gathered and placed on the new layout's stages
-(a copy, bit-exact). Per-action start/end times are measured by ``timing.StepClock``.
+``set_layout`` switches the layout between steps (e.g. to another data mix's, `cfp.data`): the state is gathered
+and placed on the new layout's stages (a copy, bit-exact). Per-action start/end times are measured by ``timing.StepClock``.
 """
 from __future__ import annotations
 
@@ -40,13 +40,15 @@ from cfp.layered.model import LayeredModel, merge_stage_params, stage_params
 from cfp.layout import Layout
 from cfp.runtime.executor import (ActivationShapes, ScheduleRun, broadcast_params, check_micro_batches,
                                   grad_pieces, split_batch, sync_gradients)
-from cfp.schedules.registry import SCHEDULES, ScheduleName, check_schedule, global_order
+from cfp.runtime.host_state import gather_stages, host
+from cfp.runtime.stage import activations
 from cfp.runtime.stage.builder import build_programs
 from cfp.runtime.stage.cache import CompileCache
 from cfp.runtime.stage.plans import StagePlans
-from cfp.runtime.host_state import gather_stages, host
 from cfp.runtime.timeline import Event
 from cfp.runtime.timing import StepClock
+from cfp.schedules.actions import KeptBytes, peak_kept
+from cfp.schedules.registry import SCHEDULES, ScheduleName, check_schedule, global_order
 from cfp.xla.compiled import compiled_memory
 
 
@@ -61,6 +63,7 @@ class StepStats:
     real_tokens: int = 0
     events: list[Event] = field(default_factory=list)
     unmeasured: tuple = ()   # per action of this process with no measured interval (not in `events`): its stage
+    kept_peak: dict = field(default_factory=dict)   # local stage -> most bytes per device of activations kept
 
     def busy(self) -> dict[tuple[int, int], float]:
         """Seconds each stage spent computing (fwd + bwd) in this step."""
@@ -239,6 +242,7 @@ class HeteroTrainer:
         t_start = time.perf_counter()
         mbs = self.micro_batches(batch)
         acc, loss, weight, order = self._run_schedule(mbs)
+        kept_peak = dict(self._last_run.memory.peak)
         _check_loss(loss, self.step_count + 1)
         parts = sync_gradients(self.layout, self.programs, acc, self._slice)
         scale = np.float32(1.0) / np.float32(weight)
@@ -258,7 +262,7 @@ class HeteroTrainer:
         slots = sum(int(np.prod(np.shape(jax.tree_util.tree_leaves(mb)[0])[:2])) for mb in flat)
         events = self._clock.events(order, t_start)
         return StepStats(self.step_count, loss, seconds, slots, int(round(weight)), events,
-                         tuple(self._clock.unmeasured))
+                         tuple(self._clock.unmeasured), kept_peak)
 
     def _globals(self, grads: dict) -> dict:
         """The optimizer's values taken over every stage (e.g. a global gradient norm), exchanged round by round
@@ -362,9 +366,33 @@ class HeteroTrainer:
         if not self._initialized:
             raise ConfigError("HeteroTrainer.step called before init() or load_state()")
         order = self._order([len(p) for p in mbs])
-        run = ScheduleRun(self.layout, self.programs, self.params, order, self._act_shape, self._clock)
+        run = self._last_run = ScheduleRun(self.layout, self.programs, self.params, order, self._act_shape,
+                                           self._clock)
         acc, loss, weight = run.run(mbs)
         return acc, loss, weight, order
+
+    def kept_prediction(self, batch_like: Optional[Any] = None) -> dict[tuple[int, int], int]:
+        """Per local stage, the most bytes per device of micro-batch activations its schedule keeps at once
+        (`peak_kept` of its pipeline's table, each micro-batch's input kept from F to its backward and, with B
+        and W split, B's input and output gradient kept until W), for micro-batches shaped like ``batch_like``
+        (default: the example batch's); what a step's `StepStats.kept_peak` must not exceed."""
+        out = {}
+        for p, pipe in enumerate(self.layout.pipelines):
+            b = batch_like if batch_like is not None else self.micro_batch_like(p)
+            ins, grads = [], []
+            for s in range(pipe.num_stages):
+                prog = self.programs[(p, s)]
+                x = None if s == 0 else self._act_shape((p, s - 1), b)
+                y = None if s == pipe.num_stages - 1 else self._act_shape((p, s), b)
+                ins.append(0 if x is None else _sharded_bytes(x, prog.act_in_shardings(x)))
+                grads.append(0 if y is None else _sharded_bytes(activations.gradient_like(y),
+                                                                prog.act_out_shardings(y)))
+            table = SCHEDULES[self.schedule](pipe.num_stages, pipe.chunks)
+            kept = KeptBytes(tuple(float(i) for i in ins), tuple(float(i + g) for i, g in zip(ins, grads)))
+            for s, peak in enumerate(peak_kept(table, kept)):
+                if (p, s) in self._local:
+                    out[(p, s)] = int(peak)
+        return out
 
     def _check_finite(self, flags: dict) -> None:
         """Raise NumericalError naming the first stage leaf whose gradient or new value is not finite."""
@@ -391,6 +419,13 @@ def _global_name(path: str, layer_start: int, stacked: bool) -> str:
 
 def _like(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def _sharded_bytes(like: Any, shardings: Any) -> int:
+    """Bytes per device of arrays shaped like ``like`` placed with ``shardings`` (a matching tree or list)."""
+    leaves, specs = jax.tree_util.tree_leaves(like), jax.tree_util.tree_leaves(shardings)
+    return sum(int(np.prod(s.shard_shape(l.shape), dtype=np.int64)) * np.dtype(l.dtype).itemsize
+               for l, s in zip(leaves, specs))
 
 
 def _check_loss(loss: float, step: int) -> None:

@@ -18,10 +18,10 @@ import numpy as np
 from cfp.errors import ConfigError, NumericalError
 from cfp.layout import Layout, PlacedStage
 from cfp.runtime import comm
-from cfp.schedules.registry import Phase
-from cfp.runtime.stage import activations
 from cfp.runtime.host_state import process_allgather
+from cfp.runtime.stage import activations
 from cfp.runtime.timing import StepClock
+from cfp.schedules.registry import Phase
 
 
 def move(programs: dict, tree: Optional[Any], src: PlacedStage, dst: PlacedStage, dst_shardings: Any,
@@ -103,6 +103,29 @@ class ActivationShapes:
         return self._cache[sig]
 
 
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of ``tree``'s arrays (each leaf's shard shape under its sharding; 0 for None)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if hasattr(leaf, "sharding") else np.shape(leaf)
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+class KeptMemory:
+    """Per stage, the most bytes per device of micro-batch activations a step held between its actions: what the
+    dispatcher's buffers ``saved`` (each input from its F to its backward) and ``kept`` (B's input and output
+    gradient until its W) hold of the stage, read after each of its actions."""
+
+    def __init__(self, saved: dict, kept: dict):
+        self.saved, self.kept = saved, kept
+        self.peak: dict[tuple[int, int], int] = {}
+
+    def observe(self, key: tuple[int, int]) -> None:
+        held = sum(device_bytes(v) for buf in (self.saved, self.kept) for (k, _), v in buf.items() if k == key)
+        self.peak[key] = max(self.peak.get(key, 0), held)
+
+
 class ScheduleRun:
     """Dispatches one step's forward/backward actions; ``run(per_pipeline)`` -> (accumulators, loss, weight).
 
@@ -116,6 +139,7 @@ class ScheduleRun:
         # buffers between actions, keyed by (pipeline, stage, microbatch) or (stage key, microbatch)
         self.acts, self.grads_back, self.saved, self.batches = {}, {}, {}, {}
         self.kept: dict[tuple, tuple] = {}   # (stage key, microbatch) -> what W needs: B's input and gradient in
+        self.memory = KeptMemory(self.saved, self.kept)
         self.acc: dict[tuple[int, int], Any] = {}
         self.loss_parts: dict[int, Any] = {}
 
@@ -131,6 +155,7 @@ class ScheduleRun:
                 done = self._backward(a)
             if done is not None:  # None: another process's stage
                 self.clock.dispatched((a.pipeline, a.stage), a.microbatch, a.phase, t0, done)
+                self.memory.observe((a.pipeline, a.stage))
         for key, prog in self.programs.items():  # a pipeline without micro-batches adds zeros
             if prog.is_local and key not in self.acc:
                 self.acc[key] = prog.zeros()

@@ -20,7 +20,8 @@ with 2 ranks each::
 or set the four ``CFP_*`` variables by hand for each process (``CFP_COORDINATOR=hostA:12345``, a distinct
 ``CFP_PROCESS_ID`` in ``[0, CFP_NUM_PROCESSES)``). The port must be reachable from every host; gloo also
 opens connections between all hosts. A launcher only watches its own host's ranks, so a failure on
-another host is noticed through JAX's heartbeat (``heartbeat_timeout_s``) rather than immediately.
+another host is noticed through JAX's heartbeat (``heartbeat_timeout_s``, default 30 s, or the
+``CFP_HEARTBEAT_TIMEOUT`` variable's seconds) rather than immediately.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ ENV_COORDINATOR = "CFP_COORDINATOR"
 ENV_NUM_PROCESSES = "CFP_NUM_PROCESSES"
 ENV_PROCESS_ID = "CFP_PROCESS_ID"
 ENV_DEVICES_PER_PROC = "CFP_DEVICES_PER_PROC"
+ENV_HEARTBEAT_TIMEOUT = "CFP_HEARTBEAT_TIMEOUT"   # optional: seconds before a silent peer fails the job
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
@@ -91,7 +93,19 @@ def _install_fast_fail() -> None:
     sys.excepthook, sys.exit = excepthook, exit
 
 
-def maybe_initialize_distributed(init_timeout_s: int = 60, heartbeat_timeout_s: int = 30,
+def _heartbeat_timeout() -> int:
+    """Seconds without a peer's heartbeat before the job fails: ``CFP_HEARTBEAT_TIMEOUT``, else 30."""
+    raw = os.environ.get(ENV_HEARTBEAT_TIMEOUT, "30")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{ENV_HEARTBEAT_TIMEOUT}={raw!r} must be a whole number of seconds >= 1")
+    return value
+
+
+def maybe_initialize_distributed(init_timeout_s: int = 60, heartbeat_timeout_s: int | None = None,
                                  shutdown_timeout_s: int = 120, fast_fail: bool = True) -> tuple[int, int]:
     """Join the distributed run described by the ``CFP_*`` variables; returns (process_id, num_processes).
 
@@ -116,6 +130,8 @@ def maybe_initialize_distributed(init_timeout_s: int = 60, heartbeat_timeout_s: 
     except (KeyError, ValueError) as e:
         raise ConfigError(f"{ENV_COORDINATOR} is set but {e} is missing or not an integer (need "
                           f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}, {ENV_DEVICES_PER_PROC})") from None
+    if heartbeat_timeout_s is None:
+        heartbeat_timeout_s = _heartbeat_timeout()
     if not (0 <= pid < n) or d < 1:
         raise ConfigError(f"{ENV_PROCESS_ID}={pid}, {ENV_NUM_PROCESSES}={n}, {ENV_DEVICES_PER_PROC}={d} are "
                           "invalid (need 0 <= id < num_processes and devices >= 1)")

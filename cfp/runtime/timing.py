@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 
-from cfp.schedules.registry import Phase
 from cfp.runtime.timeline import Event
+from cfp.schedules.registry import Phase
 
 
 class _Watcher:

@@ -134,6 +134,8 @@ class TrainResult:
     verify_error: Optional[float] = None
     verify_ok: bool = True
     step_seconds: list[float] = field(default_factory=list)   # measured, per step after the first
+    kept_peak: dict = field(default_factory=dict)       # last step: local stage -> most activation bytes kept
+    kept_predicted: dict = field(default_factory=dict)  # ... and its schedule's prediction (bytes per device)
     params: Any = None                   # train_pipelines: the trained parameters (host numpy, the model's structure)
     opt_state: Any = None                # ... and the optimizer state
 
@@ -306,6 +308,9 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
     result, last_events = _train_steps(opts, job, trainer, start, losses, log)
     for line in report_lines(plans, opts.layout, result.busy) if plans else ():
         log(line)
+    if result.kept_peak:
+        result.kept_predicted = trainer.kept_prediction()
+        log(_kept_line(result.kept_peak, result.kept_predicted))
     if last_events is not None:
         result.bubbles = _timeline(opts, job, last_events, log, len(trainer.order))
     if opts.verify:
@@ -329,7 +334,7 @@ def _stage_plan_options(opts: RunOptions, cache: "CompileCache", log) -> Optiona
 
 def _train_steps(opts, job, trainer, start, losses, log):
     """Steps ``start+1 .. opts.steps`` (checkpointing as asked); returns (result, last events)."""
-    timed, busy_sum, busy_steps, last_events, full, step = [], {}, {}, None, False, start
+    timed, busy_sum, busy_steps, last_events, full, step, kept = [], {}, {}, None, False, start, {}
     for step in range(start, opts.steps):
         stats = trainer.step(job.batches(step))
         losses[step + 1] = stats.loss
@@ -342,11 +347,12 @@ def _train_steps(opts, job, trainer, start, losses, log):
                     busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
         if not stats.unmeasured or not full:   # the timeline: the last step measured in full, else the last step
             last_events, full = stats.events, not stats.unmeasured
+        kept = stats.kept_peak
         if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
             _save(opts, job, trainer, losses)
         if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
             break
-    result = TrainResult(losses, None, {}, {}, step_seconds=[s.seconds for s in timed])
+    result = TrainResult(losses, None, {}, {}, step_seconds=[s.seconds for s in timed], kept_peak=kept)
     if timed:
         result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
         result.busy = {k: v / busy_steps[k] for k, v in busy_sum.items()}
@@ -359,6 +365,15 @@ def _train_steps(opts, job, trainer, start, losses, log):
         else:
             log(line)
     return result, last_events
+
+
+def _kept_line(measured: dict, predicted: dict) -> str:
+    """The last step's activations kept between actions per stage against its schedule's prediction."""
+    mb = lambda b: f"{b / 2**20:.3f} MiB"
+    return ("activations kept between actions, peak per device (last step, measured from the dispatcher's "
+            "buffers; the schedule's prediction from the activation shapes): " + ", ".join(
+                f"p{k[0]}s{k[1]} {mb(measured[k])} ({'=' if measured[k] == predicted.get(k) else 'vs'} "
+                f"{mb(predicted.get(k, 0))} predicted)" for k in sorted(measured)))
 
 
 def checkpoint_settings(opts: TrainOptions) -> dict:

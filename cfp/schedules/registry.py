@@ -22,11 +22,11 @@ from typing import Callable, Optional, Sequence
 
 from cfp.errors import ConfigError
 from cfp.schedules import formulas
-from cfp.schedules.generate import generate
 from cfp.schedules.actions import (Action, GlobalAction, KeptBytes, Phase, Placement, ScheduleTable,
-                                        StageActions, check_table, global_order, kept_profile, linear_table,
-                                        peak_kept)
+                                   StageActions, check_table, global_order, kept_profile, linear_table,
+                                   peak_kept)
 from cfp.schedules.formulas import pipeline_time
+from cfp.schedules.generate import generate
 from cfp.schedules.simulate import ActionCosts, Simulation, simulate
 
 __all__ = ["Action", "GlobalAction", "Phase", "Placement", "ScheduleTable", "StageActions", "check_table",

@@ -439,7 +439,8 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, *, options:
         t, noise = float("nan"), 0.0      # measured by `_time_side_by_side`, with every other fitting plan
     else:
         dtype = gpu_estimate.dominant_dtype(analysis, range(len(analysis.blocks)))
-        t = gpu_estimate.estimated_time(fig, shape, gpu, dtype, gpu_estimate.dots_rate(analysis, enumerate(choice), gpu))
+        rate = gpu_estimate.dots_rate(analysis, enumerate(choice), gpu)
+        t = gpu_estimate.estimated_time(fig, shape, gpu, dtype, rate)
     extra_t, extra_flops = loops.extra(choice) if loops is not None else (0.0, 0.0)
     if gpu is not None:
         t += extra_t

@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 
 from cfp.analysis.analysis import Analysis
-from cfp.sharding.specs import sharded_state_spec, state_owners
+from cfp.analysis.block_sharding import BlockLayout, shards
 from cfp.analysis.blocks import trace_view
 from cfp.analysis.loops import stacked_dims
-from cfp.analysis.block_sharding import BlockLayout, shards
+from cfp.sharding.specs import sharded_state_spec, state_owners
 
 
 @dataclasses.dataclass(frozen=True)

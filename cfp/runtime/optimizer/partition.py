@@ -11,8 +11,8 @@ import optax
 
 from cfp.errors import ConfigError
 from cfp.runtime.optimizer.param_tree import StageHolding, Unit
-from cfp.runtime.optimizer.update_plan import COMBINE, Analysis, analyse, run_eqns
 from cfp.runtime.optimizer.stage import StageOptimizer
+from cfp.runtime.optimizer.update_plan import COMBINE, Analysis, analyse, run_eqns
 
 
 def _abstract(tree: Any) -> Any:

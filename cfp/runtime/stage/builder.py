@@ -13,8 +13,8 @@ from cfp.errors import ConfigError
 from cfp.layout import Layout
 from cfp.runtime.stage.cache import Built, CompileCache
 from cfp.runtime.stage.cases import StageCase, analysed_step, megatron_program, replay_program, stage_cases
-from cfp.runtime.stage.plans import PLANS_FILE, StagePlan, StagePlanMode, StagePlanOptions, StagePlans, entries
 from cfp.runtime.stage.plan_search import search_stage_plans
+from cfp.runtime.stage.plans import PLANS_FILE, StagePlan, StagePlanMode, StagePlanOptions, StagePlans, entries
 from cfp.sharding.specs import resolve
 
 

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional
 import jax
 
 from cfp.errors import InfeasibleError
-from cfp.profiling.profiler import profile
 from cfp.layout import Layout
+from cfp.profiling.profiler import profile
 from cfp.runtime.stage.boundary import boundary_seconds
 from cfp.runtime.stage.cache import CompileCache
 from cfp.runtime.stage.cases import AnalysedStep, StageCase, analysed_step, replay_program, stage_cases

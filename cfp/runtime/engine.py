@@ -39,7 +39,7 @@ from cfp.errors import ConfigError, NumericalError
 from cfp.layered.model import LayeredModel, merge_stage_params, stage_params
 from cfp.layout import Layout
 from cfp.runtime.executor import (ActivationShapes, ScheduleRun, broadcast_params, check_micro_batches,
-                                  grad_pieces, split_batch, sync_gradients)
+                                  device_bytes, grad_pieces, split_batch, sync_gradients)
 from cfp.runtime.host_state import gather_stages, host
 from cfp.runtime.stage import activations
 from cfp.runtime.stage.builder import build_programs
@@ -241,8 +241,7 @@ class HeteroTrainer:
         """One optimizer step on a global batch or on per-pipeline micro-batch lists (see ``micro_batches``)."""
         t_start = time.perf_counter()
         mbs = self.micro_batches(batch)
-        acc, loss, weight, order = self._run_schedule(mbs)
-        kept_peak = dict(self._last_run.memory.peak)
+        acc, loss, weight, order, kept_peak = self._run_schedule(mbs)
         _check_loss(loss, self.step_count + 1)
         parts = sync_gradients(self.layout, self.programs, acc, self._slice)
         scale = np.float32(1.0) / np.float32(weight)
@@ -294,7 +293,7 @@ class HeteroTrainer:
     def gradients(self, batch: Any) -> tuple[Any, float]:
         """(full gradient tree of the step's loss as numpy, loss) at the current parameters (from pipeline 0's
         stages: every pipeline's stage sums the same gradients)."""
-        acc, loss, weight, order = self._run_schedule(self.micro_batches(batch))
+        acc, loss, weight, order, _ = self._run_schedule(self.micro_batches(batch))
         self._clock.events(order, 0.0)  # drain the watchers
         parts = sync_gradients(self.layout, self.programs, acc, self._slice)
         scale = np.float32(1.0) / np.float32(weight)
@@ -320,7 +319,7 @@ class HeteroTrainer:
                     self._warmed.add(key)
                     todo[p].append(mb)
         if any(todo):
-            acc, _, _, order = self._run_schedule(todo)
+            acc, _, _, order, _ = self._run_schedule(todo)
             jax.block_until_ready(acc)
             self._clock.events(order, 0.0)  # drain the watchers
         if ("update", self.layout) not in self._warmed:
@@ -348,7 +347,7 @@ class HeteroTrainer:
     def forward_backward(self, batch: Any) -> float:
         """The step's schedule without the update (accumulated gradients discarded); the loss. For timing a
         layout on a micro-batch (the scheme-space fits)."""
-        acc, loss, _, order = self._run_schedule(self.micro_batches(batch))
+        acc, loss, _, order, _ = self._run_schedule(self.micro_batches(batch))
         jax.block_until_ready(acc)
         self._clock.events(order, 0.0)
         return loss
@@ -362,14 +361,15 @@ class HeteroTrainer:
             out.append(compiled_memory(fn.lower(*args).compile()))
         return out
 
-    def _run_schedule(self, mbs: list[list[Any]]) -> tuple[dict, float, float, list]:
+    def _run_schedule(self, mbs: list[list[Any]]) -> tuple[dict, float, float, list, dict]:
+        """(accumulated gradients, loss, total weight, global action order, per local stage the most activation
+        bytes per device kept between actions)."""
         if not self._initialized:
             raise ConfigError("HeteroTrainer.step called before init() or load_state()")
         order = self._order([len(p) for p in mbs])
-        run = self._last_run = ScheduleRun(self.layout, self.programs, self.params, order, self._act_shape,
-                                           self._clock)
+        run = ScheduleRun(self.layout, self.programs, self.params, order, self._act_shape, self._clock)
         acc, loss, weight = run.run(mbs)
-        return acc, loss, weight, order
+        return acc, loss, weight, order, run.memory.peak
 
     def kept_prediction(self, batch_like: Optional[Any] = None) -> dict[tuple[int, int], int]:
         """Per local stage, the most bytes per device of micro-batch activations its schedule keeps at once
@@ -384,9 +384,9 @@ class HeteroTrainer:
                 prog = self.programs[(p, s)]
                 x = None if s == 0 else self._act_shape((p, s - 1), b)
                 y = None if s == pipe.num_stages - 1 else self._act_shape((p, s), b)
-                ins.append(0 if x is None else _sharded_bytes(x, prog.act_in_shardings(x)))
-                grads.append(0 if y is None else _sharded_bytes(activations.gradient_like(y),
-                                                                prog.act_out_shardings(y)))
+                ins.append(0 if x is None else device_bytes(x, prog.act_in_shardings(x)))
+                grads.append(0 if y is None else device_bytes(activations.gradient_like(y),
+                                                              prog.act_out_shardings(y)))
             table = SCHEDULES[self.schedule](pipe.num_stages, pipe.chunks)
             kept = KeptBytes(tuple(float(i) for i in ins), tuple(float(i + g) for i, g in zip(ins, grads)))
             for s, peak in enumerate(peak_kept(table, kept)):
@@ -419,13 +419,6 @@ def _global_name(path: str, layer_start: int, stacked: bool) -> str:
 
 def _like(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
-
-
-def _sharded_bytes(like: Any, shardings: Any) -> int:
-    """Bytes per device of arrays shaped like ``like`` placed with ``shardings`` (a matching tree or list)."""
-    leaves, specs = jax.tree_util.tree_leaves(like), jax.tree_util.tree_leaves(shardings)
-    return sum(int(np.prod(s.shard_shape(l.shape), dtype=np.int64)) * np.dtype(l.dtype).itemsize
-               for l, s in zip(leaves, specs))
 
 
 def _check_loss(loss: float, step: int) -> None:

@@ -103,11 +103,15 @@ class ActivationShapes:
         return self._cache[sig]
 
 
-def device_bytes(tree: Any) -> int:
-    """Bytes one device holds of ``tree``'s arrays (each leaf's shard shape under its sharding; 0 for None)."""
+def device_bytes(tree: Any, shardings: Any = None) -> int:
+    """Bytes one device holds of ``tree``'s arrays, each leaf's shard shape under its sharding (0 for None);
+    ``shardings``: the leaves' shardings, for a tree of shapes (ShapeDtypeStructs) placed with them."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    placed = (jax.tree_util.tree_leaves(shardings) if shardings is not None
+              else [getattr(leaf, "sharding", None) for leaf in leaves])
     total = 0
-    for leaf in jax.tree_util.tree_leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if hasattr(leaf, "sharding") else np.shape(leaf)
+    for leaf, sharding in zip(leaves, placed):
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else np.shape(leaf)
         total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
     return total
 

@@ -6,6 +6,11 @@ STAMP := $(VENV)/.installed
 TEST_JOBS ?= 2
 PYTEST = $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal
 DURATIONS ?= 40
+# JAX's persistent compilation cache, kept in the checkout: the suite, the docs commands and the scripts compile the
+# same small programs many times over (the same tiny models in many tests and subprocesses); each is compiled once,
+# then loaded. Keyed by the program, the XLA flags and the jax version, so a changed program compiles again.
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax-cache
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 SCRIPT_TIMES = echo "script run times (measured; CPU = the run's processes' user + system seconds):"; \
 	sort .script-times 2>/dev/null; rm -f .script-times
 
@@ -49,4 +54,4 @@ test-scripts: $(STAMP)
 	$(SCRIPT_TIMES); exit $$status
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .jax-cache

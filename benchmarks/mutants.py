@@ -476,6 +476,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "        cm = CostModel()\n",
            ("tests/test_scripts.py::test_script_runs_shrunk[benchmarks/compare.py-cpu]",),
            "benchmarks/compare.py's ILP row uses a name the ILP baseline renamed (issue 28's NameError)"),
+    Mutant("xla-log-read-from-cached-programs", "search", "cfp/xla/log.py",
+           "    with _LOCK, tempfile.TemporaryFile() as tmp, _persistent_cache_off():\n",
+           "    with _LOCK, tempfile.TemporaryFile() as tmp:\n",
+           ("tests/test_reshard.py::test_xla_log_read_also_when_the_persistent_cache_holds_the_program",),
+           "a program JAX's persistent compilation cache holds is loaded, not compiled, so XLA logs nothing "
+           "about it and cfp misses its involuntary rematerializations"),
     # ---- issue 27: the activations a schedule keeps
     Mutant("executor-keeps-forward-inputs", "runtime", "cfp/runtime/executor.py",
            "        x = self.saved.pop((key, m))\n",

@@ -78,6 +78,18 @@ def test_stage_plans_search_builds_the_record_with_its_defaults():
     given = SearchOptions().replace(memory_per_device="3MB", kind="estimate", gpu=GPU)
     assert train._stage_plans(args).search == given
     assert train._stage_plans(args).search_options() == given.replace(cache_dir=default_cache_dir(), progress=False)
+    # every other search and profiling flag of cfp search reaches the stage search as --stage-<flag>
+    args = build_parser().parse_args(["train", "--model", "llama2", "--hetero-configs", "[[2]]", "--stage-plans",
+                                      "search", "--stage-iters", "3", "--stage-warmup", "1",
+                                      "--stage-max-combinations", "5", "--stage-per-block", "3", "--stage-top-k",
+                                      "2", "--stage-verify", "0", "--stage-link-gbps", "7.5",
+                                      "--no-stage-shard-state", "--stage-timing-budget", "4"])
+    assert train._stage_plans(args).search == SearchOptions(
+        profile=ProfileOptions(iters=3, warmup=1, max_combinations=5, per_block=3), top_k=2, verify=0,
+        link_gbps=7.5, shard_state=False, timing_budget=4)
+    with pytest.raises(ConfigError, match="iters=2 must be an integer >= 3"):
+        train._stage_plans(build_parser().parse_args(["train", "--model", "llama2", "--hetero-configs", "[[2]]",
+                                                      "--stage-plans", "search", "--stage-iters", "2"]))
 
 
 class _Searched(Exception):

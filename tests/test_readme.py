@@ -217,7 +217,8 @@ INLINE: dict[str, Run | Skip] = {
     'cfp train --model llama2 --num-layers 4 --hetero-configs "[[2,2]]" --layer-partitions "[[2,2]]" '
     '--global-batch-size 4 --chunks 2 --stage-plans search --checkpoint-dir /tmp/sp': Run(
         "stage_plans", (("--num-layers 4", "--num-layers 2"), ('"[[2,2]]" --global', '"[[1,1]]" --global'),
-                        ("/tmp/sp", "sp --steps 1"))),
+                        ("/tmp/sp", "sp --steps 1 --stage-max-combinations 2 --stage-verify 1 --stage-iters 3 "
+                                    "--stage-warmup 1"))),
     "cfp plan --cluster examples/clusters/local.yaml --model llama2 --num-layers 4 --global-batch-size 4 "
     "--stage-times /tmp/sp/stage_plans": Run("stage_plans", (("--num-layers 4", "--num-layers 2"),
                                                              ("/tmp/sp", "sp"))),

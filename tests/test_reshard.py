@@ -1,4 +1,5 @@
 """No hidden resharding: XLA's involuntary full rematerializations are detected, predicted, and routed around."""
+import contextlib
 import itertools
 import os
 import re
@@ -28,7 +29,7 @@ def partitioner(request):
     jax.config.update("jax_use_shardy_partitioner", before)
 
 
-def _compile_moves(src, path, shape=(16, 16)):
+def _compile_moves(src, path, shape=(16, 16), capture=True):
     """Compile x -> constrained to `src` -> each layout of `path` in turn; (rematerializations, compiled)."""
     mesh = MESH.make()
     names = MESH.axis_names
@@ -43,9 +44,31 @@ def _compile_moves(src, path, shape=(16, 16)):
         return a * 3
 
     fn = jax.jit(f, in_shardings=sharding(src), out_shardings=sharding(path[-1]))
-    with capture_log() as log:
+    with capture_log() if capture else contextlib.nullcontext() as log:
         compiled = fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile()
-    return log.rematerializations, compiled
+    return log.rematerializations if capture else None, compiled
+
+
+def test_xla_log_read_also_when_the_persistent_cache_holds_the_program(tmp_path):
+    """A user's JAX_COMPILATION_CACHE_DIR must not hide XLA's warnings from cfp: a program the persistent cache
+    holds would be loaded, not compiled, and XLA would log nothing about it; inside `capture_log` it is
+    compiled."""
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
+    before = {n: getattr(jax.config, n) for n in names}
+    for n, v in zip(names, (str(tmp_path), 0, 0, True)):
+        jax.config.update(n, v)
+    reset_cache()
+    try:
+        _compile_moves(((0, 1), ()), [((), (0,))], capture=False)        # outside a capture: cached
+        assert list(tmp_path.iterdir()), "the persistent cache was not used"
+        found, _ = _compile_moves(((0, 1), ()), [((), (0,))])
+        assert len(found) == 1
+    finally:
+        for n, v in before.items():
+            jax.config.update(n, v)
+        reset_cache()
 
 
 def test_detector_finds_replicate_then_partition_and_not_a_clean_move(partitioner):

@@ -1,7 +1,8 @@
 """Command-line flags generated from an options record, so each flag's default (and the one `--help` shows) is
 the record's own: every field with `help` metadata becomes `--field-name` (`--<flag>` where the metadata
 names one), parsed to the field's type; a boolean that defaults on becomes `--no-field-name`. The record
-validates the values in its `__post_init__` (a ConfigError: one line, exit 2)."""
+validates the values in its `__post_init__` (a ConfigError: one line, exit 2). A `prefix` names the pass the
+flags are for where a command runs several (`cfp train`'s stage search: `--stage-iters`)."""
 from __future__ import annotations
 
 import argparse
@@ -22,22 +23,25 @@ def _number(text: str) -> float:
 _PARSE = {int: integer, float: _number, str: str}
 
 
-def _flag_fields(record: type) -> list[tuple[dataclasses.Field, str, type]]:
-    """(field, its flag's name with dashes, its type without None) of every field of `record` that is a flag."""
+def _flag_fields(record: type, prefix: str = "") -> list[tuple[dataclasses.Field, str, type]]:
+    """(field, its flag's name with dashes, ``prefix-`` first, its type without None) of every field of `record`
+    that is a flag."""
     hints = typing.get_type_hints(record)
     out = []
     for f in dataclasses.fields(record):
         if "help" in f.metadata:
             kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
-            out.append((f, f.metadata.get("flag", f.name).replace("_", "-"), kind))
+            flag = f.metadata.get("flag", f.name).replace("_", "-")
+            out.append((f, f"{prefix}-{flag}" if prefix else flag, kind))
     return out
 
 
-def add_record_flags(p: argparse.ArgumentParser, record: type, skip: tuple[str, ...] = ()) -> None:
+def add_record_flags(p: argparse.ArgumentParser, record: type, skip: tuple[str, ...] = (), prefix: str = "",
+                     ) -> None:
     """Add a flag to `p` for every flag field of dataclass `record` (not those named in `skip`), its default
-    the record's."""
+    the record's, its name ``--prefix-name`` where a `prefix` is given."""
     defaults = record()
-    for f, flag, kind in _flag_fields(record):
+    for f, flag, kind in _flag_fields(record, prefix):
         if f.name in skip:
             continue
         value, dest, text = getattr(defaults, f.name), flag.replace("-", "_"), f.metadata["help"]
@@ -53,8 +57,13 @@ def add_record_flags(p: argparse.ArgumentParser, record: type, skip: tuple[str, 
             p.add_argument(f"--{flag}", dest=dest, type=parse, default=value, help=text)
 
 
-def record_from_args(record: type, args: argparse.Namespace, **given):
-    """`record` built from the flags `add_record_flags` added (those `args` has), and the fields in `given`."""
-    values = {f.name: getattr(args, flag.replace("-", "_")) for f, flag, _ in _flag_fields(record)
-              if hasattr(args, flag.replace("-", "_")) and f.name not in given}
-    return record(**values, **given)
+def record_from_args(record: type, args: argparse.Namespace, prefix: str = "", **given):
+    """`record` built from the flags `add_record_flags` added with `prefix` (those `args` has), and the fields in
+    `given`."""
+    return record(**{**record_values(record, args, prefix), **given})
+
+
+def record_values(record: type, args: argparse.Namespace, prefix: str = "") -> dict:
+    """The values of `record`'s fields that `args` has flags for (added by `add_record_flags` with `prefix`)."""
+    return {f.name: getattr(args, flag.replace("-", "_")) for f, flag, _ in _flag_fields(record, prefix)
+            if hasattr(args, flag.replace("-", "_"))}

@@ -13,6 +13,7 @@ import sys
 from typing import Optional
 
 from cfp.cli import common
+from cfp.cli.flags import add_record_flags, record_values
 from cfp.planner.layout_file import is_factory
 
 DEFAULT_BATCH, DEFAULT_CHUNKS = [8], [1]    # per pipeline, without --layout
@@ -90,11 +91,12 @@ def _stage_plan_options(p: argparse.ArgumentParser) -> None:
                         "stage plans")
     p.add_argument("--stage-memory", default=None, help="per-device memory budget of the stage search, "
                    "e.g. 2GB (default: unbounded)")
-    from cfp.profiling.options import ProfileOptions, ProfilerKind
-    p.add_argument("--stage-profiler", choices=[k.value for k in ProfilerKind], default=ProfileOptions().kind.value,
-                   help="stage search: time segments here, or estimate them for --gpu (the stage search's other "
-                        "options are cfp search's defaults, cfp.SearchOptions)")
-    common.add_gpu(p, None, "GPU of the stage search's estimate profiler")
+    common.add_gpu(p, None, "GPU of the stage search's estimate profiler (--stage-profiler estimate)")
+    # the stage search's other options: cfp search's flags, named --stage-..., from the same records
+    from cfp.profiling.options import ProfileOptions
+    from cfp.search.options import SearchOptions
+    add_record_flags(p, ProfileOptions, skip=("gpu", "progress"), prefix="stage")
+    add_record_flags(p, SearchOptions, skip=("memory_per_device",), prefix="stage")
 
 
 def parse_nested_list(text: str, name: str):
@@ -125,9 +127,11 @@ def _even_partition(rows, num_layers: int) -> list[list[int]]:
 
 
 def _stage_plans(args: argparse.Namespace):
+    from cfp.profiling.options import ProfileOptions
     from cfp.runtime.stage.plans import StagePlanOptions
     from cfp.search.options import SearchOptions
-    given = {"memory_per_device": args.stage_memory, "kind": args.stage_profiler, "gpu": args.gpu}
+    given = {**record_values(ProfileOptions, args, "stage"), **record_values(SearchOptions, args, "stage"),
+             "memory_per_device": args.stage_memory, "gpu": args.gpu}
     return StagePlanOptions.parse(args.stage_plans,
                                   SearchOptions().replace(**{k: v for k, v in given.items() if v is not None}))
 

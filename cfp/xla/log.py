@@ -8,6 +8,8 @@ XLA writes its warnings to the process's stderr file descriptor, past Python's `
 points descriptor 2 at a temporary file around a compile and then writes everything it caught back to stderr:
 nothing is hidden, and cfp can read what XLA said about the program it just compiled. Around the many
 candidate compiles of a search, `quiet_compiles` keeps XLA's lines in a file and prints one summary line.
+Both turn JAX's persistent compilation cache off inside the block: a program loaded from it is not compiled,
+so XLA would say nothing about it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import sys
 import tempfile
 import threading
 from typing import Iterator
+
+import jax
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 # one thread captures at a time (descriptor 2 is shared by the process); nested captures pass their text
 # on to the enclosing one
@@ -63,11 +68,27 @@ def involuntary_rematerializations(text: str) -> tuple[Rematerialization, ...]:
 
 
 @contextlib.contextmanager
+def _persistent_cache_off() -> Iterator[None]:
+    """JAX's persistent compilation cache (`jax_compilation_cache_dir`) off inside the block, so every program
+    is compiled and XLA logs what it does; on again after it. Held under `_LOCK` by the caller."""
+    if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()       # JAX decides once whether the cache is used; ask it again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        reset_cache()
+
+
+@contextlib.contextmanager
 def _descriptor_2_caught(caught: list[bytes]) -> Iterator[None]:
     """Descriptor 2 goes to a temporary file inside the block; its bytes are appended to `caught` once the
     descriptor is back. The lock is held throughout: another thread swapping descriptor 2 meanwhile would
     restore it wrongly."""
-    with _LOCK, tempfile.TemporaryFile() as tmp:
+    with _LOCK, tempfile.TemporaryFile() as tmp, _persistent_cache_off():
         sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(tmp.fileno(), 2)

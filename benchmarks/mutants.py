@@ -463,7 +463,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "cfp.autoshard drops the SearchOptions it is given and searches with the defaults"),
     Mutant("stage-search-ignores-options", "options", "cfp/runtime/stage/plans.py",
            "return self.search.replace(cache_dir=self.search.profile.cache_dir or default_cache_dir(), progress=False)",
-           "return SearchOptions(profile=ProfileOptions(cache_dir=default_cache_dir(), progress=False))",
+           "return SearchOptions().replace(cache_dir=default_cache_dir(), progress=False)",
            ("tests/test_options.py",),
            "the stage planner searches every stage with the default options, whatever --stage-memory/--stage-profiler say"),
     Mutant("cli-flag-drops-given-value", "options", "cfp/cli/flags.py",

@@ -3,10 +3,11 @@ reporting.
 
 ``train_pipelines(model, optimizer, layout, batches, ...)`` is the Python API for a user's model;
 ``run_training(TrainOptions(...))`` is what ``cfp train`` calls for the zoo's models (an AdamW of ``--lr`` and
-``--weight-decay``, the stdlib / file / synthetic data). Both run the same steps: plan the stages (`plans_for_run`),
-build the trainer, start or resume, train, report, verify. Batches depend only on the step, so a resumed run sees
-the same data as an uninterrupted one; checkpoints hold the layout-independent state (the model's parameter tree
-and its optax state), so a run can resume onto a different layout.
+``--weight-decay``, the stdlib / file / synthetic data; the zoo model is resolved once, at the entry). Both run the
+same steps (`_run`): check the options against the job, plan the stages (`plans_for_run`, one call into
+`cfp.runtime.stage`), build the trainer, start or resume, train, report, verify. Batches depend only on the step,
+so a resumed run sees the same data as an uninterrupted one; checkpoints hold the layout-independent state (the
+model's parameter tree and its optax state), so a run can resume onto a different layout.
 """
 from __future__ import annotations
 
@@ -141,35 +142,36 @@ class TrainResult:
 
 
 class _Data:
-    def __init__(self, opts: TrainOptions, config: Any):
-        self.opts, self.config = opts, config
-        self.rows = opts.layout.global_batch
+    """The global batch of each step of a zoo run: byte-level corpus rows or the zoo's synthetic batches."""
+
+    def __init__(self, source: DataSource, paths: tuple[str, ...], seed: int, model_name: str, config: Any,
+                 rows: int):
+        self.model_name, self.config, self.seed, self.rows = model_name, config, seed, rows
         self.corpus = None
-        if opts.data is not DataSource.SYNTHETIC:
-            if opts.model == "bert":
+        if source is not DataSource.SYNTHETIC:
+            if model_name == "bert":
                 raise ConfigError("--data stdlib/files gives next-token batches; BERT needs "
                                   "--data synthetic (masked-LM batches)")
             if config.vocab_size < 256:
                 raise ConfigError(f"byte-level data needs vocab_size >= 256, the model has "
                                   f"{config.vocab_size}")
             from cfp.corpus import ByteCorpus
-            if opts.data is DataSource.STDLIB:
-                self.corpus = ByteCorpus.from_python_stdlib(config.seq_len, seed=opts.seed)
+            if source is DataSource.STDLIB:
+                self.corpus = ByteCorpus.from_python_stdlib(config.seq_len, seed=seed)
             else:
-                if not opts.data_paths:
+                if not paths:
                     raise ConfigError("--data files needs --data-path PATH [PATH ...]")
-                self.corpus = ByteCorpus.from_paths(list(opts.data_paths), config.seq_len,
-                                                    seed=opts.seed)
+                self.corpus = ByteCorpus.from_paths(list(paths), config.seq_len, seed=seed)
 
     def batch(self, step: int) -> dict:
         """Global batch of (0-based) ``step``: depends only on the seed and the step."""
         if self.corpus is not None:
             return self.corpus.batch(self.rows, step)
         from cfp.models import make_batch
-        key = jax.random.fold_in(jax.random.PRNGKey(self.opts.seed), step)
+        key = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return jax.tree_util.tree_map(np.asarray,
-                                          make_batch(self.opts.model, self.config, self.rows, key))
+                                          make_batch(self.model_name, self.config, self.rows, key))
 
 
 def _print0(*a, **k):
@@ -185,10 +187,11 @@ def build_config(opts: TrainOptions):
 def _check_before_work(opts: RunOptions) -> None:
     """Output paths, the checkpoint to resume and the processes of the job, before any compile."""
     from cfp.runtime.launch import check_layout_fills_processes
+    saves_plans = bool(opts.checkpoint_dir) and _searches_stage_plans(opts)
     check_layout_fills_processes(list(opts.layout.devices))  # no idle process
     if opts.timeline_dir:
         check_output_dir(opts.timeline_dir, "timeline_dir")
-    if opts.checkpoint_every or (opts.checkpoint_dir and _searches_stage_plans(opts)):
+    if opts.checkpoint_every or saves_plans:
         check_output_dir(opts.checkpoint_dir, "checkpoint_dir")
     if opts.resume:
         from cfp.runtime.checkpoint import latest_step
@@ -272,20 +275,23 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0,
     from cfp.models.layered import zoo_model
     from cfp.runtime.engine import adamw
     from cfp.runtime.verify import zoo_reference
-    config = build_config(opts)
-    data = _Data(opts, config)
+    config = build_config(opts)      # the zoo model, resolved once: what follows takes its config or model
+    # the data first: it refuses a model it cannot feed before the model is built
+    data = _Data(opts.data, opts.data_paths, opts.seed, opts.model, config, opts.layout.global_batch)
     model = cache.model if cache is not None else zoo_model(opts.model, config, opts.seed)
     tx = cache.tx if cache is not None else adamw(opts.learning_rate, opts.weight_decay)
-    describe = (f"model {opts.model}/{opts.config_name} ({config.num_layers} layers, hidden {config.hidden_size}, "
-                f"seq {config.seq_len}, {config.dtype})")
-    job = _Job(model, tx, data.batch, checkpoint_settings(opts),
-               lambda: zoo_reference(opts.model, config, opts.learning_rate, opts.weight_decay), describe)
+    lr, wd = opts.learning_rate, opts.weight_decay
+    job = _Job(model=model, optimizer=tx, batches=data.batch, settings=checkpoint_settings(opts),
+               reference=lambda: zoo_reference(opts.model, config, lr, wd),
+               describe=f"model {opts.model}/{opts.config_name} ({config.num_layers} layers, hidden "
+                        f"{config.hidden_size}, seq {config.seq_len}, {config.dtype})")
     return _run(job, opts, log, cache)
 
 
 def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional["CompileCache"],
          keep_state: bool = False) -> "TrainResult":
-    """The run's steps in order: stage plans, trainer, initial state, training, report, timeline, verification."""
+    """The run's steps in order: checks, stage plans, trainer, initial state, training, report, timeline,
+    verification. Each step takes the options it uses, not the whole `RunOptions`."""
     from cfp.runtime.engine import HeteroTrainer
     from cfp.runtime.stage.builder import plans_for_run
     from cfp.runtime.stage.cache import CompileCache
@@ -294,18 +300,20 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
     # one compile cache: the stage programs the search builds are the ones the trainer runs
     cache = cache if cache is not None else CompileCache(job.model, job.optimizer)
     example = job.batches(0)
-    plans = plans_for_run(_stage_plan_options(opts, cache, log), opts.layout, cache, example, opts.checkpoint_dir,
-                          opts.resume, log)
+    plans = plans_for_run(opts.stage_plans, opts.layout, cache, example, opts.checkpoint_dir, opts.resume, log)
     trainer = HeteroTrainer(job.model, job.optimizer, opts.layout, opts.schedule, example_batch=example,
                             plans=plans, cache=cache)
-    start, losses = _initial_state(opts, job, trainer, log)
+    store = _Checkpoints(opts.checkpoint_dir, opts.checkpoint_every, opts.keep_checkpoints, job.settings,
+                         opts.layout)
+    start, losses = _initial_state(store, opts.resume, job.model, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None
     log(f"{job.describe}; schedule {trainer.schedule.value}; {jax.process_count()} process(es), "
         f"{opts.layout.num_devices} devices")
     log(opts.layout.describe())
     if start < opts.steps:
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
-    result, last_events = _train_steps(opts, job, trainer, start, losses, log)
+    result, last_events = _train_steps(trainer, job.batches, range(start, opts.steps), opts.stop_after, store,
+                                       losses, log)
     for line in report_lines(plans, opts.layout, result.busy) if plans else ():
         log(line)
     if result.kept_peak:
@@ -314,29 +322,21 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
     if last_events is not None:
         result.bubbles = _timeline(opts, job, last_events, log, len(trainer.order))
     if opts.verify:
-        _verify(opts, job, trainer, init_state, start, losses, result, log)
+        result.verify_error, result.verify_ok = _verify(job, trainer, init_state, start, losses, opts.verify_tol,
+                                                        log)
     if keep_state:
         result.params, result.opt_state, _ = trainer.state()
     return result
 
 
-def _stage_plan_options(opts: RunOptions, cache: "CompileCache", log) -> Optional["StagePlanOptions"]:
-    """The run's stage-plan options; a model that names no parameter dims gets its TP stages searched."""
-    from cfp.runtime.stage.builder import needs_search
-    from cfp.runtime.stage.plans import StagePlanMode, StagePlanOptions
-    unnamed = needs_search(cache, opts.layout)
-    if unnamed and (opts.stage_plans is None or opts.stage_plans.mode is StagePlanMode.MEGATRON):
-        log(f"model {cache.model.name!r} names no parameter dims: the stage plans of its TP stages {unnamed} "
-            "are searched (the CFP passes per stage)")
-        return StagePlanOptions(StagePlanMode.SEARCH)
-    return opts.stage_plans
-
-
-def _train_steps(opts, job, trainer, start, losses, log):
-    """Steps ``start+1 .. opts.steps`` (checkpointing as asked); returns (result, last events)."""
+def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_after: Optional[int],
+                 store: "_Checkpoints", losses: dict[int, float], log):
+    """The (0-based) `steps` (``stop_after``: stop after that many), each saved when ``store.every`` says;
+    returns (result, last events)."""
+    start = steps.start
     timed, busy_sum, busy_steps, last_events, full, step, kept = [], {}, {}, None, False, start, {}
-    for step in range(start, opts.steps):
-        stats = trainer.step(job.batches(step))
+    for step in steps:
+        stats = trainer.step(batches(step))
         losses[step + 1] = stats.loss
         log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {stats.tokens / stats.seconds:,.0f} "
             f"measured ({stats.seconds:.3f} s)")
@@ -348,9 +348,9 @@ def _train_steps(opts, job, trainer, start, losses, log):
         if not stats.unmeasured or not full:   # the timeline: the last step measured in full, else the last step
             last_events, full = stats.events, not stats.unmeasured
         kept = stats.kept_peak
-        if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
-            _save(opts, job, trainer, losses)
-        if opts.stop_after is not None and step + 1 - start >= opts.stop_after:
+        if store.every and (step + 1) % store.every == 0:
+            _save(store, trainer, losses)
+        if stop_after is not None and step + 1 - start >= stop_after:
             break
     result = TrainResult(losses, None, {}, {}, step_seconds=[s.seconds for s in timed], kept_peak=kept)
     if timed:
@@ -385,22 +385,35 @@ def checkpoint_settings(opts: TrainOptions) -> dict:
             "weight_decay": opts.weight_decay}
 
 
-def _initial_state(opts, job, trainer, log) -> tuple[int, dict[int, float]]:
-    if not opts.resume:
+@dataclass(frozen=True)
+class _Checkpoints:
+    """Where a run keeps its checkpoints, every how many steps it saves one (0: never), how many it keeps, and
+    what it records in each: the job's settings (which a resumed checkpoint must match) and the layout."""
+    directory: Optional[str]
+    every: int
+    keep: Optional[int]
+    settings: dict
+    layout: Layout
+
+
+def _initial_state(store: _Checkpoints, resume: bool, model: "LayeredModel", trainer,
+                   log) -> tuple[int, dict[int, float]]:
+    """A fresh start (step 0), or the newest checkpoint of ``store`` loaded onto the trainer; with its losses."""
+    if not resume:
         trainer.init()
         return 0, {}
     from cfp.runtime.checkpoint import latest_step, restore_checkpoint
-    step = latest_step(opts.checkpoint_dir)
-    like = job.model.abstract().params
+    step = latest_step(store.directory)
+    like = model.abstract().params
     target = {"params": like, "opt_state": jax.eval_shape(trainer.tx.init, like)}
-    state, meta = restore_checkpoint(opts.checkpoint_dir, step, target,
-                                     check_metadata=lambda m: _check_settings(opts, job, step, m))
+    state, meta = restore_checkpoint(store.directory, step, target,
+                                     check_metadata=lambda m: _check_settings(store, step, m))
     trainer.load_state(state["params"], state["opt_state"], step)
     old = _saved_layout(meta.get("layout"))
-    moved = "" if isinstance(old, Layout) and old.same_run(opts.layout) else (
+    moved = "" if isinstance(old, Layout) and old.same_run(store.layout) else (
         f"; resharded from layout {old.summary() if isinstance(old, Layout) else old} onto "
-        f"{opts.layout.summary()}")
-    log(f"resumed from {opts.checkpoint_dir} step {step}{moved}")
+        f"{store.layout.summary()}")
+    log(f"resumed from {store.directory} step {step}{moved}")
     return step, {int(k): float(v) for k, v in meta.get("losses", {}).items()}
 
 
@@ -412,28 +425,28 @@ def _saved_layout(saved: Any) -> Any:
         return saved
 
 
-def _check_settings(opts: RunOptions, job: _Job, step: int, meta: dict) -> None:
+def _check_settings(store: _Checkpoints, step: int, meta: dict) -> None:
     """Refuse a checkpoint written with other model, data or optimizer settings."""
-    saved, now = meta.get("settings"), job.settings
+    saved, now = meta.get("settings"), store.settings
     if not isinstance(saved, dict):
-        raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} does not record the "
+        raise ConfigError(f"checkpoint step {step} in {store.directory!r} does not record the "
                           "settings it was written with (written by an older cfp?)")
     for k in now:
         if saved.get(k) != now[k]:
-            raise ConfigError(f"checkpoint step {step} in {opts.checkpoint_dir!r} was written with "
+            raise ConfigError(f"checkpoint step {step} in {store.directory!r} was written with "
                               f"{k}={saved.get(k)!r}, this run has {k}={now[k]!r}; resume with the "
                               "same settings or use another checkpoint_dir")
 
 
-def _save(opts, job, trainer, losses) -> None:
+def _save(store: _Checkpoints, trainer, losses: dict[int, float]) -> None:
     from cfp.runtime.checkpoint import save_checkpoint
     params, opt_state, step = trainer.state()  # gathered onto every process
     if jax.process_index() != 0:
         return
-    meta = {"step": step, "settings": job.settings, "layout": opts.layout.to_json(),
+    meta = {"step": step, "settings": store.settings, "layout": store.layout.to_json(),
             "losses": {str(k): v for k, v in losses.items()}}
-    save_checkpoint(opts.checkpoint_dir, step, {"params": params, "opt_state": opt_state}, meta,
-                    keep=opts.keep_checkpoints, overwrite=True)
+    save_checkpoint(store.directory, step, {"params": params, "opt_state": opt_state}, meta,
+                    keep=store.keep, overwrite=True)
 
 
 def _all_events(events, n_max: int) -> np.ndarray:
@@ -471,7 +484,8 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
             log(bubble_line(q, v))
             log(_simulated_line(opts, tl, q, v))
     if opts.timeline_dir and jax.process_index() == 0:
-        _write_timeline(opts, job, tl, log)
+        _write_timeline(opts.timeline_dir, f"{job.model.name} {opts.schedule.value} {opts.layout.summary()}", tl,
+                        log)
     return summary
 
 
@@ -498,21 +512,23 @@ def _simulated_line(opts, tl, q: int, v: dict) -> str:
             f"{bubble_of(theory, m, busiest):.1%} (estimated)")
 
 
-def _write_timeline(opts, job, tl, log) -> None:
-    os.makedirs(opts.timeline_dir, exist_ok=True)
-    tl.save_json(os.path.join(opts.timeline_dir, "timeline.json"))
+def _write_timeline(directory: str, title: str, tl, log) -> None:
+    os.makedirs(directory, exist_ok=True)
+    tl.save_json(os.path.join(directory, "timeline.json"))
     if not len(tl):       # nothing measured: nothing to draw, and no stale picture of another run left
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(opts.timeline_dir, "timeline.png"))
-        log(f"timeline written to {opts.timeline_dir}/timeline.json (no action measured: no timeline.png)")
+            os.remove(os.path.join(directory, "timeline.png"))
+        log(f"timeline written to {directory}/timeline.json (no action measured: no timeline.png)")
         return
-    tl.plot_png(os.path.join(opts.timeline_dir, "timeline.png"),
-                title=f"{job.model.name} {opts.schedule.value} {opts.layout.summary()}")
+    tl.plot_png(os.path.join(directory, "timeline.png"), title=title)
     partial = f" ({tl.unmeasured} actions not measured: no bubble)" if tl.unmeasured else ""
-    log(f"timeline written to {opts.timeline_dir}/timeline.json and timeline.png{partial}")
+    log(f"timeline written to {directory}/timeline.json and timeline.png{partial}")
 
 
-def _verify(opts, job, trainer, init_state, start, losses, result, log) -> None:
+def _verify(job: _Job, trainer, init_state, start: int, losses: dict[int, float], tol: Optional[float],
+            log) -> tuple[float, bool]:
+    """The run's losses and final parameters against the job's reference replayed on one device from the same
+    initial state: (max relative error, within ``tol`` (None: the model's default tolerance))."""
     from cfp.runtime.verify import default_tolerance, loss_error, replay, tree_error
     steps = list(range(start, max(losses) if losses else start))
     loss, tx = job.reference()
@@ -520,7 +536,7 @@ def _verify(opts, job, trainer, init_state, start, losses, result, log) -> None:
     mine = [losses[s + 1] for s in steps]
     # both raise NumericalError on NaN/Inf (Python's max would drop a NaN error)
     err = max(loss_error(mine, ref_losses), tree_error(trainer.state()[0], ref_params))
-    tol = opts.verify_tol if opts.verify_tol is not None else default_tolerance(job.model, job.batches(0))
-    result.verify_error, result.verify_ok = err, err <= tol
+    tol = tol if tol is not None else default_tolerance(job.model, job.batches(0))
     log(f"verify: max relative error {err:.3e} over {len(steps)} steps "
         f"({'ok' if err <= tol else 'ABOVE'} tolerance {tol:g})")
+    return err, err <= tol

@@ -87,9 +87,16 @@ def build_programs(layout: Layout, devices: list, cache: CompileCache, plans: Op
 def plans_for_run(options: Optional[StagePlanOptions], layout: Layout, cache: CompileCache, batch_like: Any,
                   checkpoint_dir: Optional[str] = None, resume: bool = False,
                   log: Callable[[str], None] = print) -> Optional[StagePlans]:
-    """The stage plans of a training run (None: the rules table). A resumed run reuses the plans saved next to its
+    """The stage plans of a training run (None: the rules table) from the run's stage-plan `options` (None: the
+    rules table), its layout and an example batch: the one call a run makes into the stage planner. A model that
+    names no parameter dims gets its TP stages searched. A resumed run reuses the plans saved next to its
     checkpoints; a searched run saves them there (``<checkpoint_dir>/stage_plans``) and leaves the programs it
     built in `cache`."""
+    unnamed = needs_search(cache, layout)
+    if unnamed and (options is None or options.mode is StagePlanMode.MEGATRON):
+        log(f"model {cache.model.name!r} names no parameter dims: the stage plans of its TP stages {unnamed} "
+            "are searched (the CFP passes per stage)")
+        options = StagePlanOptions(StagePlanMode.SEARCH)
     if options is None or options.mode is StagePlanMode.MEGATRON:
         return None
     saved_dir = os.path.join(checkpoint_dir, "stage_plans") if checkpoint_dir else None

@@ -19,6 +19,7 @@ from cfp.profiling import gpu_estimate
 from cfp.profiling.options import ProfilerKind
 from cfp.runtime.stage.boundary import boundary_seconds, replicated
 from cfp.runtime.stage.replay import stage_step
+from cfp.search.options import SearchOptions
 from cfp.xla.compiled import compiled_figures, time_in_turns
 
 
@@ -47,13 +48,13 @@ class MegatronComparison:
                 f"ms): {'Megatron' if self.megatron_wins else 'searched plan'} runs")
 
 
-def compare_with_megatron(case, step, result, picked, planned: Callable[[], Any], options,
+def compare_with_megatron(case, step, result, picked, planned: Callable[[], Any], sopts: SearchOptions,
                           profiler) -> Optional[MegatronComparison]:
     """Time (or estimate) `picked` (the chosen verified choice of search `result` on analysed `step`, a
     `cfp.runtime.stage.plan_search.Picked`) and the Megatron stage `case.prog` side by side; `planned()` gives the
     stage program of the picked choice (what the runtime would run, kept in the compile cache). None when the
-    search verified nothing whole (`verify` 0)."""
-    sopts = options.search_options()
+    search verified nothing whole (`sopts.verify` 0); `sopts.iters` and `warmup` time the measured side by side,
+    `sopts.memory_per_device` is the budget the Megatron step must fit."""
     if sopts.verify == 0:
         return None
     prog, args, analysis = case.prog, step.args, step.analysis

@@ -35,6 +35,7 @@ from cfp.runtime.stage.compare import compare_with_megatron
 from cfp.runtime.stage.plans import (SearchedSharding, SearchFigures, StagePlan, StagePlanOptions, StagePlans,
                                      Timing, batch_entries, entries)
 from cfp.runtime.stage.replay import input_groups
+from cfp.search.options import SearchOptions
 from cfp.search.search import VerifiedChoice, search
 from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.log import quiet_compiles
@@ -88,25 +89,25 @@ def _sharding(case: StageCase, step: AnalysedStep, picked: Picked) -> SearchedSh
         tuple(entries(s) for s in act_in), tuple(entries(s) for s in act_out))
 
 
-def search_stage(case: StageCase, cache: CompileCache, options: StagePlanOptions,
+def search_stage(case: StageCase, cache: CompileCache, sopts: SearchOptions,
                  log: Callable[[str], None] = print) -> StagePlan:
-    """Analyse, profile and search one stage on its own sub-mesh, then time the winner side by side with
-    the Megatron sharding; see the module doc. The programs it builds stay in `cache`."""
+    """Analyse, profile and search one stage on its own sub-mesh under `sopts` (its ``memory_per_device`` the
+    stage's budget), then time the winner side by side with the Megatron sharding; see the module doc. The
+    programs it builds stay in `cache`."""
     st = case.prog.stage
     marks = [time.perf_counter()]
     step = analysed_step(case, cache)
     marks.append(time.perf_counter())
     quiet = lambda *_: None
-    sopts = options.search_options()
     # candidate compiles: the profile, the verified whole steps and the side by side with Megatron
     with quiet_compiles(f"stage p{st.pipeline}s{st.index} candidate compiles"):
-        table = profile(step.program, step.analysis, options.profile_options(), log=quiet)
+        table = profile(step.program, step.analysis, sopts.profile, log=quiet)
         marks.append(time.perf_counter())
         result = search(step.program, step.analysis, table, step.args, sopts, log=quiet, mesh=case.prog.mesh)
         marks.append(time.perf_counter())
         picked = _pick(case, step, result, sopts.memory_per_device)
         planned = lambda: replay_program(case, picked.plan_choice, picked.applied, cache)
-        meg = compare_with_megatron(case, step, result, picked, planned, options, table.profiler)
+        meg = compare_with_megatron(case, step, result, picked, planned, sopts, table.profiler)
     marks.append(time.perf_counter())
     v = picked.verified
     searched = Timing(meg.searched_time if meg and not meg.same_sharding else float(v.time),
@@ -143,7 +144,7 @@ def search_stage_plans(layout: Layout, cache: CompileCache, options: StagePlanOp
         elif key in done:
             plan = _placed(done[key], st)
         else:
-            plan = done[key] = search_stage(case, cache, options, log)
+            plan = done[key] = search_stage(case, cache, options.search_options(), log)
         plans.append(plan)
     devices = list(devices) if devices is not None else jax.devices()
     model = cache.model

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from cfp.errors import ConfigError
 from cfp.files import write_json_atomic
-from cfp.profiling.options import ProfileOptions, default_cache_dir
+from cfp.profiling.options import default_cache_dir
 from cfp.layout import Layout, PlacedStage
 from cfp.search.options import SearchOptions
 from cfp.search.plan import spec_entries
@@ -78,9 +78,6 @@ class StagePlanOptions:
     def search_options(self) -> SearchOptions:
         """`search` as a stage search runs it: the default profile cache unless one is named, no progress bar."""
         return self.search.replace(cache_dir=self.search.profile.cache_dir or default_cache_dir(), progress=False)
-
-    def profile_options(self) -> ProfileOptions:
-        return self.search_options().profile
 
 
 @dataclasses.dataclass(frozen=True)

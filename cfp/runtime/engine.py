@@ -65,12 +65,14 @@ class StepStats:
     events: list[Event] = field(default_factory=list)
     unmeasured: tuple = ()   # per action of this process with no measured interval (not in `events`): its stage
     kept_peak: dict = field(default_factory=dict)   # local stage -> most bytes per device of activations kept
+    stage_of: Any = None     # an event's (pipeline, virtual stage) -> its (pipeline, stage); None: the same
 
     def busy(self) -> dict[tuple[int, int], float]:
-        """Seconds each stage spent computing (fwd + bwd) in this step."""
+        """Seconds each stage (its virtual stages together) spent computing (fwd + bwd) in this step."""
         out: dict[tuple[int, int], float] = {}
         for e in self.events:
-            out[(e.pipeline, e.stage)] = out.get((e.pipeline, e.stage), 0.0) + e.end - e.start
+            key = (e.pipeline, e.stage) if self.stage_of is None else self.stage_of((e.pipeline, e.stage))
+            out[key] = out.get(key, 0.0) + e.end - e.start
         return out
 
 
@@ -279,7 +281,7 @@ class HeteroTrainer:
         slots = sum(int(np.prod(np.shape(jax.tree_util.tree_leaves(mb)[0])[:2])) for mb in flat)
         events = self._clock.events(order, t_start)
         return StepStats(self.step_count, loss, seconds, slots, int(round(weight)), events,
-                         tuple(self._clock.unmeasured), kept_peak)
+                         tuple(self._clock.unmeasured), kept_peak, self.vstages.stage_of)
 
     def _globals(self, grads: dict) -> dict:
         """The optimizer's values taken over every stage (e.g. a global gradient norm), exchanged round by round

@@ -163,8 +163,8 @@ def run_schedule_text(text: str) -> str:
     try:
         ScheduleSpec.parse(text)
     except ConfigError as e:
-        raise argparse.ArgumentTypeError(f"--schedule {text!r}: {e} (valid: {', '.join(SCHEDULES)} "
-                                         "or interleaved:V with V >= 2)") from None
+        raise argparse.ArgumentTypeError(f"{e} (valid: {', '.join(SCHEDULES)} or interleaved:V with V >= 2)") \
+            from None
     return text
 
 

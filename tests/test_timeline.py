@@ -136,8 +136,9 @@ def test_a_step_not_measured_in_full_still_writes_its_timeline_without_a_bubble(
     from cfp.schedules.registry import ScheduleName
     from cfp.runtime.training import _timeline
     full = gpipe(Timeline(), 2, 2).events
-    opts = SimpleNamespace(timeline_dir=str(tmp_path / "tl"), schedule=ScheduleName.GPIPE,
-                           layout=Layout.from_lists([[1, 1]], [[1, 1]], [2], [2]))
+    from cfp.runtime.training import RunOptions
+    opts = RunOptions(timeline_dir=str(tmp_path / "tl"), schedule=ScheduleName.GPIPE,
+                      layout=Layout.from_lists([[1, 1]], [[1, 1]], [2], [2]))
     job = SimpleNamespace(model=SimpleNamespace(name="gpt"))
     said = []
     bubbles = _timeline(opts, job, full[1:], said.append, len(full))

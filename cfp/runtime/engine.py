@@ -221,6 +221,10 @@ class HeteroTrainer:
         places the state on them (values copied, unchanged)."""
         spec = ScheduleSpec.parse(schedule)
         if expand(self.layout, spec).run != self.run_layout:
+            searched = sorted(k for k, pr in self.programs.items() if pr.replay is not None)
+            if searched:
+                raise ConfigError(f"schedule {spec} runs other virtual stages than {self.spec}, but stage(s) "
+                                  f"{searched} run searched stage plans, which are per stage")
             state = self.state() if self._initialized else None
             self.spec, self.params, self.opt_state = spec, {}, {}
             self._build(self.layout)

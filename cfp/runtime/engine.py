@@ -6,8 +6,9 @@ sub-mesh. ``HeteroTrainer.step(batch)`` takes either a global batch (any pytree;
 in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pipeline, its list of micro-batches
 (e.g. packed variable-length rows with segment ids; any count, any shape, none at all):
 
-1. Every pipeline runs its schedule (GPipe, 1F1B or ZB-H1: each backward as B then a deferred W) on its
-   micro-batches (``executor.ScheduleRun``); each stage
+1. Every pipeline runs its schedule (GPipe, 1F1B, ZB-H1 with each backward as B then a deferred W, interleaved
+   1F1B or ZB-V, whose virtual stages run as stages of their own on their stage's devices: `cfp.runtime.vstages`)
+   on its micro-batches (``executor.ScheduleRun``); each stage
    accumulates the gradient of its micro-batches' summed ``loss_sum``; the step's loss is
    ``sum(loss_sum) / sum(weight)`` over every micro-batch of every pipeline.
 2. Gradient sync (``executor.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from

@@ -268,8 +268,10 @@ class Timeline:
 
 
     # ---- plot ----
-    def plot_png(self, path: str | os.PathLike, title: str | None = None) -> None:
-        """Gantt chart: one row per (pipeline, stage), a bar per micro-batch coloured by phase."""
+    def plot_png(self, path: str | os.PathLike, title: str | None = None,
+                 placements: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """Gantt chart: one row per (pipeline, stage), a bar per micro-batch coloured by phase; with
+        ``placements`` (as `summary`'s) one row per virtual stage, named with its stage."""
         if not self._events:
             raise ConfigError("timeline has no events to plot")
         import matplotlib
@@ -290,24 +292,26 @@ class Timeline:
             ax.barh(y, w, left=x, height=0.8, color=_COLORS[e.phase], edgecolor="white", linewidth=0.6)
             if w > 0.025 * span * scale:  # label only bars wide enough to hold the text
                 ax.text(x + w / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(len(rows)), [f"pipe {q} / stage {s}" for q, s in rows])
+        ax.set_yticks(range(len(rows)), [f"pipe {q} / stage {s}" if placements is None else
+                                         f"pipe {q} / stage {placements[q][s]} (virtual {s})" for q, s in rows])
         for i in range(1, len(rows)):  # separate pipelines
             if rows[i][0] != rows[i - 1][0]:
                 ax.axhline(i - 0.5, color="grey", linewidth=0.8, linestyle="--")
         ax.invert_yaxis()  # stage 0 on top, like the usual pipeline diagrams
         ax.set_xlabel(f"time ({unit})")
         ax.set_xlim(0, span * scale)
-        ax.set_title(f"{title}\n{self._stats_line()}" if title else self._stats_line(), fontsize=9)
+        stats = self._stats_line(placements)
+        ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
         ax.legend(handles=[Patch(color=_COLORS[p], label=p.value) for p in Phase], loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
-    def _stats_line(self) -> str:
+    def _stats_line(self, placements: Optional[Sequence[Sequence[int]]] = None) -> str:
         if self.unmeasured:
             return f"bubble not measured: {self.unmeasured} actions of the step were not measured (not drawn)"
         sep = "; " if len(self.pipelines()) <= 2 else "\n"
         return sep.join(f"pipe {q}: bubble {v['bubble']:.1%}{'' if v['valid'] else ' INVALID'} "
                         f"(theory {v['theoretical_bubble']:.1%}, p={v['stages']}, m={v['microbatches']})"
-                        for q, v in self.summary().items())
+                        for q, v in self.summary(placements).items())

@@ -522,7 +522,8 @@ def _write_timeline(opts, job, tl, log) -> None:
         log(f"timeline written to {opts.timeline_dir}/timeline.json (no action measured: no timeline.png)")
         return
     tl.plot_png(os.path.join(opts.timeline_dir, "timeline.png"),
-                title=f"{job.model.name} {opts.spec} {opts.layout.summary()}")
+                title=f"{job.model.name} {opts.spec} {opts.layout.summary()}",
+                placements=[_placement(opts, q) for q in range(len(opts.layout.pipelines))])
     partial = f" ({tl.unmeasured} actions not measured: no bubble)" if tl.unmeasured else ""
     log(f"timeline written to {opts.timeline_dir}/timeline.json and timeline.png{partial}")
 

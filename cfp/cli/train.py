@@ -233,7 +233,6 @@ def run(args: argparse.Namespace) -> int:
     maybe_initialize_distributed()  # before any device use
     common.ensure_host_devices(8)
 
-    from cfp.schedules.registry import ScheduleName
     from cfp.runtime.training import DataSource, RunOptions, TrainOptions, run_training, train_user_model
 
     run_args = dict(

@@ -144,12 +144,16 @@ class HeteroTrainer:
         the new layout's (values copied, unchanged). Returns whether the layout changed."""
         if layout == self.layout:
             return False
+        self._rebuild(layout, self.spec)
+        return True
+
+    def _rebuild(self, layout: Layout, spec: ScheduleSpec) -> None:
+        """Programs for ``layout`` under ``spec``, the state moved onto them (values copied, unchanged)."""
         state = self.state() if self._initialized else None
-        self.params, self.opt_state = {}, {}
+        self.spec, self.params, self.opt_state = spec, {}, {}
         self._build(layout)
         if state is not None:
             self.load_state(*state)
-        return True
 
     # ------------------------------------------------------------------ state
     def init(self) -> "HeteroTrainer":
@@ -226,12 +230,7 @@ class HeteroTrainer:
             if searched:
                 raise ConfigError(f"schedule {spec} runs other virtual stages than {self.spec}, but stage(s) "
                                   f"{searched} run searched stage plans, which are per stage")
-            state = self.state() if self._initialized else None
-            self.spec, self.params, self.opt_state = spec, {}, {}
-            self._build(self.layout)
-            if state is not None:
-                self.load_state(*state)
-            return
+            return self._rebuild(self.layout, spec)
         if spec.entry.split:
             whole = sorted(k for k, pr in self.programs.items() if not pr.splits)
             if whole:

@@ -493,6 +493,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "        return 0.0\n",
            ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
            "the schedule's memory model keeps B's input but not the output gradient W needs"),
+    Mutant("vstage-chunk-on-wrong-device", "runtime", "cfp/runtime/vstages.py",
+           "for d, n in zip(placement, layers))",
+           "for d, n in zip(sorted(placement), layers))",
+           ("tests/test_virtual_stages.py",),
+           "virtual stages are put on the stages in pipeline order (chunk c on stage c // v), not where the "
+           "schedule places them"),
 )
 
 

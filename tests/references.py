@@ -96,8 +96,8 @@ def identical_across_pipelines(trainer) -> bool:
     """Whether every pipeline holds bit-identical values of every parameter (single process: all stages local)."""
     from cfp.layered.model import merge_stage_params
     full = []
-    for p in range(len(trainer.layout.pipelines)):
-        parts = [jax.tree_util.tree_map(np.asarray, trainer.params[st.key]) for st in trainer.layout.placed_in(p)]
+    for p in range(len(trainer.run_layout.pipelines)):
+        parts = [jax.tree_util.tree_map(np.asarray, trainer.params[st.key]) for st in trainer.run_layout.placed_in(p)]
         full.append(jax.tree_util.tree_leaves(merge_stage_params(parts, trainer.model.stacked)))
     return all(len(f) == len(full[0]) and all(np.array_equal(a, b) for a, b in zip(f, full[0])) for f in full[1:])
 

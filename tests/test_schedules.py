@@ -255,13 +255,12 @@ def test_schedule_specs_and_one_line_errors():
         assert "\n" not in str(e.value)
 
 
-def test_runtime_refuses_what_its_stage_programs_do_not_run():
-    for name in ("interleaved", "zb-v"):     # virtual stages: priced and simulated only, refused in one line
-        with pytest.raises(ConfigError, match=f"^schedule {name} is priced, generated and simulated, but the "
-                                              r"runtime does not run it yet \(it runs gpipe, 1f1b, zb-h1\)$"):
-            SCHEDULES[ScheduleName(name)](4, 8)
-    for name in (ScheduleName.ONE_F_ONE_B, ScheduleName.ZB_H1):
+def test_runtime_runs_the_validated_patterns():
+    for name in ScheduleName:     # virtual stages too (the runtime runs them as stages of their own)
         assert SCHEDULES[name](3, 4) == SCHEDULES[name].pattern(3, 4)
+    table = SCHEDULES[ScheduleName.INTERLEAVED](3, 5, 3)      # m not a multiple of p: the generated table
+    assert table == SCHEDULES[ScheduleName.INTERLEAVED].pattern(3, 5, 3) and table.v == 3
+    assert SCHEDULES[ScheduleName.ZB_V](2, 0).num_vstages == 4      # a pipeline given no micro-batches
 
 
 def test_equal_time_bubbles():

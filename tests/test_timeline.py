@@ -136,8 +136,9 @@ def test_a_step_not_measured_in_full_still_writes_its_timeline_without_a_bubble(
     from cfp.schedules.registry import ScheduleName
     from cfp.runtime.training import _timeline
     full = gpipe(Timeline(), 2, 2).events
-    opts = SimpleNamespace(timeline_dir=str(tmp_path / "tl"), schedule=ScheduleName.GPIPE,
-                           layout=Layout.from_lists([[1, 1]], [[1, 1]], [2], [2]))
+    from cfp.runtime.training import RunOptions
+    opts = RunOptions(timeline_dir=str(tmp_path / "tl"), schedule=ScheduleName.GPIPE,
+                      layout=Layout.from_lists([[1, 1]], [[1, 1]], [2], [2]))
     job = SimpleNamespace(model=SimpleNamespace(name="gpt"))
     said = []
     bubbles = _timeline(opts, job, full[1:], said.append, len(full))
@@ -181,3 +182,25 @@ def test_split_backward_replays_and_bounds_its_makespan():
     early = [dataclasses.replace(e, start=b0.start - 2.0, end=b0.start - 1.0)
              if (e.stage, e.microbatch, e.phase) == (0, 0, Phase.BWD_WEIGHT) else e for e in events]
     assert critical_path(early) == float("inf")
+
+
+def test_virtual_stage_events_replay_and_summarise_per_stage():
+    """Events of a ZB-V step name virtual stages (what the engine records under virtual stages): replayed in the
+    simulation of the table they ran they give its makespan, and `summary(placements)` counts busy time and the
+    bubble per stage (its two virtual stages together), not per virtual stage."""
+    from cfp.schedules.registry import SCHEDULES, ScheduleName
+    from cfp.schedules.simulate import ActionCosts, simulate
+    from cfp.runtime.timeline import Event, Timeline, median_action_seconds, replay_measured
+    table = SCHEDULES[ScheduleName.ZB_V].pattern(3, 6)
+    costs = ActionCosts((1.0, 2.0, 1.0, 0.5, 1.0, 1.5), (1.0, 1.5, 1.2, 0.4, 1.0, 1.0), (0.5, 1.0, 0.7, 0.3, 0.6, 0.8))
+    sim = simulate(table, costs)
+    events = [Event(0, s.vstage, s.microbatch, s.phase, s.start, s.end) for s in sim.spans]
+    got = replay_measured(events, table)
+    assert got.makespan == pytest.approx(sim.makespan) and got.busy == pytest.approx(sim.busy)
+    assert median_action_seconds(events, 6) == (pytest.approx(list(costs.fwd)), pytest.approx(list(costs.bwd_input)),
+                                                pytest.approx(list(costs.bwd_weight)))
+    tl = Timeline(events)
+    v = tl.summary([table.placement])[0]
+    assert v["stages"] == 3 and v["valid"]
+    assert v["bubble"] == pytest.approx(1.0 - sum(sim.busy) / (3 * sim.makespan))
+    assert tl.summary()[0]["stages"] == 6       # without placements: one row per virtual stage

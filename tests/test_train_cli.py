@@ -33,8 +33,8 @@ def _run(capsys, *extra):
     (["--verify-tol", "0.1"], "verify_tol=0.1 (--verify-tol) is unused without verify"),
     (["--data", "synthetic", "--data-path", "x.txt"], "only read with data=files"),
     (["--resume", "--checkpoint-dir", "CKPT/missing"], "resume: no complete checkpoint"),
-    (["--schedule", "zb-v"], "schedule zb-v is priced, generated and simulated, but the runtime does not run it yet "
-                             "(it runs gpipe, 1f1b, zb-h1)"),
+    (["--schedule", "interleaved:1"], "argument --schedule: schedule interleaved: v=1 virtual stages per stage is "
+                                      "invalid (interleaved needs v >= 2)"),
     (["--timeline-dir", "FILE/sub"], "--timeline-dir='FILE/sub' cannot be created: 'FILE' is a file"),
     (["--timeline-dir", "FILE"], "--timeline-dir='FILE' is not a directory"),
     (["--checkpoint-dir", "FILE/x", "--checkpoint-every", "1"], "--checkpoint-dir='FILE/x' cannot be created: "

@@ -151,9 +151,21 @@ def add_num_layers(p: argparse.ArgumentParser) -> None:
 
 
 def add_schedule(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
-                   help="pipeline schedule (the runtime runs gpipe, 1f1b and zb-h1; interleaved and zb-v are priced "
-                        "and simulated by cfp plan only)")
+    p.add_argument("--schedule", type=run_schedule_text, default=DEFAULT_SCHEDULE, metavar="SCHEDULE",
+                   help="pipeline schedule the runtime runs: gpipe, 1f1b, interleaved (interleaved:V for V virtual "
+                        "stages per stage, default 2), zb-h1 or zb-v")
+
+
+def run_schedule_text(text: str) -> str:
+    """argparse type of a schedule to run: a schedule name or ``interleaved:V``."""
+    from cfp.errors import ConfigError
+    from cfp.schedules.registry import ScheduleSpec
+    try:
+        ScheduleSpec.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"{e} (valid: {', '.join(SCHEDULES)} or interleaved:V with V >= 2)") \
+            from None
+    return text
 
 
 def schedule_text(text: str) -> str:

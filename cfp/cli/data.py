@@ -223,7 +223,7 @@ def run_train(args) -> int:
     from cfp.data.breakdown import format_summary
     from cfp.models import get_config, init_params
     from cfp.runtime.engine import zoo_trainer
-    from cfp.schedules.registry import ScheduleName
+    from cfp.schedules.registry import ScheduleSpec
 
     method = get_method(args.batching_method)
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
@@ -242,7 +242,7 @@ def run_train(args) -> int:
     opts = train.DataTrainOptions(model=args.model, method=method, steps=args.steps,
                                   tokens_per_step=args.tokens_per_step, learning_rate=args.lr, seed=args.seed,
                                   ilp_max_sequences=args.ilp_max_sequences, weight_decay=args.weight_decay,
-                                  schedule=ScheduleName.parse(args.schedule),
+                                  schedule=ScheduleSpec.parse(args.schedule),
                                   parallel_pipelines=parallel)
     layout0 = train.layout_of(candidates[0], cfg.num_layers, jax.device_count())
     trainer = zoo_trainer(args.model, cfg, layout0, opts.schedule, learning_rate=args.lr,

@@ -237,11 +237,10 @@ def run(args: argparse.Namespace) -> int:
     maybe_initialize_distributed()  # before any device use
     common.ensure_host_devices(8)
 
-    from cfp.schedules.registry import ScheduleName
     from cfp.runtime.training import DataSource, RunOptions, TrainOptions, run_training, train_user_model
 
     run_args = dict(
-        schedule=ScheduleName.parse(args.schedule), steps=args.steps, checkpoint_dir=args.checkpoint_dir,
+        schedule=args.schedule, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints or None,
         resume=args.resume, timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
         stop_after=args.stop_after, stage_plans=_stage_plans(args))

@@ -28,7 +28,7 @@ from cfp.data.schemes import Scheme, SchemeSpace
 from cfp.data.sources import Sequences
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.models.configs import MoEConfig
-from cfp.schedules.registry import ScheduleName
+from cfp.schedules.registry import ScheduleName, ScheduleSpec
 
 Shape = tuple[int, int, int]   # (cp, tp, pp)
 
@@ -43,7 +43,7 @@ class DataTrainOptions:
     seed: int = 0
     ilp_max_sequences: int = 0
     weight_decay: float = 0.01
-    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    schedule: "ScheduleName | ScheduleSpec" = ScheduleName.ONE_F_ONE_B   # interleaved:V: a ScheduleSpec
     parallel_pipelines: float | None = None     # `SchemeSpace.parallel_pipelines` of the fits
 
     def __post_init__(self):

@@ -169,8 +169,9 @@ def concat_layers(pieces: Sequence[Any], stacked: bool) -> Any:
 def stage_params(params: Mapping[str, Any], start: int, stop: int, first: bool, last: bool,
                  stacked: bool) -> dict:
     """The parameters (or any tree shaped like them: gradients) a stage holds: ``first`` when it is the first
-    stage, layers ``start .. stop-1``, ``last`` when it is the last."""
-    out = {"layers": slice_layers(params["layers"], start, stop, stacked)}
+    stage, layers ``start .. stop-1`` (no ``layers`` when it holds none: a virtual stage may), ``last`` when it is
+    the last."""
+    out = {"layers": slice_layers(params["layers"], start, stop, stacked)} if stop > start else {}
     if first:
         out["first"] = params["first"]
     if last:
@@ -180,7 +181,8 @@ def stage_params(params: Mapping[str, Any], start: int, stop: int, first: bool, 
 
 def merge_stage_params(parts: Sequence[Mapping[str, Any]], stacked: bool) -> dict:
     """The full tree from one pipeline's stage trees, in stage order (inverse of ``stage_params``)."""
-    return {"first": parts[0]["first"], "layers": concat_layers([p["layers"] for p in parts], stacked),
+    return {"first": parts[0]["first"], "layers": concat_layers([p["layers"] for p in parts if "layers" in p],
+                                                                stacked),
             "last": parts[-1]["last"]}
 
 

@@ -6,8 +6,9 @@ sub-mesh. ``HeteroTrainer.step(batch)`` takes either a global batch (any pytree;
 in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pipeline, its list of micro-batches
 (e.g. packed variable-length rows with segment ids; any count, any shape, none at all):
 
-1. Every pipeline runs its schedule (GPipe, 1F1B or ZB-H1: each backward as B then a deferred W) on its
-   micro-batches (``executor.ScheduleRun``); each stage
+1. Every pipeline runs its schedule (GPipe, 1F1B, ZB-H1 with each backward as B then a deferred W, interleaved
+   1F1B or ZB-V, whose virtual stages run as stages of their own on their stage's devices: `cfp.runtime.vstages`)
+   on its micro-batches (``executor.ScheduleRun``); each stage
    accumulates the gradient of its micro-batches' summed ``loss_sum``; the step's loss is
    ``sum(loss_sum) / sum(weight)`` over every micro-batch of every pipeline.
 2. Gradient sync (``executor.sync_gradients``): every stage of pipeline 0 gathers its parameters' gradients from
@@ -48,7 +49,8 @@ from cfp.runtime.stage.plans import StagePlans
 from cfp.runtime.timeline import Event
 from cfp.runtime.timing import StepClock
 from cfp.schedules.actions import KeptBytes, peak_kept
-from cfp.schedules.registry import SCHEDULES, ScheduleName, check_schedule, global_order
+from cfp.runtime.vstages import expand
+from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec, check_schedule, global_order
 from cfp.xla.compiled import compiled_memory
 
 
@@ -64,12 +66,14 @@ class StepStats:
     events: list[Event] = field(default_factory=list)
     unmeasured: tuple = ()   # per action of this process with no measured interval (not in `events`): its stage
     kept_peak: dict = field(default_factory=dict)   # local stage -> most bytes per device of activations kept
+    stage_of: Any = None     # an event's (pipeline, virtual stage) -> its (pipeline, stage); None: the same
 
     def busy(self) -> dict[tuple[int, int], float]:
-        """Seconds each stage spent computing (fwd + bwd) in this step."""
+        """Seconds each stage (its virtual stages together) spent computing (fwd + bwd) in this step."""
         out: dict[tuple[int, int], float] = {}
         for e in self.events:
-            out[(e.pipeline, e.stage)] = out.get((e.pipeline, e.stage), 0.0) + e.end - e.start
+            key = (e.pipeline, e.stage) if self.stage_of is None else self.stage_of((e.pipeline, e.stage))
+            out[key] = out.get(key, 0.0) + e.end - e.start
         return out
 
 
@@ -108,7 +112,8 @@ class HeteroTrainer:
         self.model, self.cache = model, cache
         self.tx, self.optimizer = cache.tx, cache.optimizer
         self.devices = list(devices) if devices is not None else jax.devices()
-        self.schedule = ScheduleName.parse(schedule)
+        self.spec = ScheduleSpec.parse(schedule)
+        self.schedule = self.spec.name
         self.params: dict[tuple[int, int], Any] = {}
         self.opt_state: dict[tuple[int, int], Any] = {}
         self.step_count = 0
@@ -121,25 +126,34 @@ class HeteroTrainer:
         self._build(layout, plans)
 
     def _build(self, layout: Layout, plans: Optional[StagePlans] = None) -> None:
+        """Programs for ``layout`` run under ``self.spec``: one per expanded stage (`cfp.runtime.vstages`)."""
         layout.validate_for(self.model.num_layers, len(self.devices), self.model.heads)
-        self.layout = layout
-        self.programs = build_programs(layout, self.devices, self.cache, plans, self._example)
-        self.set_schedule(self.schedule)
+        if plans is not None and self.spec.v > 1:
+            raise ConfigError(f"schedule {self.spec} runs virtual stages, which searched stage plans do not cover "
+                              "(plans are per stage): use the rules table or a schedule of one virtual stage")
+        self.layout, self.vstages = layout, expand(layout, self.spec)
+        self.run_layout = self.vstages.run
+        self.programs = build_programs(self.run_layout, self.devices, self.cache, plans, self._example)
         self._local = {k: pr for k, pr in self.programs.items() if pr.is_local}
         self._clock = StepClock({k: pr.stage.devices for k, pr in self._local.items()})
-        self._act_shape = ActivationShapes(layout, self.programs)
+        self._act_shape = ActivationShapes(self.run_layout, self.programs)
+        self.set_schedule(self.spec)
 
     def set_layout(self, layout: Layout) -> bool:
         """Switch to another layout between steps: the state is gathered from the current stages and placed on
         the new layout's (values copied, unchanged). Returns whether the layout changed."""
         if layout == self.layout:
             return False
+        self._rebuild(layout, self.spec)
+        return True
+
+    def _rebuild(self, layout: Layout, spec: ScheduleSpec) -> None:
+        """Programs for ``layout`` under ``spec``, the state moved onto them (values copied, unchanged)."""
         state = self.state() if self._initialized else None
-        self.params, self.opt_state = {}, {}
+        self.spec, self.params, self.opt_state = spec, {}, {}
         self._build(layout)
         if state is not None:
             self.load_state(*state)
-        return True
 
     # ------------------------------------------------------------------ state
     def init(self) -> "HeteroTrainer":
@@ -164,11 +178,11 @@ class HeteroTrainer:
     def state(self) -> tuple[Any, Any, int]:
         """The layout-independent state as host numpy trees: (params, opt_state, step), taken from pipeline 0
         (all pipelines hold identical values); in a multi-process run stages held elsewhere are broadcast."""
-        keys = [st.key for st in self.layout.placed_in(0)]
+        keys = [st.key for st in self.run_layout.placed_in(0)]
         local = lambda k: self.programs[k].is_local
         params = gather_stages(keys, self.params, lambda k: self.programs[k].params_like, local)
         opts = gather_stages(keys, self.opt_state, lambda k: self.programs[k].optimizer.like, local)
-        full, opt = self.optimizer.merge(params, opts, self.layout.placed_in(0))
+        full, opt = self.optimizer.merge(params, opts, self.run_layout.placed_in(0))
         return full, opt, self.step_count
 
     def compile_jobs(self, key: tuple[int, int], batch_like: Optional[Any] = None, split: bool = False) -> list:
@@ -181,14 +195,14 @@ class HeteroTrainer:
         x_like = None if st.is_first else self._act_shape((key[0], key[1] - 1), b)
         y_like = None if st.is_last else self._act_shape(key, b)
         return prog.compile_jobs(x_like, b if (st.is_first or st.is_last) else None, y_like,
-                                 grad_pieces(self.layout, st), split)
+                                 grad_pieces(self.run_layout, st), split)
 
     def micro_batch_like(self, pipeline: int) -> Any:
         """ShapeDtypeStructs of pipeline ``pipeline``'s micro-batch, from the example batch the trainer was
         given."""
         if self._example is None:
             raise ConfigError("compiling ahead of time needs the trainer's example_batch (the batches' shapes)")
-        rows = self.layout.pipelines[pipeline].micro_batch
+        rows = self.run_layout.pipelines[pipeline].micro_batch
         return jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct((rows,) + tuple(l.shape[1:]), l.dtype),
                                       self._example)
 
@@ -205,37 +219,47 @@ class HeteroTrainer:
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one step
-    def set_schedule(self, schedule: "str | ScheduleName") -> None:
-        """Switch the schedule (one the runtime runs: `Schedule.runs_on_engine`); the forward and whole-backward
-        programs do not depend on it, B and W compile on first use."""
-        name = ScheduleName.parse(schedule)
-        if SCHEDULES[name].split:
+    def set_schedule(self, schedule: "str | ScheduleName | ScheduleSpec") -> None:
+        """Switch the schedule (one the runtime runs: `Schedule.runs_on_engine`; ``interleaved:V`` gives its
+        virtual stages). Between schedules of the same virtual stages the forward and whole-backward programs
+        stay, B and W compile on first use; another placement of virtual stages rebuilds the programs and
+        places the state on them (values copied, unchanged)."""
+        spec = ScheduleSpec.parse(schedule)
+        if expand(self.layout, spec).run != self.run_layout:
+            searched = sorted(k for k, pr in self.programs.items() if pr.replay is not None)
+            if searched:
+                raise ConfigError(f"schedule {spec} runs other virtual stages than {self.spec}, but stage(s) "
+                                  f"{searched} run searched stage plans, which are per stage")
+            return self._rebuild(self.layout, spec)
+        if spec.entry.split:
             whole = sorted(k for k, pr in self.programs.items() if not pr.splits)
             if whole:
-                raise ConfigError(f"schedule {name.value} splits the backward into B and W, but stage(s) {whole} "
+                raise ConfigError(f"schedule {spec} splits the backward into B and W, but stage(s) {whole} "
                                   "run a searched stage plan's whole backward only (use gpipe or 1f1b)")
-        self.schedule = name
+        self.spec, self.schedule = spec, spec.name
+        self.vstages = expand(self.layout, spec)
         self.order = self._order([p.chunks for p in self.layout.pipelines])
 
     def _order(self, chunks: list[int]) -> list:
         """The global action order of the pipelines with ``chunks[p]`` micro-batches (cached)."""
-        key = (self.schedule, tuple(p.num_stages for p in self.layout.pipelines), tuple(chunks))
+        key = (self.spec, tuple(p.num_stages for p in self.layout.pipelines), tuple(chunks))
         if key not in self._orders:
             per_pipe = []
             for p, m in zip(self.layout.pipelines, chunks):
-                acts = SCHEDULES[self.schedule](p.num_stages, m)
+                acts = self.spec.entry(p.num_stages, m, self.spec.v)
                 if m:   # a pipeline given no micro-batches this step runs nothing
                     check_schedule(acts, m)
                 per_pipe.append(acts)
-            self._orders[key] = global_order(per_pipe)
+            # the dispatcher runs virtual stage c as expanded stage c (its own program)
+            self._orders[key] = [a._replace(stage=a.vstage) for a in global_order(per_pipe)]
         return self._orders[key]
 
     def micro_batches(self, batch: Any) -> list[list[Any]]:
         """Per pipeline its micro-batches: a global batch (a pytree) is cut by the layout's batch sizes; a list
         (one list of micro-batches per pipeline) is checked and taken as is."""
         if isinstance(batch, list):
-            return check_micro_batches(self.layout, batch)
-        return split_batch(self.layout, batch)
+            return check_micro_batches(self.run_layout, batch)
+        return split_batch(self.run_layout, batch)
 
     def step(self, batch: Any) -> StepStats:
         """One optimizer step on a global batch or on per-pipeline micro-batch lists (see ``micro_batches``)."""
@@ -243,7 +267,7 @@ class HeteroTrainer:
         mbs = self.micro_batches(batch)
         acc, loss, weight, order, kept_peak = self._run_schedule(mbs)
         _check_loss(loss, self.step_count + 1)
-        parts = sync_gradients(self.layout, self.programs, acc, self._slice)
+        parts = sync_gradients(self.run_layout, self.programs, acc, self._slice)
         scale = np.float32(1.0) / np.float32(weight)
         grads = {key: self.programs[key].gradient(g, scale) for key, g in parts.items()}
         globals_ = self._globals(grads)
@@ -251,7 +275,7 @@ class HeteroTrainer:
         for key, g in grads.items():
             self.params[key], self.opt_state[key], flags[key] = self.programs[key].apply_update(
                 g, self.opt_state[key], self.params[key], globals_)
-        broadcast_params(self.layout, self.programs, self.params, self._slice,
+        broadcast_params(self.run_layout, self.programs, self.params, self._slice,
                          lambda key, pieces: self.programs[key].join_layers(pieces))
         jax.block_until_ready(list(self.params.values()))
         seconds = time.perf_counter() - t_start
@@ -261,14 +285,14 @@ class HeteroTrainer:
         slots = sum(int(np.prod(np.shape(jax.tree_util.tree_leaves(mb)[0])[:2])) for mb in flat)
         events = self._clock.events(order, t_start)
         return StepStats(self.step_count, loss, seconds, slots, int(round(weight)), events,
-                         tuple(self._clock.unmeasured), kept_peak)
+                         tuple(self._clock.unmeasured), kept_peak, self.vstages.stage_of)
 
     def _globals(self, grads: dict) -> dict:
         """The optimizer's values taken over every stage (e.g. a global gradient norm), exchanged round by round
         from pipeline 0's stages (every stage of every pipeline then gets the same ones); {} when the optimizer
         needs none."""
         glob: dict = {}
-        keys = [st.key for st in self.layout.placed_in(0)]
+        keys = [st.key for st in self.run_layout.placed_in(0)]
         local = lambda k: self.programs[k].is_local
         for r in range(self.optimizer.rounds):
             mine = {k: self.programs[k].optimizer.partials(r, grads[k], self.opt_state[k], self.params[k], glob)
@@ -295,10 +319,10 @@ class HeteroTrainer:
         stages: every pipeline's stage sums the same gradients)."""
         acc, loss, weight, order, _ = self._run_schedule(self.micro_batches(batch))
         self._clock.events(order, 0.0)  # drain the watchers
-        parts = sync_gradients(self.layout, self.programs, acc, self._slice)
+        parts = sync_gradients(self.run_layout, self.programs, acc, self._slice)
         scale = np.float32(1.0) / np.float32(weight)
         summed = {k: self.programs[k].gradient(parts[k], scale) for k in parts}
-        keys = [st.key for st in self.layout.placed_in(0)]
+        keys = [st.key for st in self.run_layout.placed_in(0)]
         trees = gather_stages(keys, summed, lambda k: self.programs[k].params_like,
                               lambda k: self.programs[k].is_local)
         return merge_stage_params(trees, self.model.stacked), loss
@@ -313,7 +337,7 @@ class HeteroTrainer:
         for p, pipe_mbs in enumerate(mbs):
             for mb in pipe_mbs:
                 sig = jax.tree_util.tree_map(np.shape, mb)
-                key = (self.layout.pipelines[p].stages, str(jax.tree_util.tree_structure(mb)),
+                key = (self.run_layout.pipelines[p].stages, str(jax.tree_util.tree_structure(mb)),
                        tuple(jax.tree_util.tree_leaves(sig)))
                 if key not in self._warmed:
                     self._warmed.add(key)
@@ -322,22 +346,22 @@ class HeteroTrainer:
             acc, _, _, order, _ = self._run_schedule(todo)
             jax.block_until_ready(acc)
             self._clock.events(order, 0.0)  # drain the watchers
-        if ("update", self.layout) not in self._warmed:
-            self._warmed.add(("update", self.layout))
+        if ("update", self.run_layout) not in self._warmed:
+            self._warmed.add(("update", self.run_layout))
             for key, prog in self._local.items():
                 if key[0] != 0:
                     continue
                 copy = jax.tree_util.tree_map(jnp.copy, (self.params[key], self.opt_state[key]))
-                parts = [prog.grad_parts_zeros(p) for p in grad_pieces(self.layout, prog.stage)]
+                parts = [prog.grad_parts_zeros(p) for p in grad_pieces(self.run_layout, prog.stage)]
                 g = prog.gradient(parts, np.float32(1.0))
                 glob = {v: jnp.zeros(l.shape, l.dtype) for v, l in self.optimizer.globals_like.items()}
                 jax.block_until_ready(prog.apply_update(g, copy[1], copy[0], glob))
             # the step's transfers too (gradient sync, parameter broadcast): their first use builds programs,
             # which a step would time; the broadcast writes into a copy of the dict, the state is unchanged
             if any(todo):
-                jax.block_until_ready(sync_gradients(self.layout, self.programs, acc, self._slice))
+                jax.block_until_ready(sync_gradients(self.run_layout, self.programs, acc, self._slice))
             shadow = dict(self.params)
-            broadcast_params(self.layout, self.programs, shadow, self._slice,
+            broadcast_params(self.run_layout, self.programs, shadow, self._slice,
                              lambda key, pieces: self.programs[key].join_layers(pieces))
             jax.block_until_ready(list(shadow.values()))
         dt = time.perf_counter() - t0
@@ -367,30 +391,33 @@ class HeteroTrainer:
         if not self._initialized:
             raise ConfigError("HeteroTrainer.step called before init() or load_state()")
         order = self._order([len(p) for p in mbs])
-        run = ScheduleRun(self.layout, self.programs, self.params, order, self._act_shape, self._clock)
+        run = ScheduleRun(self.run_layout, self.programs, self.params, order, self._act_shape, self._clock,
+                          self.vstages.stage_of)
         acc, loss, weight = run.run(mbs)
         return acc, loss, weight, order, run.memory.peak
 
     def kept_prediction(self, batch_like: Optional[Any] = None) -> dict[tuple[int, int], int]:
-        """Per local stage, the most bytes per device of micro-batch activations its schedule keeps at once
-        (`peak_kept` of its pipeline's table, each micro-batch's input kept from F to its backward and, with B
-        and W split, B's input and output gradient kept until W), for micro-batches shaped like ``batch_like``
-        (default: the example batch's); what a step's `StepStats.kept_peak` must not exceed."""
+        """Per local stage (of the layout: its virtual stages together), the most bytes per device of micro-batch
+        activations its schedule keeps at once (`peak_kept` of its pipeline's table, each micro-batch's input to a
+        virtual stage kept from F to its backward and, with B and W split, B's input and output gradient kept
+        until W), for micro-batches shaped like ``batch_like`` (default: the example batch's); what a step's
+        `StepStats.kept_peak` must not exceed."""
         out = {}
-        for p, pipe in enumerate(self.layout.pipelines):
+        local = {self.vstages.stage_of(k) for k in self._local}
+        for p, pipe in enumerate(self.run_layout.pipelines):
             b = batch_like if batch_like is not None else self.micro_batch_like(p)
             ins, grads = [], []
-            for s in range(pipe.num_stages):
-                prog = self.programs[(p, s)]
-                x = None if s == 0 else self._act_shape((p, s - 1), b)
-                y = None if s == pipe.num_stages - 1 else self._act_shape((p, s), b)
+            for c in range(pipe.num_stages):
+                prog = self.programs[(p, c)]
+                x = None if c == 0 else self._act_shape((p, c - 1), b)
+                y = None if c == pipe.num_stages - 1 else self._act_shape((p, c), b)
                 ins.append(0 if x is None else device_bytes(x, prog.act_in_shardings(x)))
                 grads.append(0 if y is None else device_bytes(activations.gradient_like(y),
                                                               prog.act_out_shardings(y)))
-            table = SCHEDULES[self.schedule](pipe.num_stages, pipe.chunks)
+            table = self.spec.entry(self.layout.pipelines[p].num_stages, pipe.chunks, self.spec.v)
             kept = KeptBytes(tuple(float(i) for i in ins), tuple(float(i + g) for i, g in zip(ins, grads)))
             for s, peak in enumerate(peak_kept(table, kept)):
-                if (p, s) in self._local:
+                if (p, s) in local:
                     out[(p, s)] = int(peak)
         return out
 

@@ -10,7 +10,7 @@ accumulates the gradient of the summed ``loss_sum`` over its micro-batches, and 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -119,15 +119,18 @@ def device_bytes(tree: Any, shardings: Any = None) -> int:
 class KeptMemory:
     """Per stage, the most bytes per device of micro-batch activations a step held between its actions: what the
     dispatcher's buffers ``saved`` (each input from its F to its backward) and ``kept`` (B's input and output
-    gradient until its W) hold of the stage, read after each of its actions."""
+    gradient until its W) hold of the stage, read after each of its actions. ``stage_of`` maps an expanded stage
+    key to the stage whose devices run it (`cfp.runtime.vstages`): its virtual stages' buffers count together."""
 
-    def __init__(self, saved: dict, kept: dict):
-        self.saved, self.kept = saved, kept
+    def __init__(self, saved: dict, kept: dict, stage_of: Callable = lambda key: key):
+        self.saved, self.kept, self.stage_of = saved, kept, stage_of
         self.peak: dict[tuple[int, int], int] = {}
 
     def observe(self, key: tuple[int, int]) -> None:
-        held = sum(device_bytes(v) for buf in (self.saved, self.kept) for (k, _), v in buf.items() if k == key)
-        self.peak[key] = max(self.peak.get(key, 0), held)
+        at = self.stage_of(key)
+        held = sum(device_bytes(v) for buf in (self.saved, self.kept) for (k, _), v in buf.items()
+                   if self.stage_of(k) == at)
+        self.peak[at] = max(self.peak.get(at, 0), held)
 
 
 class ScheduleRun:
@@ -137,13 +140,13 @@ class ScheduleRun:
     (packed variable-length rows), and a pipeline may have none this step."""
 
     def __init__(self, layout: Layout, programs: dict, params: dict, order: list, act_shape: ActivationShapes,
-                 clock: StepClock):
+                 clock: StepClock, stage_of: Callable = lambda key: key):
         self.layout, self.programs, self.params, self.order = layout, programs, params, order
         self.act_shape, self.clock = act_shape, clock
         # buffers between actions, keyed by (pipeline, stage, microbatch) or (stage key, microbatch)
         self.acts, self.grads_back, self.saved, self.batches = {}, {}, {}, {}
         self.kept: dict[tuple, tuple] = {}   # (stage key, microbatch) -> what W needs: B's input and gradient in
-        self.memory = KeptMemory(self.saved, self.kept)
+        self.memory = KeptMemory(self.saved, self.kept, stage_of)
         self.acc: dict[tuple[int, int], Any] = {}
         self.loss_parts: dict[int, Any] = {}
 
@@ -301,7 +304,8 @@ def broadcast_params(layout: Layout, programs: dict, params: dict, slicer: Any, 
             got = _gather_from(programs, src_stages, dst, params, slicer,
                                lambda a, b: dprog.layer_shardings(a, b, params=True), dprog.shardings)
             if dprog.is_local:
-                params[dst.key] = dict(got, layers=joiner(dst.key, got["layers"]))
+                rest = {k: v for k, v in got.items() if k != "layers"}
+                params[dst.key] = dict(rest, layers=joiner(dst.key, got["layers"])) if got["layers"] else rest
 
 
 def _gather_from(programs: dict, srcs, dst: PlacedStage, trees: dict, slicer: Any, layer_shardings: Any,

@@ -16,7 +16,8 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Optional
 
 from cfp.errors import ConfigError
 from cfp.files import write_json_atomic
@@ -94,19 +95,17 @@ def critical_path(events: list[Event]) -> float:
 
 def replay_measured(events: list[Event], table) -> "Simulation":
     """One pipeline's measured actions replayed in the event simulation (`cfp.schedules.simulate`) of the table it
-    ran (one virtual stage per stage): each action takes its measured duration, every stage owns its compute, so
-    the makespan and bubble are those of devices that do not share cores (on a shared host an idle device gives
-    its cores to the others and wall time hides the bubble)."""
+    ran (an event's stage is its virtual stage): each action takes its measured duration, every stage owns its
+    compute (its virtual stages run one at a time), so the makespan and bubble are those of devices that do not
+    share cores (on a shared host an idle device gives its cores to the others and wall time hides the bubble)."""
     from cfp.schedules.simulate import ActionCosts, simulate
-    if table.v != 1:
-        raise ConfigError(f"schedule {table.name}: replaying measured actions needs one virtual stage per stage")
     measured = {(e.phase, e.stage, e.microbatch): e.duration for e in events}
     zeros = (0.0,) * table.num_vstages
     return simulate(table, ActionCosts(zeros, zeros, zeros), measured)
 
 
 def median_action_seconds(events: list[Event], num_stages: int) -> tuple[list[float], list[float], list[float]]:
-    """Per stage, the median measured seconds of its F, B (a whole backward counts here) and W: robust to the
+    """Per stage (of the events: virtual stages where the schedule has them), the median measured seconds of its F, B (a whole backward counts here) and W: robust to the
     stalls a shared host puts into a few actions."""
     out = []
     for phases in ((Phase.FWD,), (Phase.BWD_INPUT, Phase.BWD), (Phase.BWD_WEIGHT,)):
@@ -130,6 +129,14 @@ def bubble_line(pipeline: int, v: dict) -> str:
         line += (f"; below the equal-time figure because the measured action times vary (they allow "
                  f"{v['minimum_bubble']:.1%})")
     return line
+
+
+def _union_length_per_stage(events: list[Event]) -> float:
+    """The summed busy time of the events' stages (each stage's intervals' union)."""
+    per: dict[int, list] = {}
+    for e in events:
+        per.setdefault(e.stage, []).append((e.start, e.end))
+    return sum(_union_length(v) for v in per.values())
 
 
 def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
@@ -220,21 +227,26 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy_time(pipeline).values()) / (p * span)
 
-    def summary(self) -> dict[int, dict[str, float]]:
+    def summary(self, placements: Optional[Sequence[Sequence[int]]] = None) -> dict[int, dict[str, float]]:
         """Per pipeline: stages, micro-batches, makespan, the measured bubble, the theoretical one with equal
         action times, (p-1)/(m+p-1), and `minimum_bubble`, the least these measured action times allow (the
         makespan of the schedule's critical path; equal to the theoretical one when the times are equal).
-        `valid` is False when the measured bubble is below that minimum, which only a measuring bug gives."""
+        `valid` is False when the measured bubble is below that minimum, which only a measuring bug gives.
+        ``placements[q][c]``: the stage running pipeline q's virtual stage c, where events name virtual stages
+        (interleaved, ZB-V): busy time and bubble are then per stage (its virtual stages' devices)."""
         if self.unmeasured:
             raise ConfigError(f"no bubble: {self.unmeasured} actions of the step were not measured, so the "
                               "stages' busy time is unknown")
         out = {}
         for q in self.pipelines():
-            p, m = len(self.stages(q)), self.num_microbatches(q)
-            span, busy = self.makespan(q), sum(self.busy_time(q).values())
-            path = critical_path(self._of(q))
+            evs, m = self._of(q), self.num_microbatches(q)
+            if placements is not None:
+                evs = [dataclasses.replace(e, stage=placements[q][e.stage]) for e in evs]
+            p, span = len({e.stage for e in evs}), self.makespan(q)
+            busy = _union_length_per_stage(evs)
+            path = critical_path(self._of(q))    # by virtual stage: a lower bound when stages hold several
             least = 1.0 - busy / (p * path) if 0 < path < float("inf") else float("inf")
-            bubble = self.bubble_fraction(q)
+            bubble = 1.0 - busy / (p * span) if span > 0 else 0.0
             out[q] = {"stages": p, "microbatches": m, "makespan": span, "bubble": bubble,
                       "theoretical_bubble": theoretical_bubble(p, m), "minimum_bubble": least,
                       "valid": span >= path * (1 - 1e-9)}
@@ -256,8 +268,10 @@ class Timeline:
 
 
     # ---- plot ----
-    def plot_png(self, path: str | os.PathLike, title: str | None = None) -> None:
-        """Gantt chart: one row per (pipeline, stage), a bar per micro-batch coloured by phase."""
+    def plot_png(self, path: str | os.PathLike, title: str | None = None,
+                 placements: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """Gantt chart: one row per (pipeline, stage), a bar per micro-batch coloured by phase; with
+        ``placements`` (as `summary`'s) one row per virtual stage, named with its stage."""
         if not self._events:
             raise ConfigError("timeline has no events to plot")
         import matplotlib
@@ -278,24 +292,26 @@ class Timeline:
             ax.barh(y, w, left=x, height=0.8, color=_COLORS[e.phase], edgecolor="white", linewidth=0.6)
             if w > 0.025 * span * scale:  # label only bars wide enough to hold the text
                 ax.text(x + w / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(len(rows)), [f"pipe {q} / stage {s}" for q, s in rows])
+        ax.set_yticks(range(len(rows)), [f"pipe {q} / stage {s}" if placements is None else
+                                         f"pipe {q} / stage {placements[q][s]} (virtual {s})" for q, s in rows])
         for i in range(1, len(rows)):  # separate pipelines
             if rows[i][0] != rows[i - 1][0]:
                 ax.axhline(i - 0.5, color="grey", linewidth=0.8, linestyle="--")
         ax.invert_yaxis()  # stage 0 on top, like the usual pipeline diagrams
         ax.set_xlabel(f"time ({unit})")
         ax.set_xlim(0, span * scale)
-        ax.set_title(f"{title}\n{self._stats_line()}" if title else self._stats_line(), fontsize=9)
+        stats = self._stats_line(placements)
+        ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
         ax.legend(handles=[Patch(color=_COLORS[p], label=p.value) for p in Phase], loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
-    def _stats_line(self) -> str:
+    def _stats_line(self, placements: Optional[Sequence[Sequence[int]]] = None) -> str:
         if self.unmeasured:
             return f"bubble not measured: {self.unmeasured} actions of the step were not measured (not drawn)"
         sep = "; " if len(self.pipelines()) <= 2 else "\n"
         return sep.join(f"pipe {q}: bubble {v['bubble']:.1%}{'' if v['valid'] else ' INVALID'} "
                         f"(theory {v['theoretical_bubble']:.1%}, p={v['stages']}, m={v['microbatches']})"
-                        for q, v in self.summary().items())
+                        for q, v in self.summary(placements).items())

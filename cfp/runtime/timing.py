@@ -58,8 +58,10 @@ class StepClock:
     """Dispatch times and watched intervals of one step's actions on this process's stages."""
 
     def __init__(self, local_stages: dict[tuple[int, int], tuple[int, ...]]):
-        """``local_stages``: stage key -> its device ids, for the stages this process runs."""
+        """``local_stages``: stage key -> its device ids, for the stages this process runs (expanded stages of
+        one stage share its devices: an action's start is also after the previous action on those devices)."""
         self._watchers = {key: _watcher(devs) for key, devs in local_stages.items()}
+        self._devices = dict(local_stages)   # stages on the same devices (virtual stages) run one at a time
         self._done: dict[tuple, tuple[Any, int]] = {}     # outputs and how many local consumers still need them
         self._dispatched: dict[tuple, float] = {}
         self._inputs: dict[tuple, list[tuple]] = {}
@@ -81,7 +83,7 @@ class StepClock:
         k = (key, microbatch, phase)
         self._inputs[k] = [p for p in producers if p in self._done]     # another process's: not watched here
         self._dispatched[k] = t0
-        self._watchers[key].q.put(((microbatch, phase), [self._done[p][0] for p in self._inputs[k]], done))
+        self._watchers[key].q.put((k, [self._done[p][0] for p in self._inputs[k]], done))
         for p in self._inputs[k]:       # hold a producer's outputs only until its last local consumer has them
             arr, left = self._done.pop(p)
             if left > 1:
@@ -109,9 +111,10 @@ class StepClock:
             if k not in ends:
                 self.unmeasured.append(key)
                 continue
-            start = max([dispatched[k], last_end.get(key, dispatched[k])]
+            devs = self._devices[key]
+            start = max([dispatched[k], last_end.get(devs, dispatched[k])]
                         + [ends[p] for p in inputs[k] if p in ends])
-            last_end[key] = ends[k]
+            last_end[devs] = ends[k]
             if not ends[k] > start:
                 self.unmeasured.append(key)
                 continue
@@ -119,9 +122,10 @@ class StepClock:
         return events
 
     def _collect(self) -> dict[tuple, tuple[float, float] | None]:
-        for w in self._watchers.values():
+        watchers = {id(w): w for w in self._watchers.values()}.values()   # stages on the same devices share one
+        for w in watchers:
             w.q.join()
-        spans = {(key, m, ph): v for key, w in self._watchers.items() for (m, ph), v in w.spans.items()}
-        for w in self._watchers.values():
+        spans = {k: v for w in watchers for k, v in w.spans.items()}
+        for w in watchers:
             w.spans.clear()
         return spans

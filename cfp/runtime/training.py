@@ -24,7 +24,7 @@ import numpy as np
 from cfp.errors import ConfigError
 from cfp.files import check_output_dir
 from cfp.layout import Layout
-from cfp.schedules.registry import SCHEDULES, Phase, ScheduleName
+from cfp.schedules.registry import SCHEDULES, Phase, ScheduleName, ScheduleSpec
 
 if TYPE_CHECKING:
     import optax
@@ -71,6 +71,7 @@ class RunOptions:
     layout: Layout
     # defaults shared with `cfp train` (cfp/cli/common.py; a test keeps them equal)
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    v: int = 0            # virtual stages per stage (0: the schedule's own; ``schedule="interleaved:3"`` sets it too)
     steps: int = 5
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
@@ -85,7 +86,10 @@ class RunOptions:
     def __post_init__(self):
         if not isinstance(self.layout, Layout):
             raise ConfigError(f"layout={self.layout!r} must be a cfp.Layout")
-        object.__setattr__(self, "schedule", ScheduleName.parse(self.schedule))
+        spec = ScheduleSpec.parse(self.schedule)
+        spec = ScheduleSpec(spec.name, self.v) if self.v else spec
+        object.__setattr__(self, "schedule", spec.name)
+        object.__setattr__(self, "v", spec.v)
         if self.verify_tol is not None and not (math.isfinite(self.verify_tol) and self.verify_tol > 0):
             raise ConfigError(f"verify_tol={self.verify_tol!r} is invalid (must be a finite number > 0)")
         for name in ("steps", "stop_after"):
@@ -98,6 +102,11 @@ class RunOptions:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ConfigError(f"keep_checkpoints={k!r} is invalid (must be a positive integer, or None to keep all)")
         _check_no_ignored_options(self)
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule with its virtual stages per stage."""
+        return ScheduleSpec(self.schedule, self.v)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,13 +310,13 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
     cache = cache if cache is not None else CompileCache(job.model, job.optimizer)
     example = job.batches(0)
     plans = plans_for_run(opts.stage_plans, opts.layout, cache, example, opts.checkpoint_dir, opts.resume, log)
-    trainer = HeteroTrainer(job.model, job.optimizer, opts.layout, opts.schedule, example_batch=example,
+    trainer = HeteroTrainer(job.model, job.optimizer, opts.layout, opts.spec, example_batch=example,
                             plans=plans, cache=cache)
     store = _Checkpoints(opts.checkpoint_dir, opts.checkpoint_every, opts.keep_checkpoints, job.settings,
                          opts.layout)
     start, losses = _initial_state(store, opts.resume, job.model, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None
-    log(f"{job.describe}; schedule {trainer.schedule.value}; {jax.process_count()} process(es), "
+    log(f"{job.describe}; schedule {trainer.spec}; {jax.process_count()} process(es), "
         f"{opts.layout.num_devices} devices")
     log(opts.layout.describe())
     if start < opts.steps:
@@ -478,15 +487,20 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
         log(f"bubble not measured: no step had every action measured ({tl.unmeasured} of {n_max} actions of "
             f"the last step ended no later than they could start as seen: the host was too busy to watch them)")
     else:
-        summary = tl.summary()
+        summary = tl.summary([_placement(opts, q) for q in range(len(opts.layout.pipelines))])
         for q, v in summary.items():     # the run's schedule's equal-time bubble (the timeline's is 1F1B's)
-            v["theoretical_bubble"] = SCHEDULES[opts.schedule].equal_bubble(v["stages"], v["microbatches"])
+            v["theoretical_bubble"] = SCHEDULES[opts.schedule].equal_bubble(v["stages"], v["microbatches"], opts.v)
             log(bubble_line(q, v))
             log(_simulated_line(opts, tl, q, v))
     if opts.timeline_dir and jax.process_index() == 0:
-        _write_timeline(opts.timeline_dir, f"{job.model.name} {opts.schedule.value} {opts.layout.summary()}", tl,
-                        log)
+        _write_timeline(opts.timeline_dir, f"{job.model.name} {opts.spec} {opts.layout.summary()}",
+                        [_placement(opts, q) for q in range(len(opts.layout.pipelines))], tl, log)
     return summary
+
+
+def _placement(opts, q: int) -> tuple[int, ...]:
+    """The stage of each of pipeline q's virtual stages under the run's schedule."""
+    return SCHEDULES[opts.schedule].placement.stages(opts.layout.pipelines[q].num_stages, opts.v)
 
 
 def _simulated_line(opts, tl, q: int, v: dict) -> str:
@@ -498,21 +512,22 @@ def _simulated_line(opts, tl, q: int, v: dict) -> str:
     from cfp.runtime.timeline import median_action_seconds, replay_measured
     entry = SCHEDULES[opts.schedule]
     p, m = v["stages"], v["microbatches"]
-    events = [e for e in tl.events if e.pipeline == q]
-    table = entry.pattern(p, m)
+    events = [e for e in tl.events if e.pipeline == q]   # an event's stage is its virtual stage
+    table = entry.pattern(p, m, opts.v)
     raw = replay_measured(events, table)
-    f, b, w = median_action_seconds(events, p)
-    med = simulate(table, ActionCosts.per_stage(f, b, w, table.placement))
-    theory = entry.seconds(f, b, w, m, 1)
+    fc, bc, wc = median_action_seconds(events, table.num_vstages)
+    med = simulate(table, ActionCosts(fc, bc, wc))
+    f, b, w = ([sum(x for x, d in zip(xs, table.placement) if d == s) for s in range(p)] for xs in (fc, bc, wc))
+    theory = entry.seconds(f, b, w, m, opts.v)
     busiest = max(x + y + z for x, y, z in zip(f, b, w))
     return (f"pipeline {q}: simulated from the measured action times (each stage owning its compute): makespan "
             f"{raw.makespan:.4f} s, bubble {raw.bubble:.1%} (the busiest stage idle), imbalance {raw.imbalance:.1%}; "
             f"with each stage's median F/B/W: {med.makespan:.4f} s, bubble {med.bubble:.1%}, imbalance "
-            f"{med.imbalance:.1%}; {opts.schedule.value}'s formula on those medians: {theory:.4f} s, bubble "
+            f"{med.imbalance:.1%}; {opts.spec}'s formula on those medians: {theory:.4f} s, bubble "
             f"{bubble_of(theory, m, busiest):.1%} (estimated)")
 
 
-def _write_timeline(directory: str, title: str, tl, log) -> None:
+def _write_timeline(directory: str, title: str, placements: list, tl, log) -> None:
     os.makedirs(directory, exist_ok=True)
     tl.save_json(os.path.join(directory, "timeline.json"))
     if not len(tl):       # nothing measured: nothing to draw, and no stale picture of another run left
@@ -520,7 +535,7 @@ def _write_timeline(directory: str, title: str, tl, log) -> None:
             os.remove(os.path.join(directory, "timeline.png"))
         log(f"timeline written to {directory}/timeline.json (no action measured: no timeline.png)")
         return
-    tl.plot_png(os.path.join(directory, "timeline.png"), title=title)
+    tl.plot_png(os.path.join(directory, "timeline.png"), title=title, placements=placements)
     partial = f" ({tl.unmeasured} actions not measured: no bubble)" if tl.unmeasured else ""
     log(f"timeline written to {directory}/timeline.json and timeline.png{partial}")
 

@@ -231,17 +231,18 @@ class Schedule:
         check_table(table, limit, kept)
         return table, sim
 
-    def __call__(self, num_stages: int, num_microbatches: int) -> ScheduleTable:
-        """The table the runtime runs: the fixed pattern. ConfigError for schedules whose B and W or virtual
-        stages the runtime's stage programs do not run yet."""
+    def __call__(self, num_stages: int, num_microbatches: int, v: Optional[int] = None) -> ScheduleTable:
+        """The table the runtime runs: the fixed pattern (with ``v`` virtual stages per stage; the runtime runs
+        them as stages of their own, `cfp.runtime.vstages`). ConfigError for a schedule the runtime does not run."""
         if not self.runs_on_engine:
             runs = ", ".join(n.value for n, s in SCHEDULES.items() if s.runs_on_engine)
             raise ConfigError(f"schedule {self.name.value} is priced, generated and simulated, but the runtime "
-                              f"does not run it yet (it runs {runs})")
+                              f"does not run it (it runs {runs})")
+        v = v or self.default_v
         if num_microbatches == 0 and num_stages >= 1:   # a step whose dispatch gave this pipeline nothing
-            return ScheduleTable(self.name.value, self.placement.stages(num_stages, 1), 0,
+            return ScheduleTable(self.name.value, self.placement.stages(num_stages, v), 0,
                                  tuple(() for _ in range(num_stages)))
-        return self.pattern(num_stages, num_microbatches)
+        return self.pattern(num_stages, num_microbatches, v)
 
     def equal_bubble(self, num_stages: int, microbatches: int, v: Optional[int] = None) -> float:
         """The bubble of its time formula with equal stages whose F, B and W take the same time (GPipe and 1F1B:
@@ -297,11 +298,12 @@ SCHEDULES: dict[ScheduleName, Schedule] = {
                                        formulas.one_f_one_b_seconds, runs_on_engine=True),
     ScheduleName.INTERLEAVED: Schedule(ScheduleName.INTERLEAVED, Placement.LOOP, False,
                                        lambda p, m, v: interleaved(p, m, v) if m % p == 0 else None,
-                                       _counts_interleaved, formulas.interleaved_seconds, default_v=2),
+                                       _counts_interleaved, formulas.interleaved_seconds, default_v=2,
+                                       runs_on_engine=True),
     ScheduleName.ZB_H1: Schedule(ScheduleName.ZB_H1, Placement.LINEAR, True, lambda p, m, v: zb_h1(p, m),
                                  _counts_zb_h1, formulas.zb_h1_seconds, runs_on_engine=True),
     ScheduleName.ZB_V: Schedule(ScheduleName.ZB_V, Placement.V, True, lambda p, m, v: None, _counts_zb_v,
-                                formulas.zb_v_seconds, default_v=2),
+                                formulas.zb_v_seconds, default_v=2, runs_on_engine=True),
 }
 
 

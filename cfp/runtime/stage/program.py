@@ -143,7 +143,8 @@ class StageProgram:
             if st.is_first:
                 with jax.named_scope("first"):
                     x = m.first(params["first"], batch)
-            x = m.run_layers(params["layers"], x, st.layer_start, st.layer_end)
+            if st.layer_end > st.layer_start:      # a virtual stage may hold no layers: it passes x on
+                x = m.run_layers(params["layers"], x, st.layer_start, st.layer_end)
             if st.is_last:
                 with jax.named_scope("last"):
                     return tuple(m.last(params["last"], x, batch))
@@ -217,7 +218,7 @@ class StageProgram:
         """The pipelines' gradients of the summed loss (each with its layers in consecutive pieces), joined and
         summed in pipeline order."""
         stacked = self.model.stacked
-        trees = [dict(part, layers=concat_layers(part["layers"], stacked)) for part in grad_parts]
+        trees = [_joined(part, stacked) for part in grad_parts]
         total = trees[0]
         for t in trees[1:]:
             total = jax.tree_util.tree_map(jnp.add, total, t)
@@ -299,7 +300,7 @@ def _stage_names(model: LayeredModel, st: PlacedStage) -> Any:
     if names is None:
         return None
     layers = names["layers"] if model.stacked else list(names["layers"][st.layer_start:st.layer_end])
-    out = {"layers": layers}
+    out = {"layers": layers} if st.layer_end > st.layer_start else {}
     if st.is_first:
         out["first"] = names["first"]
     if st.is_last:
@@ -307,8 +308,16 @@ def _stage_names(model: LayeredModel, st: PlacedStage) -> Any:
     return out
 
 
+def _joined(part: dict, stacked: bool) -> dict:
+    """One pipeline's gradient of a stage, its layer pieces joined (no ``layers`` for a stage holding none)."""
+    rest = {k: v for k, v in part.items() if k != "layers"}
+    return dict(rest, layers=concat_layers(part["layers"], stacked)) if part["layers"] else rest
+
+
 def _finite_flags(grads, params):
-    finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)])
+    # a virtual stage holding no parameters (no layers, neither end) has nothing that can be non-finite
+    finite = lambda t: jnp.stack([jnp.all(jnp.isfinite(l)) for l in jax.tree_util.tree_leaves(t)]
+                                 or [jnp.array(True)])
     return jnp.stack([finite(grads), finite(params)])
 
 

@@ -284,8 +284,9 @@ class HeteroTrainer:
         flat = [mb for p in mbs for mb in p]
         slots = sum(int(np.prod(np.shape(jax.tree_util.tree_leaves(mb)[0])[:2])) for mb in flat)
         events = self._clock.events(order, t_start)
-        return StepStats(self.step_count, loss, seconds, slots, int(round(weight)), events,
-                         tuple(self._clock.unmeasured), kept_peak, self.vstages.stage_of)
+        return StepStats(step=self.step_count, loss=loss, seconds=seconds, tokens=slots,
+                         real_tokens=int(round(weight)), events=events, unmeasured=tuple(self._clock.unmeasured),
+                         kept_peak=kept_peak, stage_of=self.vstages.stage_of)
 
     def _globals(self, grads: dict) -> dict:
         """The optimizer's values taken over every stage (e.g. a global gradient norm), exchanged round by round

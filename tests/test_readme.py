@@ -166,6 +166,8 @@ INLINE: dict[str, Run | Skip] = {
     "PYTHONPATH=$PWD .venv/bin/python benchmarks/mutants.py": Skip(
         "injects each bug into a copy of the repository and runs its tests: about 15 minutes, a release check"),
     "make test-readme": Skip("this file's README-command tests: `bash .ci/run` runs them after `make test`"),
+    "make clean": Skip("removes .venv and the compilation cache: run here it would delete the environment the "
+                       "suite runs in"),
     "make test-slow": Skip("the suite's slow tier: `bash .ci/run` runs it after `make test`, not a command to shrink"),
     "make test-rest": Skip("the slow tier, this file's README-command tests and every script shrunk in one run: "
                            "`bash .ci/run` runs it after `make test`"),

@@ -196,6 +196,18 @@ def test_breakdown_adds_up_to_the_step_and_splits_compute_by_the_fits():
     assert set(PARTS) == {"host", "real", "padding", "cross", "overhead", "bubble", "idle", "sync"}
 
 
+def test_breakdown_parts_are_never_negative_when_stamps_lag():
+    """An action's end stamped after the step's clock stopped (a watcher thread that woke late) and two stamps
+    of one stage overlapping: the remainders (sync, bubble) are 0, not negative, so the printed parts stay
+    percentages of real time; the other parts are unchanged."""
+    lens = np.array([50])
+    events = [_ev(0, 0, 0, "fwd", 0.1, 0.3), _ev(0, 0, 0, "bwd", 0.25, 0.65)]     # overlap, end after 0.6
+    (t,) = step_breakdown(events, 0.6, 0.01, [ROWS1], [[[0]]], lens, True, (0.3,))
+    assert t.sync == 0.0 and t.bubble == 0.0 and t.idle == 0.0
+    assert t.span == pytest.approx(0.55) and t.real + t.padding + t.cross + t.overhead == pytest.approx(0.6)
+    assert all(getattr(t, k) >= 0 for k in PARTS)
+
+
 def test_pipeline_without_micro_batches_is_idle_all_step():
     events = [_ev(0, 0, 0, "fwd", 0.1, 0.2), _ev(0, 0, 0, "bwd", 0.2, 0.5)]
     lens = np.array([50])

@@ -106,6 +106,13 @@ def micro_batch_shares(scheme: Scheme, lengths: Sequence[int], packed: bool) -> 
     return {k: v / total for k, v in parts.items()}
 
 
+def _lag(seconds: float) -> float:
+    """A remainder of two clocks, at least 0: a watcher thread stamps an action's end when it wakes, which on a
+    loaded host can be after the step's own clock stopped (or after the next action's start), so a remainder
+    can come out a little below 0; that is the stamps' lag, not time the step spent."""
+    return max(0.0, seconds)
+
+
 def step_breakdown(events, seconds: float, host: float, pipes: Sequence[Scheme], plan, lengths,
                    packed: bool, estimates: Sequence[float]) -> list[PipelineTime]:
     """Per pipeline of the step (`pipes[p]` ran `plan[p]`, micro-batches as indices into `lengths`) its
@@ -119,7 +126,7 @@ def step_breakdown(events, seconds: float, host: float, pipes: Sequence[Scheme],
         mine = [e for e in events if e.pipeline == p]
         if not mine:
             out.append(PipelineTime(pipeline=p, devices=scheme.devices, host=host, real=0.0, padding=0.0,
-                                    cross=0.0, overhead=0.0, bubble=0.0, idle=last, sync=seconds - last, span=0.0,
+                                    cross=0.0, overhead=0.0, bubble=0.0, idle=last, sync=_lag(seconds - last), span=0.0,
                                     estimated_span=float(estimates[p])))
             continue
         stages = max(e.stage for e in mine) + 1
@@ -132,7 +139,7 @@ def step_breakdown(events, seconds: float, host: float, pipes: Sequence[Scheme],
             for k, f in micro_batch_shares(scheme, lengths[mb].tolist(), packed).items():
                 parts[k] += f * per_mb[m]
         out.append(PipelineTime(pipeline=p, devices=scheme.devices, host=host + start,
-                                bubble=(end - start) - per_mb.sum(), idle=last - end, sync=seconds - last,
+                                bubble=_lag((end - start) - per_mb.sum()), idle=last - end, sync=_lag(seconds - last),
                                 span=end - start, estimated_span=float(estimates[p]), **parts))
     return out
 

@@ -71,9 +71,13 @@ def problem(layers: int, scanned: bool, dim: int = 64, seq: int = 16, batch: int
     return lm_step_problem(Transformer(vocab, dim, 4, layers, scanned), optax.adam(1e-3), batch, seq, vocab)
 
 
+VERIFY = {}   # --verify N: the searches' SearchOptions.verify (default: the record's)
+
+
 def _search(step_fn, args, mesh, profiler: str = "measure", max_combinations: int = 4):
     gpu = "H100-SXM" if profiler == "estimate" else None
-    return cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations, profiler=profiler, gpu=gpu)
+    return cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations, profiler=profiler, gpu=gpu,
+                         **VERIFY)
 
 
 def plans(layers: int, rounds: int, mesh, profiler: str = "measure", max_combinations: int = 4) -> None:
@@ -147,7 +151,11 @@ def main() -> None:
     p.add_argument("--skip-plans", action="store_true")
     p.add_argument("--scaling-runs", type=int, default=2, help="searches per depth in the scaling (the fastest counts)")
     p.add_argument("--max-combinations", type=int, default=4, help="profiled combinations per segment (every search)")
+    p.add_argument("--verify", type=int, default=None,
+                   help="whole-step plans each search compiles and times (default: cfp.SearchOptions's)")
     a = p.parse_args()
+    if a.verify is not None:
+        VERIFY["verify"] = a.verify
     try:
         depths = [int(n) for n in a.scaling.split(",") if n]
     except ValueError:

@@ -225,7 +225,8 @@ class HeteroTrainer:
         stay, B and W compile on first use; another placement of virtual stages rebuilds the programs and
         places the state on them (values copied, unchanged)."""
         spec = ScheduleSpec.parse(schedule)
-        if expand(self.layout, spec).run != self.run_layout:
+        vstages = expand(self.layout, spec)
+        if vstages.run != self.run_layout:
             searched = sorted(k for k, pr in self.programs.items() if pr.replay is not None)
             if searched:
                 raise ConfigError(f"schedule {spec} runs other virtual stages than {self.spec}, but stage(s) "
@@ -236,8 +237,7 @@ class HeteroTrainer:
             if whole:
                 raise ConfigError(f"schedule {spec} splits the backward into B and W, but stage(s) {whole} "
                                   "run a searched stage plan's whole backward only (use gpipe or 1f1b)")
-        self.spec, self.schedule = spec, spec.name
-        self.vstages = expand(self.layout, spec)
+        self.spec, self.schedule, self.vstages = spec, spec.name, vstages
         self.order = self._order([p.chunks for p in self.layout.pipelines])
 
     def _order(self, chunks: list[int]) -> list:

@@ -146,6 +146,7 @@ def test_cli_defaults_are_the_api_defaults():
     data = p.parse_args(["data", "train", "--model", "gpt", "--input", "stdlib"])
     assert train.schedule == plan.schedule == TrainOptions.schedule.value == common.DEFAULT_SCHEDULE
     assert PlannerOptions.__dataclass_fields__["schedule"].default.value == common.DEFAULT_SCHEDULE
+    assert train.schedule_tables == TrainOptions.tables.value
     assert train.steps == data.steps == TrainOptions.steps == common.DEFAULT_STEPS
     assert train.lr == data.lr == TrainOptions.learning_rate
     assert train.weight_decay == TrainOptions.weight_decay and train.seed == data.seed == TrainOptions.seed

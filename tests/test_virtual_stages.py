@@ -88,3 +88,71 @@ def test_checkpointed_state_is_the_same_tree_under_virtual_stages():
     for a, b in zip(jax.tree_util.tree_leaves(other.state()[:2]), jax.tree_util.tree_leaves((params, opt))):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert jax.tree_util.tree_structure(other.state()[0]) == jax.tree_util.tree_structure(params)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_a_generated_table_trains_like_one_device_within_the_patterns_memory(schedule):
+    """The table generated for uneven stage times (the generator's, not the fixed pattern) runs on the engine: the
+    single-device gradient, losses and parameters, kept activations measured == predicted for that table and
+    within what the fixed pattern keeps per device; a table of other virtual stages or over that memory is
+    refused."""
+    from cfp.runtime.engine import HeteroTrainer
+    from cfp.schedules.actions import peak_kept
+    from cfp.schedules.simulate import ActionCosts, simulate
+    from test_runtime import batches, programs
+    layout = Layout.from_lists([[1, 1, 1, 1]], [[3, 2, 2, 1]], [8], [4])
+    cfg = tiny(layout.num_layers)
+    c = programs(cfg, "llama2")   # the example batch gives the kept bytes the memory limit is in
+    trainer = HeteroTrainer(c.model, None, layout, schedule, cache=c, example_batch=batches("llama2", cfg, 8)[0])
+    pattern = trainer.table(0)
+    costs = ActionCosts.per_stage([3.0, 2.0, 2.0, 1.0], [3.0, 2.0, 2.0, 1.0], [2.4, 1.6, 1.6, 0.8],
+                                  pattern.placement)
+    (table, sim), = trainer.generated_tables({0: costs}).values()
+    assert table.actions != pattern.actions and sim.makespan < simulate(pattern, costs).makespan
+    kept = trainer.kept_bytes(0)
+    before = trainer.kept_prediction()
+    trainer.use_tables({0: table})
+    assert trainer.table(0) is table and trainer.table(0, 2) is not table   # another count: the pattern
+    after = trainer.kept_prediction()
+    assert [after[(0, s)] for s in range(4)] == [int(x) for x in peak_kept(table, kept)]
+    assert all(after[k] <= before[k] for k in before)
+    check_gradients(trainer.init(), "llama2", cfg)
+    trainer.init()
+    check_steps(trainer, "llama2", cfg)       # kept measured == the generated table's prediction every step
+    other = make_trainer(cfg, layout, "zb-h1" if schedule == "zb-v" else "1f1b").table(0)
+    with pytest.raises(ConfigError, match="places its virtual stages"):
+        trainer.use_tables({0: other})
+    loose, _ = trainer.spec.entry.generated(4, 4, costs, trainer.spec.v, [1e30] * 4, kept)
+    if any(a > b for a, b in zip(peak_kept(loose, kept), peak_kept(pattern, kept))):
+        with pytest.raises(ConfigError, match="at its peak"):
+            trainer.use_tables({0: loose})
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved:2"])
+def test_a_run_measures_its_stages_then_trains_on_the_generated_table(tmp_path, schedule):
+    """`run_training` with ``tables="generated"`` (the default) times a pass of the first batch, runs the table
+    generated from it (what it logs), reports the replay on the table that ran and verifies against one device;
+    ``tables="pattern"`` keeps the fixed pattern and measures nothing first."""
+    from cfp.runtime.training import DataSource, TrainOptions, run_training
+    from test_runtime import LR, RUN_OVERRIDES, WD
+    layout = Layout.from_lists([[1, 1]], [[1, 1]], [4], [4])
+    runs = {}
+    for tables in ("generated", "pattern"):
+        said = []
+        opts = TrainOptions(model="llama2", layout=layout, overrides=RUN_OVERRIDES, steps=2, data=DataSource.STDLIB,
+                            learning_rate=LR, weight_decay=WD, schedule=schedule, verify=True, tables=tables,
+                            timeline_dir=str(tmp_path / tables))
+        runs[tables] = run_training(opts, log=lambda *a, **k: said.extend(a))
+        adopted = [line for line in said if line.startswith("pipeline 0 runs ")]
+        ran = [line for line in said if line.startswith("pipeline 0 ran ")]
+        assert runs[tables].verify_ok, said
+        if tables == "generated":
+            assert len(adopted) == 1 and "from the median F/B/W of a pass of the first batch" in adopted[0], said
+            own = "its fixed pattern" in adopted[0]
+            assert len(ran) in (0, 1) and all(("ran its fixed pattern" in r) == own for r in ran), said
+        else:
+            assert not adopted and all("ran its fixed pattern" in r for r in ran), said
+    # the first step's loss: the same batch and parameters (summed in another order where the tables differ)
+    assert runs["generated"].losses[1] == pytest.approx(runs["pattern"].losses[1], rel=1e-6)
+    with pytest.raises(ConfigError, match="tables='fixed' is invalid"):
+        TrainOptions(model="llama2", layout=layout, tables="fixed")

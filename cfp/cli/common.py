@@ -154,6 +154,10 @@ def add_schedule(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", type=run_schedule_text, default=DEFAULT_SCHEDULE, metavar="SCHEDULE",
                    help="pipeline schedule the runtime runs: gpipe, 1f1b, interleaved (interleaved:V for V virtual "
                         "stages per stage, default 2), zb-h1 or zb-v")
+    p.add_argument("--schedule-tables", choices=["generated", "pattern"], default="generated",
+                   help="interleaved, zb-h1 and zb-v: run a table generated from each stage's F/B/W times, measured "
+                        "in a pass of the first batch before the first step (within the memory the fixed pattern "
+                        "keeps), or the fixed pattern (default: %(default)s)")
 
 
 def run_schedule_text(text: str) -> str:

@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         schedule=args.schedule, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints or None,
         resume=args.resume, timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
-        stop_after=args.stop_after, stage_plans=_stage_plans(args))
+        stop_after=args.stop_after, stage_plans=_stage_plans(args), tables=args.schedule_tables)
     if user:
         um = _user_model(args)
         _, _, layout = layout_from_args(args, um.model.num_layers)

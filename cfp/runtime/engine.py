@@ -48,9 +48,10 @@ from cfp.runtime.stage.cache import CompileCache
 from cfp.runtime.stage.plans import StagePlans
 from cfp.runtime.timeline import Event
 from cfp.runtime.timing import StepClock
-from cfp.schedules.actions import KeptBytes, peak_kept
 from cfp.runtime.vstages import expand
+from cfp.schedules.actions import KeptBytes, ScheduleTable, check_table, peak_kept
 from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec, check_schedule, global_order
+from cfp.schedules.simulate import ActionCosts, Simulation
 from cfp.xla.compiled import compiled_memory
 
 
@@ -119,6 +120,7 @@ class HeteroTrainer:
         self.step_count = 0
         self._initialized = False
         self._orders: dict[tuple, list] = {}
+        self._tables: dict[int, ScheduleTable] = {}   # pipeline -> the table it runs in place of the pattern
         self._warmed: set = set()
         self._slicers: dict[tuple, Any] = {}
         self.warm_s = 0.0     # seconds spent in warm(): compilation kept out of timed steps
@@ -238,15 +240,53 @@ class HeteroTrainer:
                 raise ConfigError(f"schedule {spec} splits the backward into B and W, but stage(s) {whole} "
                                   "run a searched stage plan's whole backward only (use gpipe or 1f1b)")
         self.spec, self.schedule, self.vstages = spec, spec.name, vstages
+        self._tables, self._orders = {}, {}
         self.order = self._order([p.chunks for p in self.layout.pipelines])
+
+    def table(self, pipeline: int, microbatches: Optional[int] = None) -> ScheduleTable:
+        """The table ``pipeline`` runs for ``microbatches`` (default: its layout's chunks): the one `use_tables` gave
+        it for that many, else its schedule's fixed pattern."""
+        m = self.layout.pipelines[pipeline].chunks if microbatches is None else microbatches
+        given = self._tables.get(pipeline)
+        if given is not None and given.microbatches == m:
+            return given
+        return self.spec.entry(self.layout.pipelines[pipeline].num_stages, m, self.spec.v)
+
+    def use_tables(self, tables: dict[int, ScheduleTable]) -> None:
+        """Run each given pipeline's micro-batches by its table from the next step on (until the schedule or the
+        layout changes), in place of the fixed pattern: a table of this schedule's virtual stages, validated here
+        (every action once, no deadlock, within the memory the pattern keeps per device)."""
+        for p, t in tables.items():
+            pattern = self.spec.entry(self.layout.pipelines[p].num_stages, t.microbatches, self.spec.v)
+            if t.placement != pattern.placement or t.split != pattern.split:
+                raise ConfigError(f"a table for pipeline {p} places its virtual stages {t.placement} and "
+                                  f"{'splits' if t.split else 'does not split'} the backward; schedule {self.spec} "
+                                  f"places them {pattern.placement} and {'splits' if pattern.split else 'does not'}")
+            kept = self.kept_bytes(p)
+            check_table(t, peak_kept(pattern, kept), kept)
+        self._tables, self._orders = {**self._tables, **tables}, {}
+        self.order = self._order([p.chunks for p in self.layout.pipelines])
+
+    def generated_tables(self, costs: dict[int, ActionCosts]) -> dict[int, tuple[ScheduleTable, Simulation]]:
+        """Per pipeline given its virtual stages' F, B and W seconds, the shortest table the generator builds for
+        its chunks (`Schedule.generated`) within the activation bytes per device the fixed pattern keeps, and its
+        simulation."""
+        out = {}
+        for p, c in costs.items():
+            pipe = self.layout.pipelines[p]
+            kept = self.kept_bytes(p)
+            pattern = self.spec.entry(pipe.num_stages, pipe.chunks, self.spec.v)
+            out[p] = self.spec.entry.generated(pipe.num_stages, pipe.chunks, c, self.spec.v,
+                                               peak_kept(pattern, kept), kept)
+        return out
 
     def _order(self, chunks: list[int]) -> list:
         """The global action order of the pipelines with ``chunks[p]`` micro-batches (cached)."""
         key = (self.spec, tuple(p.num_stages for p in self.layout.pipelines), tuple(chunks))
         if key not in self._orders:
             per_pipe = []
-            for p, m in zip(self.layout.pipelines, chunks):
-                acts = self.spec.entry(p.num_stages, m, self.spec.v)
+            for q, m in enumerate(chunks):
+                acts = self.table(q, m)
                 if m:   # a pipeline given no micro-batches this step runs nothing
                     check_schedule(acts, m)
                 per_pipe.append(acts)
@@ -377,6 +417,14 @@ class HeteroTrainer:
         self._clock.events(order, 0.0)
         return loss
 
+    def measure(self, batch: Any) -> list[Event]:
+        """One pass of the schedule on ``batch`` without the update (gradients discarded, state unchanged): each
+        action's measured interval, from the pass's start (as a step's `StepStats.events`)."""
+        t0 = time.perf_counter()
+        acc, _, _, order, _ = self._run_schedule(self.micro_batches(batch))
+        jax.block_until_ready(acc)
+        return self._clock.events(order, t0)
+
     def stage_memory(self, batch_like: Any) -> list:
         """Per-device bytes (`compiled_memory`: arguments + outputs + temporaries) of every local stage's backward
         program (which recomputes its forward) on micro-batches shaped like ``batch_like``."""
@@ -397,27 +445,31 @@ class HeteroTrainer:
         acc, loss, weight = run.run(mbs)
         return acc, loss, weight, order, run.memory.peak
 
+    def kept_bytes(self, pipeline: int, batch_like: Optional[Any] = None) -> KeptBytes:
+        """Per virtual stage of ``pipeline``, the bytes per device one micro-batch shaped like ``batch_like``
+        (default: the example batch's) keeps on its stage: its input from F to its backward and, with B and W
+        split, B's input and output gradient from B to W."""
+        b = batch_like if batch_like is not None else self.micro_batch_like(pipeline)
+        ins, grads = [], []
+        n = self.run_layout.pipelines[pipeline].num_stages
+        for c in range(n):
+            prog = self.programs[(pipeline, c)]
+            x = None if c == 0 else self._act_shape((pipeline, c - 1), b)
+            y = None if c == n - 1 else self._act_shape((pipeline, c), b)
+            ins.append(0 if x is None else device_bytes(x, prog.act_in_shardings(x)))
+            grads.append(0 if y is None else device_bytes(activations.gradient_like(y), prog.act_out_shardings(y)))
+        return KeptBytes(tuple(float(i) for i in ins), tuple(float(i + g) for i, g in zip(ins, grads)))
+
     def kept_prediction(self, batch_like: Optional[Any] = None) -> dict[tuple[int, int], int]:
         """Per local stage (of the layout: its virtual stages together), the most bytes per device of micro-batch
-        activations its schedule keeps at once (`peak_kept` of its pipeline's table, each micro-batch's input to a
-        virtual stage kept from F to its backward and, with B and W split, B's input and output gradient kept
-        until W), for micro-batches shaped like ``batch_like`` (default: the example batch's); what a step's
+        activations its schedule keeps at once (`peak_kept` of the table its pipeline runs, with `kept_bytes`),
+        for micro-batches shaped like ``batch_like`` (default: the example batch's); what a step's
         `StepStats.kept_peak` must not exceed."""
         out = {}
         local = {self.vstages.stage_of(k) for k in self._local}
-        for p, pipe in enumerate(self.run_layout.pipelines):
-            b = batch_like if batch_like is not None else self.micro_batch_like(p)
-            ins, grads = [], []
-            for c in range(pipe.num_stages):
-                prog = self.programs[(p, c)]
-                x = None if c == 0 else self._act_shape((p, c - 1), b)
-                y = None if c == pipe.num_stages - 1 else self._act_shape((p, c), b)
-                ins.append(0 if x is None else device_bytes(x, prog.act_in_shardings(x)))
-                grads.append(0 if y is None else device_bytes(activations.gradient_like(y),
-                                                              prog.act_out_shardings(y)))
-            table = self.spec.entry(self.layout.pipelines[p].num_stages, pipe.chunks, self.spec.v)
-            kept = KeptBytes(tuple(float(i) for i in ins), tuple(float(i + g) for i, g in zip(ins, grads)))
-            for s, peak in enumerate(peak_kept(table, kept)):
+        for p in range(len(self.run_layout.pipelines)):
+            kept = self.kept_bytes(p, batch_like)
+            for s, peak in enumerate(peak_kept(self.table(p), kept)):
                 if (p, s) in local:
                     out[(p, s)] = int(peak)
         return out

@@ -24,7 +24,8 @@ import numpy as np
 from cfp.errors import ConfigError
 from cfp.files import check_output_dir
 from cfp.layout import Layout
-from cfp.schedules.registry import SCHEDULES, Phase, ScheduleName, ScheduleSpec
+from cfp.runtime.measured_tables import TableSource, gather_events, generate_from_measured, simulated_line
+from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec
 
 if TYPE_CHECKING:
     import optax
@@ -82,6 +83,7 @@ class RunOptions:
     verify_tol: Optional[float] = None
     stop_after: Optional[int] = None  # stop (as if killed) after this many steps; for tests
     stage_plans: Optional["StagePlanOptions"] = None  # None: the rules table on the model's logical dim names
+    tables: TableSource = TableSource.GENERATED   # adaptable schedules: pattern, or generated from measured times
 
     def __post_init__(self):
         if not isinstance(self.layout, Layout):
@@ -90,6 +92,11 @@ class RunOptions:
         spec = ScheduleSpec(spec.name, self.v) if self.v else spec
         object.__setattr__(self, "schedule", spec.name)
         object.__setattr__(self, "v", spec.v)
+        try:
+            object.__setattr__(self, "tables", TableSource(self.tables))
+        except ValueError:
+            raise ConfigError(f"tables={self.tables!r} is invalid (valid: "
+                              f"{', '.join(t.value for t in TableSource)})") from None
         if self.verify_tol is not None and not (math.isfinite(self.verify_tol) and self.verify_tol > 0):
             raise ConfigError(f"verify_tol={self.verify_tol!r} is invalid (must be a finite number > 0)")
         for name in ("steps", "stop_after"):
@@ -321,15 +328,17 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
     log(opts.layout.describe())
     if start < opts.steps:
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
-    result, last_events = _train_steps(trainer, job.batches, range(start, opts.steps), opts.stop_after, store,
-                                       losses, log)
+    if opts.tables is TableSource.GENERATED and SCHEDULES[opts.schedule].adapts and start < opts.steps:
+        generate_from_measured(trainer, job.batches(start), log)
+    result, last = _train_steps(trainer, job.batches, range(start, opts.steps), opts.stop_after, store, losses, log)
     for line in report_lines(plans, opts.layout, result.busy) if plans else ():
         log(line)
     if result.kept_peak:
         result.kept_predicted = trainer.kept_prediction()
         log(_kept_line(result.kept_peak, result.kept_predicted))
-    if last_events is not None:
-        result.bubbles = _timeline(opts, job, last_events, log, len(trainer.order))
+    if last is not None:
+        kept = {q: trainer.kept_bytes(q) for q, pipe in enumerate(opts.layout.pipelines) if pipe.chunks}
+        result.bubbles = _timeline(opts, job, last[0], log, len(trainer.order), last[1], kept)
     if opts.verify:
         result.verify_error, result.verify_ok = _verify(job, trainer, init_state, start, losses, opts.verify_tol,
                                                         log)
@@ -340,11 +349,13 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
 
 def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_after: Optional[int],
                  store: "_Checkpoints", losses: dict[int, float], log):
-    """The (0-based) `steps` (``stop_after``: stop after that many), each saved when ``store.every`` says;
-    returns (result, last events)."""
+    """The (0-based) `steps` (``stop_after``: stop after that many), each saved when ``store.every`` says.
+    Returns (result, (the last step measured in full's events, else the last step's; the tables it ran) or
+    None)."""
     start = steps.start
-    timed, busy_sum, busy_steps, last_events, full, step, kept = [], {}, {}, None, False, start, {}
+    timed, busy_sum, busy_steps, last, full, step, kept = [], {}, {}, None, False, start, {}
     for step in steps:
+        ran = {q: trainer.table(q) for q in range(len(trainer.layout.pipelines))}
         stats = trainer.step(batches(step))
         losses[step + 1] = stats.loss
         log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {stats.tokens / stats.seconds:,.0f} "
@@ -355,7 +366,7 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
                 if k not in stats.unmeasured:
                     busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
         if not stats.unmeasured or not full:   # the timeline: the last step measured in full, else the last step
-            last_events, full = stats.events, not stats.unmeasured
+            last, full = (stats.events, ran), not stats.unmeasured
         kept = stats.kept_peak
         if store.every and (step + 1) % store.every == 0:
             _save(store, trainer, losses)
@@ -373,7 +384,7 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
             print(f"{line} (process {jax.process_index()})", flush=True)
         else:
             log(line)
-    return result, last_events
+    return result, last
 
 
 def _kept_line(measured: dict, predicted: dict) -> str:
@@ -458,30 +469,14 @@ def _save(store: _Checkpoints, trainer, losses: dict[int, float]) -> None:
                     keep=store.keep, overwrite=True)
 
 
-def _all_events(events, n_max: int) -> np.ndarray:
-    """Rows (pipeline, stage, microbatch, phase (its index in `Phase`), start, end) of every process's events.
-
-    Each process measures its own stages against its own clock, from the same step boundary."""
-    rows = np.array([[e.pipeline, e.stage, e.microbatch, list(Phase).index(e.phase),
-                      e.start, e.end] for e in events], np.float32).reshape(-1, 6)
-    if jax.process_count() == 1:
-        return rows
-    from jax.experimental import multihost_utils
-    padded = np.full((n_max, 6), -1.0, np.float32)
-    padded[:len(rows)] = rows
-    allrows = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, 6)
-    return allrows[allrows[:, 0] >= 0]
-
-
-def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]:
+def _timeline(opts, job, events, log, n_max: int, tables: Optional[dict] = None,
+              kept: Optional[dict] = None) -> dict[int, dict[str, float]]:
     """Log the bubble of the last step measured in full and write its timeline where asked; with no such step,
-    write what was measured of the last one and say that its bubble is unknown."""
-    from cfp.runtime.timeline import Timeline, bubble_line
-    rows = _all_events(events, n_max)
-    tl = Timeline(unmeasured=n_max - len(rows))
-    for row in rows:
-        tl.record(int(row[0]), int(row[1]), int(row[2]), list(Phase)[int(row[3])],
-                  float(row[4]), float(row[5]))
+    write what was measured of the last one and say that its bubble is unknown. ``tables``: per pipeline the
+    table that step ran (default: its schedule's fixed pattern) and each virtual stage's kept bytes per
+    micro-batch (`HeteroTrainer.kept_bytes`; default: units)."""
+    from cfp.runtime.timeline import bubble_line
+    tl = gather_events(events, n_max)
     summary = {}
     if tl.unmeasured:     # StepClock leaves out actions whose start it could not observe
         log(f"bubble not measured: no step had every action measured ({tl.unmeasured} of {n_max} actions of "
@@ -491,7 +486,8 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
         for q, v in summary.items():     # the run's schedule's equal-time bubble (the timeline's is 1F1B's)
             v["theoretical_bubble"] = SCHEDULES[opts.schedule].equal_bubble(v["stages"], v["microbatches"], opts.v)
             log(bubble_line(q, v))
-            log(_simulated_line(opts, tl, q, v))
+            table = (tables or {}).get(q) or SCHEDULES[opts.schedule].pattern(v["stages"], v["microbatches"], opts.v)
+            log(simulated_line(opts.spec, tl, q, v, table, (kept or {}).get(q)))
     if opts.timeline_dir and jax.process_index() == 0:
         _write_timeline(opts.timeline_dir, f"{job.model.name} {opts.spec} {opts.layout.summary()}",
                         [_placement(opts, q) for q in range(len(opts.layout.pipelines))], tl, log)
@@ -501,34 +497,6 @@ def _timeline(opts, job, events, log, n_max: int) -> dict[int, dict[str, float]]
 def _placement(opts, q: int) -> tuple[int, ...]:
     """The stage of each of pipeline q's virtual stages under the run's schedule."""
     return SCHEDULES[opts.schedule].placement.stages(opts.layout.pipelines[q].num_stages, opts.v)
-
-
-def _simulated_line(opts, tl, q: int, v: dict) -> str:
-    """Pipeline q's measured actions replayed with every stage owning its compute (`replay_measured`), the same
-    with each stage's median measured F, B and W (a shared host stalls a few actions for far longer than they
-    compute), and the schedule's time formula on those medians (`cfp.schedules.formulas`)."""
-    from cfp.schedules.formulas import bubble_of
-    from cfp.schedules.simulate import ActionCosts, simulate
-    from cfp.runtime.timeline import median_action_seconds, replay_measured
-    entry = SCHEDULES[opts.schedule]
-    p, m = v["stages"], v["microbatches"]
-    events = [e for e in tl.events if e.pipeline == q]   # an event's stage is its virtual stage
-    table = entry.pattern(p, m, opts.v)
-    raw = replay_measured(events, table)
-    fc, bc, wc = median_action_seconds(events, table.num_vstages)
-    med = simulate(table, ActionCosts(fc, bc, wc))
-    f, b, w = ([sum(x for x, d in zip(xs, table.placement) if d == s) for s in range(p)] for xs in (fc, bc, wc))
-    theory = entry.seconds(f, b, w, m, opts.v)
-    busiest = max(x + y + z for x, y, z in zip(f, b, w))
-    # what the generator makes of the measured medians, within the memory the fixed pattern keeps
-    gen_table, gen = entry.generated(p, m, ActionCosts(fc, bc, wc), opts.v)
-    which = "the fixed pattern" if gen_table.actions == table.actions else "a generated table"
-    return (f"pipeline {q}: simulated from the measured action times (each stage owning its compute): makespan "
-            f"{raw.makespan:.4f} s, bubble {raw.bubble:.1%} (the busiest stage idle), imbalance {raw.imbalance:.1%}; "
-            f"with each stage's median F/B/W: {med.makespan:.4f} s, bubble {med.bubble:.1%}, imbalance "
-            f"{med.imbalance:.1%}; {opts.spec}'s formula on those medians: {theory:.4f} s, bubble "
-            f"{bubble_of(theory, m, busiest):.1%} (estimated); the shortest {opts.spec} table generated from those "
-            f"medians ({which}): {gen.makespan:.4f} s, bubble {gen.bubble:.1%} (simulated)")
 
 
 def _write_timeline(directory: str, title: str, placements: list, tl, log) -> None:

@@ -181,7 +181,8 @@ class Schedule:
     ``counts(stage, p, m, v)``: the most virtual-stage inputs (kept from F to the backward) and W stashes (kept
     from B to W) its pattern keeps on a stage at once (closed form; the planner prices memory by it);
     ``seconds``: its time formula (`cfp.schedules.formulas`); ``runs_on_engine``: whether the runtime's stage
-    programs run it."""
+    programs run it; ``adapts``: its pattern is one of many valid orders (not the schedule's definition, as GPipe's
+    and 1F1B's are), so a run may replace it by a table generated from measured times."""
     name: ScheduleName
     placement: Placement
     split: bool
@@ -190,6 +191,7 @@ class Schedule:
     seconds: Callable[..., float]
     default_v: int = 1
     runs_on_engine: bool = False
+    adapts: bool = False
 
     def allows_v(self, v: int) -> bool:
         if self.placement is Placement.LOOP:
@@ -299,11 +301,11 @@ SCHEDULES: dict[ScheduleName, Schedule] = {
     ScheduleName.INTERLEAVED: Schedule(ScheduleName.INTERLEAVED, Placement.LOOP, False,
                                        lambda p, m, v: interleaved(p, m, v) if m % p == 0 else None,
                                        _counts_interleaved, formulas.interleaved_seconds, default_v=2,
-                                       runs_on_engine=True),
+                                       runs_on_engine=True, adapts=True),
     ScheduleName.ZB_H1: Schedule(ScheduleName.ZB_H1, Placement.LINEAR, True, lambda p, m, v: zb_h1(p, m),
-                                 _counts_zb_h1, formulas.zb_h1_seconds, runs_on_engine=True),
+                                 _counts_zb_h1, formulas.zb_h1_seconds, runs_on_engine=True, adapts=True),
     ScheduleName.ZB_V: Schedule(ScheduleName.ZB_V, Placement.V, True, lambda p, m, v: None, _counts_zb_v,
-                                formulas.zb_v_seconds, default_v=2, runs_on_engine=True),
+                                formulas.zb_v_seconds, default_v=2, runs_on_engine=True, adapts=True),
 }
 
 

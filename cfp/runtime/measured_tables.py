@@ -1,0 +1,133 @@
+"""A run's measured action times, gathered from every process, and what they give: the table each pipeline runs
+next (generated from the measured median F, B and W of each virtual stage, `HeteroTrainer.generated_tables`) and
+the simulated replay of a step (each stage owning its compute) beside its fixed pattern and its schedule's formula.
+
+Why generated: a fixed pattern (ZB-H1, ZB-V, interleaved) assumes stages of equal speed; on uneven stages its
+slots leave the fast stages idle, where a table built from the measured times fills them with deferred Ws and
+forwards, within the activation memory the pattern keeps per device.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from cfp.runtime.timeline import Timeline, median_action_seconds, replay_measured
+from cfp.schedules.actions import KeptBytes, ScheduleTable, peak_kept
+from cfp.schedules.formulas import bubble_of
+from cfp.schedules.registry import SCHEDULES, Phase, ScheduleSpec
+from cfp.schedules.simulate import ActionCosts, simulate
+
+
+class TableSource(str, enum.Enum):
+    """Which table a pipeline of an adaptable schedule (`Schedule.adapts`) runs: the schedule's fixed pattern, or a
+    table generated from the action times measured before the first step (`generate_from_measured`)."""
+    PATTERN = "pattern"
+    GENERATED = "generated"
+
+
+def gather_events(events, n_max: int) -> Timeline:
+    """The step's events of every process (each measured its own stages against its own clock, from the same step
+    boundary) as one timeline; ``n_max``: the step's number of actions (those not measured: ``unmeasured``).
+    A collective: every process calls it at the same step."""
+    rows = np.array([[e.pipeline, e.stage, e.microbatch, list(Phase).index(e.phase),
+                      e.start, e.end] for e in events], np.float32).reshape(-1, 6)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        padded = np.full((n_max, 6), -1.0, np.float32)
+        padded[:len(rows)] = rows
+        rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, 6)
+        rows = rows[rows[:, 0] >= 0]
+    tl = Timeline(unmeasured=n_max - len(rows))
+    for row in rows:
+        tl.record(int(row[0]), int(row[1]), int(row[2]), list(Phase)[int(row[3])], float(row[4]), float(row[5]))
+    return tl
+
+
+def median_costs(tl: Timeline, pipeline: int, num_vstages: int) -> ActionCosts:
+    """Each virtual stage's median measured F, B and W seconds in ``pipeline`` (robust to a shared host's
+    stalls)."""
+    return ActionCosts(*median_action_seconds([e for e in tl.events if e.pipeline == pipeline], num_vstages))
+
+
+def generate_from_measured(trainer, batch, log: Callable[[str], None], passes: int = 2) -> bool:
+    """Before a run's first step: compile (`HeteroTrainer.warm`), time a pass of the schedule on ``batch`` without
+    the update (`HeteroTrainer.measure`) and give each pipeline the table generated from its measured median F, B
+    and W (`adopt_generated`); up to ``passes`` passes while a busy host leaves some kind of action unmeasured.
+    A collective under several processes (every process calls it). Returns whether tables were adopted."""
+    trainer.warm(batch)
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        tl = gather_events(trainer.measure(batch), len(trainer.order))
+        took = time.perf_counter() - t0
+        if adopt_generated(trainer, tl, f"a pass of the first batch without the update ({took:.2f} s measured)",
+                           log):
+            return True
+    log(f"kept {trainer.spec}'s fixed pattern: {passes} measuring passes left some virtual stage's F, B or W "
+        "unmeasured (the host was too busy to watch them)")
+    return False
+
+
+def adopt_generated(trainer, tl: Timeline, source: str, log: Callable[[str], None]) -> bool:
+    """From a pass's measured actions (``tl``, every process's events; ``source`` says which pass), give each
+    pipeline that ran micro-batches the table generated from its measured medians (`HeteroTrainer.use_tables`);
+    log what it is against the fixed pattern on the same times. False (nothing changed) while some virtual stage
+    has a kind of action (F, B, W) with no measured time: the medians need one of each, not all."""
+    seen = {(e.pipeline, e.stage, e.phase) for e in tl.events}
+    if any((q, a.vstage, a.phase) not in seen for q, pipe in enumerate(trainer.layout.pipelines) if pipe.chunks
+           for row in trainer.table(q) for a in row):
+        return False
+    costs = {q: median_costs(tl, q, trainer.table(q).num_vstages)
+             for q, pipe in enumerate(trainer.layout.pipelines) if pipe.chunks}
+    generated = trainer.generated_tables(costs)
+    trainer.use_tables({q: table for q, (table, _) in generated.items()})
+    for q, (table, sim) in generated.items():
+        pattern = trainer.spec.entry.pattern(trainer.layout.pipelines[q].num_stages, table.microbatches,
+                                             trainer.spec.v)
+        fixed = simulate(pattern, costs[q])
+        which = "its fixed pattern (nothing shorter found)" if table.actions == pattern.actions else \
+            "a table generated from them"
+        log(f"pipeline {q} runs {which}, from the median F/B/W of {source}: {sim.makespan:.4f} s, bubble "
+            f"{sim.bubble:.1%} (simulated) vs the fixed pattern's {fixed.makespan:.4f} s, bubble {fixed.bubble:.1%} "
+            "(simulated), within the activation memory the pattern keeps")
+    return True
+
+
+def simulated_line(spec: ScheduleSpec, tl: Timeline, q: int, v: dict, table: ScheduleTable,
+                   kept: Optional[KeptBytes] = None) -> str:
+    """Pipeline q's measured actions replayed on the ``table`` it ran with every stage owning its compute
+    (`replay_measured`), the same with each stage's median measured F, B and W (a shared host stalls a few actions
+    for far longer than they compute), the fixed pattern on those medians where another table ran, the schedule's
+    time formula on them (`cfp.schedules.formulas`) and the shortest table generated from them within the memory
+    the fixed pattern keeps (``kept``: each virtual stage's bytes per micro-batch; default one unit per whole
+    stage's micro-batch)."""
+    entry = SCHEDULES[spec.name]
+    p, m = v["stages"], v["microbatches"]
+    events = [e for e in tl.events if e.pipeline == q]   # an event's stage is its virtual stage
+    raw = replay_measured(events, table)
+    costs = median_costs(tl, q, table.num_vstages)
+    med = simulate(table, costs)
+    f, b, w = ([sum(x for x, d in zip(xs, table.placement) if d == s) for s in range(p)]
+               for xs in (costs.fwd, costs.bwd_input, costs.bwd_weight))
+    theory = entry.seconds(f, b, w, m, spec.v)
+    busiest = max(x + y + z for x, y, z in zip(f, b, w))
+    pattern = entry.pattern(p, m, spec.v)
+    ran = "its fixed pattern" if table.actions == pattern.actions else "a generated table"
+    if table.actions == pattern.actions:
+        fixed = ""
+    else:
+        alt = simulate(pattern, costs)
+        fixed = f"; the fixed pattern on those medians: {alt.makespan:.4f} s, bubble {alt.bubble:.1%} (simulated)"
+    # what the generator makes of the measured medians, within the memory the fixed pattern keeps
+    limit = None if kept is None else peak_kept(pattern, kept)
+    gen_table, gen = entry.generated(p, m, costs, spec.v, limit, kept)
+    which = "the fixed pattern" if gen_table.actions == pattern.actions else "a generated table"
+    return (f"pipeline {q} ran {ran}: simulated from the measured action times (each stage owning its compute): "
+            f"makespan {raw.makespan:.4f} s, bubble {raw.bubble:.1%} (the busiest stage idle), imbalance "
+            f"{raw.imbalance:.1%}; with each stage's median F/B/W: {med.makespan:.4f} s, bubble {med.bubble:.1%}, "
+            f"imbalance {med.imbalance:.1%}{fixed}; {spec}'s formula on those medians: {theory:.4f} s, bubble "
+            f"{bubble_of(theory, m, busiest):.1%} (estimated); the shortest {spec} table generated from those "
+            f"medians ({which}): {gen.makespan:.4f} s, bubble {gen.bubble:.1%} (simulated)")

@@ -499,6 +499,17 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_virtual_stages.py",),
            "virtual stages are put on the stages in pipeline order (chunk c on stage c // v), not where the "
            "schedule places them"),
+    Mutant("kept-predicted-from-the-pattern", "runtime", "cfp/runtime/engine.py",
+           "for s, peak in enumerate(peak_kept(self.table(p), kept)):",
+           "for s, peak in enumerate(peak_kept(self.spec.entry(self.layout.pipelines[p].num_stages, "
+           "self.layout.pipelines[p].chunks, self.spec.v), kept)):",
+           ("tests/test_virtual_stages.py::test_a_generated_table_trains_like_one_device_within_the_patterns_memory",),
+           "the kept-activation prediction is the fixed pattern's while the pipeline runs a generated table"),
+    Mutant("generated-table-beyond-the-patterns-memory", "runtime", "cfp/runtime/engine.py",
+           "                                               peak_kept(pattern, kept), kept)",
+           "                                               [1e30] * pipe.num_stages, kept)",
+           ("tests/test_virtual_stages.py::test_a_generated_table_trains_like_one_device_within_the_patterns_memory",),
+           "the table generated from measured times may keep more activations per device than the fixed pattern"),
 )
 
 

@@ -90,7 +90,7 @@ def test_checkpointed_state_is_the_same_tree_under_virtual_stages():
     assert jax.tree_util.tree_structure(other.state()[0]) == jax.tree_util.tree_structure(params)
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize("schedule", ["zb-v"])     # split backward, V placement (the run test below: interleaved)
 def test_a_generated_table_trains_like_one_device_within_the_patterns_memory(schedule):
     """The table generated for uneven stage times (the generator's, not the fixed pattern) runs on the engine: the
     single-device gradient, losses and parameters, kept activations measured == predicted for that table and
@@ -98,6 +98,7 @@ def test_a_generated_table_trains_like_one_device_within_the_patterns_memory(sch
     refused."""
     from cfp.runtime.engine import HeteroTrainer
     from cfp.schedules.actions import peak_kept
+    from cfp.schedules.registry import SCHEDULES, ScheduleName
     from cfp.schedules.simulate import ActionCosts, simulate
     from test_runtime import batches, programs
     layout = Layout.from_lists([[1, 1, 1, 1]], [[3, 2, 2, 1]], [8], [4])
@@ -119,7 +120,7 @@ def test_a_generated_table_trains_like_one_device_within_the_patterns_memory(sch
     check_gradients(trainer.init(), "llama2", cfg)
     trainer.init()
     check_steps(trainer, "llama2", cfg)       # kept measured == the generated table's prediction every step
-    other = make_trainer(cfg, layout, "zb-h1" if schedule == "zb-v" else "1f1b").table(0)
+    other = SCHEDULES[ScheduleName.ZB_H1].pattern(4, 4)     # the same actions, placed in a line, not a V
     with pytest.raises(ConfigError, match="places its virtual stages"):
         trainer.use_tables({0: other})
     loose, _ = trainer.spec.entry.generated(4, 4, costs, trainer.spec.v, [1e30] * 4, kept)
@@ -128,13 +129,15 @@ def test_a_generated_table_trains_like_one_device_within_the_patterns_memory(sch
             trainer.use_tables({0: loose})
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved:2"])
+@pytest.mark.parametrize("schedule", ["interleaved:2"])   # whole backward, virtual stages in a loop
 def test_a_run_measures_its_stages_then_trains_on_the_generated_table(tmp_path, schedule):
     """`run_training` with ``tables="generated"`` (the default) times a pass of the first batch, runs the table
     generated from it (what it logs), reports the replay on the table that ran and verifies against one device;
     ``tables="pattern"`` keeps the fixed pattern and measures nothing first."""
+    from cfp.models import get_config
     from cfp.runtime.training import DataSource, TrainOptions, run_training
-    from test_runtime import LR, RUN_OVERRIDES, WD
+    from test_runtime import LR, RUN_OVERRIDES, WD, programs
+    cache = programs(get_config("llama2", "tiny", **RUN_OVERRIDES))   # both runs build the same stage programs
     layout = Layout.from_lists([[1, 1]], [[1, 1]], [4], [4])
     runs = {}
     for tables in ("generated", "pattern"):
@@ -142,7 +145,7 @@ def test_a_run_measures_its_stages_then_trains_on_the_generated_table(tmp_path, 
         opts = TrainOptions(model="llama2", layout=layout, overrides=RUN_OVERRIDES, steps=2, data=DataSource.STDLIB,
                             learning_rate=LR, weight_decay=WD, schedule=schedule, verify=True, tables=tables,
                             timeline_dir=str(tmp_path / tables))
-        runs[tables] = run_training(opts, log=lambda *a, **k: said.extend(a))
+        runs[tables] = run_training(opts, log=lambda *a, **k: said.extend(a), cache=cache)
         adopted = [line for line in said if line.startswith("pipeline 0 runs ")]
         ran = [line for line in said if line.startswith("pipeline 0 ran ")]
         assert runs[tables].verify_ok, said

@@ -88,9 +88,9 @@ def adopt_generated(trainer, tl: Timeline, source: str, log: Callable[[str], Non
         pattern = trainer.spec.entry.pattern(trainer.layout.pipelines[q].num_stages, table.microbatches,
                                              trainer.spec.v)
         fixed = simulate(pattern, costs[q])
-        which = "its fixed pattern (nothing shorter found)" if table.actions == pattern.actions else \
-            "a table generated from them"
-        log(f"pipeline {q} runs {which}, from the median F/B/W of {source}: {sim.makespan:.4f} s, bubble "
+        which = "its fixed pattern (the generator found nothing shorter)" if table.actions == pattern.actions else \
+            "a table generated"
+        log(f"pipeline {q} runs {which} from the median F/B/W of {source}: {sim.makespan:.4f} s, bubble "
             f"{sim.bubble:.1%} (simulated) vs the fixed pattern's {fixed.makespan:.4f} s, bubble {fixed.bubble:.1%} "
             "(simulated), within the activation memory the pattern keeps")
     return True

@@ -150,7 +150,7 @@ def test_a_run_measures_its_stages_then_trains_on_the_generated_table(tmp_path, 
         ran = [line for line in said if line.startswith("pipeline 0 ran ")]
         assert runs[tables].verify_ok, said
         if tables == "generated":
-            assert len(adopted) == 1 and "from the median F/B/W of a pass of the first batch" in adopted[0], said
+            assert len(adopted) == 1 and "from the median F/B/W of 3 passes of the first batch" in adopted[0], said
             own = "its fixed pattern" in adopted[0]
             assert len(ran) in (0, 1) and all(("ran its fixed pattern" in r) == own for r in ran), said
         else:

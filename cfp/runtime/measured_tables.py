@@ -47,40 +47,40 @@ def gather_events(events, n_max: int) -> Timeline:
     return tl
 
 
-def median_costs(tl: Timeline, pipeline: int, num_vstages: int) -> ActionCosts:
+def median_costs(events, pipeline: int, num_vstages: int) -> ActionCosts:
     """Each virtual stage's median measured F, B and W seconds in ``pipeline`` (robust to a shared host's
     stalls)."""
-    return ActionCosts(*median_action_seconds([e for e in tl.events if e.pipeline == pipeline], num_vstages))
+    return ActionCosts(*median_action_seconds([e for e in events if e.pipeline == pipeline], num_vstages))
 
 
-def generate_from_measured(trainer, batch, log: Callable[[str], None], passes: int = 2) -> bool:
-    """Before a run's first step: compile (`HeteroTrainer.warm`), time a pass of the schedule on ``batch`` without
-    the update (`HeteroTrainer.measure`) and give each pipeline the table generated from its measured median F, B
-    and W (`adopt_generated`); up to ``passes`` passes while a busy host leaves some kind of action unmeasured.
-    A collective under several processes (every process calls it). Returns whether tables were adopted."""
+def generate_from_measured(trainer, batch, log: Callable[[str], None], passes: int = 3) -> bool:
+    """Before a run's first step: compile (`HeteroTrainer.warm`), time ``passes`` passes of the schedule on
+    ``batch`` without the update (`HeteroTrainer.measure`) and give each pipeline the table generated from its
+    measured median F, B and W over all of them (`adopt_generated`: several passes, so that one pass's stalls on a
+    shared host do not set the table). A collective under several processes (every process calls it). Returns
+    whether tables were adopted."""
     trainer.warm(batch)
+    t0, events = time.perf_counter(), []
     for _ in range(passes):
-        t0 = time.perf_counter()
-        tl = gather_events(trainer.measure(batch), len(trainer.order))
-        took = time.perf_counter() - t0
-        if adopt_generated(trainer, tl, f"a pass of the first batch without the update ({took:.2f} s measured)",
-                           log):
-            return True
+        events += gather_events(trainer.measure(batch), len(trainer.order)).events
+    source = f"{passes} passes of the first batch without the update ({time.perf_counter() - t0:.2f} s measured)"
+    if adopt_generated(trainer, events, source, log):
+        return True
     log(f"kept {trainer.spec}'s fixed pattern: {passes} measuring passes left some virtual stage's F, B or W "
         "unmeasured (the host was too busy to watch them)")
     return False
 
 
-def adopt_generated(trainer, tl: Timeline, source: str, log: Callable[[str], None]) -> bool:
-    """From a pass's measured actions (``tl``, every process's events; ``source`` says which pass), give each
+def adopt_generated(trainer, events, source: str, log: Callable[[str], None]) -> bool:
+    """From measured actions (``events``, every process's; ``source`` says which), give each
     pipeline that ran micro-batches the table generated from its measured medians (`HeteroTrainer.use_tables`);
     log what it is against the fixed pattern on the same times. False (nothing changed) while some virtual stage
     has a kind of action (F, B, W) with no measured time: the medians need one of each, not all."""
-    seen = {(e.pipeline, e.stage, e.phase) for e in tl.events}
+    seen = {(e.pipeline, e.stage, e.phase) for e in events}
     if any((q, a.vstage, a.phase) not in seen for q, pipe in enumerate(trainer.layout.pipelines) if pipe.chunks
            for row in trainer.table(q) for a in row):
         return False
-    costs = {q: median_costs(tl, q, trainer.table(q).num_vstages)
+    costs = {q: median_costs(events, q, trainer.table(q).num_vstages)
              for q, pipe in enumerate(trainer.layout.pipelines) if pipe.chunks}
     generated = trainer.generated_tables(costs)
     trainer.use_tables({q: table for q, (table, _) in generated.items()})
@@ -108,7 +108,7 @@ def simulated_line(spec: ScheduleSpec, tl: Timeline, q: int, v: dict, table: Sch
     p, m = v["stages"], v["microbatches"]
     events = [e for e in tl.events if e.pipeline == q]   # an event's stage is its virtual stage
     raw = replay_measured(events, table)
-    costs = median_costs(tl, q, table.num_vstages)
+    costs = median_costs(tl.events, q, table.num_vstages)
     med = simulate(table, costs)
     f, b, w = ([sum(x for x, d in zip(xs, table.placement) if d == s) for s in range(p)]
                for xs in (costs.fwd, costs.bwd_input, costs.bwd_weight))

@@ -149,6 +149,15 @@ def test_a_run_measures_its_stages_then_trains_on_the_generated_table(tmp_path, 
         adopted = [line for line in said if line.startswith("pipeline 0 runs ")]
         ran = [line for line in said if line.startswith("pipeline 0 ran ")]
         assert runs[tables].verify_ok, said
+        if ran:    # measured in full: the replay is drawn beside it, each action as long as it was measured
+            from references import load_timeline
+            measured = load_timeline(tmp_path / tables / "timeline.json").events
+            replay = load_timeline(tmp_path / tables / "simulated.json").events
+            key = lambda e: (e.pipeline, e.stage, e.microbatch, e.phase)
+            assert sorted(map(key, replay)) == sorted(map(key, measured))
+            took = {key(e): e.duration for e in measured}
+            assert all(e.duration == pytest.approx(took[key(e)], rel=1e-5) for e in replay)
+            assert (tmp_path / tables / "simulated.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if tables == "generated":
             assert len(adopted) == 1 and "from the median F/B/W of 3 passes of the first batch" in adopted[0], said
             own = "its fixed pattern" in adopted[0]

@@ -19,7 +19,7 @@ from cfp.runtime.timeline import Timeline, median_action_seconds, replay_measure
 from cfp.schedules.actions import KeptBytes, ScheduleTable, peak_kept
 from cfp.schedules.formulas import bubble_of
 from cfp.schedules.registry import SCHEDULES, Phase, ScheduleSpec
-from cfp.schedules.simulate import ActionCosts, simulate
+from cfp.schedules.simulate import ActionCosts, Simulation, simulate
 
 
 class TableSource(str, enum.Enum):
@@ -97,13 +97,13 @@ def adopt_generated(trainer, events, source: str, log: Callable[[str], None]) ->
 
 
 def simulated_line(spec: ScheduleSpec, tl: Timeline, q: int, v: dict, table: ScheduleTable,
-                   kept: Optional[KeptBytes] = None) -> str:
+                   kept: Optional[KeptBytes] = None) -> tuple[str, Simulation]:
     """Pipeline q's measured actions replayed on the ``table`` it ran with every stage owning its compute
     (`replay_measured`), the same with each stage's median measured F, B and W (a shared host stalls a few actions
     for far longer than they compute), the fixed pattern on those medians where another table ran, the schedule's
     time formula on them (`cfp.schedules.formulas`) and the shortest table generated from them within the memory
     the fixed pattern keeps (``kept``: each virtual stage's bytes per micro-batch; default one unit per whole
-    stage's micro-batch)."""
+    stage's micro-batch). Returns the line and the replay."""
     entry = SCHEDULES[spec.name]
     p, m = v["stages"], v["microbatches"]
     events = [e for e in tl.events if e.pipeline == q]   # an event's stage is its virtual stage
@@ -130,4 +130,15 @@ def simulated_line(spec: ScheduleSpec, tl: Timeline, q: int, v: dict, table: Sch
             f"{raw.imbalance:.1%}; with each stage's median F/B/W: {med.makespan:.4f} s, bubble {med.bubble:.1%}, "
             f"imbalance {med.imbalance:.1%}{fixed}; {spec}'s formula on those medians: {theory:.4f} s, bubble "
             f"{bubble_of(theory, m, busiest):.1%} (estimated); the shortest {spec} table generated from those "
-            f"medians ({which}): {gen.makespan:.4f} s, bubble {gen.bubble:.1%} (simulated)")
+            f"medians ({which}): {gen.makespan:.4f} s, bubble {gen.bubble:.1%} (simulated)"), raw
+
+
+def replay_timeline(sims: dict[int, Simulation]) -> Timeline:
+    """Per pipeline its replay (`simulated_line`) as a timeline: what the measured actions take when every stage
+    owns its compute, to draw beside the measured one."""
+    out = Timeline()
+    for q, sim in sims.items():
+        for sp in sim.spans:
+            if sp.end > sp.start:     # an action measured at no time draws nothing
+                out.record(q, sp.vstage, sp.microbatch, sp.phase, sp.start, sp.end)
+    return out

@@ -24,7 +24,8 @@ import numpy as np
 from cfp.errors import ConfigError
 from cfp.files import check_output_dir
 from cfp.layout import Layout
-from cfp.runtime.measured_tables import TableSource, gather_events, generate_from_measured, simulated_line
+from cfp.runtime.measured_tables import (TableSource, gather_events, generate_from_measured, replay_timeline,
+                                         simulated_line)
 from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec
 
 if TYPE_CHECKING:
@@ -477,7 +478,7 @@ def _timeline(opts, job, events, log, n_max: int, tables: Optional[dict] = None,
     micro-batch (`HeteroTrainer.kept_bytes`; default: units)."""
     from cfp.runtime.timeline import bubble_line
     tl = gather_events(events, n_max)
-    summary = {}
+    summary, sims = {}, {}
     if tl.unmeasured:     # StepClock leaves out actions whose start it could not observe
         log(f"bubble not measured: no step had every action measured ({tl.unmeasured} of {n_max} actions of "
             f"the last step ended no later than they could start as seen: the host was too busy to watch them)")
@@ -487,10 +488,12 @@ def _timeline(opts, job, events, log, n_max: int, tables: Optional[dict] = None,
             v["theoretical_bubble"] = SCHEDULES[opts.schedule].equal_bubble(v["stages"], v["microbatches"], opts.v)
             log(bubble_line(q, v))
             table = (tables or {}).get(q) or SCHEDULES[opts.schedule].pattern(v["stages"], v["microbatches"], opts.v)
-            log(simulated_line(opts.spec, tl, q, v, table, (kept or {}).get(q)))
+            line, sims[q] = simulated_line(opts.spec, tl, q, v, table, (kept or {}).get(q))
+            log(line)
     if opts.timeline_dir and jax.process_index() == 0:
         _write_timeline(opts.timeline_dir, f"{job.model.name} {opts.spec} {opts.layout.summary()}",
-                        [_placement(opts, q) for q in range(len(opts.layout.pipelines))], tl, log)
+                        [_placement(opts, q) for q in range(len(opts.layout.pipelines))], tl, log,
+                        replay_timeline(sims) if sims else None)
     return summary
 
 
@@ -499,8 +502,13 @@ def _placement(opts, q: int) -> tuple[int, ...]:
     return SCHEDULES[opts.schedule].placement.stages(opts.layout.pipelines[q].num_stages, opts.v)
 
 
-def _write_timeline(directory: str, title: str, placements: list, tl, log) -> None:
+def _write_timeline(directory: str, title: str, placements: list, tl, log, replay=None) -> None:
+    """timeline.json and timeline.png of the measured step; with ``replay`` (its measured actions replayed with
+    every stage owning its compute) also simulated.json and simulated.png beside them."""
     os.makedirs(directory, exist_ok=True)
+    for name in ("simulated.json", "simulated.png"):     # no stale replay of another run left beside this one
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
     tl.save_json(os.path.join(directory, "timeline.json"))
     if not len(tl):       # nothing measured: nothing to draw, and no stale picture of another run left
         with contextlib.suppress(FileNotFoundError):
@@ -509,6 +517,11 @@ def _write_timeline(directory: str, title: str, placements: list, tl, log) -> No
         return
     tl.plot_png(os.path.join(directory, "timeline.png"), title=title, placements=placements)
     partial = f" ({tl.unmeasured} actions not measured: no bubble)" if tl.unmeasured else ""
+    if replay is not None and len(replay):
+        replay.save_json(os.path.join(directory, "simulated.json"))
+        replay.plot_png(os.path.join(directory, "simulated.png"), placements=placements,
+                        title=f"{title}: the measured actions replayed, each stage owning its compute (simulated)")
+        partial += ", and its replay with each stage owning its compute in simulated.json and simulated.png"
     log(f"timeline written to {directory}/timeline.json and timeline.png{partial}")
 
 

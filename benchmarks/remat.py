@@ -2,7 +2,7 @@
 analysis and search, plan speed side by side, and compiled memory with and without remat.
 
     python benchmarks/remat.py [--layers 4] [--batch 32] [--rounds 10] [--policy nothing_saveable]
-                               [--profiler measure|estimate --gpu A100-SXM-80G]
+                               [--profiler measure|estimate --gpu A100-SXM-80G] [--verify N]
 
 Both twins are searched by cfp (measure profiler unless --profiler estimate, 2x4 mesh). Then, timed in turns
 (interleaved rounds, so a burst of load on a shared host lands on all alike): the remat model under its own
@@ -65,9 +65,10 @@ def _temp(compiled) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def search(label, step, args, mesh, profiler="measure", gpu=None, max_combinations=4):
+def search(label, step, args, mesh, profiler="measure", gpu=None, max_combinations=4, verify=None):
     t0 = time.perf_counter()
-    searched = cfp.autoshard(step, mesh, *args, iters=3, max_combinations=max_combinations, profiler=profiler, gpu=gpu)
+    searched = cfp.autoshard(step, mesh, *args, iters=3, max_combinations=max_combinations, profiler=profiler, gpu=gpu,
+                             verify=verify)
     wall = time.perf_counter() - t0
     a = searched.analysis
     recomputed = sum(d.role is DotRole.RECOMPUTE for b in a.blocks for d in b.dots)
@@ -88,20 +89,22 @@ def main() -> None:
                    help="how cfp's search ranks plans (estimate: the cost model of --gpu)")
     p.add_argument("--gpu", default=None, help="catalog GPU of --profiler estimate")
     p.add_argument("--max-combinations", type=int, default=4, help="profiled combinations per segment")
+    p.add_argument("--verify", type=int, default=None,
+                   help="whole-step plans each search compiles and times (default: cfp.SearchOptions's)")
     a = p.parse_args()
     if (a.layers < 1 or a.batch < 8 or a.batch % 8 or a.rounds < 3 or a.policy not in POLICIES
-            or a.max_combinations < 1):
+            or a.max_combinations < 1 or (a.verify or 0) < 0):
         raise SystemExit(f"remat: --layers >= 1, --batch a multiple of 8, --rounds >= 3, --policy one of "
-                         f"{', '.join(POLICIES)}, --max-combinations >= 1 (got {a.layers}, {a.batch}, {a.rounds}, "
-                         f"{a.policy!r}, {a.max_combinations})")
+                         f"{', '.join(POLICIES)}, --max-combinations >= 1, --verify >= 0 (got {a.layers}, {a.batch}, "
+                         f"{a.rounds}, {a.policy!r}, {a.max_combinations}, {a.verify})")
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, mesh 2x4; "
           f"{a.layers}-layer transformer, batch {a.batch}, remat policy {a.policy}")
     plain_step, args = problem(a.layers, a.batch, False, a.policy)
     remat_step, _ = problem(a.layers, a.batch, True, a.policy)
     print("search:")
-    plain = search("plain", plain_step, args, mesh, a.profiler, a.gpu, a.max_combinations)
-    remat = search("remat", remat_step, args, mesh, a.profiler, a.gpu, a.max_combinations)
+    plain = search("plain", plain_step, args, mesh, a.profiler, a.gpu, a.max_combinations, a.verify)
+    remat = search("remat", remat_step, args, mesh, a.profiler, a.gpu, a.max_combinations, a.verify)
     ra, rp = remat.analysis, remat.program
     steps = {
         "remat, cfp plan": remat,

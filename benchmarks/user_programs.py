@@ -1,7 +1,7 @@
 """cfp vs data parallel vs FSDP on the examples' user programs (Equinox, Flax NNX, scanned Linen), measured
 side by side on 8 simulated CPU devices, without a budget and under a budget below data parallel's memory.
 
-    python benchmarks/user_programs.py [--budget-fraction 0.85] [--rounds 10]
+    python benchmarks/user_programs.py [--budget-fraction 0.85] [--rounds 10] [--verify N]
 
 Per style: cfp searches (measure profiler) on a 2x4 mesh; data parallel and FSDP are the uniform plans
 (`data_parallel_choice`, and with every block's state sharded); all fitting plans are then timed in turns
@@ -58,11 +58,11 @@ def _row(label, steps, args, rounds, budget):
               f"(compiled){vs}")
 
 
-def bench(name: str, fraction: float, rounds: int, max_combinations: int = 4) -> None:
+def bench(name: str, fraction: float, rounds: int, max_combinations: int = 4, verify: int | None = None) -> None:
     mod = _example(name)
     step_fn, args, _ = mod.problem()
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    searched = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations)
+    searched = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations, verify=verify)
     program, analysis = searched.program, searched.analysis
     uniform = data_parallel_choice(analysis.graph, analysis.blocks)
     dp = apply_choice(program, analysis, uniform, mesh)
@@ -73,7 +73,7 @@ def bench(name: str, fraction: float, rounds: int, max_combinations: int = 4) ->
     _row("no budget", {"cfp": searched, "data parallel": dp, "FSDP": fsdp}, args, rounds, None)
     try:
         tight = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations,
-                              memory_limit=budget)
+                              memory_limit=budget, verify=verify)
         if tight.search.baseline:
             print(f"    cfp under the budget chose the {tight.search.baseline} baseline")
     except InfeasibleError as e:
@@ -89,15 +89,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--styles", default=",".join(STYLES), help=f"comma-separated subset of {','.join(STYLES)}")
     p.add_argument("--max-combinations", type=int, default=4, help="profiled combinations per segment")
+    p.add_argument("--verify", type=int, default=None,
+                   help="whole-step plans each search compiles and times (default: cfp.SearchOptions's)")
     a = p.parse_args()
     styles = [s for s in a.styles.split(",") if s]
     bad = [s for s in styles if s not in STYLES]
-    if bad or not 0 < a.budget_fraction or a.rounds < 3 or a.max_combinations < 1:
+    if bad or not 0 < a.budget_fraction or a.rounds < 3 or a.max_combinations < 1 or (a.verify or 0) < 0:
         raise SystemExit(f"user_programs: styles {bad} must be among {STYLES}, --budget-fraction > 0, --rounds >= 3, "
-                         "--max-combinations >= 1")
+                         "--max-combinations >= 1, --verify >= 0")
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices, mesh 2x4")
     for name in styles:
-        bench(name, a.budget_fraction, a.rounds, a.max_combinations)
+        bench(name, a.budget_fraction, a.rounds, a.max_combinations, a.verify)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "PYTHONPATH=$PWD python examples/equinox_gpt.py": Run("equinox", _EXAMPLE, ("equinox_plan.json",)),
     "PYTHONPATH=$PWD python examples/linen_cnn.py": Run("cnn", _EXAMPLE, ("cnn_plan.json",)),
     "PYTHONPATH=$PWD python benchmarks/user_programs.py": Run(
-        "user_programs", ((".py", ".py --styles flax_nnx --rounds 3 --max-combinations 1"),)),
+        "user_programs", ((".py", ".py --styles flax_nnx --rounds 3 --max-combinations 1 --verify 0"),)),
     # The CFP passes from the shell
     ".venv/bin/cfp analysis --model gpt --num-layers 4 --batch-size 64 --mesh 2x4 --dump-dir dump/": Run(
         "analysis", (("--num-layers 4 --batch-size 64", "--num-layers 2 --batch-size 16"),),

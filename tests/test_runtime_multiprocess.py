@@ -1,5 +1,6 @@
 """Multi-process runs of `cfp train` (2 processes x 4 CPU devices, gloo), a dead peer, and a
 SIGKILLed run resumed from its checkpoint.  Each spawns fresh processes that compile: slow."""
+import functools
 import os
 import re
 import signal
@@ -34,14 +35,21 @@ def _losses(text):
     return {int(m.group(1)): float(m.group(2)) for m in STEP.finditer(text)}
 
 
-def _in_process(steps, schedule="1f1b", **kw):  # the `cfp train` default
+@functools.cache
+def _in_process(steps):
+    """The single-process losses of steps 1..`steps` under `cfp train`'s default schedule (1F1B); one run per
+    worker process, shared by the tests: a step's loss is the same whatever the run's length (a constant
+    learning rate on the same data)."""
     from cfp.schedules.registry import ScheduleName
     from cfp.runtime.training import DataSource, TrainOptions, run_training
     layout = Layout.from_lists([[2, 1, 1], [2, 1, 1]], [[1, 1, 1], [1, 1, 1]], [6, 2], [3, 1],
                                [[[0, 1], [4], [2]], [[5, 6], [3], [7]]])
     opts = TrainOptions(model="llama2", layout=layout, overrides=dict(num_layers=3, seq_len=16),
-                        steps=steps, schedule=ScheduleName(schedule), data=DataSource.STDLIB, **kw)
-    return run_training(opts, log=lambda *a, **k: None).losses
+                        steps=steps, schedule=ScheduleName.ONE_F_ONE_B, data=DataSource.STDLIB)
+    return dict(run_training(opts, log=lambda *a, **k: None).losses)
+
+
+REFERENCE_STEPS = 4    # the longest run compared (the SIGKILLed run's); shorter runs compare its first steps
 
 
 def test_two_processes_match_single_process():
@@ -53,7 +61,7 @@ def test_two_processes_match_single_process():
                       if l.startswith("[rank 0] "))
     multi = _losses(rank0)
     assert "2 process(es)" in rank0 and "verify: max relative error" in rank0
-    single = _in_process(3, "1f1b")
+    single = _in_process(REFERENCE_STEPS)
     assert sorted(multi) == [1, 2, 3]
     # same programs, same order; only TP all-reduces of more than 2 devices could add differently
     np.testing.assert_allclose([multi[k] for k in (1, 2, 3)], [single[k] for k in (1, 2, 3)],
@@ -134,7 +142,7 @@ def test_sigkilled_run_resumes_with_identical_losses(tmp_path):
     out = subprocess.run(args + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     resumed = _losses(out.stdout)
-    full = _in_process(4)
+    full = _in_process(REFERENCE_STEPS)
     start = min(resumed)
     assert start >= 3 and max(resumed) == 4
     # bit-exact: the same programs on the same data from the same state; `cfp train` prints 8 decimals,

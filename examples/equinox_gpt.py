@@ -98,11 +98,16 @@ def main() -> None:
     p.add_argument("--plan", default="equinox_plan.json", help="where to save the plan")
     p.add_argument("--profiler", choices=("measure", "estimate"), default="measure",
                    help="measure: time plans on these devices; estimate: the A100-SXM-80G cost model (quick)")
+    p.add_argument("--verify", type=int, default=cfp.SearchOptions().verify,
+                   help="the search's best plans compiled whole and timed side by side (0: trust the profiles; "
+                        "default %(default)s)")
     a = p.parse_args()
+    if a.verify < 0:
+        p.error(f"--verify {a.verify} must be >= 0")
     train_step, args, _ = problem()
     mesh = jax.make_mesh((2, 4), ("data", "model"))          # Explicit axes, as current JAX makes them
     step = cfp.autoshard(train_step, mesh, *args, donate=True, plan_out=a.plan, iters=3, max_combinations=4,
-                         profiler=a.profiler, gpu="A100-SXM-80G" if a.profiler == "estimate" else None)
+                         verify=a.verify, profiler=a.profiler, gpu="A100-SXM-80G" if a.profiler == "estimate" else None)
     print(step.search.report(*(("estimated: A100-SXM-80G cost model", "compiled on this host")
                                if a.profiler == "estimate" else ())))
     print(f"plan saved to {a.plan}")

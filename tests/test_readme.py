@@ -60,7 +60,7 @@ class Skip:
 
 
 _SMALL_SEARCH = (("--num-layers 2 --batch-size 16", "--num-layers 1 --batch-size 8"),)
-_EXAMPLE = ((".py", ".py --steps 2 --profiler estimate"),)
+_EXAMPLE = ((".py", ".py --steps 2 --profiler estimate --verify 0"),)
 
 COMMANDS: dict[str, Run | Skip] = {
     # Quickstart

@@ -158,7 +158,7 @@ INLINE: dict[str, Run | Skip] = {
     "cfp launch": Skip(_NAME), "cfp search --plan-out": Skip(_NAME),
     "PYTHONPATH=$PWD python examples/linen_cnn.py": Skip(_NAME),
     "cfp train --stage-plans search": Skip(_NAME), "cfp plan --stage-times": Skip(_NAME),
-    "cfp train --layout": Skip(_NAME),
+    "cfp train --layout": Skip(_NAME), "cfp train --schedule S --timeline-dir": Skip(_NAME),
     "make demo": COMMANDS["make demo"], "make test": COMMANDS["make test"],
     "PYTHONPATH=$PWD python benchmarks/planner_scale.py": Skip(
         "plans 64, 256 and 1024 GPUs (about 6 s of CPU in all): a benchmark, whose planner "
@@ -202,6 +202,10 @@ INLINE: dict[str, Run | Skip] = {
     '"[[(1,2,1),(1,2,1)], [(1,4,1)]]" --uniform "[(1,4,1)]"': Skip(
         "the benchmark of the README's table (14 min on a loaded 2-core host, most of it compiling); its "
         "CI-sized form, `benchmarks/batching.py --quick`, runs"),
+    'cfp train --model llama2 --num-layers 8 --hetero-configs "[[1,1,1,1]]" --layer-partitions "[[3,2,2,1]]" '
+    '--global-batch-size 16 --chunks 8 --schedule S --steps 2 --verify --timeline-dir tl': Skip(
+        _TEMPLATE.format("S: gpipe, 1f1b, interleaved:2, zb-h1, zb-v") + "; tests/test_virtual_stages.py runs each "
+        "schedule against one device and the generated tables through run_training"),
     "benchmarks/batching.py --quick": Run("batching", (("benchmarks/", "python benchmarks/"),)),
     "cfp plan is the fsdp sharding ...: same sharding, no ratio": Skip(_OUTPUT),
     "cfp plan vs the best other baseline within the budget (fsdp): 1.11x": Skip(_OUTPUT),

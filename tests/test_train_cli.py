@@ -153,3 +153,23 @@ def test_cli_defaults_are_the_api_defaults():
     # `cfp plan --config` defaults to None so that one given beside a factory is refused; unset, it is the zoo's
     assert plan.config is None and train.config == data.config == TrainOptions.config_name == common.DEFAULT_CONFIG
     assert train.keep_checkpoints == TrainOptions.keep_checkpoints
+
+
+def test_a_layout_file_runs_the_schedule_planned_for_its_first_pipeline(tmp_path, capsys):
+    """`cfp plan` prices each pipeline with its own schedule (virtual stages included); `cfp train --layout` runs
+    pipeline 0's, v and all (the file's `schedule` holds the name only), and says so when the others differ."""
+    from cfp.cli.main import build_parser
+    from cfp.cli.train import layout_from_args
+    from cfp.layout import Layout
+    from cfp.planner.layout_file import LayoutFile, write_layout_file
+    from cfp.schedules.registry import ScheduleName
+    layout = Layout.from_lists([[1, 1, 1], [1]], [[2, 2, 2], [6]], [6, 2], [3, 2])
+    for schedules, note in ((("interleaved:3", "1f1b"), True), (("interleaved:3", "interleaved:3"), False)):
+        path = str(tmp_path / "l.json")
+        write_layout_file(path, LayoutFile("llama2", "tiny", {"num_layers": 6}, ScheduleName.INTERLEAVED, layout,
+                                           {}, {}, schedules))
+        args = build_parser().parse_args(["train", "--layout", path])
+        assert layout_from_args(args)[2] == layout
+        assert args.schedule == "interleaved:3"
+        err = capsys.readouterr().err
+        assert ("runs one schedule for all pipelines: interleaved:3 (pipeline 0's)" in err) == note, err

@@ -183,8 +183,7 @@ def _file_layout(args: argparse.Namespace):
     _check_layout_flags(args, lf.layout)
     # the schedule the plan priced pipeline 0 with, its virtual stages included (`schedule` holds the name only)
     args.model, args.schedule = lf.model, lf.schedules[0] if lf.schedules else lf.schedule.value
-    if len(set(lf.schedules)) > 1 and not getattr(args, "_told_schedules", False):
-        args._told_schedules = True
+    if len(set(lf.schedules)) > 1:
         print(f"note: {args.layout} plans the pipelines with schedules {', '.join(lf.schedules)}; the runtime runs "
               f"one schedule for all pipelines: {args.schedule} (pipeline 0's)", file=sys.stderr)
     if is_factory(lf.model):

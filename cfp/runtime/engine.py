@@ -250,6 +250,11 @@ class HeteroTrainer:
         given = self._tables.get(pipeline)
         if given is not None and given.microbatches == m:
             return given
+        return self.pattern(pipeline, m)
+
+    def pattern(self, pipeline: int, microbatches: Optional[int] = None) -> ScheduleTable:
+        """The schedule's fixed pattern for ``pipeline`` and ``microbatches`` (default: its layout's chunks)."""
+        m = self.layout.pipelines[pipeline].chunks if microbatches is None else microbatches
         return self.spec.entry(self.layout.pipelines[pipeline].num_stages, m, self.spec.v)
 
     def use_tables(self, tables: dict[int, ScheduleTable]) -> None:
@@ -257,7 +262,7 @@ class HeteroTrainer:
         layout changes), in place of the fixed pattern: a table of this schedule's virtual stages, validated here
         (every action once, no deadlock, within the memory the pattern keeps per device)."""
         for p, t in tables.items():
-            pattern = self.spec.entry(self.layout.pipelines[p].num_stages, t.microbatches, self.spec.v)
+            pattern = self.pattern(p, t.microbatches)
             if t.placement != pattern.placement or t.split != pattern.split:
                 raise ConfigError(f"a table for pipeline {p} places its virtual stages {t.placement} and "
                                   f"{'splits' if t.split else 'does not split'} the backward; schedule {self.spec} "
@@ -275,7 +280,7 @@ class HeteroTrainer:
         for p, c in costs.items():
             pipe = self.layout.pipelines[p]
             kept = self.kept_bytes(p)
-            pattern = self.spec.entry(pipe.num_stages, pipe.chunks, self.spec.v)
+            pattern = self.pattern(p)
             out[p] = self.spec.entry.generated(pipe.num_stages, pipe.chunks, c, self.spec.v,
                                                peak_kept(pattern, kept), kept)
         return out

@@ -85,8 +85,7 @@ def adopt_generated(trainer, events, source: str, log: Callable[[str], None]) ->
     generated = trainer.generated_tables(costs)
     trainer.use_tables({q: table for q, (table, _) in generated.items()})
     for q, (table, sim) in generated.items():
-        pattern = trainer.spec.entry.pattern(trainer.layout.pipelines[q].num_stages, table.microbatches,
-                                             trainer.spec.v)
+        pattern = trainer.pattern(q, table.microbatches)
         fixed = simulate(pattern, costs[q])
         which = "its fixed pattern (the generator found nothing shorter)" if table.actions == pattern.actions else \
             "a table generated"

@@ -331,15 +331,17 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
     if opts.tables is TableSource.GENERATED and SCHEDULES[opts.schedule].adapts and start < opts.steps:
         generate_from_measured(trainer, job.batches(start), log)
-    result, last = _train_steps(trainer, job.batches, range(start, opts.steps), opts.stop_after, store, losses, log)
+    result, last_events = _train_steps(trainer, job.batches, range(start, opts.steps), opts.stop_after, store,
+                                       losses, log)
     for line in report_lines(plans, opts.layout, result.busy) if plans else ():
         log(line)
     if result.kept_peak:
         result.kept_predicted = trainer.kept_prediction()
         log(_kept_line(result.kept_peak, result.kept_predicted))
-    if last is not None:
+    if last_events is not None:   # the tables every step ran: set before the first (`generate_from_measured`)
+        ran = {q: trainer.table(q) for q in range(len(opts.layout.pipelines))}
         kept = {q: trainer.kept_bytes(q) for q, pipe in enumerate(opts.layout.pipelines) if pipe.chunks}
-        result.bubbles = _timeline(opts, job, last[0], log, len(trainer.order), last[1], kept)
+        result.bubbles = _timeline(opts, job, last_events, log, len(trainer.order), ran, kept)
     if opts.verify:
         result.verify_error, result.verify_ok = _verify(job, trainer, init_state, start, losses, opts.verify_tol,
                                                         log)
@@ -350,13 +352,11 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
 
 def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_after: Optional[int],
                  store: "_Checkpoints", losses: dict[int, float], log):
-    """The (0-based) `steps` (``stop_after``: stop after that many), each saved when ``store.every`` says.
-    Returns (result, (the last step measured in full's events, else the last step's; the tables it ran) or
-    None)."""
+    """The (0-based) `steps` (``stop_after``: stop after that many), each saved when ``store.every`` says;
+    returns (result, last events)."""
     start = steps.start
-    timed, busy_sum, busy_steps, last, full, step, kept = [], {}, {}, None, False, start, {}
+    timed, busy_sum, busy_steps, last_events, full, step, kept = [], {}, {}, None, False, start, {}
     for step in steps:
-        ran = {q: trainer.table(q) for q in range(len(trainer.layout.pipelines))}
         stats = trainer.step(batches(step))
         losses[step + 1] = stats.loss
         log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {stats.tokens / stats.seconds:,.0f} "
@@ -367,7 +367,7 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
                 if k not in stats.unmeasured:
                     busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
         if not stats.unmeasured or not full:   # the timeline: the last step measured in full, else the last step
-            last, full = (stats.events, ran), not stats.unmeasured
+            last_events, full = stats.events, not stats.unmeasured
         kept = stats.kept_peak
         if store.every and (step + 1) % store.every == 0:
             _save(store, trainer, losses)
@@ -385,7 +385,7 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
             print(f"{line} (process {jax.process_index()})", flush=True)
         else:
             log(line)
-    return result, last
+    return result, last_events
 
 
 def _kept_line(measured: dict, predicted: dict) -> str:

@@ -477,11 +477,16 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_scripts.py::test_script_runs_shrunk[benchmarks/compare.py-cpu]",),
            "benchmarks/compare.py's ILP row uses a name the ILP baseline renamed (issue 28's NameError)"),
     Mutant("xla-log-read-from-cached-programs", "search", "cfp/xla/log.py",
-           "    with _LOCK, tempfile.TemporaryFile() as tmp, _persistent_cache_off():\n",
-           "    with _LOCK, tempfile.TemporaryFile() as tmp:\n",
+           "            with _descriptor_2_caught(caught, cache_off=known is None):\n",
+           "            with _descriptor_2_caught(caught, cache_off=False):\n",
            ("tests/test_reshard.py::test_xla_log_read_also_when_the_persistent_cache_holds_the_program",),
            "a program JAX's persistent compilation cache holds is loaded, not compiled, so XLA logs nothing "
            "about it and cfp misses its involuntary rematerializations"),
+    Mutant("xla-log-record-not-replayed", "search", "cfp/xla/log.py",
+           "                text += known            # loaded from the cache: XLA's lines of when it was compiled\n",
+           "                pass\n",
+           ("tests/test_reshard.py::test_xla_log_read_also_when_the_persistent_cache_holds_the_program",),
+           "a recorded program loaded from the persistent cache reports no rematerializations (its record unread)"),
     # ---- issue 27: the activations a schedule keeps
     Mutant("executor-keeps-forward-inputs", "runtime", "cfp/runtime/executor.py",
            "        x = self.saved.pop((key, m))\n",
@@ -552,6 +557,8 @@ _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
 
 def _run_tests(tests: tuple[str, ...], dest: str, timeout: float) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=dest, PYTHONDONTWRITEBYTECODE="1")
+    if env.get("JAX_COMPILATION_CACHE_DIR"):   # mutated code must not write the records other runs read
+        env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(dest, ".jax-cache")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
     try:
         p = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,6 +1,7 @@
 """No hidden resharding: XLA's involuntary full rematerializations are detected, predicted, and routed around."""
 import contextlib
 import itertools
+import logging
 import os
 import re
 
@@ -15,7 +16,7 @@ from cfp.search.options import SearchOptions
 from cfp.search.search import VerifiedChoice, _best_fitting
 from cfp.sharding.reshard import all_layouts, direct_ok, reshard_path, reshard_steps
 from cfp.sharding.specs import partition_spec
-from cfp.xla.log import capture_log, involuntary_rematerializations, quiet_compiles
+from cfp.xla.log import capture_log, involuntary_rematerializations, program_key, quiet_compiles
 
 MESH = MeshSpec.parse("2x4")          # axis 0 of size 2, axis 1 of size 4
 
@@ -29,8 +30,9 @@ def partitioner(request):
     jax.config.update("jax_use_shardy_partitioner", before)
 
 
-def _compile_moves(src, path, shape=(16, 16), capture=True):
-    """Compile x -> constrained to `src` -> each layout of `path` in turn; (rematerializations, compiled)."""
+def _compile_moves(src, path, shape=(16, 16), capture=True, keyed=False):
+    """Compile x -> constrained to `src` -> each layout of `path` in turn; (rematerializations, compiled);
+    `keyed`: the capture is given the program's key (as `ShardedStep.compile` gives it)."""
     mesh = MESH.make()
     names = MESH.axis_names
 
@@ -44,15 +46,18 @@ def _compile_moves(src, path, shape=(16, 16), capture=True):
         return a * 3
 
     fn = jax.jit(f, in_shardings=sharding(src), out_shardings=sharding(path[-1]))
-    with capture_log() if capture else contextlib.nullcontext() as log:
-        compiled = fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile()
+    lowered = fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32))
+    key = program_key(lowered) if keyed else None
+    with capture_log(key) if capture else contextlib.nullcontext() as log:
+        compiled = lowered.compile()
     return log.rematerializations if capture else None, compiled
 
 
-def test_xla_log_read_also_when_the_persistent_cache_holds_the_program(tmp_path):
+def test_xla_log_read_also_when_the_persistent_cache_holds_the_program(tmp_path, capfd, caplog):
     """A user's JAX_COMPILATION_CACHE_DIR must not hide XLA's warnings from cfp: a program the persistent cache
-    holds would be loaded, not compiled, and XLA would log nothing about it; inside `capture_log` it is
-    compiled."""
+    holds is loaded, not compiled, and XLA logs nothing about it. Inside `capture_log` a program without a
+    record of its log is compiled (the cache off); one compiled there with its key leaves that record, and when
+    it is loaded from the cache (XLA silent) the record stands for XLA's lines."""
     from jax.experimental.compilation_cache.compilation_cache import reset_cache
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
@@ -65,6 +70,18 @@ def test_xla_log_read_also_when_the_persistent_cache_holds_the_program(tmp_path)
         assert list(tmp_path.iterdir()), "the persistent cache was not used"
         found, _ = _compile_moves(((0, 1), ()), [((), (0,))])
         assert len(found) == 1
+        capfd.readouterr()
+        found, _ = _compile_moves(((0, 1), ()), [((), (0,))], keyed=True)  # no record: compiled, recorded
+        records = list((tmp_path / "cfp-xla-logs").iterdir())
+        assert len(found) == 1 and len(records) == 1 and "Involuntary" in records[0].read_text()
+        assert "Involuntary" in capfd.readouterr().err
+        with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+            found, _ = _compile_moves(((0, 1), ()), [((), (0,))], keyed=True)
+        hits = [r for r in caplog.records if "cache hit" in r.getMessage()]
+        assert hits, "recorded, the program must be loaded from the persistent cache (XLA silent)"
+        assert len(found) == 1 and "Involuntary" in capfd.readouterr().err      # the record, written back
+        clean, _ = _compile_moves(((0, 1), ()), [((0,), ())], keyed=True)      # another program: its own record
+        assert clean == () and len(list((tmp_path / "cfp-xla-logs").iterdir())) == 2
     finally:
         for n, v in before.items():
             jax.config.update(n, v)

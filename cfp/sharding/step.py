@@ -15,7 +15,7 @@ from cfp.mesh import MeshSpec
 from cfp.sharding.constraints import ConstraintHooks
 from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.hlo import Collective, parse_collectives
-from cfp.xla.log import Rematerialization, capture_log
+from cfp.xla.log import Rematerialization, capture_log, program_key
 
 
 class ShardedStep:
@@ -58,8 +58,9 @@ class ShardedStep:
 
     def compile(self, *args):
         if self._compiled is None:
-            with capture_log() as log:
-                self._compiled = self.lower(*args).compile()
+            lowered = self.lower(*args)
+            with capture_log(program_key(lowered)) as log:
+                self._compiled = lowered.compile()
             self._remats = log.rematerializations
         return self._compiled
 

@@ -8,13 +8,15 @@ XLA writes its warnings to the process's stderr file descriptor, past Python's `
 points descriptor 2 at a temporary file around a compile and then writes everything it caught back to stderr:
 nothing is hidden, and cfp can read what XLA said about the program it just compiled. Around the many
 candidate compiles of a search, `quiet_compiles` keeps XLA's lines in a file and prints one summary line.
-Both turn JAX's persistent compilation cache off inside the block: a program loaded from it is not compiled,
-so XLA would say nothing about it.
+A program loaded from JAX's persistent compilation cache is not compiled, so XLA says nothing about it: given
+the program's `program_key`, `capture_log` keeps what XLA logged compiling it beside that cache and reads it back
+when the program is loaded; a program it has no such record of is compiled with the cache off, so its log is seen.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import re
 import sys
@@ -23,7 +25,10 @@ import threading
 from typing import Iterator
 
 import jax
+import jaxlib
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+from cfp.files import write_text_atomic
 
 # one thread captures at a time (descriptor 2 is shared by the process); nested captures pass their text
 # on to the enclosing one
@@ -83,12 +88,46 @@ def _persistent_cache_off() -> Iterator[None]:
         reset_cache()
 
 
+def program_key(lowered) -> str:
+    """What decides XLA's log of compiling `lowered` (a `jax.stages.Lowered`): its program text, the XLA flags,
+    the jax and jaxlib versions and the backend."""
+    h = hashlib.sha256()
+    for part in (lowered.as_text(), os.environ.get("XLA_FLAGS", ""), jax.__version__, jaxlib.__version__,
+                 jax.default_backend()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _record_path(key: str | None) -> str | None:
+    """Where XLA's log of the program `key` is kept: beside JAX's persistent cache when it is on (and local)."""
+    root = jax.config.jax_compilation_cache_dir
+    if key is None or not jax.config.jax_enable_compilation_cache or not root or "://" in root:
+        return None
+    return os.path.join(root, "cfp-xla-logs", f"{key}.log")
+
+
+def _read_record(path: str | None) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, TypeError):
+        return None
+
+
+def _keep_record(path: str | None, text: str) -> None:
+    if path is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_text_atomic(path, text)
+
+
 @contextlib.contextmanager
-def _descriptor_2_caught(caught: list[bytes]) -> Iterator[None]:
-    """Descriptor 2 goes to a temporary file inside the block; its bytes are appended to `caught` once the
-    descriptor is back. The lock is held throughout: another thread swapping descriptor 2 meanwhile would
-    restore it wrongly."""
-    with _LOCK, tempfile.TemporaryFile() as tmp, _persistent_cache_off():
+def _descriptor_2_caught(caught: list[bytes], cache_off: bool = False) -> Iterator[None]:
+    """Descriptor 2 goes to a temporary file inside the block (with `cache_off`, JAX's persistent cache off too);
+    its bytes are appended to `caught` once the descriptor is back. The lock is held throughout: another thread
+    swapping descriptor 2 meanwhile would restore it wrongly."""
+    off = _persistent_cache_off() if cache_off else contextlib.nullcontext()
+    with _LOCK, tempfile.TemporaryFile() as tmp, off:
         sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(tmp.fileno(), 2)
@@ -103,17 +142,32 @@ def _descriptor_2_caught(caught: list[bytes]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def capture_log() -> Iterator[XlaLog]:
-    """Catch what is written to descriptor 2 inside the block (XLA's log), then write it back to stderr."""
+def capture_log(key: str | None = None) -> Iterator[XlaLog]:
+    """Catch what is written to descriptor 2 inside the block (XLA's log), then write it back to stderr.
+
+    `key`: the `program_key` of the program compiled in the block. With JAX's persistent cache on, XLA's lines
+    of a program compiled here are kept under the key; a program recorded so may be loaded from the cache, and
+    when XLA says nothing the recorded lines stand for what it said compiling it (written back like them). A
+    program not recorded is compiled with the cache off. Without `key` the cache is off in the block."""
     log, caught = XlaLog(), []
+    record = _record_path(key)
+    known = _read_record(record)
     with _LOCK:     # (re-entrant) until the text is written back, as no other thread may swap descriptor 2
+        ok = False
         try:
-            with _descriptor_2_caught(caught):
+            with _descriptor_2_caught(caught, cache_off=known is None):
                 yield log
+            ok = True
         finally:
-            if caught[0]:
-                os.write(2, caught[0])
-            log.text = caught[0].decode(errors="replace")
+            text = caught[0].decode(errors="replace")
+            xla = split_xla_lines(text)[0]
+            if ok and known is not None and not xla:
+                text += known            # loaded from the cache: XLA's lines of when it was compiled
+            elif ok and (xla or known is None):
+                _keep_record(record, "".join(line + "\n" for line in xla))
+            if text:
+                os.write(2, text.encode())
+            log.text = text
 
 
 # a line of XLA's C++ log (absl/glog format: severity, date, time, thread, file:line]) or absl's preamble
@@ -151,7 +205,7 @@ def quiet_compiles(what: str = "candidate compiles", log_dir: str | None = None)
     in the block; XLA's lines are then kept in a file (in `log_dir`, default the temporary directory) and
     summarised in one line on stderr, while every other line written there goes back to stderr unchanged.
     Nested `capture_log` blocks still read XLA's text, so each verified plan keeps its own count
-    (`ShardedStep.rematerializations`)."""
+    (`ShardedStep.rematerializations`); other programs loaded from JAX's persistent cache log nothing here."""
     out, caught = QuietLog(what), []
     with _LOCK:     # (re-entrant) until the lines are written back, as in `capture_log`
         try:

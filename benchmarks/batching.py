@@ -121,25 +121,65 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
     return runs
 
 
+def _flops_per(cfg) -> tuple[float, float]:
+    """Estimated forward FLOPs per token slot and per attention score entry computed."""
+    from cfp.costs import ModelCost
+    cost = ModelCost(cfg)
+    return (cfg.num_layers * cost.layer_token_flops(1) + cost.head_dot_flops(1) / cfg.seq_len,
+            cfg.num_layers * cfg.num_heads * 4 * cfg.head_dim)
+
+
+def _mb_work(lengths, packed: bool, per: tuple[float, float]) -> tuple[float, int, int]:
+    """(estimated FLOPs, real slots, padded slots) of one micro-batch of sequences of `lengths` as laid out."""
+    from cfp.data.breakdown import compute_parts
+    p = compute_parts(list(lengths), packed)
+    return (per[0] * (p["real_slots"] + p["pad_slots"]) + per[1] * (p["own"] + p["cross"] + p["pad_entries"]),
+            p["real_slots"], p["pad_slots"])
+
+
 def _work(cfg, run: Run, data) -> float:
     """Estimated forward FLOPs of what the run computed (token slots and attention score entries, padding and
     masked entries included), per real token."""
-    from cfp.costs import ModelCost
     from cfp.data.batching import Packing
-    from cfp.data.breakdown import compute_parts
-    cost = ModelCost(cfg)
-    per_slot = cfg.num_layers * cost.layer_token_flops(1) + cost.head_dot_flops(1) / cfg.seq_len
-    per_entry = cfg.num_layers * cfg.num_heads * 4 * cfg.head_dim
-    packed = run.method.packing is not Packing.PAD
+    per, packed = _flops_per(cfg), run.method.packing is not Packing.PAD
     flops = 0.0
     for rec in run.records:
         lengths = data.lengths[list(rec.sequences)]
-        for mbs in rec.plan:
-            for mb in mbs:
-                p = compute_parts(lengths[list(mb)].tolist(), packed)
-                flops += per_slot * (p["real_slots"] + p["pad_slots"]) + per_entry * (
-                    p["own"] + p["cross"] + p["pad_entries"])
+        flops += sum(_mb_work(lengths[list(mb)].tolist(), packed, per)[0] for mbs in rec.plan for mb in mbs)
     return flops / run.real
+
+
+def work_bound(args) -> None:
+    """--work-bound: per corpus and row cap, the padding (every padded slot computed) and the estimated work per
+    real token of methods 0 and 4 on one pipeline whose micro-batches hold up to the cap's token slots, the
+    balanced packing priced by FLOPs; steps drawn as `cfp data train` draws them. Nothing is trained and no fit
+    is needed: the most method 4 can gain over method 0 from what it leaves uncomputed."""
+    import numpy as np
+
+    from cfp.data import train
+    from cfp.data.batching import assign_step, get_method
+    from cfp.data.schemes import CostForm, Scheme
+    from cfp.models import get_config
+    seed = train.DataTrainOptions(args.model, train.METHODS[0], 1, 1).seed
+    print("| corpus | rows up to | padding m0 | padding m4 | work m0/m4 (estimated) |\n|---|---|---|---|---|")
+    for corpus in args.corpora.split(","):
+        whole = _load(corpus, None)
+        for cap in (int(c) for c in args.work_bound.split(",")):
+            cfg = get_config(args.model, args.config, seq_len=cap)
+            per = _flops_per(cfg)
+            data = dataclasses.replace(whole, tokens=tuple(t[:cap + 1] for t in whole.tokens))   # as cut at cap
+            scheme = Scheme(1, 1, 1, per[1], per[0], 0.0, cap, CostForm.ROWS)
+            totals = {}
+            for number in (0, 4):
+                method, work = get_method(number), np.zeros(3)
+                for step in range(args.steps):
+                    lengths = data.lengths[train.step_sequences(data, step, seed, args.tokens_per_step)]
+                    for mb in assign_step(method, [scheme], lengths)[0]:
+                        work += _mb_work(lengths[mb].tolist(), number != 0, per)
+                totals[number] = work
+            pad = {k: f"{100 * w[2] / (w[1] + w[2]):.1f}%" for k, w in totals.items()}
+            ratio = (totals[0][0] / totals[0][1]) / (totals[4][0] / totals[4][1])
+            print(f"| {corpus} | {cap} | {pad[0]} | {pad[4]} | {ratio:.2f}x |")
 
 
 def _step_all(runs, corpora, step):
@@ -206,10 +246,22 @@ def main() -> None:
     ap.add_argument("--no-proposed", dest="proposed", action="store_false",
                     help="leave out method 4 on the proposed mix")
     ap.add_argument("--quick", action="store_true", help="CI size: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    ap.add_argument("--work-bound", metavar="CAPS", default=None,
+                    help="only estimate, for row caps such as 1024,2048,4096, the padding and work of methods 0 and "
+                         "4 over --steps steps of --tokens-per-step (no training)")
     args = ap.parse_args()
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
+    if args.work_bound is not None:
+        try:
+            caps = [int(c) for c in args.work_bound.split(",")]
+        except ValueError:
+            caps = []
+        from cfp.data.rows import WIDTHS
+        if not caps or any(c not in WIDTHS for c in caps):
+            ap.error(f"--work-bound {args.work_bound!r} must be row widths such as 512,1024,2048,4096")
+        return work_bound(args)
 
     import jax
 

@@ -207,6 +207,9 @@ INLINE: dict[str, Run | Skip] = {
         _TEMPLATE.format("S: gpipe, 1f1b, interleaved:2, zb-h1, zb-v") + "; tests/test_virtual_stages.py runs each "
         "schedule against one device and the generated tables through run_training"),
     "benchmarks/batching.py --quick": Run("batching", (("benchmarks/", "python benchmarks/"),)),
+    "benchmarks/batching.py --work-bound 512,1024,2048,4096 --steps 8 --tokens-per-step 16384": Run(
+        "batching", (("benchmarks/", "python benchmarks/"),
+                     ("512,1024,2048,4096 --steps 8 --tokens-per-step 16384", "256,512 --steps 2 --tokens-per-step 1024"))),
     "cfp plan is the fsdp sharding ...: same sharding, no ratio": Skip(_OUTPUT),
     "cfp plan vs the best other baseline within the budget (fsdp): 1.11x": Skip(_OUTPUT),
     "cfp plan --cluster examples/clusters/local.yaml --model moe --num-layers 4 --out m.json": Run(

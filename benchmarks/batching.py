@@ -149,7 +149,7 @@ def _work(cfg, run: Run, data) -> float:
     return flops / run.real
 
 
-def work_bound(args) -> None:
+def work_bound(args, caps: list[int]) -> None:
     """--work-bound: per corpus and row cap, the padding (every padded slot computed) and the estimated work per
     real token of methods 0 and 4 on one pipeline whose micro-batches hold up to the cap's token slots, the
     balanced packing priced by FLOPs; steps drawn as `cfp data train` draws them. Nothing is trained and no fit
@@ -164,7 +164,7 @@ def work_bound(args) -> None:
     print("| corpus | rows up to | padding m0 | padding m4 | work m0/m4 (estimated) |\n|---|---|---|---|---|")
     for corpus in args.corpora.split(","):
         whole = _load(corpus, None)
-        for cap in (int(c) for c in args.work_bound.split(",")):
+        for cap in caps:
             cfg = get_config(args.model, args.config, seq_len=cap)
             per = _flops_per(cfg)
             data = dataclasses.replace(whole, tokens=tuple(t[:cap + 1] for t in whole.tokens))   # as cut at cap
@@ -261,7 +261,7 @@ def main() -> None:
         from cfp.data.rows import WIDTHS
         if not caps or any(c not in WIDTHS for c in caps):
             ap.error(f"--work-bound {args.work_bound!r} must be row widths such as 512,1024,2048,4096")
-        return work_bound(args)
+        return work_bound(args, caps)
 
     import jax
 

@@ -16,7 +16,7 @@ from cfp.search.options import SearchOptions
 from cfp.search.search import VerifiedChoice, _best_fitting
 from cfp.sharding.reshard import all_layouts, direct_ok, reshard_path, reshard_steps
 from cfp.sharding.specs import partition_spec
-from cfp.xla.log import capture_log, involuntary_rematerializations, program_key, quiet_compiles
+from cfp.xla.log import capture_log, involuntary_rematerializations, quiet_compiles
 
 MESH = MeshSpec.parse("2x4")          # axis 0 of size 2, axis 1 of size 4
 
@@ -32,7 +32,7 @@ def partitioner(request):
 
 def _compile_moves(src, path, shape=(16, 16), capture=True, keyed=False):
     """Compile x -> constrained to `src` -> each layout of `path` in turn; (rematerializations, compiled);
-    `keyed`: the capture is given the program's key (as `ShardedStep.compile` gives it)."""
+    `keyed`: the capture is given the program (as `ShardedStep.compile` gives it)."""
     mesh = MESH.make()
     names = MESH.axis_names
 
@@ -47,8 +47,7 @@ def _compile_moves(src, path, shape=(16, 16), capture=True, keyed=False):
 
     fn = jax.jit(f, in_shardings=sharding(src), out_shardings=sharding(path[-1]))
     lowered = fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32))
-    key = program_key(lowered) if keyed else None
-    with capture_log(key) if capture else contextlib.nullcontext() as log:
+    with capture_log(lowered if keyed else None) if capture else contextlib.nullcontext() as log:
         compiled = lowered.compile()
     return log.rematerializations if capture else None, compiled
 

@@ -15,7 +15,7 @@ from cfp.mesh import MeshSpec
 from cfp.sharding.constraints import ConstraintHooks
 from cfp.sharding.specs import StepShardings, resolve
 from cfp.xla.hlo import Collective, parse_collectives
-from cfp.xla.log import Rematerialization, capture_log, program_key
+from cfp.xla.log import Rematerialization, capture_log
 
 
 class ShardedStep:
@@ -59,7 +59,7 @@ class ShardedStep:
     def compile(self, *args):
         if self._compiled is None:
             lowered = self.lower(*args)
-            with capture_log(program_key(lowered)) as log:
+            with capture_log(lowered) as log:
                 self._compiled = lowered.compile()
             self._remats = log.rematerializations
         return self._compiled

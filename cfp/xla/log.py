@@ -9,7 +9,7 @@ points descriptor 2 at a temporary file around a compile and then writes everyth
 nothing is hidden, and cfp can read what XLA said about the program it just compiled. Around the many
 candidate compiles of a search, `quiet_compiles` keeps XLA's lines in a file and prints one summary line.
 A program loaded from JAX's persistent compilation cache is not compiled, so XLA says nothing about it: given
-the program's `program_key`, `capture_log` keeps what XLA logged compiling it beside that cache and reads it back
+the program, `capture_log` keeps what XLA logged compiling it beside that cache and reads it back
 when the program is loaded; a program it has no such record of is compiled with the cache off, so its log is seen.
 """
 from __future__ import annotations
@@ -99,19 +99,22 @@ def program_key(lowered) -> str:
     return h.hexdigest()
 
 
-def _record_path(key: str | None) -> str | None:
-    """Where XLA's log of the program `key` is kept: beside JAX's persistent cache when it is on (and local)."""
+def _record_path(lowered) -> str | None:
+    """Where XLA's log of compiling `lowered` is kept: beside JAX's persistent cache when it is on (and local);
+    the program's key is computed only then."""
     root = jax.config.jax_compilation_cache_dir
-    if key is None or not jax.config.jax_enable_compilation_cache or not root or "://" in root:
+    if lowered is None or not jax.config.jax_enable_compilation_cache or not root or "://" in root:
         return None
-    return os.path.join(root, "cfp-xla-logs", f"{key}.log")
+    return os.path.join(root, "cfp-xla-logs", f"{program_key(lowered)}.log")
 
 
 def _read_record(path: str | None) -> str | None:
+    if path is None:
+        return None
     try:
         with open(path) as f:
             return f.read()
-    except (OSError, TypeError):
+    except OSError:
         return None
 
 
@@ -142,15 +145,16 @@ def _descriptor_2_caught(caught: list[bytes], cache_off: bool = False) -> Iterat
 
 
 @contextlib.contextmanager
-def capture_log(key: str | None = None) -> Iterator[XlaLog]:
+def capture_log(lowered=None) -> Iterator[XlaLog]:
     """Catch what is written to descriptor 2 inside the block (XLA's log), then write it back to stderr.
 
-    `key`: the `program_key` of the program compiled in the block. With JAX's persistent cache on, XLA's lines
-    of a program compiled here are kept under the key; a program recorded so may be loaded from the cache, and
-    when XLA says nothing the recorded lines stand for what it said compiling it (written back like them). A
-    program not recorded is compiled with the cache off. Without `key` the cache is off in the block."""
+    `lowered`: the `jax.stages.Lowered` program compiled in the block. With JAX's persistent cache on, XLA's
+    lines of a program compiled here are kept under its `program_key`; a program recorded so may be loaded from
+    the cache, and when XLA says nothing the recorded lines stand for what it said compiling it (written back
+    like them). A program not recorded is compiled with the cache off. Without `lowered` the cache is off in
+    the block."""
     log, caught = XlaLog(), []
-    record = _record_path(key)
+    record = _record_path(lowered)
     known = _read_record(record)
     with _LOCK:     # (re-entrant) until the text is written back, as no other thread may swap descriptor 2
         ok = False

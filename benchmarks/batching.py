@@ -6,7 +6,8 @@ Python standard library split into top-level definitions (long-tailed source cod
 (English prose, mostly short), both on any Python install. Per corpus the runs are: methods 0 and 1 on the
 best single-scheme mix the fits find, method 3 with the per-step mix choice, method 4 on the
 mix `cfp data propose` finds and with the per-step choice. The per-step candidates are `--mixes`
-(Hydraulis' notation) plus the single-scheme mix of method 0, so the choice can always fall back on it.
+(Hydraulis' notation) plus the single-scheme mix of method 0 and the proposed mix, so the choice can always
+fall back on either.
 
 Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change in
 machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is kept out
@@ -17,13 +18,14 @@ its per-step spread, the ratio of work (estimated FLOPs of what ran, per real to
 time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated / measured span of
 every pipeline in every step. Usage:
 
-    python benchmarks/batching.py [--steps 4] [--tokens-per-step 8192] [--max-seq-len 1024]
+    python benchmarks/batching.py [--steps 6] [--tokens-per-step 8192] [--max-seq-len 1024]
     python benchmarks/batching.py --quick        # CI size: 2 steps of 1024 tokens, rows of 128, methods 0 and 4
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -34,7 +36,13 @@ from cfp.cli.common import ensure_host_devices, patient_collectives  # noqa: E40
 ensure_host_devices(8)
 patient_collectives()
 
-HYDRAULIS = "[[(1,2,2),(2,1,1),(1,2,1)], [(1,4,2)]]"
+# per-step candidates on 8 CPU devices: under the 48 MiB budget (1,1,1) holds rows up to 512 tokens and (1,1,2)
+# up to 1024, so each pairs pipelines of the cheapest scheme for short sequences with some for long ones
+CPU_MIXES = ("[[(1,1,2),(1,1,1),(1,1,1),(1,1,1),(1,1,1),(1,1,1),(1,1,1)], "
+             "[(1,1,2),(1,1,2),(1,1,1),(1,1,1),(1,1,1),(1,1,1)], [" + ",".join(["(1,1,1)"] * 8) + "]]")
+# Linux's default vm.max_map_count; every compiled program maps memory, and the default runs compile enough
+# programs (schemes x row shapes x devices) to pass it, where LLVM fails to allocate and the process crashes
+DEFAULT_MAP_COUNT = 65530
 CORPORA = "stdlib:definition,stdlib:docstring"
 QUICK = {"steps": 2, "tokens_per_step": 1024, "max_seq_len": 128, "methods": "0,4", "proposed": False,
          "mixes": "[[(1,2,1),(1,2,1)], [(1,4,1)]]", "uniform": "[(1,4,1)]"}
@@ -106,10 +114,14 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
         sets = []
         if not method.heterogeneous:
             sets.append(("uniform", [uniform]))
-        if number == 4 and args.proposed:
-            sets.append(("proposed", [train.propose(space, data.lengths, n, args.tokens_per_step).pipelines()]))
-        if method.heterogeneous:
-            sets.append(("per step", given + ([] if uniform in given else [uniform])))
+        proposed = (train.propose(space, data.lengths, n, args.tokens_per_step).pipelines()
+                    if method.heterogeneous and args.proposed else None)
+        if number == 4 and proposed:
+            sets.append(("proposed", [proposed]))
+        if method.heterogeneous:   # the choice can always fall back on the fixed mix and on the proposal
+            cands = list(given)
+            cands += [m for m in (uniform, proposed) if m and m not in cands]
+            sets.append(("per step", cands))
         for label, cands in sets:
             opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step,
                                           parallel_pipelines=space.parallel_pipelines)
@@ -187,6 +199,9 @@ def _step_all(runs, corpora, step):
     always the first (in a fixed order, method 1 ran 1.3-1.4x method 0 at equal work on a loaded host)."""
     from cfp.data import train
     for r in (runs if step % 2 == 0 else runs[::-1]):
+        # a full collection of a process holding hundreds of compiled programs takes up to 0.7 s here; left to
+        # chance it lands in whichever run allocates past the threshold, at the same steps in every run
+        gc.collect()
         st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step)
         r.records.append(rec)
         print(f"  step {step + 1} {r.corpus} method {r.method.number} {r.label}: "
@@ -229,18 +244,32 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
         print("| " + " | ".join(row) + " |")
 
 
+def _warn_map_count(args) -> None:
+    """A full-size run passes Linux's default limit on mapped memory areas; say so before it crashes there."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return
+    if limit <= DEFAULT_MAP_COUNT and not args.quick:
+        print(f"warning: vm.max_map_count is {limit}: a run of this size can pass it (LLVM then reports 'Cannot "
+              "allocate memory' and the process crashes); raise it with `sysctl -w vm.max_map_count=1048576`",
+              file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama2")
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--corpora", default=CORPORA, help=f"INPUT[:UNIT],... (default {CORPORA})")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--tokens-per-step", type=int, default=8192)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--memory-mb", type=float, default=48.0)
     ap.add_argument("--schemes", default="parallel_scheme_space.json")
     ap.add_argument("--methods", default="0,1,3,4")
-    ap.add_argument("--mixes", default=HYDRAULIS, help="per-step candidates of methods 3 and 4")
+    ap.add_argument("--mixes", default=CPU_MIXES, help="per-step candidates of methods 3 and 4 (Hydraulis' "
+                    "notation; default: three mixes of (1,1,2) and (1,1,1) pipelines)")
     ap.add_argument("--uniform", default=None,
                     help="the mix of methods 0 and 1 (default: the best single-scheme one the fits find)")
     ap.add_argument("--no-proposed", dest="proposed", action="store_false",
@@ -272,6 +301,7 @@ def main() -> None:
     from cfp.runtime.stage.cache import CompileCache
 
     t0 = time.perf_counter()
+    _warn_map_count(args)
     print(f"host load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     cfg = get_config(args.model, args.config, seq_len=args.max_seq_len)
     params = init_params(args.model, cfg, 0)

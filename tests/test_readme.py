@@ -198,10 +198,13 @@ INLINE: dict[str, Run | Skip] = {
     "cfp plan --stage-times <checkpoint-dir>/stage_plans": Skip(_TEMPLATE.format("<checkpoint-dir>")),
     "benchmarks/planner_optimality.py --first 200 --seeds 300": Run(
         "planner_optimality", (("benchmarks/", "python benchmarks/"), ("--seeds 300", "--seeds 2"))),
-    'benchmarks/batching.py --steps 3 --tokens-per-step 2048 --max-seq-len 256 --no-proposed --mixes '
-    '"[[(1,2,1),(1,2,1)], [(1,4,1)]]" --uniform "[(1,4,1)]"': Skip(
-        "the benchmark of the README's table (14 min on a loaded 2-core host, most of it compiling); its "
-        "CI-sized form, `benchmarks/batching.py --quick`, runs"),
+    "benchmarks/batching.py --steps 6 --tokens-per-step 8192 --max-seq-len 1024": Skip(
+        "the benchmark of docs/benchmarks.md's table (5.5 min on an idle 2-core host with its fits, more compiling "
+        "on a fresh cache); its CI-sized form, `benchmarks/batching.py --quick`, runs"),
+    "cfp data propose": Skip(_NAME),
+    "cfp data schemes --model llama2 --max-seq-len 1024": Skip(
+        "measures ten schemes' fits (2 min 36 s on an idle 2-core host); `cfp data schemes` runs above, shrunk to "
+        "the cost model's estimate, and its measured path is tests/test_data_train.py's"),
     'cfp train --model llama2 --num-layers 8 --hetero-configs "[[1,1,1,1]]" --layer-partitions "[[3,2,2,1]]" '
     '--global-batch-size 16 --chunks 8 --schedule S --steps 2 --verify --timeline-dir tl': Skip(
         _TEMPLATE.format("S: gpipe, 1f1b, interleaved:2, zb-h1, zb-v") + "; tests/test_virtual_stages.py runs each "

@@ -58,6 +58,7 @@ class Run:
     trainer: object
     layouts: list
     records: list = dataclasses.field(default_factory=list)
+    factors: dict = dataclasses.field(default_factory=dict)   # `cfp.data.rescale`, as `cfp data train`
 
     @property
     def real(self) -> int:
@@ -124,7 +125,7 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
             sets.append(("per step", cands))
         for label, cands in sets:
             opts = train.DataTrainOptions(args.model, method, args.steps, args.tokens_per_step,
-                                          parallel_pipelines=space.parallel_pipelines)
+                                          parallel_pipelines=space.parallel_pipelines, recalibrate=args.recalibrate)
             layouts = [train.layout_of(c, cfg.num_layers, n) for c in cands]
             trainer = HeteroTrainer(cache.model, None, layouts[0], opts.schedule, cache=cache).init()
             runs.append(Run(corpus, label, method, cands, opts, trainer, layouts))
@@ -198,12 +199,15 @@ def _step_all(runs, corpora, step):
     """Step `step` of every run, in the runs' order on even steps and reversed on odd ones (ABBA), so no run is
     always the first (in a fixed order, method 1 ran 1.3-1.4x method 0 at equal work on a loaded host)."""
     from cfp.data import train
+    from cfp.data.rescale import updated
     for r in (runs if step % 2 == 0 else runs[::-1]):
         # a full collection of a process holding hundreds of compiled programs takes up to 0.7 s here; left to
         # chance it lands in whichever run allocates past the threshold, at the same steps in every run
         gc.collect()
-        st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step)
+        st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step, r.factors)
         r.records.append(rec)
+        if r.opts.recalibrate:
+            r.factors = updated(r.factors, r.candidates[rec.mix], rec.pipelines)
         print(f"  step {step + 1} {r.corpus} method {r.method.number} {r.label}: "
               f"{train.describe(r.candidates[rec.mix])}, {rec.real_tokens} tokens, {rec.micro_batches} "
               f"micro-batches, {rec.seconds:.2f} s, loss {rec.loss:.4f}")
@@ -274,6 +278,8 @@ def main() -> None:
                     help="the mix of methods 0 and 1 (default: the best single-scheme one the fits find)")
     ap.add_argument("--no-proposed", dest="proposed", action="store_false",
                     help="leave out method 4 on the proposed mix")
+    ap.add_argument("--no-recalibrate", dest="recalibrate", action="store_false",
+                    help="price every step with the fits as measured (as `cfp data train --no-recalibrate`)")
     ap.add_argument("--quick", action="store_true", help="CI size: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     ap.add_argument("--work-bound", metavar="CAPS", default=None,
                     help="only estimate, for row caps such as 1024,2048,4096, the padding and work of methods 0 and "

@@ -92,6 +92,7 @@ def test_run_matches_sequence_by_sequence_reference(method, candidates):
     trainer.load_state(layered, trainer.tx.init(layered), 0)
     res = run(opts, data, trainer, cands, log=None)
     assert [r.mix for r in res.steps] == ([0, 0, 0] if len(cands) == 1 else [1, 0, 1])
+    _check_priced_with_learned_factors(opts, data, cands, res)
     ref_losses, ref_params = _reference(cfg, params, data, 3, opts.seed, opts.tokens_per_step)
     ref_params, params = zoo_params(ref_params, cfg.num_layers), layered
     np.testing.assert_allclose(res.losses, ref_losses, rtol=1e-5)
@@ -104,6 +105,20 @@ def test_run_matches_sequence_by_sequence_reference(method, candidates):
         assert ok and err <= 1e-4
         err, ok = verify_run(opts, data, cfg, (params, optax.adamw(LR, weight_decay=WD).init(params)), res, params)
         assert not ok
+
+
+def _check_priced_with_learned_factors(opts, data, cands, res) -> None:
+    """Every step's estimates are the fits scaled by the factors the steps before it measured
+    (`cfp.data.rescale`, rebuilt here from the records); the factors have moved off 1 (this test's fits are
+    made up, far from the measured times), so a run that priced with the raw fits fails this."""
+    from cfp.data.rescale import scaled, updated
+    from cfp.data.train import plan_step, step_sequences
+    factors: dict = {}
+    for step, rec in enumerate(res.steps):
+        lengths = data.lengths[step_sequences(data, step, opts.seed, opts.tokens_per_step)]
+        assert rec.estimates == pytest.approx(plan_step(opts, scaled(cands, factors), lengths)[2], rel=1e-12)
+        factors = updated(factors, cands[rec.mix], rec.pipelines)
+    assert factors and all(abs(f - 1) > 0.1 for f in factors.values()), factors
 
 
 def _compiled_mib(cfg, params, s: int) -> float:

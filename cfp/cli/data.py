@@ -110,6 +110,9 @@ def _train_parser(sub) -> None:
                    help="memory budget per device when measuring (MiB)")
     t.add_argument("--ilp-max-sequences", type=common.non_negative_int, default=0,
                    help="steps with at most this many sequences also try the dispatch ILP (HiGHS, 0.5 s limit)")
+    t.add_argument("--no-recalibrate", dest="recalibrate", action="store_false",
+                   help="price every step with the fits as measured (default: each scheme's fits rescaled by its "
+                        "pipelines' measured spans in the steps before)")
     common.add_schedule(t)
     common.add_optimizer(t)
     common.add_seed(t)
@@ -243,7 +246,7 @@ def run_train(args) -> int:
                                   tokens_per_step=args.tokens_per_step, learning_rate=args.lr, seed=args.seed,
                                   ilp_max_sequences=args.ilp_max_sequences, weight_decay=args.weight_decay,
                                   schedule=ScheduleSpec.parse(args.schedule),
-                                  parallel_pipelines=parallel)
+                                  parallel_pipelines=parallel, recalibrate=args.recalibrate)
     layout0 = train.layout_of(candidates[0], cfg.num_layers, jax.device_count())
     trainer = zoo_trainer(args.model, cfg, layout0, opts.schedule, learning_rate=args.lr,
                           weight_decay=args.weight_decay, seed=args.seed).init()

@@ -6,7 +6,8 @@ sequences (shuffled, seeded by (seed, step)) until `tokens_per_step` real tokens
 mix assigns them with the batching method (cfp.data.batching: dispatch to pipelines, then packing into
 micro-batches); the step runs the candidate whose fitted pipeline times (micro-batch costs + (pp-1) x the
 slowest micro-batch, the bubble of GPipe and 1F1B alike) rate fastest -- Hydraulis' dynamic mixes -- on
-`cfp.runtime.engine.HeteroTrainer`, switching its layout when the choice changes.
+`cfp.runtime.engine.HeteroTrainer`, switching its layout when the choice changes. Each scheme's fits are
+rescaled by the measured spans of its pipelines in the steps before (`cfp.data.rescale`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 from cfp.data.batching import METHODS, Method, Packing, assign_step, materialize
 from cfp.data.breakdown import (PARTS, PipelineTime, format_pipeline, format_summary, step_breakdown,
                                 step_summary)
+from cfp.data.rescale import scaled, updated
 from cfp.data.dispatch import shared_spans
 from cfp.data.packing import pipeline_time
 from cfp.data.propose import SchemeMix, propose
@@ -45,6 +47,7 @@ class DataTrainOptions:
     weight_decay: float = 0.01
     schedule: "ScheduleName | ScheduleSpec" = ScheduleName.ONE_F_ONE_B   # interleaved:V: a ScheduleSpec
     parallel_pipelines: float | None = None     # `SchemeSpace.parallel_pipelines` of the fits
+    recalibrate: bool = True    # scale each scheme's fits by its pipelines' measured spans (`cfp.data.rescale`)
 
     def __post_init__(self):
         if self.method not in METHODS.values():
@@ -218,14 +221,15 @@ def plan_step(opts: DataTrainOptions, candidates: Sequence[Sequence[Scheme]], le
     return k, plans[k], tuple(est), per_pipe[k]
 
 
-def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, layouts, step: int):
-    """Draw, plan, arrange and run one step; (StepStats, StepRecord). The host's share (drawing, assignment,
-    arranging rows, switching the mix) is timed with the step; compiling new shapes (`trainer.warm`) and
-    moving into the run's first mix (step 0) are not."""
+def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, layouts, step: int,
+               factors: Optional[dict] = None):
+    """Draw, plan, arrange and run one step; (StepStats, StepRecord). ``factors``: per scheme, its fits' scale
+    (`cfp.data.rescale`). The host's share (drawing, assignment, arranging rows, switching the mix) is timed
+    with the step; compiling new shapes (`trainer.warm`) and moving into the run's first mix (step 0) are not."""
     t0 = time.perf_counter()
     ids = step_sequences(data, step, opts.seed, opts.tokens_per_step)
     lengths = data.lengths[ids]
-    k, plan, est, per_pipe = plan_step(opts, candidates, lengths)
+    k, plan, est, per_pipe = plan_step(opts, scaled(candidates, factors or {}), lengths)
     pipes = candidates[k]
     packed = opts.method.packing is not Packing.PAD
     mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed) for mb in pl] for pl in plan]
@@ -245,16 +249,20 @@ def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, lay
 
 def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[Sequence[Scheme]],
         log: Optional[Callable[[str], None]] = print, verbose: bool = False) -> DataTrainResult:
-    """Train `opts.steps` steps, each on the fastest-rated candidate mix; `log` one line per step with
-    where its time went (`verbose`: one more per pipeline)."""
+    """Train `opts.steps` steps, each on the candidate mix rated fastest (fits rescaled by the steps before
+    with `opts.recalibrate`); `log` one line per step with where its time went (`verbose`: one more per
+    pipeline)."""
     n_dev = len(trainer.devices)
     layouts = [layout_of(p, trainer.model.num_layers, n_dev) for p in candidates]
     trainer.set_schedule(opts.schedule)
     losses, records, real, slots, secs, comp = [], [], 0, 0, 0.0, 0.0
+    factors: dict = {}
     for step in range(opts.steps):
         c0 = trainer.warm_s
-        st, rec = train_step(opts, data, trainer, candidates, layouts, step)
+        st, rec = train_step(opts, data, trainer, candidates, layouts, step, factors)
         comp += trainer.warm_s - c0
+        if opts.recalibrate:
+            factors = updated(factors, candidates[rec.mix], rec.pipelines)
         losses.append(st.loss)
         records.append(rec)
         real, slots, secs = real + rec.real_tokens, slots + rec.slots, secs + rec.seconds

@@ -11,9 +11,10 @@ fall back on either.
 
 Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change in
 machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is kept out
-of the timed step (`HeteroTrainer.warm`). Every run of a corpus trains the same sequences at every step, so their
-losses must agree (checked and printed). Printed per run (measured unless said otherwise): non-pad tokens/s over
-the steps (host assignment and layout included), padding (every padded slot computed), the ratio to method 0 with
+of the timed step (`HeteroTrainer.warm`), as is the first move into each candidate mix (done before the steps).
+Every run of a corpus trains the same sequences at every step, so their losses must agree (checked and printed).
+Printed per run (measured unless said otherwise): non-pad tokens/s over the steps (host assignment and layout
+included), padding (every padded slot computed), the ratio to method 0 with
 its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where the
 time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated / measured span of
 every pipeline in every step. Usage:
@@ -128,6 +129,10 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
                                           parallel_pipelines=space.parallel_pipelines, recalibrate=args.recalibrate)
             layouts = [train.layout_of(c, cfg.num_layers, n) for c in cands]
             trainer = HeteroTrainer(cache.model, None, layouts[0], opts.schedule, cache=cache).init()
+            for layout in layouts[1:] + layouts[:1]:
+                # the first move into a mix builds its stages (measured: 1.5-3.6 s, one step's time several
+                # times over); done here, like compiling, so that the timed steps pay what switching costs after
+                trainer.set_layout(layout)
             runs.append(Run(corpus, label, method, cands, opts, trainer, layouts))
             print(f"{corpus}: method {number} ({method.name}), {label}: "
                   + " | ".join(train.describe(c) for c in cands))

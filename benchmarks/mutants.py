@@ -503,6 +503,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if t.estimated_span > 0:\n",
            ("tests/test_data_rescale.py",),
            "a pipeline that computed nothing (span 0) drags its scheme's factor toward the lower bound"),
+    Mutant("warm-keyed-by-stages", "runtime", "cfp/runtime/engine.py",
+           "                key = (self.run_layout, p, str(jax.tree_util.tree_structure(mb)),\n",
+           "                key = (self.run_layout.pipelines[p].stages, str(jax.tree_util.tree_structure(mb)),\n",
+           ("tests/test_data_switch.py::test_warm_leaves_nothing_to_compile_after_a_switch_into_stages_warmed_elsewhere",),
+           "shapes warmed under one layout count as warmed in another with the same stages: its step compiles"),
     # ---- issue 27: the activations a schedule keeps
     Mutant("executor-keeps-forward-inputs", "runtime", "cfp/runtime/executor.py",
            "        x = self.saved.pop((key, m))\n",

@@ -139,3 +139,32 @@ def test_switch_is_exact_and_switching_back_changes_nothing(setup):
     assert _rel(other.state()[0], plain.state()[0]) <= 1e-4     # one step's params: measured 1.3e-5 normwise
     assert all(np.isfinite(v) for vs in losses.values() for v in vs)
     assert _rel(plain.state()[0], params) > 1e-2               # training did change the parameters
+
+
+def test_warm_leaves_nothing_to_compile_after_a_switch_into_stages_warmed_elsewhere(setup):
+    """Mix C's first pipeline is mix A's first, stage for stage: its shapes were warmed under A, but under C its
+    gradients sync with other pipelines. `warm` must still leave C's step nothing to trace or compile (it once
+    keyed warmed shapes by the pipeline's stages alone: a step on C then compiled its sync, 3-4 s timed)."""
+    cfg, params, trainer = setup
+    seqs = _seqs()
+    groups = [[[0, 1], [2]], [[3]], [[4, 5]]]
+    c_mix = [(1, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1)]
+    tr = trainer(A)
+    tr.load_state(params, tr.tx.init(params), 0)
+    mbs = _packed(seqs, groups)
+    tr.warm(mbs)
+    tr.step(mbs)
+    tr.set_layout(Layout.from_schemes(c_mix, cfg.num_layers))
+    assert tr.layout.pipelines[0].stages == trainer(A).layout.pipelines[0].stages   # the premise
+    mbs = _packed(seqs, [[[0, 1], [2]], [[3]], [[4]], [[5]], [[6]]])
+    tr.warm(mbs)
+    events, recording = [], [False]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name) if recording[0] else None)
+    recording[0] = True
+    try:
+        tr.step(mbs)
+    finally:
+        recording[0] = False
+    compiled = [e for e in events if e.startswith("/jax/core/compile/")]
+    assert not compiled, compiled

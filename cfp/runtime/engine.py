@@ -383,7 +383,9 @@ class HeteroTrainer:
         for p, pipe_mbs in enumerate(mbs):
             for mb in pipe_mbs:
                 sig = jax.tree_util.tree_map(np.shape, mb)
-                key = (self.run_layout.pipelines[p].stages, str(jax.tree_util.tree_structure(mb)),
+                # keyed by the layout, not the pipeline's stages: the same stages in another layout sync their
+                # gradients with other pipelines, programs of their own (measured: a step compiling them, 3-4 s)
+                key = (self.run_layout, p, str(jax.tree_util.tree_structure(mb)),
                        tuple(jax.tree_util.tree_leaves(sig)))
                 if key not in self._warmed:
                     self._warmed.add(key)

@@ -202,9 +202,6 @@ INLINE: dict[str, Run | Skip] = {
         "the benchmark of docs/benchmarks.md's table (5.5 min on an idle 2-core host with its fits, more compiling "
         "on a fresh cache); its CI-sized form, `benchmarks/batching.py --quick`, runs"),
     "cfp data propose": Skip(_NAME),
-    'cfp data train --input stdlib --unit docstring --mixes "[[(1,1,2),(1,1,1),(1,1,1),(1,1,1),(1,1,1),(1,1,1),'
-    '(1,1,1)]]"': Skip("a probe on the benchmark's measured fits and 1024-token rows (a minute of compiling here); "
-                       "`cfp data train --mixes` runs shrunk in the `data` and `data_mixes` groups above"),
     "cfp data schemes --model llama2 --max-seq-len 1024": Skip(
         "measures ten schemes' fits (2 min 36 s on an idle 2-core host); `cfp data schemes` runs above, shrunk to "
         "the cost model's estimate, and its measured path is tests/test_data_train.py's"),

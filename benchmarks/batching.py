@@ -84,7 +84,7 @@ def _space(args, cfg, params, shapes):
         named_only = args.uniform and not args.proposed
         space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
                               shapes=shapes if named_only else None)
-    missing = [s for s in shapes if s not in {(x.cp, x.tp, x.pp) for x in space.schemes}]
+    missing = [s for s in shapes if s not in {x.shape for x in space.schemes}]
     if missing:
         more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
                              shapes=missing, parallelism=False)
@@ -110,14 +110,15 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
     given = train.with_fits(train.parse_mixes(args.mixes), space)
     uniform = (train.with_fits(train.parse_mixes(args.uniform), space)[0] if args.uniform else
                train.uniform_mix(space, data.lengths, n, args.tokens_per_step).pipelines())
+    methods = [get_method(int(m)) for m in args.methods.split(",")]
+    proposed = (train.propose(space, data.lengths, n, args.tokens_per_step).pipelines()
+                if args.proposed and any(m.heterogeneous for m in methods) else None)
     runs = []
-    for number in (int(m) for m in args.methods.split(",")):
-        method = get_method(number)
+    for method in methods:
+        number = method.number
         sets = []
         if not method.heterogeneous:
             sets.append(("uniform", [uniform]))
-        proposed = (train.propose(space, data.lengths, n, args.tokens_per_step).pipelines()
-                    if method.heterogeneous and args.proposed else None)
         if number == 4 and proposed:
             sets.append(("proposed", [proposed]))
         if method.heterogeneous:   # the choice can always fall back on the fixed mix and on the proposal
@@ -130,8 +131,8 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
             layouts = [train.layout_of(c, cfg.num_layers, n) for c in cands]
             trainer = HeteroTrainer(cache.model, None, layouts[0], opts.schedule, cache=cache).init()
             for layout in layouts[1:] + layouts[:1]:
-                # the first move into a mix builds its stages (measured: 1.5-3.6 s, one step's time several
-                # times over); done here, like compiling, so that the timed steps pay what switching costs after
+                # the first move into a mix builds its stage programs: done here, like compiling, so that the
+                # timed steps pay what a switch between mixes costs after that
                 trainer.set_layout(layout)
             runs.append(Run(corpus, label, method, cands, opts, trainer, layouts))
             print(f"{corpus}: method {number} ({method.name}), {label}: "
@@ -204,15 +205,13 @@ def _step_all(runs, corpora, step):
     """Step `step` of every run, in the runs' order on even steps and reversed on odd ones (ABBA), so no run is
     always the first (in a fixed order, method 1 ran 1.3-1.4x method 0 at equal work on a loaded host)."""
     from cfp.data import train
-    from cfp.data.rescale import updated
     for r in (runs if step % 2 == 0 else runs[::-1]):
         # a full collection of a process holding hundreds of compiled programs takes up to 0.7 s here; left to
         # chance it lands in whichever run allocates past the threshold, at the same steps in every run
         gc.collect()
         st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step, r.factors)
         r.records.append(rec)
-        if r.opts.recalibrate:
-            r.factors = updated(r.factors, r.candidates[rec.mix], rec.pipelines)
+        r.factors = train.next_factors(r.opts, r.factors, r.candidates, rec)
         print(f"  step {step + 1} {r.corpus} method {r.method.number} {r.label}: "
               f"{train.describe(r.candidates[rec.mix])}, {rec.real_tokens} tokens, {rec.micro_batches} "
               f"micro-batches, {rec.seconds:.2f} s, loss {rec.loss:.4f}")

@@ -300,7 +300,7 @@ def _measured_space(args, cfg, params, shapes=None):
     if space is not None:
         if (space.model, space.config) == (args.model, args.config) and space.source.startswith("measured") \
                 and space.longest <= args.max_seq_len:
-            have = {(s.cp, s.tp, s.pp) for s in space.schemes}
+            have = {s.shape for s in space.schemes}
             missing = [s for s in (shapes or ()) if s not in have]
             if not missing:
                 print(f"scheme space from {args.schemes} ({space.source})")

@@ -15,21 +15,16 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from cfp.data.breakdown import PipelineTime
-from cfp.data.schemes import Scheme
+from cfp.data.schemes import Scheme, Shape
 
-Shape = tuple[int, int, int]   # (cp, tp, pp)
 DAMPING = 0.5                  # the share of a step's log ratio a factor takes: one noisy step moves it half-way
 BOUNDS = (0.25, 4.0)           # a factor never prices a scheme beyond 4x either way of its fit
-
-
-def shape(s: Scheme) -> Shape:
-    return (s.cp, s.tp, s.pp)
 
 
 def scaled(candidates: Sequence[Sequence[Scheme]], factors: Mapping[Shape, float]) -> list[list[Scheme]]:
     """The candidates with each scheme's fitted a, b and c multiplied by its factor (1 where it has none)."""
     def one(s: Scheme) -> Scheme:
-        f = factors.get(shape(s), 1.0)
+        f = factors.get(s.shape, 1.0)
         return s if f == 1.0 else dataclasses.replace(s, a=s.a * f, b=s.b * f, c=s.c * f)
     return [[one(s) for s in mix] for mix in candidates]
 
@@ -41,7 +36,7 @@ def updated(factors: Mapping[Shape, float], pipes: Sequence[Scheme], times: Sequ
     ratios: dict[Shape, list[float]] = {}
     for s, t in zip(pipes, times):
         if t.span > 0 and t.estimated_span > 0 and np.isfinite(t.span / t.estimated_span):
-            ratios.setdefault(shape(s), []).append(t.span / t.estimated_span)
+            ratios.setdefault(s.shape, []).append(t.span / t.estimated_span)
     out = dict(factors)
     for k, r in ratios.items():
         f = out.get(k, 1.0) * float(np.median(r)) ** DAMPING

@@ -30,6 +30,9 @@ class CostForm(enum.Enum):
     ROWS = "rows"
 
 
+Shape = tuple[int, int, int]   # (cp, tp, pp)
+
+
 @dataclasses.dataclass(frozen=True)
 class Scheme:
     cp: int
@@ -63,6 +66,10 @@ class Scheme:
     @property
     def devices(self) -> int:
         return self.cp * self.tp * self.pp
+
+    @property
+    def shape(self) -> Shape:
+        return (self.cp, self.tp, self.pp)
 
     @property
     def name(self) -> str:

@@ -26,13 +26,11 @@ from cfp.data.rescale import scaled, updated
 from cfp.data.dispatch import shared_spans
 from cfp.data.packing import pipeline_time
 from cfp.data.propose import SchemeMix, propose
-from cfp.data.schemes import Scheme, SchemeSpace
+from cfp.data.schemes import Scheme, SchemeSpace, Shape
 from cfp.data.sources import Sequences
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.models.configs import MoEConfig
 from cfp.schedules.registry import ScheduleName, ScheduleSpec
-
-Shape = tuple[int, int, int]   # (cp, tp, pp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +146,7 @@ def shapes_of(mixes: Sequence[Sequence[Shape]]) -> list[Shape]:
 
 def with_fits(mixes: Sequence[Sequence[Shape]], space: SchemeSpace) -> list[list[Scheme]]:
     """Each mix's pipelines as the space's fitted schemes; ConfigError naming a scheme without a fit."""
-    fits = {(s.cp, s.tp, s.pp): s for s in space.schemes}
+    fits = {s.shape: s for s in space.schemes}
     missing = [s for s in shapes_of(mixes) if s not in fits]
     if missing:
         raise ConfigError(f"the scheme space has no fit for (cp, tp, pp) {missing}; it has "
@@ -163,7 +161,7 @@ def layout_of(pipelines: Sequence[Scheme], num_layers: int, num_devices: int):
     if need > num_devices:
         raise ConfigError(f"mix {describe(pipelines)} needs {need} devices, only {num_devices} are "
                           "available")
-    return Layout.from_schemes([(s.cp, s.tp, s.pp) for s in pipelines], num_layers)
+    return Layout.from_schemes([s.shape for s in pipelines], num_layers)
 
 
 def describe(pipelines: Sequence[Scheme]) -> str:
@@ -247,6 +245,12 @@ def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, lay
     return stats, rec
 
 
+def next_factors(opts: DataTrainOptions, factors: dict, candidates, rec: StepRecord) -> dict:
+    """The factors the step after `rec` prices with: `rec`'s measured spans folded in (`cfp.data.rescale`), or
+    unchanged without `opts.recalibrate`."""
+    return updated(factors, candidates[rec.mix], rec.pipelines) if opts.recalibrate else factors
+
+
 def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[Sequence[Scheme]],
         log: Optional[Callable[[str], None]] = print, verbose: bool = False) -> DataTrainResult:
     """Train `opts.steps` steps, each on the candidate mix rated fastest (fits rescaled by the steps before
@@ -261,8 +265,7 @@ def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[S
         c0 = trainer.warm_s
         st, rec = train_step(opts, data, trainer, candidates, layouts, step, factors)
         comp += trainer.warm_s - c0
-        if opts.recalibrate:
-            factors = updated(factors, candidates[rec.mix], rec.pipelines)
+        factors = next_factors(opts, factors, candidates, rec)
         losses.append(st.loss)
         records.append(rec)
         real, slots, secs = real + rec.real_tokens, slots + rec.slots, secs + rec.seconds

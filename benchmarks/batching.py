@@ -17,7 +17,9 @@ Printed per run (measured unless said otherwise): non-pad tokens/s over the step
 included), padding (every padded slot computed), the ratio to method 0 with
 its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where the
 time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated / measured span of
-every pipeline in every step. Usage:
+every pipeline in every step, and how many cores the steps kept busy (the process's CPU seconds, all threads, over
+the steps' wall seconds: on a host where every device shares the same cores, a method gains beyond its work ratio
+only by keeping more of them busy). Usage:
 
     python benchmarks/batching.py [--steps 6] [--tokens-per-step 8192] [--max-seq-len 1024]
     python benchmarks/batching.py --quick        # CI size: 2 steps of 1024 tokens, rows of 128, methods 0 and 4
@@ -59,6 +61,9 @@ class Run:
     trainer: object
     layouts: list
     records: list = dataclasses.field(default_factory=list)
+    cpu: list = dataclasses.field(default_factory=list)    # process CPU seconds (all threads) of each timed step
+    walls: list = dataclasses.field(default_factory=list)  # ... and the wall seconds they were counted over
+    warm_cpu: float = 0.0                                  # CPU seconds of compiling new shapes (not timed)
     factors: dict = dataclasses.field(default_factory=dict)   # `cfp.data.rescale`, as `cfp data train`
 
     @property
@@ -134,10 +139,24 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
                 # the first move into a mix builds its stage programs: done here, like compiling, so that the
                 # timed steps pay what a switch between mixes costs after that
                 trainer.set_layout(layout)
-            runs.append(Run(corpus, label, method, cands, opts, trainer, layouts))
+            runs.append(_counting_warm_cpu(Run(corpus, label, method, cands, opts, trainer, layouts)))
             print(f"{corpus}: method {number} ({method.name}), {label}: "
                   + " | ".join(train.describe(c) for c in cands))
     return runs
+
+
+def _counting_warm_cpu(run: Run) -> Run:
+    """`run` with its trainer's warm-ups adding their CPU seconds to ``run.warm_cpu``."""
+    warm = run.trainer.warm
+
+    def counted(batch):
+        c0 = time.process_time()
+        try:
+            return warm(batch)
+        finally:
+            run.warm_cpu += time.process_time() - c0
+    run.trainer.warm = counted
+    return run
 
 
 def _flops_per(cfg) -> tuple[float, float]:
@@ -209,7 +228,11 @@ def _step_all(runs, corpora, step):
         # a full collection of a process holding hundreds of compiled programs takes up to 0.7 s here; left to
         # chance it lands in whichever run allocates past the threshold, at the same steps in every run
         gc.collect()
+        c0, w0, cw, ww = time.process_time(), time.perf_counter(), r.warm_cpu, r.trainer.warm_s
         st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step, r.factors)
+        # compiling new shapes is not timed (`HeteroTrainer.warm`): neither counted here
+        r.cpu.append(time.process_time() - c0 - (r.warm_cpu - cw))
+        r.walls.append(time.perf_counter() - w0 - (r.trainer.warm_s - ww))
         r.records.append(rec)
         r.factors = train.next_factors(r.opts, r.factors, r.candidates, rec)
         print(f"  step {step + 1} {r.corpus} method {r.method.number} {r.label}: "
@@ -231,7 +254,7 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
           f"p90 {int(np.percentile(data.lengths, 90))}; losses of all runs equal step by step within "
           f"{spread:.1e} relative ({'ok' if spread <= 1e-4 else 'NOT EQUAL'}, tolerance 1e-4)")
     head = ["method", "mix", "tokens/s", "padding", "vs m0", "per-step range", "work m0/this"]
-    head += [LABELS[k] for k in PARTS] + ["est/meas span"]
+    head += [LABELS[k] for k in PARTS] + ["est/meas span", "cores busy"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in mine:
@@ -249,6 +272,7 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
                f"{w0 / _work(cfg, r, data):.2f}x"]
         row += [f"{100 * parts[k] / total:.0f}%" for k in PARTS]
         row += [f"{np.median(acc):.2f} ({min(acc):.2f}-{max(acc):.2f})" if acc else "n/a"]
+        row += [f"{sum(r.cpu) / sum(r.walls):.2f}"]
         print("| " + " | ".join(row) + " |")
 
 
@@ -332,7 +356,8 @@ def main() -> None:
     print(f"\nmeasured, {args.steps} interleaved steps x {args.tokens_per_step} tokens, {jax.device_count()} "
           f"{jax.devices()[0].platform} devices, {args.model} {args.config}, rows <= {args.max_seq_len}; compilation "
           f"excluded ({sum(r.trainer.warm_s for r in runs):.0f} s); 'work' is estimated (FLOPs of the slots and "
-          "score entries computed); the time columns are measured, compute split by the fits' shares")
+          "score entries computed); the time columns are measured, compute split by the fits' shares; 'cores busy' "
+          f"is measured, the process's CPU seconds over the wall seconds of its steps ({os.cpu_count()} CPUs here)")
     for c, data in corpora.items():
         _table(cfg, runs, data, c)
     print(f"\nhost load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "

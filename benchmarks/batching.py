@@ -17,7 +17,8 @@ Printed per run (measured unless said otherwise): non-pad tokens/s over the step
 included), padding (every padded slot computed), the ratio to method 0 with
 its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where the
 time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated / measured span of
-every pipeline in every step, and how many cores the steps kept busy (the process's CPU seconds, all threads, over
+every pipeline in every step (median and range; the share within ±20% over all steps and over the second half,
+once each scheme's fits have been rescaled by the steps before), and how many cores the steps kept busy (the process's CPU seconds, all threads, over
 the steps' wall seconds: on a host where every device shares the same cores, a method gains beyond its work ratio
 only by keeping more of them busy). Usage:
 
@@ -254,7 +255,7 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
           f"p90 {int(np.percentile(data.lengths, 90))}; losses of all runs equal step by step within "
           f"{spread:.1e} relative ({'ok' if spread <= 1e-4 else 'NOT EQUAL'}, tolerance 1e-4)")
     head = ["method", "mix", "tokens/s", "padding", "vs m0", "per-step range", "work m0/this"]
-    head += [LABELS[k] for k in PARTS] + ["est/meas span", "cores busy"]
+    head += [LABELS[k] for k in PARTS] + ["est/meas span", "within ±20% (all / 2nd half)", "cores busy"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in mine:
@@ -272,8 +273,15 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
                f"{w0 / _work(cfg, r, data):.2f}x"]
         row += [f"{100 * parts[k] / total:.0f}%" for k in PARTS]
         row += [f"{np.median(acc):.2f} ({min(acc):.2f}-{max(acc):.2f})" if acc else "n/a"]
+        row += [f"{_within(r.records, 0.2):.0%} / {_within(r.records[len(r.records) // 2:], 0.2):.0%}"]
         row += [f"{sum(r.cpu) / sum(r.walls):.2f}"]
         print("| " + " | ".join(row) + " |")
+
+
+def _within(records, tol: float) -> float:
+    """Share of the pipelines that ran in `records`' steps whose estimated span is within ``tol`` of the measured."""
+    acc = [t.estimated_span / t.span for rec in records for t in rec.pipelines if t.span > 0]
+    return sum(abs(a - 1) <= tol for a in acc) / len(acc) if acc else float("nan")
 
 
 def _warn_map_count(args) -> None:

@@ -204,6 +204,9 @@ INLINE: dict[str, Run | Skip] = {
     "benchmarks/batching.py --steps 6 --tokens-per-step 8192 --max-seq-len 1024": Skip(
         "the benchmark of docs/benchmarks.md's table (5.5 min on an idle 2-core host with its fits, more compiling "
         "on a fresh cache); its CI-sized form, `benchmarks/batching.py --quick`, runs"),
+    "benchmarks/batching.py --steps 12 --tokens-per-step 8192 --max-seq-len 1024": Skip(
+        "the twelve-step form of the same benchmark (6 min on an idle 2-core host with its fits); its CI-sized form, "
+        "`benchmarks/batching.py --quick`, runs"),
     "cfp data propose": Skip(_NAME),
     "cfp data schemes --model llama2 --max-seq-len 1024": Skip(
         "measures ten schemes' fits (2 min 36 s on an idle 2-core host); `cfp data schemes` runs above, shrunk to "

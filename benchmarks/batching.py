@@ -9,18 +9,20 @@ mix `cfp data propose` finds and with the per-step choice. The per-step candidat
 (Hydraulis' notation) plus the single-scheme mix of method 0 and the proposed mix, so the choice can always
 fall back on either.
 
-Steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a change in
-machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape is kept out
-of the timed step (`HeteroTrainer.warm`), as is the first move into each candidate mix (done before the steps).
+Each corpus runs in a process of its own (`_each_corpus_alone`: ten runs in one process slowed some of them down).
+Within it steps are interleaved (step k of every run, then step k+1; the order reversed every other step), so a
+change in machine load hits all runs alike; runs share one compile cache, and compiling a new micro-batch shape
+is kept out of the timed step (`HeteroTrainer.warm`), as is the first move into each candidate mix (done before
+the steps).
 Every run of a corpus trains the same sequences at every step, so their losses must agree (checked and printed).
 Printed per run (measured unless said otherwise): non-pad tokens/s over the steps (host assignment and layout
 included), padding (every padded slot computed), the ratio to method 0 with
 its per-step spread, the ratio of work (estimated FLOPs of what ran, per real token, method 0 / this), where the
 time went (`cfp.data.breakdown`: measured; compute split by the fits' shares) and the estimated / measured span of
 every pipeline in every step (median and range; the share within ±20% over all steps and over the second half,
-once each scheme's fits have been rescaled by the steps before), and how many cores the steps kept busy (the process's CPU seconds, all threads, over
-the steps' wall seconds: on a host where every device shares the same cores, a method gains beyond its work ratio
-only by keeping more of them busy). Usage:
+once each scheme's fits have been rescaled by the steps before), and how many cores the steps kept busy (the
+process's CPU seconds, all threads, over the steps' wall seconds: on a host where every device shares the same
+cores, a method gains beyond its work ratio only by keeping more of them busy). Usage:
 
     python benchmarks/batching.py [--steps 6] [--tokens-per-step 8192] [--max-seq-len 1024]
     python benchmarks/batching.py --quick        # CI size: 2 steps of 1024 tokens, rows of 128, methods 0 and 4
@@ -297,6 +299,20 @@ def _warn_map_count(args) -> None:
               file=sys.stderr)
 
 
+def _each_corpus_alone(names: list[str]) -> int:
+    """Each corpus's runs in a process of their own, one after the other (a table compares methods within one
+    corpus). With both corpora's ten runs in one process, method 4 on the same mix as method 0 ran 0.90-0.91x it
+    over twelve steps in two runs (slower from the fourth step on), 1.03-1.04x with its corpus alone and in a
+    process of its own (measured). The first process measures the fits where --schemes lacks them; the next
+    read them there."""
+    import subprocess
+    for name in names:
+        rc = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--corpora", name]).returncode
+        if rc:
+            return rc
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama2")
@@ -333,6 +349,10 @@ def main() -> None:
         if not caps or any(c not in WIDTHS for c in caps):
             ap.error(f"--work-bound {args.work_bound!r} must be row widths such as 512,1024,2048,4096")
         return work_bound(args, caps)
+
+    names = args.corpora.split(",")
+    if len(names) > 1:
+        sys.exit(_each_corpus_alone(names))
 
     import jax
 

@@ -64,9 +64,6 @@ class Run:
     trainer: object
     layouts: list
     records: list = dataclasses.field(default_factory=list)
-    cpu: list = dataclasses.field(default_factory=list)    # process CPU seconds (all threads) of each timed step
-    walls: list = dataclasses.field(default_factory=list)  # ... and the wall seconds they were counted over
-    warm_cpu: float = 0.0                                  # CPU seconds of compiling new shapes (not timed)
     factors: dict = dataclasses.field(default_factory=dict)   # `cfp.data.rescale`, as `cfp data train`
 
     @property
@@ -86,7 +83,7 @@ def _space(args, cfg, params, shapes):
     space = None
     if os.path.exists(args.schemes):
         space = SchemeSpace.load(args.schemes)
-        if (space.model, space.config) != (args.model, args.config) or space.longest > args.max_seq_len:
+        if not space.reusable_for(args.model, args.config, args.max_seq_len):
             space = None
     if space is None:   # every mix named (no proposal, no search of a uniform one): only their schemes
         named_only = args.uniform and not args.proposed
@@ -142,24 +139,10 @@ def _runs(args, space, corpus, data, cfg, cache) -> list[Run]:
                 # the first move into a mix builds its stage programs: done here, like compiling, so that the
                 # timed steps pay what a switch between mixes costs after that
                 trainer.set_layout(layout)
-            runs.append(_counting_warm_cpu(Run(corpus, label, method, cands, opts, trainer, layouts)))
+            runs.append(Run(corpus, label, method, cands, opts, trainer, layouts))
             print(f"{corpus}: method {number} ({method.name}), {label}: "
                   + " | ".join(train.describe(c) for c in cands))
     return runs
-
-
-def _counting_warm_cpu(run: Run) -> Run:
-    """`run` with its trainer's warm-ups adding their CPU seconds to ``run.warm_cpu``."""
-    warm = run.trainer.warm
-
-    def counted(batch):
-        c0 = time.process_time()
-        try:
-            return warm(batch)
-        finally:
-            run.warm_cpu += time.process_time() - c0
-    run.trainer.warm = counted
-    return run
 
 
 def _flops_per(cfg) -> tuple[float, float]:
@@ -231,11 +214,7 @@ def _step_all(runs, corpora, step):
         # a full collection of a process holding hundreds of compiled programs takes up to 0.7 s here; left to
         # chance it lands in whichever run allocates past the threshold, at the same steps in every run
         gc.collect()
-        c0, w0, cw, ww = time.process_time(), time.perf_counter(), r.warm_cpu, r.trainer.warm_s
         st, rec = train.train_step(r.opts, corpora[r.corpus], r.trainer, r.candidates, r.layouts, step, r.factors)
-        # compiling new shapes is not timed (`HeteroTrainer.warm`): neither counted here
-        r.cpu.append(time.process_time() - c0 - (r.warm_cpu - cw))
-        r.walls.append(time.perf_counter() - w0 - (r.trainer.warm_s - ww))
         r.records.append(rec)
         r.factors = train.next_factors(r.opts, r.factors, r.candidates, rec)
         print(f"  step {step + 1} {r.corpus} method {r.method.number} {r.label}: "
@@ -276,7 +255,7 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
         row += [f"{100 * parts[k] / total:.0f}%" for k in PARTS]
         row += [f"{np.median(acc):.2f} ({min(acc):.2f}-{max(acc):.2f})" if acc else "n/a"]
         row += [f"{_within(r.records, 0.2):.0%} / {_within(r.records[len(r.records) // 2:], 0.2):.0%}"]
-        row += [f"{sum(r.cpu) / sum(r.walls):.2f}"]
+        row += [f"{sum(rec.cpu_seconds for rec in r.records) / r.seconds:.2f}"]
         print("| " + " | ".join(row) + " |")
 
 

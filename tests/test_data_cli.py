@@ -123,6 +123,8 @@ def test_data_train_runs_hydraulis_mixes_and_verifies(tmp_path, capsys):
     assert len(lines) == 3 and all(abs(sum(map(int, x[:8])) - 100) <= 4 for x in lines), lines
     assert len(re.findall(r"pipeline \d: host \S+  real \S+ .* span measured \S+ s, estimated", out)) >= 2
     assert re.search(r"padding: \S+% of the token slots computed", out)
+    busy = re.search(r"cores busy: (\S+) of the (\d+) this process may use \(measured", out)
+    assert busy and 0 < float(busy[1]) <= int(busy[2]) + 0.01, out
     bad = argv[:-6] + ["--mixes", "[[(1,2)]]", "--schemes", str(tmp_path / "s.json")]
     assert main(bad) == 2
     err = capsys.readouterr().err

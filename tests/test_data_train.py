@@ -93,6 +93,7 @@ def test_run_matches_sequence_by_sequence_reference(method, candidates):
     res = run(opts, data, trainer, cands, log=None)
     assert [r.mix for r in res.steps] == ([0, 0, 0] if len(cands) == 1 else [1, 0, 1])
     _check_priced_with_learned_factors(opts, data, cands, res)
+    _check_cpu_excludes_compiling(res)
     ref_losses, ref_params = _reference(cfg, params, data, 3, opts.seed, opts.tokens_per_step)
     ref_params, params = zoo_params(ref_params, cfg.num_layers), layered
     np.testing.assert_allclose(res.losses, ref_losses, rtol=1e-5)
@@ -105,6 +106,17 @@ def test_run_matches_sequence_by_sequence_reference(method, candidates):
         assert ok and err <= 1e-4
         err, ok = verify_run(opts, data, cfg, (params, optax.adamw(LR, weight_decay=WD).init(params)), res, params)
         assert not ok
+
+
+def _check_cpu_excludes_compiling(res) -> None:
+    """Every step's CPU seconds are positive and at most its wall seconds times the cores the process may use
+    (plus 50 ms of clock granularity): the first step compiles its shapes for seconds (`HeteroTrainer.warm`)
+    against steps of a fraction of one, so a count that took the compiling in exceeds the bound."""
+    import os
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for rec in res.steps:
+        assert 0 < rec.cpu_seconds <= rec.seconds * cores + 0.05, (rec.cpu_seconds, rec.seconds, cores)
+    assert res.cores_busy == pytest.approx(sum(r.cpu_seconds for r in res.steps) / res.seconds)
 
 
 def _check_priced_with_learned_factors(opts, data, cands, res) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 from cfp.cli import common
@@ -258,6 +259,10 @@ def run_train(args) -> int:
           "included; measured)")
     print(f"time: {format_summary(res.breakdown())} (measured; compute split by the fits' shares)")
     print(f"estimated / measured pipeline span: {train.estimate_accuracy(res)} (per pipeline and step)")
+    if jax.devices()[0].platform == "cpu":   # devices sharing the host's cores: idle time is lost only if they idle
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        print(f"cores busy: {res.cores_busy:.2f} of the {cores} this process may use (measured: its CPU seconds "
+              "over the steps' wall seconds)")
     if args.verify:
         err, ok = train.verify_run(opts, seqs, cfg, init_state, res, trainer.state()[0])
         print(f"verify: max relative error {err:.3e} over {len(res.steps)} steps "
@@ -298,8 +303,7 @@ def _measured_space(args, cfg, params, shapes=None):
         print(f"not reusing {args.schemes}: {e}")
         space = None
     if space is not None:
-        if (space.model, space.config) == (args.model, args.config) and space.source.startswith("measured") \
-                and space.longest <= args.max_seq_len:
+        if space.reusable_for(args.model, args.config, args.max_seq_len):
             have = {s.shape for s in space.schemes}
             missing = [s for s in (shapes or ()) if s not in have]
             if not missing:

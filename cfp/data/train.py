@@ -75,6 +75,7 @@ class StepRecord:
     real_tokens: int = 0
     slots: int = 0
     seconds: float = 0.0            # measured: host assignment + layout + the engine step
+    cpu_seconds: float = 0.0        # measured: this process's CPU seconds (all threads) over those same parts
 
     def summary(self) -> dict[str, float]:
         return step_summary(self.pipelines)
@@ -101,6 +102,13 @@ class DataTrainResult:
     def breakdown(self) -> dict[str, float]:
         """Seconds per part (`cfp.data.breakdown.PARTS`) summed over the steps."""
         return {k: sum(r.summary()[k] for r in self.steps) for k in PARTS}
+
+    @property
+    def cores_busy(self) -> float:
+        """The process's CPU seconds over the steps' wall seconds (compilation excluded): how many cores the
+        steps kept busy on average. On CPU devices that share a host's cores, a pipeline's idle or bubble time
+        is lost only where this stays below the cores the process may use."""
+        return sum(r.cpu_seconds for r in self.steps) / self.seconds
 
 
 # ----------------------------------------------------------------------------- mixes
@@ -224,24 +232,27 @@ def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, lay
     """Draw, plan, arrange and run one step; (StepStats, StepRecord). ``factors``: per scheme, its fits' scale
     (`cfp.data.rescale`). The host's share (drawing, assignment, arranging rows, switching the mix) is timed
     with the step; compiling new shapes (`trainer.warm`) and moving into the run's first mix (step 0) are not."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ids = step_sequences(data, step, opts.seed, opts.tokens_per_step)
     lengths = data.lengths[ids]
     k, plan, est, per_pipe = plan_step(opts, scaled(candidates, factors or {}), lengths)
     pipes = candidates[k]
     packed = opts.method.packing is not Packing.PAD
     mbs = [[materialize(data.tokens, [int(ids[i]) for i in mb], packed) for mb in pl] for pl in plan]
-    host = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    host, cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.set_layout(layouts[k])    # switching mix: part of the step, except into the first one
-    host += (time.perf_counter() - t0) if step > 0 else 0.0
+    if step > 0:
+        host, cpu = host + time.perf_counter() - t0, cpu + time.process_time() - c0
     trainer.warm(mbs)                 # compiles new shapes outside the timed step
+    c0 = time.process_time()
     stats = trainer.step(mbs)
+    cpu += time.process_time() - c0
     times = step_breakdown(stats.events, stats.seconds, host, pipes, plan, lengths, packed, per_pipe)
     rec = StepRecord(mix=k, sequences=tuple(int(i) for i in ids), estimates=est, pipelines=tuple(times),
                      plan=tuple(tuple(tuple(mb) for mb in p) for p in plan), micro_batches=sum(len(p) for p in plan),
                      loss=stats.loss, real_tokens=stats.real_tokens, slots=stats.tokens,
-                     seconds=host + stats.seconds)
+                     seconds=host + stats.seconds, cpu_seconds=cpu)
     return stats, rec
 
 

@@ -164,7 +164,7 @@ INLINE: dict[str, Run | Skip] = {
         "plans 64, 256 and 1024 GPUs (about 6 s of CPU in all): a benchmark, whose planner "
         "tests/test_planner.py checks on small clusters"),
     "benchmarks/mutants.py --jobs 2": Skip(
-        "runs the suite's tests once per mutant (94 of them, 12 min on a fast 2-core host); tests/test_scripts.py "
+        "runs the suite's tests once per mutant (96 of them, 12 min on a fast 2-core host); tests/test_scripts.py "
         "runs `benchmarks/mutants.py --list`, and CI the suite itself"),
     "PYTHONPATH=$PWD .venv/bin/python benchmarks/mutants.py": Skip(
         "injects each bug into a copy of the repository and runs its tests: about 15 minutes, a release check"),

@@ -135,7 +135,7 @@ def measure_space(model: str, config_name: str, cfg, params, memory_mb: float, *
     if log and parallel is not None:
         log(f"  measured: {parallel:.2f} pipelines run side by side at the speed of one alone")
     return SchemeSpace(model, config_name, f"measured: {jax.devices()[0].platform} x{n}, memory budget "
-                       f"{memory_mb} MiB/device", tuple(out), parallel)
+                       f"{memory_mb} MiB/device", tuple(out), parallel, cfg.seq_len)
 
 
 def measure_parallelism(model: str, cfg, params, shape, width: int, repeats: int = 3) -> float:

@@ -109,12 +109,14 @@ class SchemeSpace:
     """Schemes of one model: `source` says whether the fits are measured (device) or estimated (GPU).
     `parallel_pipelines` (measured spaces): how many pipelines these devices run side by side at the speed of
     one alone -- simulated CPU devices share the host's cores, so a step's pipelines slow each other down;
-    None: each pipeline has devices of its own (GPUs)."""
+    None: each pipeline has devices of its own (GPUs). `max_seq_len`: the longest rows it was measured for
+    (None: not recorded, files of older versions)."""
     model: str
     config: str
     source: str
     schemes: tuple[Scheme, ...]
     parallel_pipelines: float | None = None
+    max_seq_len: int | None = None
 
     def __post_init__(self):
         if not self.schemes:
@@ -123,9 +125,18 @@ class SchemeSpace:
         if p is not None and not (np.isfinite(p) and p >= 1):
             raise ConfigError(f"parallel_pipelines={p!r} must be a number >= 1 (or None)")
 
+    def reusable_for(self, model: str, config: str, max_seq_len: int) -> bool:
+        """Whether this space's measured fits serve a run of `model`/`config` on rows up to `max_seq_len`: measured
+        for that model and that row limit (a space measured for shorter rows holds no scheme for the longer
+        sequences; one for longer rows caps schemes where this run's would not be capped)."""
+        # older files record no row limit: measured again (one of 128-token rows reused for 2048 held nothing)
+        return ((self.model, self.config) == (model, config) and self.source.startswith("measured")
+                and self.max_seq_len == max_seq_len)
+
     def to_json(self) -> dict:
         return {"model": self.model, "config": self.config, "source": self.source,
-                "parallel_pipelines": self.parallel_pipelines, "schemes": [scheme_json(s) for s in self.schemes]}
+                "parallel_pipelines": self.parallel_pipelines, "max_seq_len": self.max_seq_len,
+                "schemes": [scheme_json(s) for s in self.schemes]}
 
     @classmethod
     def from_json(cls, d: dict) -> "SchemeSpace":
@@ -134,7 +145,7 @@ class SchemeSpace:
                 raise ConfigError("this scheme space was measured by an older cfp (fits of whole-row dense "
                                   "attention, which no longer runs); measure it again with `cfp data schemes`")
             return cls(d["model"], d["config"], d["source"], tuple(Scheme(**s) for s in d["schemes"]),
-                       d.get("parallel_pipelines"))
+                       d.get("parallel_pipelines"), d.get("max_seq_len"))
         except (KeyError, TypeError) as e:
             raise ConfigError(f"not a scheme-space file ({e}); write one with `cfp data schemes`") from None
 

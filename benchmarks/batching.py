@@ -75,29 +75,6 @@ class Run:
         return sum(r.seconds for r in self.records)
 
 
-def _space(args, cfg, params, shapes):
-    """The scheme space of --schemes, measured here (and written there) where it lacks `shapes` or was made
-    for another model or row limit."""
-    from cfp.data.scheme_space import measure_space
-    from cfp.data.schemes import SchemeSpace
-    space = None
-    if os.path.exists(args.schemes):
-        space = SchemeSpace.load(args.schemes)
-        if not space.reusable_for(args.model, args.config, args.max_seq_len):
-            space = None
-    if space is None:   # every mix named (no proposal, no search of a uniform one): only their schemes
-        named_only = args.uniform and not args.proposed
-        space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
-                              shapes=shapes if named_only else None)
-    missing = [s for s in shapes if s not in {x.shape for x in space.schemes}]
-    if missing:
-        more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
-                             shapes=missing, parallelism=False)
-        space = dataclasses.replace(space, schemes=space.schemes + more.schemes)
-    space.save(args.schemes)
-    return space
-
-
 def _load(corpus: str, max_seq_len: int):
     """A corpus INPUT[:UNIT], sequences cut at `max_seq_len`."""
     from cfp.data.sources import Unit, load_sequences
@@ -336,6 +313,7 @@ def main() -> None:
     import jax
 
     from cfp.data import train
+    from cfp.data.scheme_space import reused_or_measured
     from cfp.models import get_config, init_params
     from cfp.models.layered import zoo_model
     from cfp.runtime.engine import adamw
@@ -348,7 +326,9 @@ def main() -> None:
     params = init_params(args.model, cfg, 0)
     corpora = {c: _load(c, args.max_seq_len) for c in args.corpora.split(",")}
     named = train.parse_mixes(args.mixes) + (train.parse_mixes(args.uniform) if args.uniform else [])
-    space = _space(args, cfg, params, train.shapes_of(named))
+    # every mix named (no proposal, no search of a uniform one): only their schemes are measured
+    space = reused_or_measured(args.schemes, args.model, args.config, cfg, params, args.memory_mb,
+                               shapes=train.shapes_of(named), only_shapes=bool(args.uniform and not args.proposed))
     print(f"scheme space: {space.source}; {space.parallel_pipelines} pipelines side by side at full speed")
     if args.uniform:    # method 0's mix must hold every sequence: cut them where it ends, as `cfp data train`
         cap = max(s.max_len for s in train.with_fits(train.parse_mixes(args.uniform), space)[0])

@@ -112,8 +112,8 @@ def _check_cpu_excludes_compiling(res) -> None:
     """Every step's CPU seconds are positive and at most its wall seconds times the cores the process may use
     (plus 50 ms of clock granularity): the first step compiles its shapes for seconds (`HeteroTrainer.warm`)
     against steps of a fraction of one, so a count that took the compiling in exceeds the bound."""
-    import os
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from cfp.data.train import usable_cores
+    cores = usable_cores()
     for rec in res.steps:
         assert 0 < rec.cpu_seconds <= rec.seconds * cores + 0.05, (rec.cpu_seconds, rec.seconds, cores)
     assert res.cores_busy == pytest.approx(sum(r.cpu_seconds for r in res.steps) / res.seconds)

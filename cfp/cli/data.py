@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import time
 
 from cfp.cli import common
@@ -260,9 +259,8 @@ def run_train(args) -> int:
     print(f"time: {format_summary(res.breakdown())} (measured; compute split by the fits' shares)")
     print(f"estimated / measured pipeline span: {train.estimate_accuracy(res)} (per pipeline and step)")
     if jax.devices()[0].platform == "cpu":   # devices sharing the host's cores: idle time is lost only if they idle
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        print(f"cores busy: {res.cores_busy:.2f} of the {cores} this process may use (measured: its CPU seconds "
-              "over the steps' wall seconds)")
+        print(f"cores busy: {res.cores_busy:.2f} of the {train.usable_cores()} this process may use (measured: its "
+              "CPU seconds over the steps' wall seconds)")
     if args.verify:
         err, ok = train.verify_run(opts, seqs, cfg, init_state, res, trainer.state()[0])
         print(f"verify: max relative error {err:.3e} over {len(res.steps)} steps "
@@ -278,47 +276,17 @@ def _candidates(args, method, cfg, params, seqs) -> tuple[list, float | None]:
 
     from cfp.data import train
     from cfp.data.propose import SchemeMix
+    from cfp.data.scheme_space import reused_or_measured
     given = train.load_mixes(args.mixes) if args.mixes else None
     if isinstance(given, SchemeMix):
         return [given.pipelines()], None
-    space = _measured_space(args, cfg, params, train.shapes_of(given) if given else None)
+    space = reused_or_measured(args.schemes, args.model, args.config, cfg, params, args.memory_mb,
+                               shapes=train.shapes_of(given) if given else (), only_shapes=bool(given))
     if given:
         return train.with_fits(given, space), space.parallel_pipelines
     propose_fn = train.propose if method.heterogeneous else train.uniform_mix
     return ([propose_fn(space, seqs.lengths, jax.device_count(), args.tokens_per_step).pipelines()],
             space.parallel_pipelines)
-
-
-def _measured_space(args, cfg, params, shapes=None):
-    """The scheme space of --schemes if it was measured for this model/config (and has `shapes`); the schemes
-    it lacks are measured here and the file rewritten."""
-    import os
-
-    from cfp.data.scheme_space import measure_space
-    from cfp.data.schemes import SchemeSpace
-    from cfp.errors import ConfigError
-    try:
-        space = SchemeSpace.load(args.schemes) if os.path.exists(args.schemes) else None
-    except ConfigError as e:
-        print(f"not reusing {args.schemes}: {e}")
-        space = None
-    if space is not None:
-        if space.reusable_for(args.model, args.config, args.max_seq_len):
-            have = {s.shape for s in space.schemes}
-            missing = [s for s in (shapes or ()) if s not in have]
-            if not missing:
-                print(f"scheme space from {args.schemes} ({space.source})")
-                return space
-            print(f"measuring schemes {missing} on this machine (added to {args.schemes}) ...")
-            more = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print,
-                                 shapes=missing, parallelism=False)
-            space = dataclasses.replace(space, schemes=space.schemes + more.schemes)
-            space.save(args.schemes)
-            return space
-    print(f"measuring the scheme space on this machine (written to {args.schemes} for reuse) ...")
-    space = measure_space(args.model, args.config, cfg, params, args.memory_mb, log=print, shapes=shapes)
-    space.save(args.schemes)
-    return space
 
 
 def run_bench_planner(args) -> int:

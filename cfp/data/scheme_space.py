@@ -26,8 +26,10 @@ The MFU factor (default 0.5) and these formulas are estimates; figures from them
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import os
 import time
 from typing import Sequence
 
@@ -136,6 +138,38 @@ def measure_space(model: str, config_name: str, cfg, params, memory_mb: float, *
         log(f"  measured: {parallel:.2f} pipelines run side by side at the speed of one alone")
     return SchemeSpace(model, config_name, f"measured: {jax.devices()[0].platform} x{n}, memory budget "
                        f"{memory_mb} MiB/device", tuple(out), parallel, cfg.seq_len)
+
+
+def reused_or_measured(path: str, model: str, config_name: str, cfg, params, memory_mb: float, *,
+                       shapes: Sequence[tuple[int, int, int]] = (), only_shapes: bool = False,
+                       log=print) -> SchemeSpace:
+    """The scheme space saved at `path` where it was measured here for this model, config and row limit
+    (`SchemeSpace.reusable_for`, rows up to ``cfg.seq_len``), else measured anew (only `shapes` with
+    `only_shapes`, else every default scheme); the `shapes` it lacks are measured and added. Written back to
+    `path` whenever measured."""
+    space = None
+    try:
+        space = SchemeSpace.load(path) if os.path.exists(path) else None
+    except ConfigError as e:
+        log(f"not reusing {path}: {e}")
+    if space is not None and not space.reusable_for(model, config_name, cfg.seq_len):
+        space = None
+    changed = space is None
+    if space is None:
+        log(f"measuring the scheme space on this machine (written to {path} for reuse) ...")
+        space = measure_space(model, config_name, cfg, params, memory_mb, log=log,
+                              shapes=list(shapes) if only_shapes else None)
+    missing = [s for s in shapes if s not in {x.shape for x in space.schemes}]
+    if missing:
+        log(f"measuring schemes {missing} on this machine (added to {path}) ...")
+        more = measure_space(model, config_name, cfg, params, memory_mb, log=log, shapes=missing,
+                             parallelism=False)
+        space, changed = dataclasses.replace(space, schemes=space.schemes + more.schemes), True
+    if changed:
+        space.save(path)
+    else:
+        log(f"scheme space from {path} ({space.source})")
+    return space
 
 
 def measure_parallelism(model: str, cfg, params, shape, width: int, repeats: int = 3) -> float:

@@ -111,6 +111,11 @@ class DataTrainResult:
         return sum(r.cpu_seconds for r in self.steps) / self.seconds
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity where the OS reports one): the bound of `cores_busy`."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # ----------------------------------------------------------------------------- mixes
 def parse_mixes(text: str) -> list[list[Shape]]:
     """Hydraulis' notation: a list of mixes, each a list of (cp, tp, pp) pipelines, e.g.

@@ -163,17 +163,18 @@ def test_plans_round_trip_and_refuse_another_layout(searched, tmp_path):
 
 
 def test_resumed_run_keeps_its_stage_plans(searched, tmp_path):
-    from cfp.runtime.stage.builder import plans_for_run
+    from cfp.runtime.stage.plan_sources import PlanRequest, plans_for_run
     from cfp.runtime.stage.plans import StagePlanOptions
     layout, plans, cache, programs = searched
     plans.save(str(tmp_path / "ck" / "stage_plans"))
     logs = []
     example = zoo_batch("llama2", _cfg())
-    got = plans_for_run(_options(cache), layout, programs, example, checkpoint_dir=str(tmp_path / "ck"), resume=True,
-                        log=logs.append)
+    got = plans_for_run(PlanRequest(options=_options(cache), layout=layout, cache=programs, batch_like=example,
+                                    checkpoint_dir=str(tmp_path / "ck"), resume=True, log=logs.append))
     assert got == plans and any("reused" in line for line in logs)
     saved = StagePlanOptions.parse(str(tmp_path / "ck" / "stage_plans"))
-    got = plans_for_run(saved, layout, programs, example, log=logs.append)
+    got = plans_for_run(PlanRequest(options=saved, layout=layout, cache=programs, batch_like=example,
+                                    log=logs.append))
     assert got == plans and "loaded" in logs[-1]
 
 

@@ -102,15 +102,15 @@ def test_resume_refuses_a_corrupt_checkpoint(tmp_path, capsys):
 def test_stage_plan_search_keeps_its_plans_under_checkpoint_dir_alone(tmp_path, capsys, monkeypatch):
     """--stage-plans search with --checkpoint-dir and no --checkpoint-every: the directory reaches the stage-plan
     step (which saves the plans in DIR/stage_plans) instead of being refused as unused."""
-    import cfp.runtime.stage.builder as sp
+    import cfp.runtime.stage.plan_sources as sp
     from cfp.errors import CfpError
     from cfp.runtime.stage.plans import StagePlanMode
     seen = {}
 
-    def record(options, layout, cache, batch_like, checkpoint_dir=None, resume=False, log=print):
-        seen.update(mode=options.mode, checkpoint_dir=checkpoint_dir)
+    def record(request):
+        seen.update(mode=request.options.mode, checkpoint_dir=request.checkpoint_dir)
         raise CfpError("stopped by the test")      # the search itself is tested in test_stage_plans.py
-    monkeypatch.setattr(sp, "plans_for_run", record)
+    monkeypatch.setattr(sp.PLAN_SOURCES[StagePlanMode.SEARCH], "stage_plans", record)
     code, err = _run(capsys, "--stage-plans", "search", "--checkpoint-dir", str(tmp_path / "ck"))
     assert code == 2 and "stopped by the test" in err, err
     assert seen == {"mode": StagePlanMode.SEARCH, "checkpoint_dir": str(tmp_path / "ck")}

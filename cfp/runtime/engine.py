@@ -139,7 +139,7 @@ class HeteroTrainer:
         self._local = {k: pr for k, pr in self.programs.items() if pr.is_local}
         self._clock = StepClock({k: pr.stage.devices for k, pr in self._local.items()})
         self._act_shape = ActivationShapes(self.run_layout, self.programs)
-        self.set_schedule(self.spec)
+        self._use_schedule(self.spec, self.vstages)
 
     def set_layout(self, layout: Layout) -> bool:
         """Switch to another layout between steps: the state is gathered from the current stages and placed on
@@ -234,6 +234,10 @@ class HeteroTrainer:
                 raise ConfigError(f"schedule {spec} runs other virtual stages than {self.spec}, but stage(s) "
                                   f"{searched} run searched stage plans, which are per stage")
             return self._rebuild(self.layout, spec)
+        self._use_schedule(spec, vstages)
+
+    def _use_schedule(self, spec: ScheduleSpec, vstages) -> None:
+        """Run `spec` on the programs built for its virtual stages `vstages`."""
         if spec.entry.split:
             whole = sorted(k for k, pr in self.programs.items() if not pr.splits)
             if whole:

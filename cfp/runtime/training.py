@@ -4,8 +4,9 @@ reporting.
 ``train_pipelines(model, optimizer, layout, batches, ...)`` is the Python API for a user's model;
 ``run_training(TrainOptions(...))`` is what ``cfp train`` calls for the zoo's models (an AdamW of ``--lr`` and
 ``--weight-decay``, the stdlib / file / synthetic data; the zoo model is resolved once, at the entry). Both run the
-same steps (`_run`): check the options against the job, plan the stages (`plans_for_run`, one call into
-`cfp.runtime.stage`), build the trainer, start or resume, train, report, verify. Batches depend only on the step,
+same named steps (`_run`): check the job, plan the stages (`_plan_stages`: the rules table, saved plans or the CFP
+search per stage, from `cfp.runtime.stage.plan_sources`), build the stages (`_build_stages`: the trainer), start or
+resume, train (`_train`), report (`_report`), verify. Batches depend only on the step,
 so a resumed run sees the same data as an uninterrupted one; checkpoints hold the layout-independent state (the
 model's parameter tree and its optax state), so a run can resume onto a different layout.
 """
@@ -206,15 +207,15 @@ def _check_before_work(opts: RunOptions) -> None:
     from cfp.runtime.launch import check_layout_fills_processes
     saves_plans = bool(opts.checkpoint_dir) and _searches_stage_plans(opts)
     check_layout_fills_processes(list(opts.layout.devices))  # no idle process
-    if opts.timeline_dir:
-        check_output_dir(opts.timeline_dir, "timeline_dir")
-    if opts.checkpoint_every or saves_plans:
-        check_output_dir(opts.checkpoint_dir, "checkpoint_dir")
     if opts.resume:
         from cfp.runtime.checkpoint import latest_step
         if latest_step(opts.checkpoint_dir) is None:
             raise ConfigError(f"resume: no complete checkpoint in checkpoint_dir="
                               f"{opts.checkpoint_dir!r}")
+    if opts.timeline_dir:
+        check_output_dir(opts.timeline_dir, "timeline_dir")
+    if opts.checkpoint_every or saves_plans:
+        check_output_dir(opts.checkpoint_dir, "checkpoint_dir")
 
 
 @dataclass(frozen=True)
@@ -307,23 +308,50 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0,
 
 def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional["CompileCache"],
          keep_state: bool = False) -> "TrainResult":
-    """The run's steps in order: checks, stage plans, trainer, initial state, training, report, timeline,
-    verification. Each step takes the options it uses, not the whole `RunOptions`."""
-    from cfp.runtime.engine import HeteroTrainer
-    from cfp.runtime.stage.builder import plans_for_run
+    """The run as named steps: check the job, plan the stages, build the stages, train, report, verify. Each
+    step takes the options it uses, not the whole `RunOptions`."""
     from cfp.runtime.stage.cache import CompileCache
-    from cfp.runtime.stage.plans import report_lines
     _check_before_work(opts)
-    # one compile cache: the stage programs the search builds are the ones the trainer runs
+    # one compile cache: the stage programs the plan search builds are the ones the trainer runs
     cache = cache if cache is not None else CompileCache(job.model, job.optimizer)
     example = job.batches(0)
-    plans = plans_for_run(opts.stage_plans, opts.layout, cache, example, opts.checkpoint_dir, opts.resume, log)
-    trainer = HeteroTrainer(job.model, job.optimizer, opts.layout, opts.spec, example_batch=example,
-                            plans=plans, cache=cache)
+    plans = _plan_stages(opts, cache, example, log)
+    trainer = _build_stages(job, opts, cache, example, plans)
     store = _Checkpoints(opts.checkpoint_dir, opts.checkpoint_every, opts.keep_checkpoints, job.settings,
                          opts.layout)
     start, losses = _initial_state(store, opts.resume, job.model, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None
+    result, last_events = _train(trainer, job, opts, store, start, losses, log)
+    _report(trainer, job, opts, plans, result, last_events, log)
+    if opts.verify:
+        result.verify_error, result.verify_ok = _verify(job, trainer, init_state, start, losses, opts.verify_tol,
+                                                        log)
+    if keep_state:
+        result.params, result.opt_state, _ = trainer.state()
+    return result
+
+
+def _plan_stages(opts: RunOptions, cache: "CompileCache", example: Any, log) -> Any:
+    """The run's stage plans from the source its options name (`cfp.runtime.stage.plan_sources`); None: the rules
+    table."""
+    from cfp.runtime.stage.plan_sources import PlanRequest, plans_for_run
+    from cfp.runtime.stage.plans import StagePlanOptions
+    return plans_for_run(PlanRequest(options=opts.stage_plans or StagePlanOptions(), layout=opts.layout,
+                                     cache=cache, batch_like=example, checkpoint_dir=opts.checkpoint_dir,
+                                     resume=opts.resume, log=log))
+
+
+def _build_stages(job: _Job, opts: RunOptions, cache: "CompileCache", example: Any, plans: Any):
+    """The trainer holding every stage's program (from `plans` where given, else the rules table)."""
+    from cfp.runtime.engine import HeteroTrainer
+    return HeteroTrainer(job.model, job.optimizer, opts.layout, opts.spec, example_batch=example, plans=plans,
+                         cache=cache)
+
+
+def _train(trainer, job: _Job, opts: RunOptions, store: "_Checkpoints", start: int, losses: dict[int, float],
+           log):
+    """Compile, generate adaptable schedules' tables from measured times, then train the steps left after
+    `start`; returns (result, the events of the step the timeline shows)."""
     log(f"{job.describe}; schedule {trainer.spec}; {jax.process_count()} process(es), "
         f"{opts.layout.num_devices} devices")
     log(opts.layout.describe())
@@ -331,8 +359,13 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
     if opts.tables is TableSource.GENERATED and SCHEDULES[opts.schedule].adapts and start < opts.steps:
         generate_from_measured(trainer, job.batches(start), log)
-    result, last_events = _train_steps(trainer, job.batches, range(start, opts.steps), opts.stop_after, store,
-                                       losses, log)
+    return _train_steps(trainer, job.batches, range(start, opts.steps), opts.stop_after, store, losses, log)
+
+
+def _report(trainer, job: _Job, opts: RunOptions, plans: Any, result: "TrainResult", last_events, log) -> None:
+    """Stage plans against measured busy times, kept activations against their prediction, the bubble and the
+    timeline."""
+    from cfp.runtime.stage.plans import report_lines
     for line in report_lines(plans, opts.layout, result.busy) if plans else ():
         log(line)
     if result.kept_peak:
@@ -342,12 +375,6 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
         ran = {q: trainer.table(q) for q in range(len(opts.layout.pipelines))}
         kept = {q: trainer.kept_bytes(q) for q, pipe in enumerate(opts.layout.pipelines) if pipe.chunks}
         result.bubbles = _timeline(opts, job, last_events, log, len(trainer.order), ran, kept)
-    if opts.verify:
-        result.verify_error, result.verify_ok = _verify(job, trainer, init_state, start, losses, opts.verify_tol,
-                                                        log)
-    if keep_state:
-        result.params, result.opt_state, _ = trainer.state()
-    return result
 
 
 def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_after: Optional[int],

@@ -6,8 +6,10 @@
   runtime's programs cut from it under a searched choice);
 * `cache`    -- `CompileCache`: programs, analysed steps and replays, each built once;
 * `cases`    -- every stage of a layout with its activation shapes, and its analysed step;
-* `build`    -- a stage's program from the rules or a plan; which plans a training run uses;
-* `search`   -- the per-stage CFP search; `boundary` -- its boundary-transfer pricing;
+* `builder`  -- a stage's program from the rules or a plan;
+* `plan_sources` -- where a training run's plans come from (`PLAN_SOURCES`: rules table, saved, searched);
+* `plan_search` -- the per-stage CFP search; `boundary` -- its boundary-transfer pricing;
+* `optim`    -- a stage's share of the optimizer; `activations` -- activations between stages as pytrees;
 * `compare`  -- the searched plan against Megatron, side by side;
 * `plans`    -- the records: `StagePlanOptions`, `StagePlan`, `StagePlans` (saved as JSON).
 """

@@ -1,20 +1,14 @@
 """How a stage is built: from the rules table or from a searched plan (its programs cut from the analysed stage
-step), always through the engine's `CompileCache`; and which plans a training run builds from (`plans_for_run`:
-none, searched, saved, or those of the checkpointed run)."""
+step), always through the engine's `CompileCache` (where a run's plans come from: `plan_sources`)."""
 from __future__ import annotations
 
-import os
-import time
-from typing import Any, Callable, Optional
-
-import jax
+from typing import Any, Optional
 
 from cfp.errors import ConfigError
 from cfp.layout import Layout
 from cfp.runtime.stage.cache import Built, CompileCache
 from cfp.runtime.stage.cases import StageCase, analysed_step, megatron_program, replay_program, stage_cases
-from cfp.runtime.stage.plan_search import search_stage_plans
-from cfp.runtime.stage.plans import PLANS_FILE, StagePlan, StagePlanMode, StagePlanOptions, StagePlans, entries
+from cfp.runtime.stage.plans import StagePlan, StagePlans, entries
 from cfp.sharding.specs import resolve
 
 
@@ -82,51 +76,3 @@ def build_programs(layout: Layout, devices: list, cache: CompileCache, plans: Op
                           "(nn.with_logical_partitioning, nnx.with_partitioning)")
     return {st.key: planned.get(st.key) or megatron_program(st, [devices[d] for d in st.devices], cache)
             for st in layout.placed}
-
-
-def plans_for_run(options: Optional[StagePlanOptions], layout: Layout, cache: CompileCache, batch_like: Any,
-                  checkpoint_dir: Optional[str] = None, resume: bool = False,
-                  log: Callable[[str], None] = print) -> Optional[StagePlans]:
-    """The stage plans of a training run (None: the rules table) from the run's stage-plan `options` (None: the
-    rules table), its layout and an example batch: the one call a run makes into the stage planner. A model that
-    names no parameter dims gets its TP stages searched. A resumed run reuses the plans saved next to its
-    checkpoints; a searched run saves them there (``<checkpoint_dir>/stage_plans``) and leaves the programs it
-    built in `cache`."""
-    unnamed = needs_search(cache, layout)
-    if unnamed and (options is None or options.mode is StagePlanMode.MEGATRON):
-        log(f"model {cache.model.name!r} names no parameter dims: the stage plans of its TP stages {unnamed} "
-            "are searched (the CFP passes per stage)")
-        options = StagePlanOptions(StagePlanMode.SEARCH)
-    if options is None or options.mode is StagePlanMode.MEGATRON:
-        return None
-    saved_dir = os.path.join(checkpoint_dir, "stage_plans") if checkpoint_dir else None
-    name = cache.model.name
-    if options.mode is StagePlanMode.SAVED:
-        plans = StagePlans.load(options.directory).check(layout, name, batch_like)
-        log(f"stage plans loaded from {options.directory} (no search)")
-    elif resume and saved_dir and _fits(saved_dir, layout, name, batch_like, log):
-        plans = StagePlans.load(saved_dir)
-        log(f"stage plans of the checkpointed run reused from {saved_dir} (no search)")
-    else:
-        if jax.process_count() > 1:
-            # the search compiles and times every stage on devices one process cannot all address
-            raise ConfigError("--stage-plans search runs in a single process; search there and pass the "
-                              "saved stage-plans directory (--stage-plans DIR) to the multi-process run")
-        t0 = time.perf_counter()
-        plans = search_stage_plans(layout, cache, options, batch_like, log=log)
-        log(f"stage plans searched in {time.perf_counter() - t0:.1f} s")
-    if saved_dir and jax.process_index() == 0:
-        log(f"stage plans saved to {plans.save(saved_dir)}")
-    return plans
-
-
-def _fits(directory: str, layout: Layout, model_name: str, batch_like: Any, log) -> bool:
-    """Whether `directory` holds stage plans for this layout (a run may resume onto another layout)."""
-    if not os.path.isfile(os.path.join(directory, PLANS_FILE)):
-        return False
-    try:
-        StagePlans.load(directory).check(layout, model_name, batch_like)
-        return True
-    except ConfigError as e:
-        log(f"not reusing the checkpointed stage plans: {e}")
-        return False

@@ -77,7 +77,7 @@ class GpuSpec:
     # GB/s of softmax passes (exp, counted as bytes read + written); None: `mem_gbps` (memory-bound, as on a
     # GPU); a CPU computes the exponentials well below its memory speed
     softmax_gbps: float | None = None
-    # (bytes, GB/s): a program whose working set exceeds `cache_bytes` runs its memory-bound work at the
+    # (cache bytes, GB/s): a program whose working set exceeds the cache bytes runs its memory-bound work at the
     # second rate instead of `mem_gbps` (a CPU's last-level cache: streaming through a working set larger
     # than an LRU cache misses on nearly every line, so the rate drops as a step); None: no cache term (on
     # the GPUs here an activation working set is far larger than L2, `mem_gbps` is the HBM rate)

@@ -566,7 +566,7 @@ class CostModel:
     @_memo
     def _sync_seconds(self, nbytes: float, n: int, bw: float, machine: int) -> float:
         """Gather `nbytes` of gradients from each of `n` pipelines and sum them on `machine`'s devices: the sum
-        is fused into the update program (`StageProgram._update`), which reads the n - 1 other parts beside the
+        is fused into the update program (`StageProgram._fused_update`), which reads the n - 1 other parts beside the
         gradient `update_time` prices."""
         return collective_time("all-gather", n * nbytes, n, bw) + self._stream_seconds(machine, (n - 1) * nbytes)
 

@@ -148,7 +148,7 @@ def linear_table(name: str, actions: Sequence[Sequence[Action]], microbatches: i
 
 def dependencies(a: Action, num_vstages: int) -> list[tuple[Phase, int, int]]:
     """(phase, vstage, microbatch) of the actions ``a`` waits for; a backward waits for the next virtual stage's
-    input gradient, whichever form (whole or B) that one runs as (``_producer`` resolves it)."""
+    input gradient, whichever form (whole or B) that one runs as (``_key`` gives both one key)."""
     c, j = a.vstage, a.microbatch
     if a.phase is Phase.FWD:
         return [(Phase.FWD, c - 1, j)] if c > 0 else []

@@ -308,8 +308,7 @@ def run_training(opts: TrainOptions, log: Callable[..., None] = _print0,
 
 def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional["CompileCache"],
          keep_state: bool = False) -> "TrainResult":
-    """The run as named steps: check the job, plan the stages, build the stages, train, report, verify. Each
-    step takes the options it uses, not the whole `RunOptions`."""
+    """The run as named steps: check the job, plan the stages, build the stages, train, report, verify."""
     from cfp.runtime.stage.cache import CompileCache
     _check_before_work(opts)
     # one compile cache: the stage programs the plan search builds are the ones the trainer runs

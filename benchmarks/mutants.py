@@ -519,8 +519,8 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_data_switch.py::test_warm_leaves_nothing_to_compile_after_a_switch_into_stages_warmed_elsewhere",),
            "shapes warmed under one layout count as warmed in another with the same stages: its step compiles"),
     Mutant("resumed-run-searches-its-plans-again", "stage plans", "cfp/runtime/stage/plan_sources.py",
-           "        if request.resume and saved and _fits(saved, request):\n",
-           "        if False:\n",
+           "        reused = _reusable(saved, request) if request.resume and saved else None\n",
+           "        reused = None\n",
            ("tests/test_stage_plans.py::test_resumed_run_keeps_its_stage_plans",),
            "a resumed run searches its stage plans again instead of reusing those saved beside its checkpoints"),
     # ---- issue 27: the activations a schedule keeps

@@ -51,9 +51,8 @@ class SavedPlans:
     """Plans saved earlier (``--stage-plans DIR``), checked against the layout, model and batch."""
 
     def stage_plans(self, request: PlanRequest) -> StagePlans:
-        d = request.options.directory
-        plans = StagePlans.load(d).check(request.layout, request.cache.model.name, request.batch_like)
-        request.log(f"stage plans loaded from {d} (no search)")
+        plans = _checked(request.options.directory, request)
+        request.log(f"stage plans loaded from {request.options.directory} (no search)")
         return plans
 
 
@@ -63,9 +62,10 @@ class SearchedPlans:
 
     def stage_plans(self, request: PlanRequest) -> StagePlans:
         saved = request.saved_dir
-        if request.resume and saved and _fits(saved, request):
+        reused = _reusable(saved, request) if request.resume and saved else None
+        if reused is not None:
             request.log(f"stage plans of the checkpointed run reused from {saved} (no search)")
-            return StagePlans.load(saved)
+            return reused
         if jax.process_count() > 1:
             # the search compiles and times every stage on devices one process cannot all address
             raise ConfigError("--stage-plans search runs in a single process; search there and pass the "
@@ -84,16 +84,21 @@ PLAN_SOURCES: dict[StagePlanMode, PlanSource] = {
 }
 
 
-def _fits(directory: str, request: PlanRequest) -> bool:
-    """Whether `directory` holds stage plans for the request's layout, model and batch."""
+def _checked(directory: str, request: PlanRequest) -> StagePlans:
+    """The stage plans saved in `directory`; ConfigError unless made for the request's layout, model and batch."""
+    return StagePlans.load(directory).check(request.layout, request.cache.model.name, request.batch_like)
+
+
+def _reusable(directory: str, request: PlanRequest) -> Optional[StagePlans]:
+    """The stage plans in `directory` where it holds plans for the request (a run may resume onto another
+    layout), else None."""
     if not os.path.isfile(os.path.join(directory, PLANS_FILE)):
-        return False
+        return None
     try:
-        StagePlans.load(directory).check(request.layout, request.cache.model.name, request.batch_like)
-        return True
+        return _checked(directory, request)
     except ConfigError as e:
         request.log(f"not reusing the checkpointed stage plans: {e}")
-        return False
+        return None
 
 
 def plans_for_run(request: PlanRequest) -> Optional[StagePlans]:

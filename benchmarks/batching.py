@@ -223,7 +223,7 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
         slots = sum(rec.slots for rec in r.records)
         parts = {k: sum(rec.summary()[k] for rec in r.records) for k in PARTS}
         total = sum(parts.values())
-        acc = [t.estimated_span / t.span for rec in r.records for t in rec.pipelines if t.span > 0]
+        acc = train.span_ratios(r.records)
         used = sorted({rec.mix for rec in r.records})
         strat = r.label + ": ran " + " and ".join(train.describe(r.candidates[i]) for i in used)
         row = [f"{r.method.number} {r.method.name}", strat, f"{tps:,.0f}", f"{100 * (1 - r.real / slots):.1f}%",
@@ -232,13 +232,14 @@ def _table(cfg, runs: list[Run], data, corpus: str) -> None:
         row += [f"{100 * parts[k] / total:.0f}%" for k in PARTS]
         row += [f"{np.median(acc):.2f} ({min(acc):.2f}-{max(acc):.2f})" if acc else "n/a"]
         row += [f"{_within(r.records, 0.2):.0%} / {_within(r.records[len(r.records) // 2:], 0.2):.0%}"]
-        row += [f"{sum(rec.cpu_seconds for rec in r.records) / r.seconds:.2f}"]
+        row += [f"{train.cores_busy_over(r.records):.2f}"]
         print("| " + " | ".join(row) + " |")
 
 
 def _within(records, tol: float) -> float:
     """Share of the pipelines that ran in `records`' steps whose estimated span is within ``tol`` of the measured."""
-    acc = [t.estimated_span / t.span for rec in records for t in rec.pipelines if t.span > 0]
+    from cfp.data.train import span_ratios
+    acc = span_ratios(records)
     return sum(abs(a - 1) <= tol for a in acc) / len(acc) if acc else float("nan")
 
 

@@ -108,7 +108,17 @@ class DataTrainResult:
         """The process's CPU seconds over the steps' wall seconds (compilation excluded): how many cores the
         steps kept busy on average. On CPU devices that share a host's cores, a pipeline's idle or bubble time
         is lost only where this stays below the cores the process may use."""
-        return sum(r.cpu_seconds for r in self.steps) / self.seconds
+        return cores_busy_over(self.steps)
+
+
+def cores_busy_over(records: Sequence[StepRecord]) -> float:
+    """`DataTrainResult.cores_busy` of the steps `records`."""
+    return sum(r.cpu_seconds for r in records) / sum(r.seconds for r in records)
+
+
+def span_ratios(records: Sequence[StepRecord]) -> list[float]:
+    """Estimated / measured span of every pipeline that ran in the steps `records`."""
+    return [t.estimated_span / t.span for rec in records for t in rec.pipelines if t.span > 0]
 
 
 def usable_cores() -> int:
@@ -294,7 +304,7 @@ def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[S
 
 def estimate_accuracy(res: DataTrainResult) -> str:
     """The estimated / measured span of every pipeline that ran in every step: median and range."""
-    r = [t.estimated_span / t.span for rec in res.steps for t in rec.pipelines if t.span > 0]
+    r = span_ratios(res.steps)
     if not r:
         return "no pipeline ran"
     return f"median {np.median(r):.2f}, {min(r):.2f}..{max(r):.2f} over {len(r)}"

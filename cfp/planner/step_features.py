@@ -15,11 +15,7 @@ from dataclasses import dataclass
 
 from cfp.errors import ConfigError
 from cfp.hardware.collectives import collective_time
-
-
-class Recompute(str, enum.Enum):
-    FULL = "full"     # the stage's forward runs again in its backward (cfp's runtime, Megatron's full recompute)
-    NONE = "none"     # every in-flight micro-batch keeps its activations for the backward
+from cfp.recompute import Recompute
 
 
 class GradSync(str, enum.Enum):

@@ -11,6 +11,7 @@ from cfp.errors import ConfigError
 from cfp.files import write_text_atomic
 from cfp.layout import Layout
 from cfp.models import get_config
+from cfp.recompute import StageRecompute, parse_stage_recompute
 from cfp.schedules.registry import ScheduleName, ScheduleSpec
 
 FORMAT = "cfp-layout/2"     # 2: the layout is `Layout.to_json`; 1 had the seed's five list fields
@@ -34,6 +35,7 @@ class LayoutFile:
     estimate: Mapping[str, Any]
     cluster: Mapping[str, Any]
     schedules: tuple[str, ...] = ()     # per pipeline, the schedule `cfp plan` priced it with (empty: `schedule`)
+    recompute: StageRecompute = ()      # per pipeline, per stage, the recompute policy (empty: the run's option)
 
     def to_dict(self) -> dict:
         out = {"format": FORMAT, "model": self.model, "config": self.config,
@@ -41,6 +43,8 @@ class LayoutFile:
                "layout": self.layout.to_json(), "estimate": dict(self.estimate), "cluster": dict(self.cluster)}
         if self.schedules:
             out["schedules"] = list(self.schedules)
+        if self.recompute:
+            out["recompute"] = [[p.value for p in row] for row in self.recompute]
         return out
 
 
@@ -86,8 +90,10 @@ def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:
         schedules = tuple(str(ScheduleSpec.parse(s)) for s in schedules)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    recompute = data.get("recompute", [])
+    recompute = parse_stage_recompute(recompute, [p.num_stages for p in layout.pipelines], where) if recompute else ()
     return LayoutFile(data["model"], data["config"], overrides, schedule, layout,
-                      dict(data.get("estimate", {})), dict(data.get("cluster", {})), schedules)
+                      dict(data.get("estimate", {})), dict(data.get("cluster", {})), schedules, recompute)
 
 
 def load_layout_file(path: str) -> LayoutFile:

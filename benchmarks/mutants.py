@@ -551,6 +551,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "                                               [1e30] * pipe.num_stages, kept)",
            ("tests/test_virtual_stages.py::test_a_generated_table_trains_like_one_device_within_the_patterns_memory",),
            "the table generated from measured times may keep more activations per device than the fixed pattern"),
+    # ---- issue 41: a data loader's batches, the cluster's launcher
+    Mutant("list-of-batches-taken-as-one-batch", "runtime", "cfp/runtime/feed.py",
+           "return _Listed(items)", "return _Rows(tuple(items))",
+           ("tests/test_feed.py::test_per_step_batches_train_like_the_models_own_step",),
+           "a list of per-step batches (what a data loader yields) is taken as one batch"),
 )
 
 

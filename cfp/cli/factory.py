@@ -1,10 +1,11 @@
 """``--model module.path:factory`` / ``--model file.py:factory``: a user's model for `cfp plan` and `cfp train`.
 
 The factory is called with no arguments and returns ``(model, batch, optimizer)``: a `cfp.LayeredModel`, the
-training data and an optax ``GradientTransformation``. ``batch`` is either one batch (a pytree of arrays with a
+training data and an optax ``GradientTransformation``. ``batch`` is one batch (a pytree of arrays with a
 leading batch dim; step ``s`` then trains on rows ``s*B .. s*B+B-1`` of it, wrapping around, for a global batch
-of ``B`` rows) or a callable ``batch(step, rows) -> pytree`` giving step ``step``'s global batch of ``rows``
-rows (it must depend only on its arguments, so a resumed run sees the same data).
+of ``B`` rows), a list or iterable of per-step batches (a generator, a data loader), or a callable
+``batch(step, rows) -> pytree`` giving step ``step``'s global batch of ``rows`` rows (it must depend only on its
+arguments, so a resumed run sees the same data); see `cfp.runtime.feed`.
 """
 from __future__ import annotations
 
@@ -76,4 +77,5 @@ def _checked(out: Any, spec: str) -> UserModel:
     if not isinstance(tx, optax.GradientTransformation):
         raise ConfigError(f"--model {spec!r}: the factory's third value is {type(tx).__name__}, not an optax "
                           "GradientTransformation")
-    return UserModel(model, batch if callable(batch) else cycled_rows(batch), tx, spec)
+    from cfp.runtime.feed import step_batches
+    return UserModel(model, step_batches(batch, model, f"--model {spec!r}: the factory's batches"), tx, spec)

@@ -209,7 +209,7 @@ def _factory_facts(args, cluster, overrides):
             raise ConfigError(f"{flag} {value} is for zoo models; --model {args.model!r} is a factory, whose "
                               "model has its own shapes")
     user = load_factory(args.model)
-    example = user.batches(0, args.example_rows)
+    example = user.batches.example(args.example_rows)
     facts = facts_for(user.model, cluster, example, user.optimizer, args.tokens_per_row)
     return facts, (f"{args.model} ({facts.num_layers} layers, {facts.dtype} dots; cost facts derived on "
                    f"{facts.backend} from a micro-batch of {args.example_rows} rows)")

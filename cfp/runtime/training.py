@@ -235,12 +235,14 @@ def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformat
                     checkpoint_dir: Optional[str] = None, log: Callable[..., None] = None,
                     cache: Optional["CompileCache"] = None, **run_options: Any) -> "TrainResult":
     """Train ``model`` with ``optimizer`` (any optax transformation) on ``layout`` (a `cfp.Layout` or a layout file)
-    for ``steps`` steps. ``batches``: ``batches(step, rows) -> global batch`` or one batch whose rows the steps take
-    in turn. ``checkpoint_dir`` with ``checkpoint_every=K`` saves atomic checkpoints, with ``resume=True`` continues
+    for ``steps`` steps. ``batches``: a list or iterable of per-step global batches (a generator, a data loader), one
+    batch whose rows the steps take in turn, or ``batches(step, rows) -> global batch`` (`cfp.runtime.feed`; every
+    batch checked against step 0's before it runs). ``checkpoint_dir`` with ``checkpoint_every=K`` saves atomic checkpoints, with ``resume=True`` continues
     from the newest (onto any layout); ``verify`` replays the steps on one device with the model's own loss and the
     optimizer and compares; other keywords are `RunOptions` fields (``timeline_dir``, ``stage_plans``, ...).
     Returns the `TrainResult`."""
-    from cfp.runtime.user_model import UserModel, cycled_rows
+    from cfp.runtime.feed import step_batches
+    from cfp.runtime.user_model import UserModel
     from cfp.layered.model import LayeredModel
     if not isinstance(model, LayeredModel):
         raise ConfigError(f"model={type(model).__name__} must be a cfp.LayeredModel")
@@ -250,7 +252,7 @@ def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformat
         run_options["checkpoint_every"] = steps
     opts = RunOptions(layout=layout, steps=steps, schedule=ScheduleName.parse(schedule), verify=verify,
                       checkpoint_dir=checkpoint_dir, **run_options)
-    user = UserModel(model, batches if callable(batches) else cycled_rows(batches), optimizer, model.name)
+    user = UserModel(model, step_batches(batches, model), optimizer, model.name)
     return train_user_model(user, opts, log, cache, keep_state=True)
 
 
@@ -258,9 +260,12 @@ def train_user_model(user: Any, opts: RunOptions, log: Callable[..., None] = Non
                      cache: Optional["CompileCache"] = None, keep_state: bool = False) -> "TrainResult":
     """A user's model, batches and optimizer (`cfp.runtime.user_model.UserModel`) trained as `opts` says;
     ``keep_state``: the result holds the trained parameters and optimizer state."""
+    from cfp.runtime.feed import step_batches
     from cfp.runtime.verify import model_reference
     model, rows = user.model, opts.layout.global_batch
-    job = _Job(model, user.optimizer, lambda step: user.batches(step, rows), _model_settings(model, rows),
+    # checked before anything compiles; an iterator's batches kept for the replay of --verify only
+    batches = step_batches(user.batches, model).for_run(rows, replay=opts.verify)
+    job = _Job(model, user.optimizer, batches, _model_settings(model, rows),
                lambda: model_reference(model, user.optimizer),
                f"model {model.name}{'' if user.spec == model.name else ' from ' + user.spec} "
                f"({model.num_layers} layers)")

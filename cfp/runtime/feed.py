@@ -1,0 +1,242 @@
+"""A user's batches as a run's steps take them (`train_pipelines`, a factory's second value): step -> global batch,
+from any of the forms a data loader gives, each batch checked against the example batch (step 0's) before it runs.
+
+The forms of ``batches`` (`FORMS`):
+
+* a callable ``batches(step, rows) -> batch``: step ``step``'s global batch of ``rows`` rows;
+* one batch (a pytree of arrays sharing a leading batch dim): step ``s`` takes rows ``s*rows ..`` of it, wrapping;
+* a list or tuple of per-step batches: step ``s`` takes item ``s`` (wrapping around after the last);
+* an iterator or other iterable of per-step batches (a generator, a grain ``DataLoader``, a ``tf.data`` dataset
+  yielding numpy or jax arrays): step ``s`` takes the ``s``-th item; a resumed run reads the items before its
+  first step again and drops them, so give it the iterator the first run started from.
+
+A list or tuple is taken as the form the model accepts (`LayeredModel.check`, abstract: nothing runs): per-step
+batches when its first item is a batch the model takes, one batch when the whole value is; both or neither is a
+one-line error. Every batch of a per-step form has the layout's global batch of rows, and every batch has the
+example batch's structure and dtypes (other dims may change: a new shape is checked with the model again).
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from cfp.errors import ConfigError
+
+FORMS = ("a callable batches(step, rows) -> batch", "one batch (a pytree of arrays sharing a leading batch dim)",
+         "a list or tuple of per-step batches", "an iterator or iterable of per-step batches (a generator, a "
+         "data loader)")
+
+
+def _forms() -> str:
+    return "; ".join(FORMS)
+
+
+def _host(batch: Any) -> Any:
+    return jax.tree_util.tree_map(np.asarray, batch)
+
+
+def _signature(batch: Any) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(batch)
+    return tree, tuple((np.shape(a), np.result_type(a).name) for a in leaves)
+
+
+def _describe(batch: Any, limit: int = 200) -> str:
+    pairs = jax.tree_util.tree_flatten_with_path(batch)[0]
+    text = "{" + ", ".join(f"{jax.tree_util.keystr(p) or 'batch'}: {np.result_type(a).name}{list(np.shape(a))}"
+                           for p, a in pairs) + "}" if pairs else repr(batch)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _model_error(model: Any, batch: Any) -> Optional[str]:
+    """None when ``model`` takes ``batch`` (traced abstractly), else the one-line reason."""
+    try:
+        model.check(batch)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _rows(batch: Any) -> Optional[int]:
+    leaves = jax.tree_util.tree_leaves(batch)
+    rows = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
+    return rows.pop() if len(rows) == 1 else None
+
+
+# ---------------------------------------------------------------- the sources: step -> the batch as given
+class _Called:
+    per_step = True
+
+    def __init__(self, fn: Callable[[int, int], Any]):
+        self.fn = fn
+
+    def get(self, step: int, rows: int) -> Any:
+        return self.fn(step, rows)
+
+
+class _Rows:
+    per_step = False
+
+    def __init__(self, batch: Any):
+        from cfp.runtime.user_model import cycled_rows
+        self.fn = cycled_rows(batch)
+
+    def get(self, step: int, rows: int) -> Any:
+        return self.fn(step, rows)
+
+
+class _Listed:
+    per_step = True
+
+    def __init__(self, items: Any):
+        self.items = items
+
+    def get(self, step: int, rows: int) -> Any:
+        return self.items[step % len(self.items)]
+
+
+class _Iterated:
+    """The ``s``-th item of an iterable: read once, in order; the items a run still needs are kept (step 0's, the
+    example, and from the last step taken on; every step's for a run that replays them)."""
+    per_step = True
+
+    def __init__(self, iterable: Iterable, name: str):
+        self.iterable, self.name = iterable, name
+        self.it: Optional[Iterator] = None
+        self.read = 0                       # items read so far
+        self.kept: dict[int, Any] = {}
+        self.replay = True
+
+    def get(self, step: int, rows: int) -> Any:
+        if step in self.kept:
+            return self.kept[step]
+        if step < self.read:
+            raise ConfigError(f"{self.name}: step {step}'s batch was read from the iterator and not kept (an "
+                              "iterator is read once): give a fresh iterator for each run, a list or a callable")
+        if self.it is None:
+            self.it = iter(self.iterable)
+        for item in itertools.islice(self.it, step - self.read + 1):
+            if self.replay or self.read in (0, step):
+                self.kept[self.read] = _host(item)
+            self.read += 1
+        if step not in self.kept:
+            raise ConfigError(f"{self.name}: the iterator ended after {self.read} batches; the run needs step "
+                              f"{step}'s (give as many batches as steps, or a callable)")
+        return self.kept[step]
+
+    def forget_before(self, step: int) -> None:
+        for s in [s for s in self.kept if 0 < s < step]:
+            del self.kept[s]
+
+
+class StepBatches:
+    """``(step, rows) -> global batch`` from one of `FORMS`, each batch checked against the example (step 0's):
+    the model takes the example (`LayeredModel.check`), and every later batch has its structure and dtypes (and,
+    in a per-step form, ``rows`` rows). Errors are one-line ConfigErrors naming the step."""
+
+    def __init__(self, source: Any, model: Any, name: str):
+        self.source, self.model, self.name = source, model, name
+        self.example: Any = None
+        self.checked: set = set()           # signatures the model was checked on
+
+    def __call__(self, step: int, rows: int) -> Any:
+        batch = _host(self.source.get(step, rows))
+        if self.example is None:
+            self._check_example(batch, rows)
+            if isinstance(self.source, _Listed):    # every item checked before anything compiles
+                for s in range(1, len(self.source.items)):
+                    self._check(s, _host(self.source.items[s]), rows)
+        self._check(step, batch, rows)
+        return batch
+
+    def example(self, rows: int) -> Any:
+        """Step 0's batch with ``rows`` rows (its rows cycled or cut: for planning, which needs its shapes only)."""
+        own = isinstance(self.source, (_Listed, _Iterated))      # batches of their own rows
+        batch = self(0, _rows(_host(self.source.get(0, rows))) if own else rows)
+        idx = np.arange(rows) % _rows(batch)
+        return jax.tree_util.tree_map(lambda a: a[idx], batch)
+
+    def for_run(self, rows: int, replay: bool) -> Callable[[int], Any]:
+        """Step -> batch of a run of ``rows``-row global batches; ``replay``: the run reads its steps again (its
+        verification), so an iterator's items are kept for it."""
+        if isinstance(self.source, _Iterated):
+            self.source.replay = replay
+
+        def batch(step: int) -> Any:
+            out = self(step, rows)
+            if not replay and isinstance(self.source, _Iterated):
+                self.source.forget_before(step)
+            return out
+        return batch
+
+    def _check_example(self, batch: Any, rows: int) -> None:
+        error = _model_error(self.model, batch)
+        if error:
+            raise ConfigError(f"{self.name}: step 0's batch {_describe(batch)}: {error}")
+        self.example = batch
+        self.checked.add(_signature(batch))
+
+    def _check(self, step: int, batch: Any, rows: int) -> None:
+        sig = _signature(batch)
+        if sig in self.checked and (not self.source.per_step or _rows(batch) == rows):
+            return
+        want = _signature(self.example)
+        if sig[0] != want[0] or [d for _, d in sig[1]] != [d for _, d in want[1]]:
+            raise ConfigError(f"{self.name}: step {step}'s batch {_describe(batch)} differs from the example batch "
+                              f"(step 0's) {_describe(self.example)}; every batch needs its structure and dtypes")
+        if self.source.per_step and _rows(batch) != rows:
+            raise ConfigError(f"{self.name}: step {step}'s batch {_describe(batch)} has "
+                              f"{_rows(batch)} rows; the layout's global batch is {rows} rows (its pipelines' "
+                              "batch sizes summed)")
+        error = _model_error(self.model, batch)
+        if error:
+            raise ConfigError(f"{self.name}: step {step}'s batch {_describe(batch)}: {error}")
+        self.checked.add(sig)
+
+
+def step_batches(batches: Any, model: Any, name: str = "batches") -> StepBatches:
+    """``batches`` in any of `FORMS` as a `StepBatches` for ``model``; a value of none of them, or one a list or
+    tuple leaves ambiguous, is a one-line ConfigError naming the forms."""
+    if isinstance(batches, StepBatches):
+        return batches
+    return StepBatches(_source(batches, model, name), model, name)
+
+
+def _source(batches: Any, model: Any, name: str) -> Any:
+    if callable(batches):
+        return _Called(batches)
+    if isinstance(batches, (np.ndarray, jax.Array, Mapping)):
+        return _Rows(batches)
+    if isinstance(batches, (list, tuple)):
+        return _sequence(batches, model, name)
+    if isinstance(batches, (str, bytes)) or batches is None:
+        raise ConfigError(f"{name}={batches!r} is not batches; give {_forms()}")
+    if isinstance(batches, Iterable):
+        return _Iterated(batches, name)
+    if _rows(_host(batches)):       # a registered pytree (a dataclass batch): one batch
+        return _Rows(batches)
+    raise ConfigError(f"{name} of type {type(batches).__name__} is not batches; give {_forms()}")
+
+
+def _sequence(items: Any, model: Any, name: str) -> Any:
+    """A list or tuple as per-step batches or as one batch: whichever the model takes."""
+    kind = type(items).__name__
+    if not items:
+        raise ConfigError(f"{name} is an empty {kind}; give {_forms()}")
+    as_steps = _model_error(model, _host(items[0]))
+    as_one = _model_error(model, _host(items))
+    if as_steps is None and as_one is None:
+        raise ConfigError(f"{name}: a {kind} of {len(items)} the model takes both as per-step batches and as one "
+                          f"batch; say which: iter({name}) for per-step batches, or "
+                          "a callable (step, rows) -> batch")
+    if as_steps is None:
+        return _Listed(items)
+    if as_one is None:
+        return _Rows(tuple(items))      # the engine reads a list as per-pipeline micro-batches
+    if _rows(items[0]) is not None and jax.tree_util.tree_leaves(items[0]):
+        raise ConfigError(f"{name}: a {kind} of {len(items)} per-step batches, but step 0's batch "
+                          f"{_describe(_host(items[0]))}: {as_steps}")
+    raise ConfigError(f"{name}: a {kind} taken as one batch {_describe(_host(items))}: {as_one}; give {_forms()}")

@@ -50,17 +50,8 @@ ZOO = ("gpt", "llama2", "moe", "bert")
 
 
 def load_cluster_file(path: str):
-    import yaml
-
-    from cfp.planner.cluster import parse_cluster
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read cluster file {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"cluster file {path!r} is not YAML: {str(e).splitlines()[0]}") from None
-    return parse_cluster(data)
+    from cfp.planner.cluster import Cluster
+    return Cluster.load(path)
 
 
 def load_stage_times(directory: str, model: str, config):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -105,6 +106,20 @@ class Cluster:
             i = j + 1
         return " + ".join(parts)
 
+    @classmethod
+    def load(cls, path: "str | os.PathLike") -> "Cluster":
+        """The cluster of a YAML cluster file (examples/clusters/); a one-line ConfigError for a file that cannot
+        be read, is not YAML or holds a bad value."""
+        import yaml
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read cluster file {os.fspath(path)!r}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"cluster file {os.fspath(path)!r} is not YAML: {str(e).splitlines()[0]}") from None
+        return parse_cluster(data)
+
     def to_dict(self) -> dict:
         return {"inter_machine_bandwidth": f"{_giga(self.inter_bandwidth)}GB/s",
                 "machines": [{"gpu": m.gpu.name, "count": m.count,
@@ -141,6 +156,19 @@ def _machine(entry: Any, i: int) -> tuple[Machine, int]:
     mem = parse_memory(entry["memory"], f"{where}.memory") if "memory" in entry else gpu.mem_gb * 1e9
     repeat = _count(entry.get("repeat", 1), f"{where}.repeat")
     return Machine(gpu, count, bw, mem), repeat
+
+
+def as_cluster(value: Any) -> Cluster:
+    """A `Cluster`, a cluster file's parsed mapping or its path, as a `Cluster`; anything else is a one-line
+    ConfigError naming the accepted forms."""
+    if isinstance(value, Cluster):
+        return value
+    if isinstance(value, Mapping):
+        return parse_cluster(value)
+    if isinstance(value, (str, os.PathLike)):
+        return Cluster.load(value)
+    raise ConfigError(f"cluster={value!r} must be a cfp.Cluster, a cluster file's path or its parsed mapping "
+                      "(parse_cluster's)")
 
 
 def parse_cluster(data: Any) -> Cluster:

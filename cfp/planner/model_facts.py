@@ -9,7 +9,7 @@ from cfp.errors import ConfigError
 from cfp.layered.derive import FactsOptions, derive_facts
 from cfp.layered.facts import CostFacts
 from cfp.layered.model import LayeredModel
-from cfp.planner.cluster import Cluster, parse_cluster
+from cfp.planner.cluster import Cluster, as_cluster
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
 
@@ -30,18 +30,15 @@ def facts_for(model: Union[LayeredModel, CostFacts], cluster: Cluster, example_b
                         options=FactsOptions(tokens_per_row=tokens_per_row, tp_degrees=tps))
 
 
-def plan_layout(model: Union[LayeredModel, CostFacts], cluster: Union[Cluster, Mapping], *, global_batch: int,
+def plan_layout(model: Union[LayeredModel, CostFacts], cluster: Union[Cluster, Mapping, str], *, global_batch: int,
                 example_batch: Any = None, optimizer: Any = None, options: Optional[PlannerOptions] = None,
                 tokens_per_row: int = 1, progress: Optional[Callable[[int, int], None]] = None) -> PlannerResult:
-    """The best heterogeneous layout for `model` on `cluster` (a `Cluster` or its parsed mapping) at
-    `global_batch` rows per step: pipelines, their stages' devices, TP degrees and layer counts, and batch
+    """The best heterogeneous layout for `model` on `cluster` (a `Cluster`, a cluster file's path or its parsed
+    mapping) at `global_batch` rows per step: pipelines, their stages' devices, TP degrees and layer counts, and batch
     splits, priced by the model's own cost facts (derived on `example_batch`, one micro-batch, with
     `optimizer`'s state; None: AdamW's). `options`: the planner's other options (their global batch is
     replaced by `global_batch`); `tokens_per_row`: for the estimate's tokens/s (1: rows/s)."""
-    if isinstance(cluster, Mapping):
-        cluster = parse_cluster(cluster)
-    if not isinstance(cluster, Cluster):
-        raise ConfigError(f"cluster={cluster!r} must be a cfp.Cluster or a cluster mapping (parse_cluster's)")
+    cluster = as_cluster(cluster)
     if options is not None and not isinstance(options, PlannerOptions):
         raise ConfigError(f"options={options!r} must be a cfp.PlannerOptions")
     opts = (PlannerOptions(global_batch_size=global_batch) if options is None

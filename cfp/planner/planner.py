@@ -3,10 +3,16 @@ speed under memory, batch by pipeline throughput, then refinement; searched over
 pipelines and the TP degree of each device type.
 
 Search: for every pipeline count, phase 1's METIS cut (`split_pipelines`), then TP maps (uniform degrees,
-then coordinate descent over types). The best map of every count is tried again with phase 2's
-compute-balanced METIS stage cut offered and on phase 1's equal-share cut (`split_by_type`); the three
-best counts, the two best other maps and the best equal-share layout are refined (`refine`) and the
-fastest estimate wins."""
+then coordinate descent over types); where no map of METIS' cut fits, the same on phase 1's equal-share cut
+(`split_by_type`). The best map of every count is tried again with phase 2's compute-balanced METIS stage cut
+offered and on the equal-share cut; the three best counts, the two best other maps and the best equal-share
+layout are refined (`refine`) and the fastest estimate wins.
+
+Beyond `METIS_MAX_EDGES` edges of phase 1's device graph (about 2,000 devices of 8-device machines) phase 1 is
+the equal-share cut alone: METIS' cut of the 4096-device graph (2.1M edges) took 0.7-1.7 s of CPU per pipeline
+count and scattered machines over pipelines (1-2 devices each, so TP 1 on 24 GB devices) until no layout fit,
+where the equal-share cut's pipelines of whole machines planned at a step below four copies of the 1024-device
+plan (measured, `benchmarks/planner_scale.py`)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,13 +26,14 @@ from typing import Callable, Optional
 from cfp.errors import InfeasibleError
 from cfp.layout import Layout
 from cfp.planner.build import build_layout, orders_signature, stage_layouts
-from cfp.planner.cluster import Cluster
+from cfp.planner.cluster import Cluster, as_cluster
 from cfp.planner.costmodel import CostModel, Estimate
-from cfp.planner.metis import (balanced_stages, cluster_graph, machine_groups, split_by_type,
+from cfp.planner.metis import (balanced_stages, cluster_graph, machine_groups, phase1_edges, split_by_type,
                                split_pipelines, split_stages, stage_orders)
 from cfp.planner.options import PlannerOptions
 from cfp.planner.refine import refine
 
+METIS_MAX_EDGES = 1_000_000   # phase 1's device graph beyond this: the equal-share cut alone (module docstring)
 
 @dataclass(frozen=True)
 class PlannerResult:
@@ -70,6 +77,11 @@ class _Search:
     def _graph(self) -> tuple:
         """Phase 1's METIS graph (`cluster_graph`), built once for every pipeline count."""
         return cluster_graph(self.cm.cluster, self.rate)
+
+    @functools.cached_property
+    def metis_phase1(self) -> bool:
+        """Whether phase 1 cuts by METIS: its device graph has at most `METIS_MAX_EDGES` edges."""
+        return phase1_edges(self.cm.cluster) <= METIS_MAX_EDGES
 
     def pipelines(self, k: int, by_type: bool = False) -> list[list[int]]:
         """Phase 1: `k` pipelines by METIS, or (`by_type`) by dealing each device type out evenly."""
@@ -116,17 +128,17 @@ class _Search:
                 best, best_t = layout, t
         return best, best_t
 
-    def tp_maps(self, k: int, choices: dict[str, list[int]]) -> list[_Candidate]:
-        """Every (TP map, layout) tried for `k` pipelines, the best first: uniform degrees, then
-        coordinate descent over device types, repeated until a whole pass changes nothing (one pass
-        can miss a type's best degree that only pays once another type's degree changed)."""
+    def tp_maps(self, k: int, choices: dict[str, list[int]], by_type: bool = False) -> list[_Candidate]:
+        """Every (TP map, layout) tried for `k` pipelines (`by_type`: on phase 1's equal-share cut), the best
+        first: uniform degrees, then coordinate descent over device types, repeated until a whole pass changes
+        nothing (one pass can miss a type's best degree that only pays once another type's degree changed)."""
         tried: dict[tuple, _Candidate] = {}
 
-        def attempt(tp: dict[str, int], metis: bool = False) -> float:
+        def attempt(tp: dict[str, int]) -> float:
             key = tuple(sorted(tp.items()))
             if key not in tried:
-                layout, obj = self.evaluate(k, tp, metis)
-                tried[key] = _Candidate(obj, k, key, layout)
+                layout, obj = self.evaluate(k, tp, by_type=by_type)
+                tried[key] = _Candidate(obj, k, key, layout, by_type)
             return tried[key].objective
 
         best_tp, best_t = None, math.inf
@@ -157,19 +169,21 @@ class _Candidate:
     k: int
     tp: tuple          # sorted (device type, TP degree) pairs
     layout: Optional[Layout]
+    by_type: bool = False   # on phase 1's equal-share cut (else METIS')
 
 
 def _with_metis(search: _Search, cand: _Candidate) -> _Candidate:
     """The candidate, or the layout its (pipelines, TP map) gives with METIS' compute-balanced stage
     cut offered too (phase 2), whichever the cost model estimates faster."""
-    layout, obj = search.evaluate(cand.k, dict(cand.tp), metis=True)
-    return _Candidate(obj, cand.k, cand.tp, layout) if layout is not None and obj < cand.objective else cand
+    layout, obj = search.evaluate(cand.k, dict(cand.tp), metis=True, by_type=cand.by_type)
+    return (_Candidate(obj, cand.k, cand.tp, layout, cand.by_type) if layout is not None and obj < cand.objective
+            else cand)
 
 
 def _by_type(search: _Search, cand: _Candidate) -> Optional[_Candidate]:
     """The candidate's pipeline count and TP map on phase 1's by-type cut (`split_by_type`)."""
     layout, obj = search.evaluate(cand.k, dict(cand.tp), metis=search.options.phase2_metis, by_type=True)
-    return None if layout is None else _Candidate(obj, cand.k, cand.tp, layout)
+    return None if layout is None else _Candidate(obj, cand.k, cand.tp, layout, True)
 
 
 def _refine_all(cm: CostModel, picked: list[Layout], options: PlannerOptions
@@ -217,7 +231,8 @@ def _collector_paused():
 def find_layout(cluster: Cluster, config, options: PlannerOptions,
                 progress: Optional[Callable[[int, int], None]] = None) -> PlannerResult:
     """The best layout the planner finds for `config` (a zoo model config, or a model's derived
-    `cfp.layered.facts.CostFacts`) on `cluster` (deterministic)."""
+    `cfp.layered.facts.CostFacts`) on `cluster` (a `Cluster`, a cluster file's path or its mapping; deterministic)."""
+    cluster = as_cluster(cluster)
     with _collector_paused():
         return _find_layout(cluster, config, options, progress)
 
@@ -232,7 +247,9 @@ def _find_layout(cluster: Cluster, config, options: PlannerOptions,
     found: list[_Candidate] = []     # the best TP map per pipeline count
     others: list[_Candidate] = []    # the TP maps that lost
     for step, k in enumerate(ks):
-        tried = search.tp_maps(k, choices)
+        tried = search.tp_maps(k, choices) if search.metis_phase1 else []
+        if not tried:               # METIS' cut fits no TP map (or is not made at this scale): the equal shares
+            tried = search.tp_maps(k, choices, by_type=True)
         found += tried[:1]
         others += tried[1:]
         if progress:

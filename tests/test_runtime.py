@@ -226,13 +226,12 @@ def check_steps(trainer, model, cfg) -> dict:
 
 
 def check_kept_counts(layout, kept: dict) -> None:
-    """The activations each stage keeps, in micro-batch inputs: GPipe all m of them, 1F1B at most p - s on stage
-    s (the memory it exists to save); a first stage's input is the batch itself (nothing kept)."""
+    """The activations each stage keeps, in micro-batches' residuals: GPipe all m of them, 1F1B at most p - s on
+    stage s (the memory it exists to save); the first stage keeps its forward's residuals too."""
     for q, pipe in enumerate(layout.pipelines):
         p, m = pipe.num_stages, pipe.chunks
-        assert kept["gpipe"][(q, 0)] == kept["1f1b"][(q, 0)] == 0
-        for s in range(1, p):
-            unit = kept["gpipe"][(q, s)] // m         # one micro-batch's input to stage s, bytes per device
+        for s in range(p):
+            unit = kept["gpipe"][(q, s)] // m         # one micro-batch's residuals on stage s, bytes per device
             assert unit > 0 and kept["gpipe"][(q, s)] == m * unit, (q, s)
             assert kept["1f1b"][(q, s)] == min(p - s, m) * unit, (q, s)
 

@@ -461,25 +461,28 @@ class HeteroTrainer:
         (default: the example batch's) keeps on its stage: its input from F to its backward and, with B and W
         split, B's input and output gradient from B to W."""
         b = batch_like if batch_like is not None else self.micro_batch_like(pipeline)
-        ins, grads = [], []
+        ins, weight = [], []
         n = self.run_layout.pipelines[pipeline].num_stages
         for c in range(n):
             prog = self.programs[(pipeline, c)]
             x = None if c == 0 else self._act_shape((pipeline, c - 1), b)
             y = None if c == n - 1 else self._act_shape((pipeline, c), b)
-            ins.append(0 if x is None else device_bytes(x, prog.act_in_shardings(x)))
-            grads.append(0 if y is None else device_bytes(activations.gradient_like(y), prog.act_out_shardings(y)))
-        return KeptBytes(tuple(float(i) for i in ins), tuple(float(i + g) for i, g in zip(ins, grads)))
+            st = prog.stage
+            kept, w_kept = prog.kept_like(x, b if (st.is_first or st.is_last) else None, y)
+            ins.append(device_bytes(kept))
+            weight.append(device_bytes(w_kept) if w_kept is not None else ins[-1])
+        return KeptBytes(tuple(float(i) for i in ins), tuple(float(w) for w in weight))
 
     def kept_prediction(self, batch_like: Optional[Any] = None) -> dict[tuple[int, int], int]:
         """Per local stage (of the layout: its virtual stages together), the most bytes per device of micro-batch
         activations its schedule keeps at once (`peak_kept` of the table its pipeline runs, with `kept_bytes`),
-        for micro-batches shaped like ``batch_like`` (default: the example batch's); what a step's
-        `StepStats.kept_peak` must not exceed."""
+        for micro-batches shaped like ``batch_like`` but with each pipeline's own micro-batch rows (default: the
+        example batch's); what a step's `StepStats.kept_peak` must not exceed."""
         out = {}
         local = {self.vstages.stage_of(k) for k in self._local}
-        for p in range(len(self.run_layout.pipelines)):
-            kept = self.kept_bytes(p, batch_like)
+        for p, pipe in enumerate(self.run_layout.pipelines):
+            rows = lambda l: jax.ShapeDtypeStruct((pipe.micro_batch,) + tuple(l.shape[1:]), l.dtype)
+            kept = self.kept_bytes(p, None if batch_like is None else jax.tree_util.tree_map(rows, batch_like))
             for s, peak in enumerate(peak_kept(self.table(p), kept)):
                 if (p, s) in local:
                     out[(p, s)] = int(peak)

@@ -145,7 +145,7 @@ class ScheduleRun:
         self.act_shape, self.clock = act_shape, clock
         # buffers between actions, keyed by (pipeline, stage, microbatch) or (stage key, microbatch)
         self.acts, self.grads_back, self.saved, self.batches = {}, {}, {}, {}
-        self.kept: dict[tuple, tuple] = {}   # (stage key, microbatch) -> what W needs: B's input and gradient in
+        self.kept: dict[tuple, tuple] = {}   # (stage key, microbatch) -> what W reads, from its B
         self.memory = KeptMemory(self.saved, self.kept, stage_of)
         self.acc: dict[tuple[int, int], Any] = {}
         self.loss_parts: dict[int, Any] = {}
@@ -194,8 +194,7 @@ class ScheduleRun:
                      prog.act_in_shardings(like), like)
         if not prog.is_local:
             return None
-        self.saved[(key, m)] = x
-        out = prog.fwd(self.params[key], x, self._batch(a, prog))
+        out, self.saved[(key, m)] = prog.forward(self.params[key], x, self._batch(a, prog))
         if st.is_last:
             self.loss_parts[idx] = out
         else:
@@ -215,13 +214,12 @@ class ScheduleRun:
                      prog.act_out_shardings(like), activations.gradient_like(like))
         if not prog.is_local:
             return None
-        x = self.saved.pop((key, m))
+        kept = self.saved.pop((key, m))
         batch = self._batch(a, prog)
         if a.phase is Phase.BWD_INPUT:
-            g_x, done = prog.bwd_input(self.params[key], x, batch, g)
-            self.kept[(key, m)] = (x, g)
+            g_x, self.kept[(key, m)], done = prog.backward_input(self.params[key], kept, batch, g)
         else:
-            acc, g_x, done = prog.bwd(self.params[key], x, batch, g, self._acc(key, prog))
+            acc, g_x, done = prog.backward(self.params[key], kept, batch, g, self._acc(key, prog))
             self.acc[key] = acc
         if not st.is_first:
             self.grads_back[(a.pipeline, st.index, m)] = g_x
@@ -233,8 +231,8 @@ class ScheduleRun:
         prog = self.programs[key]
         if not prog.is_local:
             return None
-        x, g = self.kept.pop((key, m))
-        acc, done = prog.bwd_weight(self.params[key], x, self._batch(a, prog), g, self._acc(key, prog))
+        acc, done = prog.backward_weight(self.params[key], self.kept.pop((key, m)), self._batch(a, prog),
+                                         self._acc(key, prog))
         self.acc[key] = acc
         return done
 

@@ -42,8 +42,10 @@ from cfp.errors import ConfigError
 from cfp.layered.model import LayeredModel, concat_layers, stage_params
 from cfp.layout import PlacedStage
 from cfp.models.attention import ContextParallel, CpMethod, context_parallel
+from cfp.recompute import Recompute
 from cfp.runtime.sharding import CP_AXIS, TP_AXIS, param_shardings, stage_mesh
 from cfp.runtime.stage import activations
+from cfp.runtime.stage.kept import KeptPrograms, signature
 from cfp.runtime.stage.optim import StageOptimizer
 
 if TYPE_CHECKING:
@@ -55,8 +57,9 @@ class StageProgram:
     analysed step (``replay``) with its layouts."""
 
     def __init__(self, model: LayeredModel, stage: PlacedStage, devices: list, optimizer: StageOptimizer,
-                 replay: Optional["StageReplay"] = None):
+                 replay: Optional["StageReplay"] = None, recompute: Recompute = Recompute.NONE):
         self.model, self.stage, self.optimizer = model, stage, optimizer
+        self.recompute = Recompute.policy(recompute)
         self.devices = tuple(devices)
         self.mesh = stage_mesh(devices, stage.cp)
         self.repl = NamedSharding(self.mesh, P())
@@ -65,6 +68,9 @@ class StageProgram:
         self.replay = replay
         self.is_local = all(d.process_index == jax.process_index() for d in devices)
         fwd, bwd = self._apply_rules() if replay is None else self._apply_searched_plan(replay)
+        self._kept_like: dict = {}
+        self.kept_programs = None if replay is not None else KeptPrograms(
+            self._combined, self.params_like, self.recompute, self._out_like, stage.is_last)
         self._jit(fwd, bwd)
 
     # ------------------------------------------------------------------ layouts
@@ -115,8 +121,11 @@ class StageProgram:
         return self.shard(like, self.batch_spec)
 
     def _jit(self, fwd, bwd) -> None:
-        self.fwd = jax.jit(fwd)
-        self.bwd = jax.jit(bwd, donate_argnums=(4,))
+        kp = self.kept_programs
+        # under the rules table F keeps what the policy saves and the backward recomputes only the rest (`kept`);
+        # a searched plan's programs keep the stage input and recompute the forward (its cut of the analysed step)
+        self.fwd = jax.jit(fwd if kp is None else self._kept_forward)
+        self.bwd = jax.jit(bwd if kp is None else self._kept_backward, donate_argnums=(4,))
         self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.grad_shardings)
         self.gradient = jax.jit(self.summed)
@@ -124,8 +133,8 @@ class StageProgram:
         # B and W (split backward) under the rules table only: a searched plan's programs are cut from its step
         self.splits = self.replay is None
         if self.splits:
-            self._bwd_input = jax.jit(self._backward_input)
-            self.bwd_weight = jax.jit(self._backward_weight, donate_argnums=(4,))
+            self._bwd_input = jax.jit(self._kept_backward_input)
+            self._bwd_weight = jax.jit(kp.backward_weight, donate_argnums=(4,))
         # the whole update as one program: for compiling ahead of time and for memory figures only (the runtime
         # runs the partition's per-unit programs, `apply_update`)
         self.fused_update = jax.jit(self._fused_update, donate_argnums=(0, 1),
@@ -176,29 +185,52 @@ class StageProgram:
         acc = jax.tree_util.tree_map(jnp.add, acc, g_p)
         return acc, _constrain_list(list(g_x), self.mesh, self.g_x_spec), jnp.zeros((), jnp.float32)
 
-    def bwd_input(self, params, x, batch, g_y):
-        """B: ``(input gradient as a list of x's differentiable leaves, done)``; the first stage has none and runs
-        only a marker (``done``, on its devices)."""
+    # ------------------------------------------------------------------ what the dispatcher calls
+    def forward(self, params, x, batch):
+        """F: ``(output, what the micro-batch keeps for its backward)`` (a searched plan's programs: its input)."""
+        if self.kept_programs is None:
+            return self.fwd(params, x, batch), x
+        out, produced = self.fwd(params, x, batch)
+        return out, self.kept_programs.kept(x, produced)
+
+    def backward(self, params, kept, batch, g_y, acc):
+        """The whole backward: ``(acc + the micro-batch's parameter gradient, input gradient, done)``."""
+        return self.bwd(params, kept, batch, g_y, acc)
+
+    def backward_input(self, params, kept, batch, g_y):
+        """B: ``(input gradient as a list of x's differentiable leaves, what W reads, done)``."""
         if not self.splits:
             raise ConfigError(f"stage {self.stage.key}: a searched stage plan runs the whole backward only, not B "
                               "and W (use gpipe or 1f1b, or the rules table)")
-        return self._bwd_input(params, x, batch, g_y)
+        g_x, handoff, done = self._bwd_input(params, kept, batch, g_y)
+        return g_x, (self.kept_programs.for_weight(kept, g_y), handoff), done
 
-    def _backward_input(self, params, x, batch, g_y):
-        done = jnp.zeros((), jnp.float32)
-        if self.stage.is_first:
-            return [], done
-        floats, others, how = activations.split(x)
-        out, pull = jax.vjp(lambda xf: self.run(params, activations.join(xf, others, how), batch), floats)
-        (g_x,) = pull(self.cotangent(out, g_y))
-        return _constrain_list(list(g_x), self.mesh, self.g_x_spec), done
+    def backward_weight(self, params, w_kept, batch, acc):
+        """W: ``(acc + the micro-batch's parameter gradient, done)`` from what its B kept; runs no forward."""
+        residuals, handoff = w_kept
+        return self._bwd_weight(params, residuals, batch, handoff, acc)
 
-    def _backward_weight(self, params, x, batch, g_y, acc):
-        """W: ``(acc + the micro-batch's parameter gradient, done)`` from the stage input and its output's
-        gradient."""
-        out, pull = jax.vjp(lambda p: self.run(p, x, batch), params)
-        (g_p,) = pull(self.cotangent(out, g_y))
-        return jax.tree_util.tree_map(jnp.add, acc, g_p), jnp.zeros((), jnp.float32)
+    def _out_like(self, x_like, batch_like):
+        return jax.eval_shape(self.run, self.params_like, x_like, batch_like)
+
+    def _combined(self, params, x, batch, ct):
+        """The stage's forward and VJP in one: ``(out, parameter gradient, input gradient)`` for cotangent
+        leaves ``ct`` (the last stage: one per output scalar)."""
+        out, pull = self.vjp(params, x, batch)
+        g_p, g_x = pull(tuple(ct) if self.stage.is_last else activations.cotangent(out, ct))
+        return out, g_p, list(g_x)
+
+    def _kept_forward(self, params, x, batch):
+        out, produced = self.kept_programs.forward(params, x, batch)
+        return _constrain(out, self.mesh, self.out_spec), produced
+
+    def _kept_backward(self, params, kept, batch, g_y, acc):
+        acc, g_x, done = self.kept_programs.backward(params, kept, batch, g_y, acc)
+        return acc, _constrain_list(g_x, self.mesh, self.g_x_spec), done
+
+    def _kept_backward_input(self, params, kept, batch, g_y):
+        g_x, handoff, done = self.kept_programs.backward_input(params, kept, batch, g_y)
+        return _constrain_list(g_x, self.mesh, self.g_x_spec), handoff, done
 
     def update(self, params, opt_state, grad_parts, scale, globals_):
         """New ``(params, opt_state, finite flags)`` from the pipelines' gradient pieces; ``globals_``: the
@@ -238,24 +270,47 @@ class StageProgram:
         return jax.device_put(jax.tree_util.tree_map(lambda a: np.array(a, copy=True), opt_state),
                               self.opt_shardings)
 
-    def compile_jobs(self, x_like: Any, batch_like: Any, y_like: Any, pieces: list, split: bool = False) -> list:
-        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time (``split``: B and W
-        too, after the others). ``x_like`` / ``batch_like`` / ``y_like``: the stage's input activation /
-        micro-batch / output (None where the stage has none); ``pieces``: per pipeline, the layer-slice lengths its
-        gradient arrives in."""
+    def abstract_args(self, x_like: Any, batch_like: Any, y_like: Any) -> tuple:
+        """``(params, x, batch, g_y)`` as ShapeDtypeStructs on their shardings (None where the stage has none)."""
         params = _with_sharding(self.params_like, self.shardings)
-        grads = _with_sharding(self.params_like, self.grad_shardings)
-        opt = _with_sharding(self.optimizer.like, self.opt_shardings)
         x = None if x_like is None else _with_sharding(x_like, self.act_in_shardings(x_like))
         b = None if batch_like is None else _with_sharding(batch_like, self.batch_shardings(batch_like))
         g_y = None if y_like is None else [jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s) for l, s in zip(
             activations.gradient_like(y_like), self.act_out_shardings(y_like))]
+        return params, x, b, g_y
+
+    def kept_like(self, x_like: Any, batch_like: Any, y_like: Any) -> tuple:
+        """``(what a micro-batch keeps from F to its backward, what it keeps from B to W)`` as ShapeDtypeStructs
+        on the shardings the compiled F and B give them (the second None where the backward does not split)."""
+        params, x, b, g_y = self.abstract_args(x_like, batch_like, y_like)
+        if self.kept_programs is None:
+            return x, None
+        key = signature(x_like, batch_like)
+        if key not in self._kept_like:
+            kept = self.kept_programs.kept(x, _placed(self.fwd, (params, x, b))[1])
+            w_kept = None
+            if self.splits:
+                w_kept = (self.kept_programs.for_weight(kept, g_y), _placed(self._bwd_input, (params, kept, b, g_y))[1])
+            self._kept_like[key] = (kept, w_kept)
+        return self._kept_like[key]
+
+    def compile_jobs(self, x_like: Any, batch_like: Any, y_like: Any, pieces: list, split: bool = False) -> list:
+        """``(jitted program, abstract arguments)`` of each program, to compile ahead of time (``split``: B and W
+        too, after the others). ``x_like`` / ``batch_like`` / ``y_like``: the stage's input activation /
+        micro-batch / output (None where the stage has none); ``pieces``: per pipeline, the layer-slice lengths its
+        gradient arrives in. What the backward programs take of F and B comes from compiling F (and B)."""
+        params, x, b, g_y = self.abstract_args(x_like, batch_like, y_like)
+        grads = _with_sharding(self.params_like, self.grad_shardings)
+        opt = _with_sharding(self.optimizer.like, self.opt_shardings)
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         parts = [self.grad_parts_like(p) for p in pieces]
-        jobs = [(self.fwd, (params, x, b)), (self.bwd, (params, x, b, g_y, grads)), (self.zeros, ()),
+        kept, w_kept = self.kept_like(x_like, batch_like, y_like) if split and self.splits else (
+            self.kept_like(x_like, batch_like, y_like)[0], None)
+        jobs = [(self.fwd, (params, x, b)), (self.bwd, (params, kept, b, g_y, grads)), (self.zeros, ()),
                 (self.fused_update, (params, opt, parts, scalar, self.optimizer.globals_like))]
-        if split and self.splits:
-            jobs += [(self._bwd_input, (params, x, b, g_y)), (self.bwd_weight, (params, x, b, g_y, grads))]
+        if w_kept is not None:
+            jobs += [(self._bwd_input, (params, kept, b, g_y)), (self._bwd_weight, (params, w_kept[0], b, w_kept[1],
+                                                                                   grads))]
         return jobs
 
     def grad_parts_zeros(self, lengths: list[int]) -> Any:
@@ -369,3 +424,10 @@ def _scaled(tree: Any, scale) -> Any:
 
 def _with_sharding(like: Any, shardings: Any) -> Any:
     return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s), like, shardings)
+
+
+def _placed(jitted, args) -> Any:
+    """The outputs of ``jitted`` on ``args`` as ShapeDtypeStructs on the shardings its compiled program gives them."""
+    shapes = jax.eval_shape(jitted, *args)
+    shardings = jitted.lower(*args).compile().output_shardings
+    return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s), shapes, shardings)

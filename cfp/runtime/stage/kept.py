@@ -1,0 +1,173 @@
+"""A stage's programs under a recompute policy: F keeps what its backward needs, B and W split the backward
+without recomputing it (`cfp.ir.backward_split` cuts them from the stage's traced forward and VJP).
+
+Per micro-batch the dispatcher holds, from F to the backward, a `Kept` (the residuals: the stage input's leaves
+the backward reads and the forward values F returned), and from B to W a `Kept` of what W reads (the residuals
+and output gradients W needs, and B's handoff). Both are pytrees whose static part names the micro-batch's shapes,
+so each shape gets its own cut and its own compiled programs.
+
+Program signatures (``batch`` None on middle stages, ``g_y`` None on the last):
+
+* ``forward(params, x, batch) -> (out, produced)``: ``produced`` the residuals F computed (not the input's own);
+* ``backward(params, kept, batch, g_y, acc) -> (acc + parameter gradient, input gradient, done)``;
+* ``backward_input(params, kept, batch, g_y) -> (input gradient, handoff, done)``;
+* ``backward_weight(params, w_kept, batch, handoff, acc) -> (acc + parameter gradient, done)``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from cfp.ir import _jax_internals as jxi
+from cfp.ir.backward_split import Groups, StageSplit, evaluate, split_stage
+from cfp.recompute import Recompute
+from cfp.runtime.stage import activations
+
+Sig = tuple
+
+
+def signature(x: Any, batch: Any) -> Sig:
+    """The shapes a micro-batch's cut depends on (its input activation's and micro-batch's)."""
+    leaf = lambda a: (tuple(a.shape), str(a.dtype))
+    return (jax.tree_util.tree_structure(x), tuple(map(leaf, jax.tree_util.tree_leaves(x))),
+            jax.tree_util.tree_structure(batch), tuple(map(leaf, jax.tree_util.tree_leaves(batch))))
+
+
+@jax.tree_util.register_pytree_node_class
+class Kept:
+    """Values a micro-batch keeps between two of its actions, with the signature of its cut (static)."""
+
+    def __init__(self, sig: Sig, values: tuple):
+        self.sig, self.values = sig, tuple(values)
+
+    def tree_flatten(self):
+        return self.values, self.sig
+
+    @classmethod
+    def tree_unflatten(cls, sig, values):
+        return cls(sig, tuple(values))
+
+
+class KeptPrograms:
+    """The pure functions of one stage under ``policy`` (see the module doc), from ``combined(params, x, batch,
+    ct_leaves) -> (out, g_params, g_x list)`` and the stage's abstract parameters."""
+
+    def __init__(self, combined: Callable, params_like: Any, policy: Recompute, out_like: Callable, is_last: bool):
+        self.combined, self.params_like = combined, params_like
+        self.policy = Recompute.policy(policy)
+        self._out_like, self.is_last = out_like, is_last
+        self._splits: dict[Sig, StageSplit] = {}
+        self._trees: dict[Sig, tuple] = {}
+
+    # ------------------------------------------------------------------ the cut, per micro-batch shape
+    def split(self, x_like: Any, batch_like: Any) -> StageSplit:
+        sig = signature(x_like, batch_like)
+        if sig not in self._splits:
+            out = self._out_like(x_like, batch_like)
+            ct = self.ct_like(out)
+            prog = jxi.trace_whole(self.combined, self.params_like, x_like, batch_like, ct)
+            n = lambda t: len(jax.tree_util.tree_leaves(t))
+            floats = activations.gradient_like(x_like) if x_like is not None else []
+            groups = Groups(n(self.params_like), n(x_like), n(batch_like), len(ct), n(out), n(self.params_like),
+                            len(floats))
+            self._splits[sig] = split_stage(prog, groups, self.policy)
+            self._trees[sig] = (jax.tree_util.tree_structure(out), jax.tree_util.tree_structure(self.params_like),
+                                [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in jax.tree_util.tree_leaves(out)],
+                                [jax.ShapeDtypeStruct(l.shape, l.dtype)
+                                 for l in jax.tree_util.tree_leaves(self.params_like)], floats)
+        return self._splits[sig]
+
+    def ct_like(self, out_like: Any) -> list:
+        """The cotangent inputs: the output's differentiable leaves' gradients (the last stage: one per output
+        scalar, 1 on ``loss_sum`` and 0 on ``weight``)."""
+        if self.is_last:
+            return [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in jax.tree_util.tree_leaves(out_like)]
+        return activations.gradient_like(out_like)
+
+    def _last_ct(self, sig: Sig) -> list:
+        _, _, outs, _, _ = self._trees[sig]
+        return [jnp.ones(o.shape, o.dtype) if k == 0 else jnp.zeros(o.shape, o.dtype) for k, o in enumerate(outs)]
+
+    def _env(self, split: StageSplit, params, x, batch, ct) -> dict:
+        ins = split.groups.inputs(split.prog)
+        env = dict(zip(ins["params"], jax.tree_util.tree_leaves(params)))
+        env.update(zip(ins["x"], jax.tree_util.tree_leaves(x)))
+        env.update(zip(ins["batch"], jax.tree_util.tree_leaves(batch)))
+        if ct is not None:
+            env.update(zip(ins["ct"], ct))
+        return env
+
+    @staticmethod
+    def _values(env: dict, atoms, likes) -> list:
+        return [env[a[1]] if a[0] == "var" else jnp.full(l.shape, a[1], l.dtype) for a, l in zip(atoms, likes)]
+
+    # ------------------------------------------------------------------ the programs' bodies
+    def forward(self, params, x, batch):
+        split = self.split(_like(x), _like(batch))
+        sig = signature(_like(x), _like(batch))
+        env = evaluate(split.prog, split.forward, self._env(split, params, x, batch, None))
+        out_tree, _, outs, _, _ = self._trees[sig]
+        out = jax.tree_util.tree_unflatten(out_tree, self._values(env, split.groups.outputs(split.prog)["out"], outs))
+        inputs = set(split.groups.inputs(split.prog)["x"])
+        return out, Kept(sig, tuple(env[i] for i in split.residuals if i not in inputs))
+
+    def kept(self, x: Any, produced: Kept) -> Kept:
+        """What the micro-batch keeps for its backward: the residuals in `StageSplit.residuals` order, the stage
+        input's own leaves taken from ``x``."""
+        split = self._splits[produced.sig]
+        xs = dict(zip(split.groups.inputs(split.prog)["x"], jax.tree_util.tree_leaves(x)))
+        made = iter(produced.values)
+        return Kept(produced.sig, tuple(xs[i] if i in xs else next(made) for i in split.residuals))
+
+    def _backward_env(self, kept: Kept, params, batch, g_y) -> tuple[StageSplit, dict]:
+        split = self._splits[kept.sig]
+        ct = self._last_ct(kept.sig) if self.is_last else list(g_y)
+        env = self._env(split, params, None, batch, ct)
+        env.update(zip(split.residuals, kept.values))
+        return split, env
+
+    def _grads(self, split: StageSplit, sig: Sig, env: dict, acc):
+        _, p_tree, _, p_like, _ = self._trees[sig]
+        g_p = jax.tree_util.tree_unflatten(p_tree, self._values(env, split.groups.outputs(split.prog)["g_params"],
+                                                                p_like))
+        return jax.tree_util.tree_map(jnp.add, acc, g_p)
+
+    def _g_x(self, split: StageSplit, sig: Sig, env: dict) -> list:
+        return self._values(env, split.groups.outputs(split.prog)["g_x"], self._trees[sig][4])
+
+    def backward(self, params, kept: Kept, batch, g_y, acc):
+        split, env = self._backward_env(kept, params, batch, g_y)
+        evaluate(split.prog, split.whole, env)
+        return self._grads(split, kept.sig, env, acc), self._g_x(split, kept.sig, env), jnp.zeros((), jnp.float32)
+
+    def backward_input(self, params, kept: Kept, batch, g_y):
+        split, env = self._backward_env(kept, params, batch, g_y)
+        evaluate(split.prog, split.b, env)
+        return (self._g_x(split, kept.sig, env), Kept(kept.sig, tuple(env[i] for i in split.handoff)),
+                jnp.zeros((), jnp.float32))
+
+    def for_weight(self, kept: Kept, g_y) -> Kept:
+        """What W reads of the micro-batch's residuals and output gradient (kept from B to W)."""
+        split = self._splits[kept.sig]
+        res = dict(zip(split.residuals, kept.values))
+        ct = dict(zip(split.groups.inputs(split.prog)["ct"], [] if self.is_last else list(g_y)))
+        return Kept(kept.sig, tuple(res[i] for i in split.w_residuals)
+                    + tuple(ct[i] for i in split.w_ct if i in ct))
+
+    def backward_weight(self, params, w_kept: Kept, batch, handoff: Kept, acc):
+        split = self._splits[w_kept.sig]
+        ct = dict(zip(split.groups.inputs(split.prog)["ct"], self._last_ct(w_kept.sig))) if self.is_last else {}
+        env = self._env(split, params, None, batch, None)
+        env.update(ct)
+        n = len(split.w_residuals)
+        env.update(zip(split.w_residuals, w_kept.values[:n]))
+        env.update(zip([i for i in split.w_ct if i not in ct], w_kept.values[n:]))
+        env.update(zip(split.handoff, handoff.values))
+        evaluate(split.prog, split.w, env)
+        return self._grads(split, w_kept.sig, env, acc), jnp.zeros((), jnp.float32)
+
+
+def _like(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)

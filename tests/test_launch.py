@@ -236,3 +236,75 @@ def test_train_rank_refuses_a_job_that_leaves_a_rank_idle(monkeypatch):
     with pytest.raises(ConfigError, match="renumber the layout's devices"):
         monkeypatch.setenv("CFP_NUM_PROCESSES", "3")
         check_layout_fills_processes([0, 1, 8, 9])
+
+
+# ---- the cluster's own launchers (cfp.runtime.launchers): the variables srun, mpirun and a Kubernetes indexed Job
+# set, as each sets them for the second process of a job of 4 on a node running 2 of them
+SRUN = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1"}
+MPIRUN = {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.0.0.1:34911", "OMPI_COMM_WORLD_SIZE": "4",
+          "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+JOBSET = {"KUBERNETES_SERVICE_HOST": "10.0.0.9", "JOB_COMPLETION_INDEX": "3"}
+
+
+@pytest.mark.parametrize("env, name, size", [(SRUN, "slurm", 4), (MPIRUN, "ompi", 4), (JOBSET, "", None)],
+                         ids=["srun", "mpirun", "jobset"])
+def test_a_launchers_job_is_detected(env, name, size):
+    from cfp.runtime.launchers import detect_job
+    job = detect_job(env)
+    assert (job.launcher.name, job.process_id, job.num_processes) == (name, 3, size)
+    assert job.local_rank == (0 if env is JOBSET else 1)
+
+
+def test_launcher_job_arguments(monkeypatch):
+    """The job handed to jax.distributed.initialize: process 3 of 4, its 4 devices the second block of its node's
+    (local rank 1), the coordinator left to JAX's detection of that launcher."""
+    from cfp.runtime.launch import _launcher_job
+    from cfp.runtime.launchers import detect_job
+    for env, method in ((SRUN, "slurm"), (MPIRUN, "ompi"), (JOBSET, None)):
+        monkeypatch.setattr("os.environ", dict(env, CFP_DEVICES_PER_PROC="4"))
+        pid, d, args = _launcher_job(detect_job(env))
+        local = [0, 1, 2, 3] if env is JOBSET else [4, 5, 6, 7]
+        assert (pid, d) == (3, 4) and args == dict(num_processes=None if env is JOBSET else 4, process_id=3,
+                                                   local_device_ids=local, cluster_detection_method=method)
+
+
+def test_no_launcher_or_one_process_is_a_single_process_run():
+    from cfp.runtime.launchers import detect_job
+    assert detect_job({}) is None
+    assert detect_job({"SLURM_JOB_ID": "5", "SLURM_NTASKS": "2"}) is None     # an sbatch script, outside srun
+    assert detect_job(dict(SRUN, SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0")) is None
+    assert detect_job({"KUBERNETES_SERVICE_HOST": "10.0.0.9"}) is None        # a pod, not an indexed Job
+
+
+def test_local_device_ids_and_devices_per_process():
+    """jax#16788: JAX's default is one device per process, the local rank's; cfp gives each its block of
+    CFP_DEVICES_PER_PROC devices, or all it sees where the launcher bound exactly that many to it."""
+    from cfp.runtime.launchers import detect_job, devices_per_process, local_device_ids
+    job = detect_job(SRUN)
+    assert local_device_ids(job, 2, {}) == [2, 3]
+    assert local_device_ids(job, 4, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) == [4, 5, 6, 7]
+    assert local_device_ids(job, 2, {"CUDA_VISIBLE_DEVICES": "6,7"}) == [0, 1]       # --gpus-per-task 2
+    assert local_device_ids(detect_job(dict(SRUN, SLURM_LOCALID="0")), 1, {}) == [0]
+    assert devices_per_process({"CFP_DEVICES_PER_PROC": "4",
+                                "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}) == 4
+    assert devices_per_process({"XLA_FLAGS": "--a --xla_force_host_platform_device_count=2"}) == 2
+    assert devices_per_process({}) == 1
+    for bad in ("0", "four", "-1"):
+        with pytest.raises(ConfigError, match=f"CFP_DEVICES_PER_PROC='{bad}' must be a whole number of devices"):
+            devices_per_process({"CFP_DEVICES_PER_PROC": bad})
+    with pytest.raises(ConfigError, match=r"SLURM_PROCID='x' \(set by the launcher\) is not an integer"):
+        detect_job(dict(SRUN, SLURM_PROCID="x"))
+    with pytest.raises(ConfigError, match="OMPI_COMM_WORLD_RANK=4 is not below OMPI_COMM_WORLD_SIZE=4"):
+        detect_job(dict(MPIRUN, OMPI_COMM_WORLD_RANK="4"))
+
+
+def test_cfp_variables_override_the_launchers(monkeypatch):
+    """CFP_COORDINATOR set: the CFP_* job, not the launcher's (the layout check reads the same)."""
+    from cfp.runtime.launch import check_layout_fills_processes
+    monkeypatch.setattr("os.environ", dict(SRUN, CFP_DEVICES_PER_PROC="2"))
+    with pytest.raises(ConfigError, match=r"the job has 8 devices, 4 processes x 2 devices each"):
+        check_layout_fills_processes(range(9))
+    monkeypatch.setattr("os.environ", dict(SRUN, CFP_COORDINATOR="h:1", CFP_NUM_PROCESSES="2",
+                                           CFP_DEVICES_PER_PROC="4"))
+    check_layout_fills_processes(range(8))

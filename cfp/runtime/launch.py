@@ -11,6 +11,17 @@ rank fails, stops the others and exits non-zero naming it. Each rank calls
 an array, jit): it must set ``XLA_FLAGS`` before the CPU backend starts, and ``jax.distributed.initialize``
 refuses to run after that anyway.
 
+The cluster's own launcher (Slurm's ``srun``, Open MPI's ``mpirun``, a Kubernetes indexed Job/JobSet) works the
+same without ``cfp launch``: :func:`maybe_initialize_distributed` finds the job in the launcher's variables
+(`cfp.runtime.launchers`) and joins it through ``jax.distributed``'s cluster detection, e.g.::
+
+    mpirun -np 2 -x CFP_DEVICES_PER_PROC=4 cfp train ...
+    srun -n 2 --export=ALL,CFP_DEVICES_PER_PROC=4 cfp train ...
+
+``CFP_DEVICES_PER_PROC`` is each process's device count (on CPU the simulated devices; on GPUs the ones it
+drives, a block of its node's by local rank, or all it sees when the launcher bound exactly that many); without
+it, the ``XLA_FLAGS`` device count, else 1. The ``CFP_*`` variables below, when set, override the launcher's.
+
 Multi-host: run one launcher per host, all pointing at the coordinator (process 0's host), e.g. two hosts
 with 2 ranks each::
 
@@ -69,8 +80,8 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
-def _install_fast_fail() -> None:
-    """Make an error exit skip JAX's atexit shutdown barrier.
+def _install_fast_fail(pid: int, n: int) -> None:
+    """Make an error exit skip JAX's atexit shutdown barrier, naming the failing process.
 
     The barrier waits (up to shutdown_timeout_s) for every process; after an error the peers are usually
     blocked in a collective waiting for this one, so it would only time out and delay the launcher's
@@ -78,16 +89,20 @@ def _install_fast_fail() -> None:
     """
     orig_hook, orig_exit = sys.excepthook, sys.exit
 
+    def named(code: int) -> None:
+        print(f"cfp: process {pid} of {n} failed (exit code {code})", file=sys.stderr)
+        _hard_exit(code)
+
     def excepthook(tp, value, tb):
         orig_hook(tp, value, tb)
-        _hard_exit(130 if issubclass(tp, KeyboardInterrupt) else 1)
+        named(130 if issubclass(tp, KeyboardInterrupt) else 1)
 
     def exit(code=None):
         if code is not None and code != 0:
             if not isinstance(code, int):
                 print(code, file=sys.stderr)
                 code = 1
-            _hard_exit(int(code))
+            named(int(code))
         orig_exit(code)
 
     sys.excepthook, sys.exit = excepthook, exit
@@ -107,34 +122,30 @@ def _heartbeat_timeout() -> int:
 
 def maybe_initialize_distributed(init_timeout_s: int = 60, heartbeat_timeout_s: int | None = None,
                                  shutdown_timeout_s: int = 120, fast_fail: bool = True) -> tuple[int, int]:
-    """Join the distributed run described by the ``CFP_*`` variables; returns (process_id, num_processes).
+    """Join the distributed run this process belongs to; returns (process_id, num_processes).
 
-    Without ``CFP_COORDINATOR`` this does nothing and returns (0, 1); if JAX is already initialised for
-    distributed use it returns the current values. Must be called before any JAX device use (see module doc).
-    The timeouts are shorter than JAX's (300 s) so a missing or dead peer ends the run sooner; the shutdown
-    barrier timeout bounds how long a finished rank waits for slower ones (e.g. one still saving).
-    fast_fail: install :func:`_install_fast_fail`, so a failing rank exits at once (don't use it if the
-    program catches SystemExit from `sys.exit` on purpose).
+    The job comes from the ``CFP_*`` variables (``cfp launch``, or set by hand: the explicit override), else from
+    the cluster's launcher (``srun``, ``mpirun``, a Kubernetes indexed Job: `cfp.runtime.launchers`), whose
+    variables ``jax.distributed``'s cluster detection reads; each process drives ``CFP_DEVICES_PER_PROC``
+    devices (on CPU, else the ``XLA_FLAGS`` device count, else 1). Neither: nothing is done and (0, 1) returned;
+    if JAX is already initialised for distributed use it returns the current values. Must be called before any
+    JAX device use (see module doc). The timeouts are shorter than JAX's (300 s) so a missing or dead peer ends
+    the run sooner; the shutdown barrier timeout bounds how long a finished rank waits for slower ones (e.g. one
+    still saving). fast_fail: install :func:`_install_fast_fail`, so a failing rank exits at once naming itself
+    (don't use it if the program catches SystemExit from `sys.exit` on purpose).
     """
     import jax
 
+    from cfp.runtime.launchers import detect_job
     coord = os.environ.get(ENV_COORDINATOR)
-    if not coord:
+    job = None if coord else detect_job(os.environ)
+    if not coord and job is None:
         return 0, 1
     if jax.distributed.is_initialized():
         return jax.process_index(), jax.process_count()
-    try:
-        n = int(os.environ[ENV_NUM_PROCESSES])
-        pid = int(os.environ[ENV_PROCESS_ID])
-        d = int(os.environ.get(ENV_DEVICES_PER_PROC, "1"))
-    except (KeyError, ValueError) as e:
-        raise ConfigError(f"{ENV_COORDINATOR} is set but {e} is missing or not an integer (need "
-                          f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}, {ENV_DEVICES_PER_PROC})") from None
+    pid, d, args = _explicit_job(coord) if coord else _launcher_job(job)
     if heartbeat_timeout_s is None:
         heartbeat_timeout_s = _heartbeat_timeout()
-    if not (0 <= pid < n) or d < 1:
-        raise ConfigError(f"{ENV_PROCESS_ID}={pid}, {ENV_NUM_PROCESSES}={n}, {ENV_DEVICES_PER_PROC}={d} are "
-                          "invalid (need 0 <= id < num_processes and devices >= 1)")
     from cfp.ir._jax_internals import backends_are_initialized
 
     if backends_are_initialized():
@@ -142,15 +153,44 @@ def maybe_initialize_distributed(init_timeout_s: int = 60, heartbeat_timeout_s: 
                        "first thing in the program")
     os.environ["XLA_FLAGS"] = xla_flags_with_device_count(os.environ.get("XLA_FLAGS", ""), d)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process CPU collectives
-    jax.distributed.initialize(coord, n, pid, initialization_timeout=init_timeout_s,
+    jax.distributed.initialize(**args, initialization_timeout=init_timeout_s,
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                shutdown_timeout_seconds=shutdown_timeout_s)
+    pid, n = jax.process_index(), jax.process_count()
     if fast_fail:
-        _install_fast_fail()
+        _install_fast_fail(pid, n)
     if jax.local_device_count() != d:  # e.g. a GPU backend, where the CPU device-count flag does nothing
         raise CfpError(f"rank {pid} has {jax.local_device_count()} local devices, expected "
                        f"{ENV_DEVICES_PER_PROC}={d} (set JAX_PLATFORMS=cpu to simulate devices)")
+    if job is not None and pid == 0:
+        print(f"one job of {n} processes x {d} devices, joined through {job.describe.split(' started by ')[1]}",
+              flush=True)
     return pid, n
+
+
+def _explicit_job(coord: str) -> tuple[int, int, dict]:
+    """(process id, devices per process, jax.distributed.initialize's job arguments) from the ``CFP_*``
+    variables."""
+    try:
+        n = int(os.environ[ENV_NUM_PROCESSES])
+        pid = int(os.environ[ENV_PROCESS_ID])
+        d = int(os.environ.get(ENV_DEVICES_PER_PROC, "1"))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{ENV_COORDINATOR} is set but {e} is missing or not an integer (need "
+                          f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}, {ENV_DEVICES_PER_PROC})") from None
+    if not (0 <= pid < n) or d < 1:
+        raise ConfigError(f"{ENV_PROCESS_ID}={pid}, {ENV_NUM_PROCESSES}={n}, {ENV_DEVICES_PER_PROC}={d} are "
+                          "invalid (need 0 <= id < num_processes and devices >= 1)")
+    return pid, d, dict(coordinator_address=coord, num_processes=n, process_id=pid)
+
+
+def _launcher_job(job) -> tuple[int, int, dict]:
+    """The same from a cluster launcher's job: JAX's detection of that launcher finds the coordinator."""
+    from cfp.runtime.launchers import devices_per_process, local_device_ids
+    d = devices_per_process(os.environ)
+    return job.process_id, d, dict(num_processes=job.num_processes, process_id=job.process_id,
+                                   local_device_ids=local_device_ids(job, d, os.environ),
+                                   cluster_detection_method=job.launcher.name or None)
 
 
 def check_layout_fills_processes(device_ids, num_processes: int | None = None,
@@ -158,15 +198,11 @@ def check_layout_fills_processes(device_ids, num_processes: int | None = None,
     """Refuse a multi-process job in which some process holds none of the layout's devices (it would sit
     idle) or a layout device lies beyond the job's devices. Process p holds the global device ids
     p*devices_per_proc .. (p+1)*devices_per_proc-1. Without arguments, the job is read from the ``CFP_*``
-    variables (a single-process run passes)."""
+    variables or the cluster launcher's (a single-process run passes)."""
     if num_processes is None:
-        if not os.environ.get(ENV_COORDINATOR):
+        num_processes, devices_per_proc = _job_shape()
+        if num_processes is None:
             return
-        try:
-            num_processes = int(os.environ[ENV_NUM_PROCESSES])
-            devices_per_proc = int(os.environ.get(ENV_DEVICES_PER_PROC, "1"))
-        except (KeyError, ValueError):
-            return   # maybe_initialize_distributed names the bad variable
     ids = sorted(set(device_ids))
     total = num_processes * devices_per_proc
     job = f"{num_processes} processes x {devices_per_proc} devices each"
@@ -180,6 +216,22 @@ def check_layout_fills_processes(device_ids, num_processes: int | None = None,
                           f"{job}: process(es) {idle} would hold none of them and sit idle; "
                           + (fix if need < num_processes
                              else "renumber the layout's devices (--devices-id) so every process holds some"))
+
+
+def _job_shape() -> tuple[int | None, int | None]:
+    """(processes, devices per process) of the job the ``CFP_*`` or a launcher's variables describe; (None, None)
+    for a single process or a job whose size only the cluster knows (maybe_initialize_distributed names a bad
+    variable)."""
+    from cfp.runtime.launchers import detect_job, devices_per_process
+    try:
+        if os.environ.get(ENV_COORDINATOR):
+            return int(os.environ[ENV_NUM_PROCESSES]), int(os.environ.get(ENV_DEVICES_PER_PROC, "1"))
+        job = detect_job(os.environ)
+        if job is not None and job.num_processes is not None:
+            return job.num_processes, devices_per_process(os.environ)
+    except (KeyError, ValueError):   # ConfigError included
+        pass
+    return None, None
 
 
 def _ranges(ids: list[int]) -> str:

@@ -556,6 +556,14 @@ MUTANTS: tuple[Mutant, ...] = (
            "return _Listed(items)", "return _Rows(tuple(items))",
            ("tests/test_feed.py::test_per_step_batches_train_like_the_models_own_step",),
            "a list of per-step batches (what a data loader yields) is taken as one batch"),
+    Mutant("launcher-process-id-ignored", "runtime", "cfp/runtime/launch.py",
+           "process_id=job.process_id,", "process_id=0,",
+           ("tests/test_launch.py::test_launcher_job_arguments",),
+           "the process id the cluster's launcher set is ignored: every process joins as process 0"),
+    Mutant("local-device-ids-from-the-global-rank", "runtime", "cfp/runtime/launchers.py",
+           '"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),', '"SLURM_PROCID", "SLURM_NTASKS", "SLURM_PROCID"),',
+           ("tests/test_launch.py::test_local_device_ids_and_devices_per_process",),
+           "a process's local device ids are taken from its global rank (SLURM_PROCID), not its node-local one"),
 )
 
 

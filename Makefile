@@ -14,7 +14,7 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 SCRIPT_TIMES = echo "script run times (measured; CPU = the run's processes' user + system seconds):"; \
 	sort .script-times 2>/dev/null; rm -f .script-times
 
-.PHONY: demo test test-slow test-readme test-rest test-scripts install clean
+.PHONY: demo test test-slow test-readme test-rest test-scripts install clean launchers
 
 $(STAMP): pyproject.toml
 	@test -n "$(PY)" || { echo "make: no Python >= 3.12 found (see scripts/find-python.sh)" >&2; exit 1; }
@@ -52,6 +52,13 @@ test-scripts: $(STAMP)
 	@rm -f .script-times
 	@status=0; CFP_SCRIPT_TIMES=$(CURDIR)/.script-times $(PYTEST) -m scripts tests/test_scripts.py || status=$$?; \
 	$(SCRIPT_TIMES); exit $$status
+
+# the cluster launchers tests/test_cluster_launchers.py runs cfp train under (in make test-rest): Debian's Open MPI
+# and a single-node Slurm of this host (munged, slurmctld, slurmd as root); where a package cannot be installed or a
+# daemon started, the script says why and those tests skip with the reason
+launchers:
+	scripts/cluster-launchers.sh install
+	scripts/cluster-launchers.sh start
 
 clean:
 	rm -rf $(VENV) build *.egg-info .jax-cache

@@ -70,3 +70,14 @@ def uniform(policy: Recompute, stages_per_pipeline: Sequence[int]) -> StageRecom
     """One policy on every stage."""
     policy = Recompute.policy(policy)
     return tuple((policy,) * n for n in stages_per_pipeline)
+
+
+def resolve(request: Any, stages_per_pipeline: Sequence[int], filed: StageRecompute = ()) -> StageRecompute:
+    """Every stage's policy from a run's request: one policy (``auto``: the layout file's per-stage ``filed``
+    policies where it has them, else ``none``), or per pipeline one policy per stage."""
+    if isinstance(request, (list, tuple)):
+        return parse_stage_recompute(request, stages_per_pipeline, "recompute")
+    request = Recompute.parse(request)
+    if request is Recompute.AUTO:
+        return filed if filed else uniform(Recompute.NONE, stages_per_pipeline)
+    return uniform(request, stages_per_pipeline)

@@ -150,6 +150,17 @@ def add_num_layers(p: argparse.ArgumentParser) -> None:
                    help="number of transformer layers (default: the config's)")
 
 
+RECOMPUTE = ("auto", "none", "selective", "full")     # `cfp.recompute.Recompute`'s values
+
+
+def add_recompute(p: argparse.ArgumentParser, help_auto: str) -> None:
+    p.add_argument("--recompute", choices=RECOMPUTE, default="auto",
+                   help="what each stage's backward recomputes of its forward: none (F keeps what the backward "
+                        "needs), selective (keeps the dot outputs without batch dims; recomputes attention scores "
+                        "and elementwise values), full (keeps the stage input only; the backward reruns the "
+                        f"forward), auto: {help_auto} (default: %(default)s)")
+
+
 def add_schedule(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", type=run_schedule_text, default=DEFAULT_SCHEDULE, metavar="SCHEDULE",
                    help="pipeline schedule the runtime runs: gpipe, 1f1b, interleaved (interleaved:V for V virtual "

@@ -34,6 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     common.add_shape_overrides(p, dtype_help="compute dtype; parameters stay float32 master weights")
     _layout_options(p)
     common.add_schedule(p)
+    common.add_recompute(p, "the layout file's per-stage choice (cfp plan --recompute), else none")
     common.add_steps(p)
     common.add_optimizer(p)
     common.add_seed(p)
@@ -181,6 +182,7 @@ def _file_layout(args: argparse.Namespace):
             raise ConfigError(f"--{name.replace('_', '-')}={given} conflicts with layout file {args.layout!r} "
                               f"({name} {filed[name]}); drop the flag or the file")
     _check_layout_flags(args, lf.layout)
+    args.filed_recompute = lf.recompute
     # the schedule the plan priced pipeline 0 with, its virtual stages included (`schedule` holds the name only)
     args.model, args.schedule = lf.model, lf.schedules[0] if lf.schedules else lf.schedule.value
     if len(set(lf.schedules)) > 1:
@@ -247,10 +249,12 @@ def run(args: argparse.Namespace) -> int:
         schedule=args.schedule, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints or None,
         resume=args.resume, timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
-        stop_after=args.stop_after, stage_plans=_stage_plans(args), tables=args.schedule_tables)
+        stop_after=args.stop_after, stage_plans=_stage_plans(args), tables=args.schedule_tables,
+        recompute=_recompute(args))
     if user:
         um = _user_model(args)
         _, _, layout = layout_from_args(args, um.model.num_layers)
+        run_args["recompute"] = _recompute(args)
         check_layout_fills_processes(list(layout.devices))
         work = lambda: train_user_model(um, RunOptions(layout=layout, **run_args))
     else:
@@ -264,6 +268,12 @@ def run(args: argparse.Namespace) -> int:
     result = _guarded(work)
     sys.stdout.flush()
     return 0 if result.verify_ok else 1
+
+
+def _recompute(args: argparse.Namespace):
+    """--recompute, or with auto the layout file's per-stage policies where it gives them."""
+    filed = getattr(args, "filed_recompute", ())
+    return filed if args.recompute == "auto" and filed else args.recompute
 
 
 def _peek_model(path: str) -> str:

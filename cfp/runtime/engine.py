@@ -39,6 +39,7 @@ import optax
 from cfp.errors import ConfigError, NumericalError
 from cfp.layered.model import LayeredModel, merge_stage_params, stage_params
 from cfp.layout import Layout
+from cfp.recompute import Recompute, resolve
 from cfp.runtime.executor import (ActivationShapes, ScheduleRun, broadcast_params, check_micro_batches,
                                   device_bytes, grad_pieces, split_batch, sync_gradients)
 from cfp.runtime.host_state import gather_stages, host
@@ -103,7 +104,7 @@ class HeteroTrainer:
     def __init__(self, model: LayeredModel, optimizer: Optional[optax.GradientTransformation], layout: Layout,
                  schedule: "str | ScheduleName" = ScheduleName.GPIPE, *, example_batch: Any = None,
                  devices: Optional[list] = None, plans: Optional[StagePlans] = None,
-                 cache: Optional[CompileCache] = None):
+                 cache: Optional[CompileCache] = None, recompute: Any = Recompute.NONE):
         if cache is None:
             if optimizer is None:
                 raise ConfigError("HeteroTrainer needs an optimizer or a compile cache built for one")
@@ -125,6 +126,7 @@ class HeteroTrainer:
         self._slicers: dict[tuple, Any] = {}
         self.warm_s = 0.0     # seconds spent in warm(): compilation kept out of timed steps
         self._example = None if example_batch is None else _like(example_batch)
+        self._recompute = recompute     # one policy, or per pipeline one per stage (`cfp.recompute.resolve`)
         self._build(layout, plans)
 
     def _build(self, layout: Layout, plans: Optional[StagePlans] = None) -> None:
@@ -135,7 +137,10 @@ class HeteroTrainer:
                               "(plans are per stage): use the rules table or a schedule of one virtual stage")
         self.layout, self.vstages = layout, expand(layout, self.spec)
         self.run_layout = self.vstages.run
-        self.programs = build_programs(self.run_layout, self.devices, self.cache, plans, self._example)
+        policies = resolve(self._recompute, [p.num_stages for p in layout.pipelines])
+        self.recompute = policies
+        stage_policy = lambda key: policies[self.vstages.stage_of(key)[0]][self.vstages.stage_of(key)[1]]
+        self.programs = build_programs(self.run_layout, self.devices, self.cache, plans, self._example, stage_policy)
         self._local = {k: pr for k, pr in self.programs.items() if pr.is_local}
         self._clock = StepClock({k: pr.stage.devices for k, pr in self._local.items()})
         self._act_shape = ActivationShapes(self.run_layout, self.programs)

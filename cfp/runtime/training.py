@@ -27,6 +27,7 @@ from cfp.files import check_output_dir
 from cfp.layout import Layout
 from cfp.runtime.measured_tables import (TableSource, gather_events, generate_from_measured, replay_timeline,
                                          simulated_line)
+from cfp.recompute import Recompute, StageRecompute, parse_stage_recompute, resolve
 from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec
 
 if TYPE_CHECKING:
@@ -86,6 +87,9 @@ class RunOptions:
     stop_after: Optional[int] = None  # stop (as if killed) after this many steps; for tests
     stage_plans: Optional["StagePlanOptions"] = None  # None: the rules table on the model's logical dim names
     tables: TableSource = TableSource.GENERATED   # adaptable schedules: pattern, or generated from measured times
+    # what each stage's backward recomputes (`cfp.recompute`): one policy, ``auto`` (the layout file's per-stage
+    # choice where it has one, else none), or per pipeline one policy per stage
+    recompute: Any = Recompute.AUTO
 
     def __post_init__(self):
         if not isinstance(self.layout, Layout):
@@ -110,7 +114,16 @@ class RunOptions:
         k = self.keep_checkpoints
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ConfigError(f"keep_checkpoints={k!r} is invalid (must be a positive integer, or None to keep all)")
+        stages = [p.num_stages for p in self.layout.pipelines]
+        object.__setattr__(self, "recompute", self.recompute if isinstance(self.recompute, Recompute) else (
+            parse_stage_recompute(self.recompute, stages, "recompute")
+            if isinstance(self.recompute, (list, tuple)) else Recompute.parse(self.recompute)))
         _check_no_ignored_options(self)
+
+    @property
+    def stage_recompute(self) -> StageRecompute:
+        """Every stage's recompute policy (``auto`` resolved: none)."""
+        return resolve(self.recompute, [p.num_stages for p in self.layout.pipelines])
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -246,7 +259,9 @@ def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformat
     from cfp.layered.model import LayeredModel
     if not isinstance(model, LayeredModel):
         raise ConfigError(f"model={type(model).__name__} must be a cfp.LayeredModel")
-    layout = _layout_of(layout)
+    layout, filed = _layout_of(layout)
+    if filed and Recompute.parse(run_options.get("recompute", Recompute.AUTO)) is Recompute.AUTO:
+        run_options["recompute"] = filed      # the layout file's per-stage choice
     if checkpoint_dir and not (run_options.get("checkpoint_every") or run_options.get("resume")
                                or run_options.get("stage_plans")):
         run_options["checkpoint_every"] = steps
@@ -272,12 +287,14 @@ def train_user_model(user: Any, opts: RunOptions, log: Callable[..., None] = Non
     return _run(job, opts, log or _print0, cache, keep_state)
 
 
-def _layout_of(layout: Any) -> Layout:
+def _layout_of(layout: Any) -> tuple[Layout, StageRecompute]:
+    """The layout, and the per-stage recompute policies its layout file gives (empty for a `Layout`)."""
     if isinstance(layout, Layout):
-        return layout
+        return layout, ()
     if isinstance(layout, (str, os.PathLike)):
         from cfp.planner.layout_file import load_layout_file
-        return load_layout_file(os.fspath(layout)).layout
+        lf = load_layout_file(os.fspath(layout))
+        return lf.layout, lf.recompute
     raise ConfigError(f"layout={layout!r} must be a cfp.Layout or the path of a layout file")
 
 
@@ -349,7 +366,7 @@ def _build_stages(job: _Job, opts: RunOptions, cache: "CompileCache", example: A
     """The trainer holding every stage's program (from `plans` where given, else the rules table)."""
     from cfp.runtime.engine import HeteroTrainer
     return HeteroTrainer(job.model, job.optimizer, opts.layout, opts.spec, example_batch=example, plans=plans,
-                         cache=cache)
+                         cache=cache, recompute=opts.stage_recompute)
 
 
 def _train(trainer, job: _Job, opts: RunOptions, store: "_Checkpoints", start: int, losses: dict[int, float],

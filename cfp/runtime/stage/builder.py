@@ -2,10 +2,11 @@
 step), always through the engine's `CompileCache` (where a run's plans come from: `plan_sources`)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from cfp.errors import ConfigError
 from cfp.layout import Layout
+from cfp.recompute import Recompute
 from cfp.runtime.stage.cache import Built, CompileCache
 from cfp.runtime.stage.cases import StageCase, analysed_step, megatron_program, replay_program, stage_cases
 from cfp.runtime.stage.plans import StagePlan, StagePlans, entries
@@ -61,9 +62,10 @@ def needs_search(cache: CompileCache, layout: Layout) -> list:
 
 
 def build_programs(layout: Layout, devices: list, cache: CompileCache, plans: Optional[StagePlans] = None,
-                   batch_like: Any = None) -> dict:
+                   batch_like: Any = None, recompute: Callable[[tuple], Recompute] = lambda key: Recompute.NONE
+                   ) -> dict:
     """Every stage's `StageProgram` through `cache`: a searched plan's where `plans` has one that runs (for batches
-    shaped like `batch_like`), the rules table's elsewhere."""
+    shaped like `batch_like`), the rules table's elsewhere, under the policy ``recompute(stage key)``."""
     check_devices(layout, devices)
     if plans is not None and batch_like is None:
         raise ConfigError("stage plans need the shape of the batches (an example batch) to rebuild their programs")
@@ -74,5 +76,6 @@ def build_programs(layout: Layout, devices: list, cache: CompileCache, plans: Op
         raise ConfigError(f"stages {unnamed} have TP > 1 but model {cache.model.name!r} names no parameter dims "
                           "(logical_names): search their stage plans (--stage-plans search) or name the dims "
                           "(nn.with_logical_partitioning, nnx.with_partitioning)")
-    return {st.key: planned.get(st.key) or megatron_program(st, [devices[d] for d in st.devices], cache)
+    return {st.key: planned.get(st.key) or megatron_program(st, [devices[d] for d in st.devices], cache,
+                                                            recompute(st.key))
             for st in layout.placed}

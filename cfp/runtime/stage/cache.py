@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 import optax
 
 from cfp.layout import PlacedStage
+from cfp.recompute import Recompute
 
 if TYPE_CHECKING:
     from cfp.layered.model import LayeredModel
@@ -48,6 +49,7 @@ class ProgramKey:
     stage: PlacedStage
     devices: tuple
     plan: PlanChoice = None
+    recompute: Recompute = Recompute.NONE
 
 
 class Built(enum.Enum):

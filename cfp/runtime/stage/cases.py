@@ -12,6 +12,7 @@ from cfp.analysis.analysis import Analysis, analyze_with_program
 from cfp.ir.capture import Program
 from cfp.layout import Layout, PlacedStage
 from cfp.runtime.stage import activations
+from cfp.recompute import Recompute
 from cfp.runtime.stage.cache import Built, CompileCache, ProgramKey, StepKey
 from cfp.runtime.stage.program import StageProgram
 from cfp.runtime.stage.replay import StageReplay, stage_step
@@ -46,11 +47,12 @@ class AnalysedStep:
     args: tuple
 
 
-def megatron_program(st: PlacedStage, devices: list, cache: CompileCache) -> StageProgram:
-    """The stage's `StageProgram` under the rules table, built once per cache."""
-    key = ProgramKey(st, tuple(devices))
+def megatron_program(st: PlacedStage, devices: list, cache: CompileCache,
+                     recompute: Recompute = Recompute.NONE) -> StageProgram:
+    """The stage's `StageProgram` under the rules table and recompute policy ``recompute``, built once per cache."""
+    key = ProgramKey(st, tuple(devices), None, recompute)
     return cache.get(Built.PROGRAM, key, lambda: StageProgram(cache.model, st, devices,
-                                                              cache.optimizer.stage(st)))
+                                                              cache.optimizer.stage(st), recompute=recompute))
 
 
 def replay_program(case: StageCase, plan_choice: tuple, applied: Any, cache: CompileCache) -> StageProgram:

@@ -103,6 +103,7 @@ def test_failing_rank_stops_the_others(tmp_path):
     code, out, err = _launch(tmp_path, FAILER, "exit", timeout=120)
     assert code == 3
     assert "[rank 1] rank 1 giving up" in out
+    assert "[rank 1] cfp: process 1 of 2 failed (exit code 3)" in out      # the rank names itself
     assert err.strip().splitlines()[-1] == "cfp launch: rank 1 exited with code 3; stopped 1 other rank(s)"
 
 

@@ -1,0 +1,146 @@
+"""`cfp train` under the cluster's own launchers, for real: Debian's Open MPI (`mpirun -np 2`) and a single-node
+Slurm (`srun -n 2`; `make launchers` installs both and starts munged, slurmctld and slurmd, scripts/cluster-launchers.sh).
+Per launcher: a two-pipeline layout whose every stage hop crosses the two processes trains as one job of 2
+processes (the header says so) and verifies against one device; one rank SIGKILLed after step 2 ends the job
+non-zero within the heartbeat timeout, the launcher naming the rank; the relaunch resumes from the step-2
+checkpoint and gives the uninterrupted run's losses bit for bit. A launcher that is missing or not running skips
+with that reason. Slow (each run starts 2 processes that compile): `make test-rest`."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CFP = [sys.executable, "-m", "cfp.cli.main"]
+# devices 0-3 are process 0's, 4-7 process 1's: both pipelines cross the processes at every stage hop
+TRAIN = ["train", "--model", "llama2", "--num-layers", "3", "--seq-len", "16", "--hetero-configs",
+         "[[2,1,1],[2,1,1]]", "--layer-partitions", "[[1,1,1],[1,1,1]]", "--devices-id",
+         "[[[0,1],[4],[2]],[[5,6],[3],[7]]]", "--global-batch-size", "6", "2", "--chunks", "3", "1"]
+STEP = re.compile(r"^step (\d+) loss ([0-9.]+)", re.M)
+HEARTBEAT_S = 10
+
+
+def _slurm_reason():
+    if not shutil.which("srun"):
+        return "no srun: Debian's slurm-wlm is not installed (make launchers installs it)"
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    if r.returncode != 0 or not {"idle", "mixed", "allocated"} & set(r.stdout.split()):
+        return f"Slurm is not running here (make launchers starts it): sinfo: {(r.stderr or r.stdout).strip()[:200]}"
+    return None
+
+
+def _mpirun_reason():
+    return None if shutil.which("mpirun") else "no mpirun: Debian's openmpi-bin is not installed (make launchers)"
+
+
+LAUNCHERS = {
+    # the environment goes to the ranks with -x (mpirun) and --export (srun): the documented way
+    "mpirun": (_mpirun_reason, lambda env: ["mpirun", "--allow-run-as-root", "-np", "2"]
+               + [a for k in env for a in ("-x", k)], "OMPI_COMM_WORLD_RANK",
+               re.compile(r"process rank 1 with PID \d+ on node \S+ exited on signal 9")),
+    "srun": (_slurm_reason, lambda env: ["srun", "-n", "2", "--kill-on-bad-exit=1", "--export=ALL"],
+             "SLURM_PROCID", re.compile(r"srun: error: \S+: task 1: Killed")),
+}
+
+
+def _env(tag: str) -> dict:
+    return {"CFP_DEVICES_PER_PROC": "4", "JAX_PLATFORMS": "cpu", "CFP_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S),
+            "PYTHONUNBUFFERED": "1", "CFP_TEST_TAG": tag}
+
+
+def _losses(text: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in STEP.finditer(text)}
+
+
+def _rank_pid(rank_var: str, tag: str):
+    """The pid of the rank-1 process of the job tagged `tag` (its environment says so), or None."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                python = b"cfp.cli.main" in f.read()
+        except OSError:
+            continue
+        if python and env.get(b"CFP_TEST_TAG") == tag.encode() and env.get(rank_var.encode()) == b"1":
+            return int(entry)
+    return None
+
+
+@pytest.fixture(params=list(LAUNCHERS))
+def launcher(request):
+    reason, command, rank_var, killed = LAUNCHERS[request.param]
+    why = reason()
+    if why:
+        pytest.skip(why)
+    return request.param, command, rank_var, killed
+
+
+def _run(command, args, tag, timeout=600):
+    env = dict(os.environ, **_env(tag))
+    env.pop("XLA_FLAGS", None)      # the device count comes from CFP_DEVICES_PER_PROC
+    return subprocess.run(command(_env(tag)) + CFP + TRAIN + args, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_launcher_trains_verifies_fails_cleanly_and_resumes(launcher, tmp_path):
+    name, command, rank_var, killed = launcher
+    # one job of 2 processes, verified; its losses the reference of the resumed run below
+    full = _run(command, ["--steps", "4", "--verify"], uuid.uuid4().hex)
+    out = full.stdout + full.stderr
+    assert full.returncode == 0, out[-4000:]
+    assert "one job of 2 processes x 4 devices, joined through" in out and "; 2 process(es), 8 devices" in out
+    assert re.search(r"verify: max relative error \S+ over 4 steps \(ok", out), out[-3000:]
+    reference = _losses(full.stdout)
+    assert sorted(reference) == [1, 2, 3, 4]
+
+    # rank 1 SIGKILLed once checkpoint 2 is saved: the job ends non-zero, the launcher naming rank 1
+    ckpt = tmp_path / "ckpt"
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, **_env(tag))
+    env.pop("XLA_FLAGS", None)
+    args = ["--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    p = subprocess.Popen(command(_env(tag)) + CFP + TRAIN + args, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in p.stdout:
+            seen.append(line)
+            if line.startswith("step 2 "):
+                break
+        from cfp.runtime.checkpoint import latest_step
+        guard = time.monotonic() + 300
+        while (latest_step(ckpt) or 0) < 2 and p.poll() is None and time.monotonic() < guard:
+            time.sleep(0.05)
+        pid = _rank_pid(rank_var, tag)
+        assert pid is not None and p.poll() is None, "".join(seen)[-3000:]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest = p.communicate(timeout=HEARTBEAT_S + 120)[0]     # a hang raises TimeoutExpired: a failure
+        took = time.monotonic() - killed_at
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0
+    assert killed.search(rest), rest[-3000:]
+    print(f"{name}: the job ended {took:.1f} s after rank 1 was killed (measured; heartbeat timeout "
+          f"{HEARTBEAT_S} s)")
+    assert took < HEARTBEAT_S + 60, took
+
+    # the relaunch resumes from the newest checkpoint and gives the uninterrupted run's losses, bit for bit
+    resumed = _run(command, args + ["--resume"], uuid.uuid4().hex)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    losses = _losses(resumed.stdout)
+    start = min(losses)
+    assert start >= 3 and max(losses) == 4 and re.search(rf"resumed from \S+ step {start - 1}\b", resumed.stdout)
+    assert {k: losses[k] for k in losses} == {k: reference[k] for k in losses}

@@ -168,6 +168,9 @@ class TrainResult:
     step_seconds: list[float] = field(default_factory=list)   # measured, per step after the first
     kept_peak: dict = field(default_factory=dict)       # last step: local stage -> most activation bytes kept
     kept_predicted: dict = field(default_factory=dict)  # ... and its schedule's prediction (bytes per device)
+    # per pipeline, the makespan simulated from each stage's median F/B/W over every measured action of the timed
+    # steps, every stage owning its compute (seconds; printed also when some action went unwatched)
+    median_makespan: dict = field(default_factory=dict)
     params: Any = None                   # train_pipelines: the trained parameters (host numpy, the model's structure)
     opt_state: Any = None                # ... and the optimizer state
 
@@ -342,8 +345,9 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
                          opts.layout)
     start, losses = _initial_state(store, opts.resume, job.model, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None
-    result, last_events = _train(trainer, job, opts, store, start, losses, log)
+    result, last_events, every_event = _train(trainer, job, opts, store, start, losses, log)
     _report(trainer, job, opts, plans, result, last_events, log)
+    result.median_makespan = _median_makespans(trainer, every_event, log)
     if opts.verify:
         result.verify_error, result.verify_ok = _verify(job, trainer, init_state, start, losses, opts.verify_tol,
                                                         log)
@@ -373,8 +377,8 @@ def _train(trainer, job: _Job, opts: RunOptions, store: "_Checkpoints", start: i
            log):
     """Compile, generate adaptable schedules' tables from measured times, then train the steps left after
     `start`; returns (result, the events of the step the timeline shows)."""
-    log(f"{job.describe}; schedule {trainer.spec}; {jax.process_count()} process(es), "
-        f"{opts.layout.num_devices} devices")
+    log(f"{job.describe}; schedule {trainer.spec}; recompute {recompute_text(trainer.recompute)}; "
+        f"{jax.process_count()} process(es), {opts.layout.num_devices} devices")
     log(opts.layout.describe())
     if start < opts.steps:
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
@@ -404,6 +408,7 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
     returns (result, last events)."""
     start = steps.start
     timed, busy_sum, busy_steps, last_events, full, step, kept = [], {}, {}, None, False, start, {}
+    every_event = []      # every measured action of the timed steps
     for step in steps:
         stats = trainer.step(batches(step))
         losses[step + 1] = stats.loss
@@ -411,6 +416,7 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
             f"measured ({stats.seconds:.3f} s)")
         if step > start:  # the first step still traces (and warms caches); keep it out of rates
             timed.append(stats)
+            every_event += stats.events
             for k, v in stats.busy().items():     # a stage's busy time only from steps it was measured in full
                 if k not in stats.unmeasured:
                     busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
@@ -433,7 +439,37 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
             print(f"{line} (process {jax.process_index()})", flush=True)
         else:
             log(line)
-    return result, last_events
+    return result, last_events, (every_event, len(timed))
+
+
+def _median_makespans(trainer, every: tuple, log) -> dict[int, float]:
+    """Per pipeline, the makespan its table gives with each stage's median measured F, B and W over every
+    measured action of the timed steps (every stage owning its compute): a figure also when the host was too busy
+    to watch every action of a step. A collective under several processes."""
+    from cfp.runtime.measured_tables import gather_events, median_costs
+    from cfp.schedules.simulate import simulate
+    events, steps = every
+    if not steps:
+        return {}
+    tl = gather_events(events, len(trainer.order) * steps)
+    out = {}
+    for q in range(len(trainer.run_layout.pipelines)):
+        table = trainer.table(q)
+        if not any(e.pipeline == q for e in tl.events):
+            continue
+        out[q] = simulate(table, median_costs(tl.events, q, table.num_vstages)).makespan
+        log(f"pipeline {q}: makespan {out[q]:.4f} s simulated from each stage's median F/B/W over "
+            f"{sum(e.pipeline == q for e in tl.events)} measured actions of {steps} steps (every stage owning its "
+            f"compute; {tl.unmeasured} actions unwatched)")
+    return out
+
+
+def recompute_text(policies) -> str:
+    """A run's per-stage recompute policies in one phrase: the policy where all stages share it."""
+    flat = {p for row in policies for p in row}
+    if len(flat) == 1:
+        return flat.pop().value
+    return "per stage " + "; ".join(f"pipeline {q}: {', '.join(p.value for p in row)}" for q, row in enumerate(policies))
 
 
 def _kept_line(measured: dict, predicted: dict) -> str:

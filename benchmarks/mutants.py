@@ -386,21 +386,23 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_schedules.py",),
            "a table running a virtual stage on another stage than it is placed on passes validation"),
     Mutant("runtime-drops-w", "schedules", "cfp/runtime/executor.py",
-           "        acc, done = prog.bwd_weight(self.params[key], x, self._batch(a, prog), g, self._acc(key, prog))\n"
+           "        acc, done = prog.backward_weight(self.params[key], self.kept.pop((key, m)), self._batch(a, prog),\n"
+           "                                         self._acc(key, prog))\n"
            "        self.acc[key] = acc\n",
-           "        _, done = prog.bwd_weight(self.params[key], x, self._batch(a, prog), g, self._acc(key, prog))\n",
+           "        _, done = prog.backward_weight(self.params[key], self.kept.pop((key, m)), self._batch(a, prog),\n"
+           "                                       self._acc(key, prog))\n",
            ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
            "the executor runs W but drops its weight gradient from the stage's accumulator"),
-    Mutant("runtime-w-counted-twice", "schedules", "cfp/runtime/stage/program.py",
-           "        return jax.tree_util.tree_map(jnp.add, acc, g_p), jnp.zeros((), jnp.float32)",
-           "        return jax.tree_util.tree_map(lambda a, g: a + 2 * g, acc, g_p), jnp.zeros((), jnp.float32)",
+    Mutant("runtime-w-counted-twice", "schedules", "cfp/runtime/stage/kept.py",
+           "        return self._grads(split, w_kept.sig, env, acc), jnp.zeros((), jnp.float32)",
+           "        return self._grads(split, w_kept.sig, env, self._grads(split, w_kept.sig, env, acc)), "
+           "jnp.zeros((), jnp.float32)",
            ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
            "W adds the micro-batch's weight gradient twice"),
-    Mutant("runtime-b-sends-no-gradient", "schedules", "cfp/runtime/stage/program.py",
-           "        out, pull = jax.vjp(lambda xf: self.run(params, activations.join(xf, others, how), batch), floats)\n"
-           "        (g_x,) = pull(self.cotangent(out, g_y))",
-           "        out, pull = jax.vjp(lambda xf: self.run(params, activations.join(xf, others, how), batch), floats)\n"
-           "        (g_x,) = pull(jax.tree_util.tree_map(jnp.zeros_like, self.cotangent(out, g_y)))",
+    Mutant("runtime-b-sends-no-gradient", "schedules", "cfp/runtime/stage/kept.py",
+           "        return (self._g_x(split, kept.sig, env), Kept(kept.sig, tuple(env[i] for i in split.handoff)),",
+           "        return ([jnp.zeros_like(g) for g in self._g_x(split, kept.sig, env)], "
+           "Kept(kept.sig, tuple(env[i] for i in split.handoff)),",
            ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
            "B hands the previous stage a gradient that ignores its output's (the earlier stages' W see nothing)"),
     Mutant("planner-ignores-w-stashes", "planner", "cfp/planner/costmodel.py",
@@ -525,8 +527,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "a resumed run searches its stage plans again instead of reusing those saved beside its checkpoints"),
     # ---- issue 27: the activations a schedule keeps
     Mutant("executor-keeps-forward-inputs", "runtime", "cfp/runtime/executor.py",
-           "        x = self.saved.pop((key, m))\n",
-           "        x = self.saved[(key, m)]\n",
+           "        kept = self.saved.pop((key, m))\n",
+           "        kept = self.saved[(key, m)]\n",
            ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
            "the dispatcher never frees a micro-batch's kept input after its backward (1F1B keeps GPipe's memory)"),
     Mutant("schedule-kept-ignores-stash", "schedules", "cfp/schedules/actions.py",
@@ -564,6 +566,27 @@ MUTANTS: tuple[Mutant, ...] = (
            '"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),', '"SLURM_PROCID", "SLURM_NTASKS", "SLURM_PROCID"),',
            ("tests/test_launch.py::test_local_device_ids_and_devices_per_process",),
            "a process's local device ids are taken from its global rank (SLURM_PROCID), not its node-local one"),
+    # ---- issue 38: compute once (kept residuals, B and W without recomputation)
+    Mutant("w-recomputes-the-forward", "runtime", "cfp/ir/backward_split.py",
+           "    b = b0 | {e for e in w0 if eqn_kind[e] is Kind.FORWARD}          # W recomputes no forward value\n",
+           "    b = b0\n",
+           ("tests/test_compute_once.py",),
+           "W recomputes the forward values it reads that F did not keep (full, selective) instead of B handing them"),
+    Mutant("b-drops-a-residual-w-needs", "runtime", "cfp/runtime/stage/kept.py",
+           "        return Kept(kept.sig, tuple(res[i] for i in split.w_residuals)",
+           "        return Kept(kept.sig, tuple(res[i] for i in split.w_residuals[1:])",
+           ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
+           "B keeps for W one residual fewer than W reads"),
+    Mutant("residuals-kept-after-w", "runtime", "cfp/runtime/executor.py",
+           "        acc, done = prog.backward_weight(self.params[key], self.kept.pop((key, m)), self._batch(a, prog),\n",
+           "        acc, done = prog.backward_weight(self.params[key], self.kept[(key, m)], self._batch(a, prog),\n",
+           ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
+           "the dispatcher keeps a micro-batch's residuals and handoff after its W ran"),
+    Mutant("forward-keeps-parameter-copies", "runtime", "cfp/ir/backward_split.py",
+           "    kept = {v for v, k in var_kind.items() if k is Kind.FORWARD and v in producer\n",
+           "    kept = {v for v, k in var_kind.items() if k is not Kind.BACKWARD and v in producer\n",
+           ("tests/test_compute_once.py::test_w_runs_no_forward_and_residuals_hold_no_parameters",),
+           "F keeps values computed from the parameters alone (a copy of them per micro-batch)"),
 )
 
 

@@ -75,7 +75,17 @@ def max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes
     """Most micro-batches (<= limit) the pipeline holds within memory under the cost model's base schedule:
     only what the stages keep between forward and backward grows with them (without bound under GPipe, up to a
     schedule's most in flight otherwise) and never falls, so the largest count whose every stage fits is found
-    by bisection; 0 when one micro-batch does not fit."""
+    by bisection; 0 when one micro-batch does not fit. Memoised on the stages' shape (machine spec, TP degree,
+    layers: all the memory depends on)."""
+    key = ("max_chunks", tuple((cm.kind[st.machine], len(st.devices), st.layers) for st in stages), micro_batch,
+           n_pipes, limit)
+    hit = cm.build_memo.get(key)
+    if hit is None:
+        hit = cm.build_memo[key] = _max_chunks(cm, stages, micro_batch, n_pipes, limit)
+    return hit
+
+
+def _max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes: int, limit: int) -> int:
     caps = [cm.cluster.machines[st.machine].memory for st in stages]
 
     def fits(c: int) -> bool:
@@ -134,7 +144,13 @@ def best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, mi
     hit = memo[key]
     if hit is None:
         return None
-    return tuple(Stage(st.devices, n, st.machine) for st, n in zip(orders[hit[0]], hit[1]))
+    # the stages built for these very orders before (kept with them, so their id is not reused meanwhile)
+    built = memo.setdefault("built", {})
+    got = built.get((key, id(orders)))
+    if got is None or got[0] is not orders:
+        got = built[key, id(orders)] = (orders, tuple(Stage(st.devices, n, st.machine)
+                                                      for st, n in zip(orders[hit[0]], hit[1])))
+    return got[1]
 
 
 def _search_orders(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
@@ -146,7 +162,8 @@ def _search_orders(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int
             a, w = pipeline_terms(cm, st, micro_batch)
             # the update depends on the stages alone: priced on `pipeline_terms`' probe, whose stage figures
             # are memoised by now
-            t = a + (chunks - 1) * w + cm.update_time(Layout.unchecked((Pipeline(st, micro_batch, 1),)))
+            probe = cm.stage_estimates(Pipeline(st, micro_batch, 1), 1)
+            t = a + (chunks - 1) * w + cm.stages_update_time(st, probe)
             if t < best_t:
                 best, best_t = (i, st), t
     return best

@@ -182,6 +182,7 @@ class CostModel:
         object.__setattr__(self, "spec", self.choices[0])
         object.__setattr__(self, "_stage_memo", {})
         object.__setattr__(self, "_pipe_memo", {})
+        object.__setattr__(self, "_figs_memo", {})
         object.__setattr__(self, "_memo", {})
         object.__setattr__(self, "build_memo", {})     # `cfp.planner.build`'s memo of layer splits
 
@@ -327,6 +328,16 @@ class CostModel:
         return MemoryTerms(ends(m.param_bytes), share * m.param_bytes(Part.LAYER, tp), a0, a1,
                            ends(m.optimizer_bytes), share * m.optimizer_bytes(Part.LAYER, tp))
 
+    def pipeline_memory_floor(self, n_pipes: int, tps: tuple[int, ...]) -> float:
+        """Bytes the devices of one pipeline among `n_pipes` hold together at least, at any split into stages of
+        TP degrees `tps`: every stage's peak (`stage_memory`) is at least its parameters, accumulator, optimizer
+        state and the gathered gradient copies, and a stage of TP t holds at least 1/t of its layers' figures per
+        device, so the pipeline's devices hold the whole model's (at its least over `tps`) that many times."""
+        m, share, g = self.model, self.features.state_share(n_pipes), self.features.gathered_copies(n_pipes)
+        least = lambda fig: min(t * (m.num_layers * fig(Part.LAYER, t) + fig(Part.EMBED, t) + fig(Part.HEAD, t))
+                                for t in tps)
+        return share * ((2 + g) * least(m.param_bytes) + least(m.optimizer_bytes))
+
     def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
         the number of layers)."""
@@ -387,11 +398,21 @@ class CostModel:
                n_pipes, -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
         e = self._stage_memo.get(key)
         if e is None:
-            e = self._stage_memo[key] = self._stage_estimate(st, idx, pipe, n_pipes, nxt, place[0], place[2])
+            # the times do not depend on the schedule beyond where the head is: memoised apart from the memory
+            tkey = key[:4] + (place[0],) + key[5:]
+            times = self._stage_memo.get(tkey)
+            if times is None:
+                times = self._stage_memo[tkey] = self._stage_estimate(st, idx, pipe, n_pipes, nxt, place[0])
+            e = self._stage_memo[key] = StageEstimate(
+                fwd=times.fwd, bwd=times.bwd, send=times.send, memory=self.stage_memory(st, idx, pipe, n_pipes,
+                                                                                         place[2]),
+                capacity=times.capacity, flops_fwd=times.flops_fwd, flops_bwd=times.flops_bwd,
+                update=times.update, measured=times.measured, params=times.params, wgrad=times.wgrad)
         return e
 
     def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
-                        nxt: Stage | None, last: bool, spec: ScheduleSpec) -> StageEstimate:
+                        nxt: Stage | None, last: bool) -> StageEstimate:
+        """The stage's figures but its memory (left 0: `_cached_stage` adds it per schedule)."""
         m = self.model
         first = idx == 0
         mb = pipe.micro_batch
@@ -415,10 +436,9 @@ class CostModel:
         send = 0.0
         if nxt is not None:
             send = mb * m.boundary_bytes() / self.cluster.link(st.machine, nxt.machine)
-        mem = self.stage_memory(st, idx, pipe, n_pipes, spec)
         cap = self.cluster.machines[st.machine].memory
         upd = self._stream_seconds(st.machine, self.update_bytes(st, first, last) * self.features.state_share(n_pipes))
-        return StageEstimate(fwd=fwd, bwd=bwd, send=send, memory=mem, capacity=cap, flops_fwd=ff, flops_bwd=fb,
+        return StageEstimate(fwd=fwd, bwd=bwd, send=send, memory=0.0, capacity=cap, flops_fwd=ff, flops_bwd=fb,
                              update=upd, measured=measured is not None, params=self.stage_params(st, first, last),
                              wgrad=wgrad)
 
@@ -461,12 +481,22 @@ class CostModel:
         """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
         in one or two pipelines)."""
         key = (pipe, n_pipes)
-        figs = self._pipe_memo.get(key)
+        figs = self._figs_memo.get(key)
         if figs is None:
-            figs = self._pipe_memo[key] = self._pipeline_figures(pipe, n_pipes)
+            figs = self._figs_memo[key] = self._pipeline_figures(pipe, n_pipes)
         return figs
 
-    def _pipeline_figures(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
+    def _priced(self, pipe: Pipeline, n_pipes: int) -> tuple:
+        """(schedule, stage estimates, seconds, every schedule's (spec, seconds, fits)) of the fastest schedule
+        whose stages fit, else the base one; memoised on the pipeline's shape -- per stage its machine's spec, TP
+        degree, layers and link to the next -- which is all they depend on (pipelines of like machines, e.g. the
+        equal-share cut's, share it)."""
+        st, kind, link = pipe.stages, self.kind, self.cluster.link
+        key = (tuple((kind[s.machine], len(s.devices), s.layers) for s in st),
+               tuple(link(a.machine, b.machine) for a, b in zip(st, st[1:])), pipe.batch, pipe.chunks, n_pipes)
+        hit = self._pipe_memo.get(key)
+        if hit is not None:
+            return hit
         options, best = [], None
         for spec in self.choices:       # the fastest schedule whose stages fit; else the base one
             ests = self.stage_estimates(pipe, n_pipes, spec)
@@ -475,28 +505,42 @@ class CostModel:
             options.append((spec, t, fits))
             if best is None or (fits and (not best[3] or t < best[2])):
                 best = (spec, ests, t, fits)
-        spec, ests, time, _ = best
+        hit = self._pipe_memo[key] = (best[0], best[1], best[2], tuple(options))
+        return hit
+
+    def _pipeline_figures(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
+        spec, ests, time, options = self._priced(pipe, n_pipes)
         ms = self.cluster.machines
-        layers, widths, share, own = [], [], [], []
-        busy, upd, peak = {}, {}, 0
+        shape = self._shape_figures(pipe, ests)
+        share, own = [], []
+        busy, upd = {}, {}
         for s, e in zip(pipe.stages, ests):
-            m, width = s.machine, len(s.devices)
-            layers.append(s.layers)
-            widths.append(width)
-            f = width / ms[m].count if ms[m].gpu.shared_host else 0.0
+            m = s.machine
+            f = len(s.devices) / ms[m].count if ms[m].gpu.shared_host else 0.0
             share.append(f)
-            peak += s.tp * self._peak[m]
             if f:
                 busy[m] = busy.get(m, 0.0) + pipe.chunks * (e.fwd + e.bwd) * f
                 upd[m] = upd.get(m, 0.0) + e.update * f
             else:
                 own.append(e.update)
-        return _PipelineFigures(stages=ests, time=time, layer_tp=np.repeat(widths, layers),
-                                bounds=(0, *itertools.accumulate(layers)),
-                                fits=all(e.memory <= e.capacity for e in ests), peak=peak,
+        layer_tp, bounds, fits, peak = shape
+        return _PipelineFigures(stages=ests, time=time, layer_tp=layer_tp, bounds=bounds, fits=fits, peak=peak,
                                 machines=frozenset(s.machine for s in pipe.stages), share=tuple(share),
                                 host_busy=tuple(busy.items()), host_update=tuple(upd.items()),
-                                own_update=max(own, default=0.0), schedule=spec, options=tuple(options))
+                                own_update=max(own, default=0.0), schedule=spec, options=options)
+
+    def _shape_figures(self, pipe: Pipeline, ests: tuple) -> tuple:
+        """(TP degree per layer, stage bounds, fits, dense peak FLOP/s) of a pipeline, memoised on its estimates
+        (`_priced`'s) and per stage TP degree, layers and machine spec."""
+        key = ("shape", id(ests), tuple((self.kind[s.machine], len(s.devices), s.layers) for s in pipe.stages))
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not ests:
+            layers = [s.layers for s in pipe.stages]
+            widths = [len(s.devices) for s in pipe.stages]
+            hit = self._memo[key] = (ests, (np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
+                                           all(e.memory <= e.capacity for e in ests),
+                                           sum(s.tp * self._peak[s.machine] for s in pipe.stages)))
+        return hit[1]
 
     def dp_time(self, layout: Layout) -> float:
         """Gradient sync as the runtime does it (`cfp.runtime.executor.sync_gradients`): every stage receives
@@ -516,16 +560,18 @@ class CostModel:
         bw = self._sync_bandwidth(machines)
         machine = next(iter(machines))
         per_tp = self._sync_table(n, bw, self.kind[machine])
-        layer_tp = np.stack([f.layer_tp for f in figs])
-        prefix = np.concatenate(([0.0], np.cumsum(per_tp[layer_tp.min(axis=0)]))).tolist()
+        narrowest = np.stack([f.layer_tp for f in figs]).min(axis=0)
+        pkey = (narrowest.tobytes(), n, bw, self.kind[machine])
+        prefix = self._memo.get(pkey)
+        if prefix is None:
+            prefix = self._memo[pkey] = np.concatenate(([0.0], np.cumsum(per_tp[narrowest]))).tolist()
         worst, host = 0.0, {}
         for p, f in zip(layout.pipelines, figs):
-            t = [prefix[b] - prefix[a] for a, b in zip(f.bounds, f.bounds[1:])]   # per stage: its layers' sync
-            last = len(t) - 1
-            for i in {0, last}:          # the embedding's and the head's gradients
-                extra = ((self.model.param_bytes(Part.EMBED) if i == 0 else 0)
-                         + (self.model.param_bytes(Part.HEAD) if i == last else 0))
-                t[i] += self._sync_seconds(extra, n, bw, self.kind[p.stages[i].machine])
+            ends = (self.kind[p.stages[0].machine], self.kind[p.stages[-1].machine])
+            key = ("stage_syncs", pkey, f.bounds, ends)
+            t = self._memo.get(key)
+            if t is None:
+                t = self._memo[key] = self._stage_syncs(prefix, f.bounds, ends, n, bw)
             if not any(f.share):
                 worst = max(worst, *t)
                 continue
@@ -535,6 +581,17 @@ class CostModel:
                 else:
                     worst = max(worst, ti)
         return max([worst, *host.values()])
+
+    def _stage_syncs(self, prefix: list, bounds: tuple, ends: tuple, n: int, bw: float) -> list[float]:
+        """Per stage, its layers' sync (`prefix`: the layers' running sum) and the embedding's and the head's
+        gradients on the first and last stage (`ends`: their machines' specs)."""
+        t = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
+        last = len(t) - 1
+        for i in {0, last}:
+            extra = ((self.model.param_bytes(Part.EMBED) if i == 0 else 0)
+                     + (self.model.param_bytes(Part.HEAD) if i == last else 0))
+            t[i] += self._sync_seconds(extra, n, bw, ends[0] if i == 0 else ends[1])
+        return t
 
     def _collective_sync_time(self, layout: Layout) -> float:
         """An all-reduce or sharded sync (`StepFeatures.grad_sync`): every stage's collectives across the
@@ -569,6 +626,16 @@ class CostModel:
         is fused into the update program (`StageProgram._fused_update`), which reads the n - 1 other parts beside the
         gradient `update_time` prices."""
         return collective_time("all-gather", n * nbytes, n, bw) + self._stream_seconds(machine, (n - 1) * nbytes)
+
+    def stages_update_time(self, stages: tuple[Stage, ...], ests: tuple[StageEstimate, ...]) -> float:
+        """`update_time` of a layout of one pipeline of `stages` estimated as `ests` (without its figures)."""
+        ms, own, host = self.cluster.machines, 0.0, {}
+        for st, e in zip(stages, ests):
+            if ms[st.machine].gpu.shared_host:
+                host[st.machine] = host.get(st.machine, 0.0) + e.update * len(st.devices) / ms[st.machine].count
+            else:
+                own = max(own, e.update)
+        return max([own, *host.values()])
 
     def update_time(self, layout: Layout) -> float:
         """The update reads params, gradient and optimizer state and writes params and state (`update_bytes`);

@@ -82,6 +82,13 @@ def cluster_graph(cluster: Cluster, rate) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(x) for x in _graph(cluster, range(cluster.num_devices), lambda d: rate(d) * scale))
 
 
+def phase1_edges(cluster: Cluster) -> int:
+    """Entries of phase 1's adjacency (`cluster_graph`: each edge once per end), counted without building it."""
+    counts = [m.count for m in cluster.machines]
+    deeper = [sum(c > i for c in counts) for i in range(max(counts))]    # machines with a device of local index i
+    return sum(c * (c - 1) + sum(deeper[i] - 1 for i in range(c)) for c in counts)
+
+
 def split_pipelines(cluster: Cluster, k: int, rate, graph: tuple | None = None) -> list[list[int]]:
     """Phase 1: `k` groups of devices (fewer if METIS leaves a part empty), balanced in `rate`; `graph`:
     `cluster_graph(cluster, rate)` if the caller has it."""

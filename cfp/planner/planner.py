@@ -15,16 +15,17 @@ where the equal-share cut's pipelines of whole machines planned at a step below 
 plan (measured, `benchmarks/planner_scale.py`)."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from cfp.errors import InfeasibleError
-from cfp.layout import Layout
+from cfp.layout import Layout, Stage
 from cfp.planner.build import build_layout, orders_signature, stage_layouts
 from cfp.planner.cluster import Cluster, as_cluster
 from cfp.planner.costmodel import CostModel, Estimate
@@ -71,6 +72,9 @@ class _Search:
         self._phase1: dict[int, list[list[int]]] = {}
         self._phase2: dict[tuple, tuple[list, tuple]] = {}
         self._balanced: dict[tuple, list[list[int]]] = {}
+        self._shapes: dict[tuple, tuple] = {}     # phase 2 by pipeline shape: (its devices, machines, result)
+        self._holds: dict[tuple, bool] = {}
+        self.tps = tuple(sorted({t for ts in tp_choices(cm.cluster, cm.model.tp_divisor).values() for t in ts}))
         self.count = 0
 
     @functools.cached_property
@@ -95,27 +99,48 @@ class _Search:
         (cached: pipelines recur across TP maps); with `metis`, METIS' compute-balanced cut is offered beside
         one TP degree per type."""
         cl = self.cm.cluster
-        key = (tuple(devices), tuple(tp_of(m) for m in sorted({cl.devices[d].machine for d in devices})), metis)
-        if key not in self._phase2:
-            heads = self.cm.model.tp_divisor
-            cuts = [machine_groups(cl, devices, tp_of, heads)]
-            if metis:
-                parts = (tuple(devices), len(cuts[0]))   # the METIS cut depends on the stage count only
-                if parts not in self._balanced:
-                    self._balanced[parts] = balanced_stages(cl, devices, parts[1], self.rate, heads)
-                cuts = split_stages(cl, cuts[0], self._balanced[parts])
-            orders = []
-            for groups in cuts:        # one `Stage` per group, shared by the orders (building them is costly)
-                made = {g[0]: st for g, st in zip(groups, stage_layouts(self.cm, groups))}
-                orders += [[made[g[0]] for g in o] for o in stage_orders(cl, groups)]
-            self._phase2[key] = (orders, orders_signature(self.cm, orders))
+        machines = sorted({cl.devices[d].machine for d in devices})
+        key = (tuple(devices), tuple(tp_of(m) for m in machines), metis)
+        if key in self._phase2:
+            return self._phase2[key]
+        per = collections.Counter(cl.devices[d].machine for d in devices)
+        shape = (tuple((self.cm.kind[m], per[m], tp_of(m)) for m in machines), metis)
+        like = self._shapes.get(shape)
+        if like is not None:     # the same cut of a pipeline of like machines, relabelled (`_relabelled`)
+            self._phase2[key] = _relabelled(like, sorted(devices), machines)
+            return self._phase2[key]
+        heads = self.cm.model.tp_divisor
+        cuts = [machine_groups(cl, devices, tp_of, heads)]
+        if metis:
+            parts = (tuple(devices), len(cuts[0]))   # the METIS cut depends on the stage count only
+            if parts not in self._balanced:
+                self._balanced[parts] = balanced_stages(cl, devices, parts[1], self.rate, heads)
+            cuts = split_stages(cl, cuts[0], self._balanced[parts])
+        orders = []
+        for groups in cuts:        # one `Stage` per group, shared by the orders (building them is costly)
+            made = {g[0]: st for g, st in zip(groups, stage_layouts(self.cm, groups))}
+            orders += [[made[g[0]] for g in o] for o in stage_orders(cl, groups)]
+        self._phase2[key] = (orders, orders_signature(self.cm, orders))
+        self._shapes[shape] = (sorted(devices), machines, self._phase2[key])
         return self._phase2[key]
+
+    def holds_model(self, k: int, groups: list[list[int]]) -> bool:
+        """Whether each of the `k` device groups holds `CostModel.pipeline_memory_floor` (a pipeline that cannot
+        fits no split into stages: the count's layouts need not be built)."""
+        floor = self.cm.pipeline_memory_floor(k, self.tps)
+        mem = self.cm.cluster.devices
+        return all(sum(mem[d].memory for d in g) >= floor for g in groups)
 
     def evaluate(self, k: int, tp: dict[str, int], metis: bool = False, by_type: bool = False
                  ) -> tuple[Optional[Layout], float]:
         cl = self.cm.cluster
         tp_of = lambda m: tp[cl.machines[m].gpu.name]
-        pipes = [self.stages(g, tp_of, metis) for g in self.pipelines(k, by_type)]
+        groups = self.pipelines(k, by_type)
+        if (k, by_type) not in self._holds:
+            self._holds[k, by_type] = self.holds_model(len(groups), groups)
+        if not self._holds[k, by_type]:
+            return None, math.inf
+        pipes = [self.stages(g, tp_of, metis) for g in groups]
         best, best_t = None, math.inf
         for mb in self.options.micro_batch_sizes:
             layout = build_layout(self.cm, [p[0] for p in pipes], self.options.global_batch_size, mb,
@@ -161,6 +186,34 @@ class _Search:
                     if obj < best_t:
                         best_tp, best_t, changed = tp, obj, True
         return sorted((c for c in tried.values() if c.layout is not None), key=lambda c: (c.objective, c.k))
+
+
+def _relabelled(like: tuple, devices: list[int], machines: list[int]) -> tuple[Sequence, tuple]:
+    """Phase 2's stage orders of a pipeline of like machines (`like`: its sorted devices, machines and result) on
+    `devices` of `machines`: every step of phase 2 (TP groups, METIS' graph of the pipeline, the greedy order and
+    its tie-breaks) sees devices by position in machine-major order and machines by spec, so mapping the one
+    pipeline's devices and machines onto the other's in order gives the cut phase 2 makes of it."""
+    had, had_machines, (orders, signature) = like
+    return _Relabelled(orders, dict(zip(had, devices)), dict(zip(had_machines, machines))), signature
+
+
+class _Relabelled(Sequence):
+    """Stage orders mapped onto other devices and machines, each order when first asked for (`build_layout`
+    mostly reads only the order its memo picked)."""
+
+    def __init__(self, orders: Sequence, dmap: dict, mmap: dict):
+        self._orders, self._dmap, self._mmap, self._made = orders, dmap, mmap, {}
+
+    def __len__(self) -> int:
+        return len(self._orders)
+
+    def __getitem__(self, i: int) -> list[Stage]:
+        got = self._made.get(i)
+        if got is None:
+            d, m = self._dmap, self._mmap
+            got = self._made[i] = [Stage(tuple(d[x] for x in st.devices), st.layers, m[st.machine])
+                                   for st in self._orders[i]]
+        return got
 
 
 @dataclass(frozen=True)
@@ -243,18 +296,23 @@ def _find_layout(cluster: Cluster, config, options: PlannerOptions,
     cm = CostModel(config, cluster, options.schedule, options.stage_times)
     search = _Search(cm, options)
     choices = tp_choices(cluster, cm.model.tp_divisor)
-    ks = pipeline_counts(cluster, options, cm.model.num_layers)
+    # a count whose average pipeline cannot hold the model has a pipeline that cannot (`holds_model`)
+    total = sum(d.memory for d in cluster.devices)
+    ks = [k for k in pipeline_counts(cluster, options, cm.model.num_layers)
+          if cm.pipeline_memory_floor(k, search.tps) <= total / k]
     found: list[_Candidate] = []     # the best TP map per pipeline count
     others: list[_Candidate] = []    # the TP maps that lost
+    shares: list[_Candidate] = []   # the best TP map per count on the equal-share cut where METIS' fits none
     for step, k in enumerate(ks):
         tried = search.tp_maps(k, choices) if search.metis_phase1 else []
-        if not tried:               # METIS' cut fits no TP map (or is not made at this scale): the equal shares
-            tried = search.tp_maps(k, choices, by_type=True)
-        found += tried[:1]
-        others += tried[1:]
+        if tried:
+            found += tried[:1]
+            others += tried[1:]
+        else:                       # METIS' cut fits no TP map (or is not made at this scale): the equal shares
+            shares += search.tp_maps(k, choices, by_type=True)[:1]
         if progress:
             progress(step + 1, len(ks))
-    if not found:
+    if not found and not shares:
         raise InfeasibleError(f"no layout of {cm.model.name} ({cm.model.num_layers} layers) fits "
                               f"{cluster.summary()} with global batch {options.global_batch_size}; use fewer "
                               f"layers, a shorter sequence or more devices")
@@ -268,8 +326,10 @@ def _find_layout(cluster: Cluster, config, options: PlannerOptions,
         others = [_with_metis(search, c) for c in others[:2]] + others[2:]
         found.sort(key=key)
         others.sort(key=key)
-    # phase 1's other cut, pipelines of equal type shares, for the best TP map of every pipeline count
-    typed = sorted((c for c in (_by_type(search, c) for c in found) if c is not None), key=key)
+    # phase 1's other cut, pipelines of equal type shares, for the best TP map of every pipeline count (and the
+    # counts METIS' cut fitted none of)
+    typed = sorted([c for c in (_by_type(search, c) for c in found) if c is not None]
+                   + [_with_metis(search, c) if options.phase2_metis else c for c in shares], key=key)
     # refined: the three best pipeline counts, the two best other TP maps (one that loses before
     # refinement can win after it) and the best equal-share cut
     picked = [c.layout for c in found[:3] + others[:2] + typed[:1]]

@@ -20,7 +20,11 @@ from cfp.schedules.actions import KeptBytes, ScheduleTable, peak_kept, vstage_la
 from cfp.schedules.registry import ScheduleSpec
 from cfp.schedules.simulate import ActionCosts, Simulation
 
-MAX_SIMULATED_ACTIONS = 20000   # larger pipelines are chosen by the formula only (the generator is pure Python)
+# The generator is pure Python: a table of 500 actions took about 1 s of CPU (its policies' tables and the hill
+# climb's up to 100k simulated actions), 17k-action ones 7 s each, so planning 1024 GPUs spent 37 s of its 42 s
+# in the report (measured). A layout's tables share one budget of actions; pipelines of the same figures are
+# simulated once; beyond the budget a pipeline is chosen by the formula (as the cost model chose it).
+MAX_SIMULATED_ACTIONS = 2000     # actions of the simulated tables of one layout, all together
 SIMULATED_WITHIN = 1.15          # candidates slower than this times the fastest fitting one by formula: not simulated
 
 
@@ -123,16 +127,23 @@ def action_costs(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec
 
 def schedule_reports(cm: CostModel, layout: Layout, est: Estimate) -> list[ScheduleReport]:
     """`ScheduleReport` of every pipeline of an estimated layout: each candidate that fits and is within
-    `SIMULATED_WITHIN` of the fastest by formula simulated (its table generated under `memory_limit`), when every
-    such one has at most `MAX_SIMULATED_ACTIONS` actions."""
-    out = []
+    `SIMULATED_WITHIN` of the fastest by formula simulated (its table generated under `memory_limit`), pipeline by
+    pipeline while the layout's tables stay within `MAX_SIMULATED_ACTIONS` actions (a pipeline whose stage figures
+    and micro-batches equal an earlier one's reuses its candidates, at no cost)."""
+    out, seen, spent = [], {}, 0
     n = len(layout.pipelines)
     for p, (pipe, options) in enumerate(zip(layout.pipelines, est.schedule_options)):
-        best = min([t for _, t, ok in options if ok], default=0.0)
-        near = [spec for spec, t, ok in options if ok and t <= SIMULATED_WITHIN * best]
-        small = all(pipe.num_stages * s.v * pipe.chunks * (3 if s.entry.split else 2) <= MAX_SIMULATED_ACTIONS
-                    for s in near)
-        cands = [_candidate(cm, pipe, n, spec, t, ok, simulate_it=small and spec in near) for spec, t, ok in options]
+        key = (tuple((cm.kind[s.machine], s.tp, s.layers) for s in pipe.stages), pipe.micro_batch, pipe.chunks,
+               est.stages[p], options)
+        if key not in seen:
+            best = min([t for _, t, ok in options if ok], default=0.0)
+            near = [spec for spec, t, ok in options if ok and t <= SIMULATED_WITHIN * best]
+            size = sum(pipe.num_stages * s.v * pipe.chunks * (3 if s.entry.split else 2) for s in near)
+            simulate_all = spent + size <= MAX_SIMULATED_ACTIONS
+            spent += size if simulate_all else 0
+            seen[key] = [_candidate(cm, pipe, n, spec, t, ok, simulate_it=simulate_all and spec in near)
+                         for spec, t, ok in options]
+        cands = seen[key]
         sims = [c for c in cands if c.simulation is not None]
         if sims:
             chosen = min(sims, key=lambda c: c.simulation.makespan)

@@ -7,6 +7,8 @@ from typing import Callable
 from cfp.analysis.analysis import analyze_with_program
 from cfp.ir.state import mapping_pairs, set_state_pairs
 from cfp.mesh import MeshSpec
+from cfp.baselines.user_layouts import Layout
+from cfp.sharding.specs import StepShardings, resolve
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.profiling.profiler import profile
 from cfp.errors import ConfigError, PlanError
@@ -62,13 +64,16 @@ def autoshard(step_fn: Callable, mesh, *example_args, options: SearchOptions | N
         result = search(program, analysis, table, example_args, sopts, log=log,
                         mesh=mesh if hasattr(mesh, "devices") else None)
         xla_log.what = f"{table.compiles} profile and {len(result.steps)} whole-step candidate compiles"
-    step = result.steps.get((result.choice, result.shard_state))   # already compiled while verifying
-    if step is None or donate:    # the search timed steps without donation: their arguments are reused
+    b = result.best
+    step = result.steps.get(b.key)   # already compiled while verifying
+    if b.layout and (step is None or donate):
+        step = ShardedStep(program, analysis, step.shardings, step.mesh, donate=donate)
+    elif step is None or donate:    # the search timed steps without donation: their arguments are reused
         step = apply_choice(program, analysis, result.choice, mesh if hasattr(mesh, "devices") else None,
                             shard_state=result.shard_state, donate=donate)
-    b = result.best
     plan = make_plan(analysis, step.shardings, {"time": b.time, "dp_time": b.dp_time, "memory": b.memory,
-                                                "flops": b.flops, "profiler": str(table.profiler)})
+                                                "flops": b.flops, "profiler": str(table.profiler),
+                                                "candidate": b.label}, layout=b.layout)
     # the same Plan `cfp search --plan-out` writes: per-block estimates and profile points for `cfp explain`
     plan = with_estimates(plan, analysis, table, popts.gpu)
     if plan_out:
@@ -94,10 +99,32 @@ def apply_plan(step_fn: Callable, mesh, *example_args, plan) -> ShardedStep:
     if tuple(analysis.mesh.shape) != tuple(plan.mesh_shape):
         raise PlanError(f"plan is for mesh {plan.mesh_shape}, the step was given mesh {analysis.mesh.shape}")
     _check_blocks(plan, tuple(b.fingerprint for b in analysis.blocks))
-    step = apply_choice(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None,
-                        shard_state=plan.shard_state)
+    if plan.layout:
+        step = _layout_step(plan, program, analysis, mesh)
+    else:
+        step = apply_choice(program, analysis, plan.choice, mesh if hasattr(mesh, "devices") else None,
+                            shard_state=plan.shard_state)
     _check_input_specs(plan, make_plan(analysis, step.shardings).input_specs)
     return step.with_results(plan=plan)
+
+
+def _layout_step(plan: Plan, program, analysis, mesh) -> ShardedStep:
+    """The step of a plan that is a `Layout` (a plain layout or the ILP's plan): its stored input and output
+    specs, and for the ILP's plan its choice's blocks constrained."""
+    layout = Layout(plan.layout)
+    paths = analysis.graph.input_paths
+    missing = [p for p in paths if p not in plan.input_specs]
+    if missing:
+        raise PlanError(f"input {missing[0]}: the plan stores no spec for it ({len(missing)} inputs missing)")
+    if len(plan.output_specs) != len(analysis.graph.outputs):
+        raise PlanError(f"the plan stores {len(plan.output_specs)} output specs, the step has "
+                        f"{len(analysis.graph.outputs)} outputs")
+    base = resolve(analysis, plan.choice)
+    shardings = StepShardings(base.choice, base.layouts if layout.constrained else (),
+                              tuple(spec_from_entries(plan.input_specs[p]) for p in paths),
+                              tuple(spec_from_entries(e) for e in plan.output_specs), (),
+                              constrained=layout.constrained)
+    return ShardedStep(program, analysis, shardings, mesh if hasattr(mesh, "devices") else analysis.mesh.make())
 
 
 def _check_blocks(plan: Plan, fps: tuple[str, ...]) -> None:

@@ -5,6 +5,7 @@ import pytest
 
 from cfp.api import apply_plan, autoshard, load_plan
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.search.options import SearchOptions
 from conftest import assert_adam_step_matches, assert_same_tree, mlp_grad_step as grad_step
 
 
@@ -101,9 +102,10 @@ def test_budget_below_data_parallel_shards_state(tmp_path):
         return compiled_memory(apply_choice(program, analysis, dp, shard_state=shard).compile(params, opt, batch))
     budget = (memory(()) + memory(True)) // 2
     out = tmp_path / "plan.json"
+    # the searched plans only (the plain layouts are held to it in tests/test_user_layouts.py)
     step = autoshard(ts.step, "2x4", params, opt, batch, memory_limit=budget, profiler="estimate",
                      gpu="A100-SXM-80G", top_k=2, max_combinations=4, verify=1, cache_dir=str(tmp_path),
-                     plan_out=str(out))
+                     plan_out=str(out), options=SearchOptions(layouts=False))
     res = step.search
     assert res.best.memory <= budget and res.shard_state and step.shardings.shard_state == res.shard_state
     _, _, loss = step(params, opt, batch)
@@ -113,7 +115,7 @@ def test_budget_below_data_parallel_shards_state(tmp_path):
     try:                       # without state sharding: only tensor-parallel strategies can save memory
         other = autoshard(ts.step, "2x4", params, opt, batch, memory_limit=budget, profiler="estimate",
                           gpu="A100-SXM-80G", top_k=2, max_combinations=4, verify=1, cache_dir=str(tmp_path),
-                          shard_state=False)
+                          shard_state=False, options=SearchOptions(layouts=False))
     except InfeasibleError:
         return
     assert other.search.shard_state == () and other.search.best.memory <= budget

@@ -115,10 +115,13 @@ def block_cost(analysis: Analysis, layout: BlockLayout, gpu: GpuSpec) -> float:
     return t
 
 
-def reshard_cost(analysis: Analysis, a: BlockLayout | dict, b: BlockLayout | dict, link_bytes_per_s: float) -> float:
+def reshard_cost(analysis: Analysis, a: BlockLayout | dict, b: BlockLayout | dict, link_bytes_per_s: float,
+                 comm=None) -> float:
     """Seconds to move every tensor two layouts shard differently: the all-gathers and all-to-alls of the
     cheapest single-axis path between its layouts (`cfp.sharding.reshard`), the path the constraints make
-    XLA take where it would otherwise replicate the tensor and slice it again."""
+    XLA take where it would otherwise replicate the tensor and slice it again. Each collective is priced by
+    `comm` (an alpha-beta model, `cfp.hardware.alpha_beta`: latency and bandwidth) where given, else by its
+    bytes over `link_bytes_per_s` alone."""
     sa = a if isinstance(a, dict) else a.spec_of
     sb = b if isinstance(b, dict) else b.spec_of
     shape = analysis.mesh.shape
@@ -127,5 +130,6 @@ def reshard_cost(analysis: Analysis, a: BlockLayout | dict, b: BlockLayout | dic
         if sa[tid] != sb[tid]:
             tensor = analysis.graph.tensor(tid)
             for kind, nbytes, n in reshard_steps(sa[tid], sb[tid], tensor.shape, shape, tensor.nbytes):
-                t += collective_time(kind, nbytes, n, link_bytes_per_s)
+                t += (comm.time(kind, nbytes, n) if comm is not None
+                      else collective_time(kind, nbytes, n, link_bytes_per_s))
     return t

@@ -51,7 +51,9 @@ class SearchOptions:
     `link_gbps`: link bandwidth for resharding estimates (None: the GPU's under `estimate`, else measured).
     `shard_state`: under a budget, also consider each candidate with its parameters and optimizer state
     stored sharded (ZeRO-3) over the axes its strategy replicates them on. `donate`: the step donates its state
-    inputs (parameters, optimizer state) to its outputs, so the budget counts those buffers once.
+    inputs (parameters, optimizer state) to its outputs, so the budget counts those buffers once. `layouts`:
+    when verifying, the layouts users write (`cfp.baselines.user_layouts`) and the Alpa-style ILP's plan are
+    compiled and timed beside the searched plans, and the fastest that fits is returned.
     `timing_budget`: seconds the side-by-side timing of the verified plans may take: its rounds (at least
     `iters`, at most max(`iters`, 10)) stop once the timed runs have taken that long, so a deep model's slower
     step is timed fewer times rather than for longer."""
@@ -69,6 +71,9 @@ class SearchOptions:
     shard_state: bool = dataclasses.field(default=True, metadata={
         "help": "under a budget, also consider storing parameters/optimizer state sharded (ZeRO-3)"})
     donate: bool = False
+    layouts: bool = dataclasses.field(default=True, metadata={
+        "help": "also verify, side by side, the layouts users write (data parallel, FSDP, DP x TP by in/out "
+                "shardings alone) and the Alpa-style ILP's plan; the fastest that fits wins"})
     timing_budget: float = dataclasses.field(default=10.0, metadata={
         "help": "seconds the side-by-side timing of the verified plans may take"})
 
@@ -81,7 +86,7 @@ class SearchOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
-        for name in ("shard_state", "donate"):
+        for name in ("shard_state", "donate", "layouts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if not _positive_number(self.timing_budget):

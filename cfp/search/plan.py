@@ -25,7 +25,7 @@ def spec_from_entries(entries: list) -> PartitionSpec:
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
 
 
-PLAN_VERSION = 3     # 2 added `shard_state`, 3 `num_strategies`; older files load without them
+PLAN_VERSION = 4     # 2 added `shard_state`, 3 `num_strategies`, 4 `layout`; older files load without them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,10 @@ class Plan:
     profile: tuple[dict, ...] = ()
     # how many strategies each block has (empty: unknown): a choice outside them is refused on load
     num_strategies: tuple[int, ...] = ()
+    # "" for a searched plan (its input specs are the ones its choice gives); else the `Layout` it is
+    # (`cfp.baselines.user_layouts`: "data-parallel", "fsdp", "dp-tp" -- input and output shardings alone,
+    # nothing constrained inside -- or "alpa-ilp": the choice's blocks, the stored input and output specs)
+    layout: str = ""
 
     @property
     def mesh(self) -> MeshSpec:
@@ -78,11 +82,11 @@ class Plan:
                    input_specs=dict(d["input_specs"]), output_specs=tuple(d["output_specs"]),
                    metrics=dict(d["metrics"]), shard_state=tuple(d.get("shard_state", ())), version=PLAN_VERSION,
                    estimates=tuple(d.get("estimates", ())), profile=tuple(d.get("profile", ())),
-                   num_strategies=tuple(d.get("num_strategies", ())))
+                   num_strategies=tuple(d.get("num_strategies", ())), layout=d.get("layout", ""))
 
 
 def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None = None,
-              estimates: tuple[dict, ...] = (), profile: tuple[dict, ...] = ()) -> Plan:
+              estimates: tuple[dict, ...] = (), profile: tuple[dict, ...] = (), layout: str = "") -> Plan:
     g = analysis.graph
     return Plan(mesh_shape=analysis.mesh.shape, axis_names=analysis.mesh.axis_names, choice=applied.choice,
                 strategies=tuple(analysis.notation(b, c) for b, c in enumerate(applied.choice)),
@@ -90,7 +94,8 @@ def make_plan(analysis: Analysis, applied: StepShardings, metrics: dict | None =
                 input_specs={path: spec_entries(s) for path, s in zip(g.input_paths, applied.input_specs)},
                 output_specs=tuple(spec_entries(s) for s in applied.output_specs), metrics=dict(metrics or {}),
                 shard_state=applied.shard_state, version=PLAN_VERSION, estimates=tuple(estimates),
-                profile=tuple(profile), num_strategies=tuple(len(b.strategies) for b in analysis.blocks))
+                profile=tuple(profile), num_strategies=tuple(len(b.strategies) for b in analysis.blocks),
+                layout=getattr(layout, "value", layout))
 
 
 def check_choice_range(choice, num_strategies, where: str = "plan") -> None:
@@ -170,6 +175,9 @@ def validate_plan_dict(d, where: str = "plan") -> None:
     if not isinstance(shard, list) or not all(_is_int(b, 0) and b < len(choice) for b in shard):
         _fail(where, "shard_state", f"a list of block indices in 0..{len(choice) - 1}", shard)
     _check_num_strategies(d, where, choice)
+    from cfp.baselines.user_layouts import Layout
+    if d.get("layout", "") not in ("", *(l.value for l in Layout)):
+        _fail(where, "layout", f"\"\" (a searched plan) or one of {[l.value for l in Layout]}", d.get("layout"))
     for key in ("estimates", "profile"):     # optional figures for `cfp explain` (cfp.report)
         value = d.get(key, [])
         if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):

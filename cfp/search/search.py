@@ -11,7 +11,9 @@ import numpy as np
 from cfp.analysis.analysis import Analysis
 from cfp.analysis.blocks import data_parallel_choice
 from cfp.baselines.uniform import dp_tp_choice
-from cfp.errors import ConfigError, InfeasibleError
+from cfp.baselines.user_layouts import USER_LAYOUTS, Layout, ilp_shardings, user_layout_shardings
+from cfp.errors import CfpError, ConfigError, InfeasibleError
+from cfp.hardware import alpha_beta
 from cfp.hardware.gpus import GpuSpec, get_gpu
 from cfp.ir.capture import Program
 from cfp.profiling import gpu_estimate
@@ -21,7 +23,7 @@ from cfp.search.dp import DPSolution, dp_search
 from cfp.search.loop_figures import LoopBodies
 from cfp.search.options import SearchOptions, fmt_bytes
 from cfp.search.state_sharding import StateEstimator
-from cfp.sharding.specs import donated_bytes
+from cfp.sharding.specs import StepShardings, donated_bytes
 from cfp.sharding.step import ShardedStep, apply_choice
 from cfp.xla.compiled import compiled_figures, compiled_memory, time_compiled, time_interleaved
 
@@ -37,6 +39,13 @@ class VerifiedChoice:
     noise: float | None = None    # relative spread of the measured time (None: estimated, exact)
     comm_bytes: int = 0       # per-device bytes of the compiled step's collectives (a tie-break)
     remats: int = 0           # involuntary full rematerializations XLA reported compiling it
+    layout: str = ""          # a `Layout` (a plain layout or the ILP's plan) rather than a searched choice
+    label: str = "searched"   # what the candidate is, for people: "searched", "plain FSDP", ...
+
+    @property
+    def key(self) -> tuple:
+        """Its step's key in `SearchResult.steps`: (choice, sharded-state blocks), and the layout if any."""
+        return (self.choice, self.shard_state) + ((self.layout,) if self.layout else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +57,21 @@ class SearchResult:
     link_gbps: float
     budget: int | None
     search_time: float
-    # "data parallel" or "FSDP" when that plain layout was faster than every searched plan and so was chosen
+    # the label of the plain layout (cfp's uniform data parallel or FSDP, or a layout users write, or the
+    # Alpa-style ILP's plan) when it was faster than every searched plan and so was chosen
     baseline: str | None = None
     searched: VerifiedChoice | None = None     # then, the fastest searched plan that lost to it
     profiler: ProfilerSpec | None = None       # what timed the plans (None: measured)
-    # (choice, shard_state) -> compiled ShardedStep
+    # `VerifiedChoice.key` -> compiled ShardedStep
     steps: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # the layouts users write and the ILP's plan, verified beside `verified` (whose choices they are not)
+    layouts: tuple[VerifiedChoice, ...] = ()
+    comm: Any = None          # the alpha-beta model that priced resharding (`cfp.hardware.alpha_beta`)
+
+    @property
+    def layout(self) -> str:
+        """The `Layout` value of the chosen plan when it is not a searched choice, else ""."""
+        return self.best.layout
 
     @property
     def time_label(self) -> str:
@@ -80,6 +98,7 @@ class SearchResult:
             f"{[float(f'{v.flops / 1e12 / v.time:.4g}') if v.time > 0 else 0.0 for v in self.verified]}",
             self.margin_text(),
             *([self.baseline_text(how)] if self.baseline else []),
+            *([f"resharding priced by an alpha-beta model: {alpha_beta.summary(self.comm)}"] if self.comm else []),
         ])
 
     def baseline_text(self, how: str | None = None) -> str:
@@ -99,18 +118,36 @@ class SearchResult:
         """How far the chosen plan is from the runner-up, and whether that is within the measured noise."""
         b = self.best
         kind = "estimated" if b.noise is None else "measured"
-        others = [v for v in self.verified if (v.choice, v.shard_state) != (b.choice, b.shard_state)
-                  and v.time != float("inf") and (self.budget is None or v.memory <= self.budget)]
+        others = [v for v in self.verified + self.layouts if v.key != b.key
+                  and v.time != float("inf") and fits_budget(v.memory, self.budget)]
+        won = f" ({b.label}{', a plain layout' if b.label != 'searched' else ''})"
         if not others or b.time == float("inf"):
-            return f"chosen plan: {b.time * 1e3:.4g} ms {kind}; no runner-up within the budget"
+            return f"chosen plan{won}: {b.time * 1e3:.4g} ms {kind}; no runner-up within the budget"
         r = min(others, key=lambda v: v.time)
         diff = (r.time - b.time) / b.time * 100
         if b.noise is None:
-            return (f"chosen plan: {b.time * 1e3:.4g} ms estimated; runner-up {r.time * 1e3:.4g} ms "
-                    f"({diff:+.1f}%, estimates are exact: ties only when equal)")
+            return (f"chosen plan{won}: {b.time * 1e3:.4g} ms estimated; runner-up ({r.label}) "
+                    f"{r.time * 1e3:.4g} ms ({diff:+.1f}%, estimates are exact: ties only when equal)")
         tol = _tie_tolerance(b, r) * 100
-        return (f"chosen plan: {b.time * 1e3:.4g} ms measured; runner-up {r.time * 1e3:.4g} ms ({diff:+.1f}%, "
-                f"{'within' if abs(diff) <= tol else 'outside'} measured noise ±{tol:.1f}%)")
+        return (f"chosen plan{won}: {b.time * 1e3:.4g} ms measured; runner-up ({r.label}) {r.time * 1e3:.4g} ms "
+                f"({diff:+.1f}%, {'within' if abs(diff) <= tol else 'outside'} measured noise ±{tol:.1f}%)")
+
+    def candidates_text(self) -> str:
+        """Every whole-step candidate: what it is, its time and memory, and whether it fits the budget."""
+        how = self.time_label
+        lines = [f"whole-step candidates ({how}; memory compiled):"]
+        for v in sorted(self.verified + self.layouts, key=lambda v: v.time):
+            over = not fits_budget(v.memory, self.budget)
+            t = "not timed (over the budget)" if v.time == float("inf") else f"{v.time * 1e3:.4g} ms"
+            mark = "  <- chosen" if v.key == self.best.key else ""
+            lines.append(f"  {v.label:<28} {t:>12}  {fmt_bytes(v.memory)} per device"
+                         f"{' (over the budget)' if over else ''}{mark}")
+        return "\n".join(lines)
+
+
+def fits_budget(memory: int, budget: int | None) -> bool:
+    """Whether a compiled step's per-device bytes fit the budget: the one test of every candidate."""
+    return budget is None or memory <= budget
 
 
 def _why_not_fastest(chosen: VerifiedChoice, faster: VerifiedChoice) -> str:
@@ -137,6 +174,14 @@ def measure_link_gbps(mesh: jax.sharding.Mesh, nbytes: int = 1 << 22, iters: int
     return max((n - 1) / n * nbytes / t / 1e9, 1e-3)
 
 
+def comm_model(gpu: GpuSpec | None, options: SearchOptions, log=lambda *_: None) -> alpha_beta.AlphaBetaModel:
+    """The alpha-beta model that prices resharding: the GPU catalog link's under `estimate`, else this host's
+    collectives as measured and fitted once per host (`cfp.hardware.alpha_beta`); a given `link_gbps` replaces
+    its bandwidth, never its latency."""
+    model = alpha_beta.for_gpu(gpu) if gpu is not None else alpha_beta.host_model(log=log)
+    return model.with_bandwidth(options.link_gbps * 1e9) if options.link_gbps else model
+
+
 def search(program: Program, analysis: Analysis, table: ProfileTable, example_args: Sequence[Any],
            options: SearchOptions | None = None, log: Callable[[str], None] = print,
            mesh: jax.sharding.Mesh | None = None) -> SearchResult:
@@ -147,25 +192,33 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     gpu = get_gpu(table.profiler.gpu) if table.profiler.kind is ProfilerKind.ESTIMATE else None
     mesh = mesh if mesh is not None else analysis.mesh.make()
     link = options.link_gbps or (gpu.link_gbps if gpu else measure_link_gbps(mesh))
+    comm = comm_model(gpu, options, log)
     uniform = data_parallel_choice(analysis.graph, analysis.blocks)
     loops = LoopBodies(program, analysis, table, gpu, mesh) if analysis.graph.loops else None
     steps = StepCache(program, analysis, mesh)
     scale, estimator = _calibrate(analysis, table, uniform, example_args, options=options, steps=steps, log=log)
-    cands, cost, mem = _candidate_rows(analysis.segments, entries, estimator, scale, link)
-    trans = _transitions(analysis, cands, link)
+    cands, cost, mem = _candidate_rows(analysis.segments, entries, estimator, scale, link, comm)
+    trans = _transitions(analysis, cands, link, comm)
     solutions = _dp_solutions(cost, mem, trans, options, log)
     keys = [_solution_key(sol.picks, analysis.segments, cands) for sol in solutions]
     own = set(keys)
     if options.verify:
         solutions, keys = _with_uniform_choices(analysis, uniform, solutions, keys, options.shard_state)
-    verified = [_verify_solution(analysis, sol, choice, shard, example_args, steps=steps, options=options,
-                                 gpu=gpu, log=log, loops=loops)
+    names = _uniform_labels(analysis, uniform)
+    verified = [dataclasses.replace(_verify_solution(analysis, sol, choice, shard, example_args, steps=steps,
+                                                     options=options, gpu=gpu, log=log, loops=loops),
+                                    label="searched" if (choice, shard) in own else names[(choice, shard)])
                 for sol, (choice, shard) in zip(solutions, keys)]
+    layouts = (_layout_candidates(program, analysis, example_args, solutions[0], steps=steps, options=options,
+                                  gpu=gpu, log=log, loops=loops, comm=comm)
+               if options.verify and options.layouts else [])
+    both = verified + layouts
     if gpu is None and options.verify:
-        verified = _time_side_by_side(verified, steps, example_args, options, log)
-    best = _best_fitting(verified, options)
-    baselines = _baselines(analysis, uniform)
-    best, baseline, searched = _never_slower_than_baselines(best, verified, baselines, own, options)
+        both = _time_side_by_side(both, steps, example_args, options, log)
+    best = _best_fitting(both, options)
+    baselines = {**names, **{v.key: v.label for v in layouts}}
+    best, baseline, searched = _never_slower_than_baselines(best, both, baselines, own, options)
+    verified, layouts = both[:len(verified)], both[len(verified):]
     if baseline:
         how = f"by the {gpu.name} cost model" if gpu else "measured side by side"
         log(f"chosen plan: the {baseline} baseline, faster than every searched plan ({how}) or tied with the "
@@ -175,12 +228,49 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
             f"(XLA: involuntary full rematerialization); the search prefers plans without")
     return SearchResult(best.choice, best.shard_state, best, tuple(verified), link, options.memory_per_device,
                         time.perf_counter() - t0, baseline=baseline, searched=searched, profiler=table.profiler,
-                        steps=steps)
+                        steps=steps, layouts=tuple(layouts), comm=comm)
 
 
-def _baselines(analysis: Analysis, uniform) -> dict:
-    """(choice, sharded-state blocks) -> name of the plain layouts every search is held to."""
-    return {(tuple(uniform), ()): "data parallel", (tuple(uniform), tuple(range(len(analysis.blocks)))): "FSDP"}
+def _uniform_labels(analysis: Analysis, uniform) -> dict:
+    """(choice, sharded-state blocks) -> name of cfp's own uniform plans (its constraints inside the step)."""
+    every = tuple(range(len(analysis.blocks)))
+    out = {(tuple(uniform), ()): "data parallel", (tuple(uniform), every): "FSDP (ZeRO-3 per block)"}
+    tp = dp_tp_choice(analysis)
+    if tp is not None:
+        out.setdefault((tp, ()), "DP x TP (cfp's choice)")
+        out.setdefault((tp, every), "DP x TP + ZeRO-3")
+    return out
+
+
+def _layout_candidates(program, analysis, example_args, sol: DPSolution, *, steps: "StepCache",
+                       options: SearchOptions, gpu: GpuSpec | None, log, loops=None, comm=None
+                       ) -> list[VerifiedChoice]:
+    """The layouts users write for this step (data parallel, FSDP by input/output shardings alone, DP x TP by
+    the Megatron rules) and the Alpa-style ILP's plan, each compiled whole (and estimated under `estimate`;
+    measured later, side by side with the searched plans). A layout that does not apply is left out, said."""
+    out = []
+    for layout in (*USER_LAYOUTS, Layout.ALPA_ILP):
+        try:
+            shardings = (user_layout_shardings(layout, analysis, example_args) if layout in USER_LAYOUTS
+                         else ilp_shardings(analysis, options.memory_per_device, _ilp_cost(gpu, comm)))
+        except CfpError as e:
+            log(f"{layout.label}: not a candidate here ({e})")
+            continue
+        step = steps.layout_step(layout, shardings)
+        v = _verify(step, example_args, shardings.choice, (), sol.time, options=options, gpu=gpu,
+                    analysis=analysis, loops=loops)
+        out.append(dataclasses.replace(v, layout=layout.value, label=layout.label))
+        log(f"{layout.label}: compiled whole, {fmt_bytes(v.memory)} per device"
+            + (" (over the budget)" if v.time == float("inf") else ""))
+    return out
+
+
+def _ilp_cost(gpu: GpuSpec | None, comm):
+    """The ILP's alpha-beta figures: the GPU's, else this host's fitted collectives (`comm`)."""
+    from cfp.baselines.ilp import AlphaBeta
+    if gpu is not None:
+        return AlphaBeta.for_gpu(gpu)
+    return AlphaBeta() if comm is None else AlphaBeta(bandwidth=comm.bandwidth, latency=comm.latency)
 
 
 def _never_slower_than_baselines(best: VerifiedChoice, verified, baselines: dict, searched: set,
@@ -192,14 +282,14 @@ def _never_slower_than_baselines(best: VerifiedChoice, verified, baselines: dict
     isolation, the DP's resharding estimates and the memory calibration can all mislead; the whole-step
     timings of the verification cannot. `searched`: the (choice, sharded state) keys the DP itself proposed."""
     budget = options.memory_per_device
-    fits = [v for v in verified if v.time != float("inf") and (budget is None or v.memory <= budget)]
-    plain = [v for v in fits if (v.choice, v.shard_state) in baselines]
+    fits = [v for v in verified if v.time != float("inf") and fits_budget(v.memory, budget)]
+    plain = [v for v in fits if v.key in baselines]
     if plain and min(v.time for v in plain) < best.time:
         best = min(plain, key=lambda v: v.time)
-    key = (best.choice, best.shard_state)
+    key = best.key
     if key not in baselines or key in searched:
         return best, None, None
-    own = [v for v in fits if (v.choice, v.shard_state) in searched]
+    own = [v for v in fits if v.key in searched]
     return best, baselines[key], min(own, key=lambda v: v.time) if own else None
 
 
@@ -229,6 +319,13 @@ class StepCache(dict):
             self[key] = apply_choice(self.program, self.analysis, key[0], self.mesh, shard_state=key[1])
         return self[key]
 
+    def layout_step(self, layout: Layout, shardings: StepShardings) -> ShardedStep:
+        """The step of a `Layout` candidate (its key carries the layout's name)."""
+        key = (tuple(shardings.choice), (), layout.value)
+        if key not in self:
+            self[key] = ShardedStep(self.program, self.analysis, shardings, self.mesh)
+        return self[key]
+
 
 def _calibrate(analysis, table, uniform, example_args, *, options: SearchOptions, steps: StepCache, log):
     """(memory scale of the summed segment memories, state-sharding estimator or None), both calibrated on
@@ -243,7 +340,7 @@ def _calibrate(analysis, table, uniform, example_args, *, options: SearchOptions
     return scale, estimator
 
 
-def _candidate_rows(segs, entries, estimator: StateEstimator | None, scale: float, link: float):
+def _candidate_rows(segs, entries, estimator: StateEstimator | None, scale: float, link: float, comm=None):
     """Per segment: its candidates (profile entry, state sharded?), their times and their memories."""
     cands, cost, mem = [], [], []
     for seg, ents in zip(segs, entries):
@@ -254,20 +351,22 @@ def _candidate_rows(segs, entries, estimator: StateEstimator | None, scale: floa
             for e in ents:
                 sv = estimator.segment(seg.blocks, e.choice)
                 if sv.memory > 0:
-                    row.append((e, True, sv.time(link * 1e9), max(int(e.memory * scale * seg.repeat) - sv.memory, 0)))
+                    row.append((e, True, sv.time(link * 1e9, comm.latency if comm is not None else 0.0),
+                                max(int(e.memory * scale * seg.repeat) - sv.memory, 0)))
         cands.append([(e, z) for e, z, _, _ in row])
         cost.append([e.time * seg.repeat + extra for e, _, extra, _ in row])
         mem.append([m for _, _, _, m in row])
     return cands, cost, mem
 
 
-def _transitions(analysis: Analysis, cands, link: float) -> list:
-    """Resharding seconds between every candidate of a segment and every candidate of the next."""
+def _transitions(analysis: Analysis, cands, link: float, comm=None) -> list:
+    """Resharding seconds between every candidate of a segment and every candidate of the next, each
+    collective priced by latency and bandwidth (`comm`, see `comm_model`)."""
     segs, trans = analysis.segments, []
     for i in range(len(segs) - 1):
         a = [analysis.segment_specs(segs[i], e.choice) for e, _ in cands[i]]
         b = [analysis.segment_specs(segs[i + 1], e.choice) for e, _ in cands[i + 1]]
-        trans.append([[gpu_estimate.reshard_cost(analysis, x, y, link * 1e9) for y in b] for x in a])
+        trans.append([[gpu_estimate.reshard_cost(analysis, x, y, link * 1e9, comm) for y in b] for x in a])
     return trans
 
 
@@ -324,12 +423,12 @@ def _time_side_by_side(verified, steps, example_args, options: SearchOptions, lo
     are what grows with a model's depth while its compile does not (a scanned step compiles in the same time
     at 2 and 64 layers), so they are bounded by `SearchOptions.timing_budget`."""
     fits = [k for k, v in enumerate(verified) if v.time != float("inf")
-            and (options.memory_per_device is None or v.memory <= options.memory_per_device)]
+            and fits_budget(v.memory, options.memory_per_device)]
     if not fits:
         return verified
     runs = []
     for k in fits:
-        step = steps[(verified[k].choice, verified[k].shard_state)]
+        step = steps[verified[k].key]
         runs.append((step.compile(*example_args),
                      lambda step=step: jax.tree_util.tree_leaves(step.shard_args(*example_args))))
     # ten rounds where the budget allows: the spread of a few runs understates how much this host's timings wander
@@ -338,8 +437,8 @@ def _time_side_by_side(verified, steps, example_args, options: SearchOptions, lo
     for k, (t, noise) in zip(fits, timed):
         out[k] = dataclasses.replace(verified[k], time=t, noise=noise)
     log("whole steps side by side (measured, interleaved): " + ", ".join(
-        f"{list(out[k].choice)[:4]}...{' sharded state' if out[k].shard_state else ''} {out[k].time * 1e3:.4g} ms "
-        f"±{out[k].noise * 100:.0f}%" for k in fits))
+        f"{out[k].label} {list(out[k].choice)[:4]}...{' sharded state' if out[k].shard_state else ''} "
+        f"{out[k].time * 1e3:.4g} ms ±{out[k].noise * 100:.0f}%" for k in fits))
     return out
 
 
@@ -354,7 +453,7 @@ def _best_fitting(verified, options: SearchOptions) -> VerifiedChoice:
     rematerialization only win when every fitting plan has one: the replicated copy is a memory peak and a
     cost that varies with the tensor, not with the plan's layout."""
     budget = options.memory_per_device
-    fitting = [v for v in verified if budget is None or options.verify == 0 or v.memory <= budget]
+    fitting = [v for v in verified if options.verify == 0 or fits_budget(v.memory, budget)]
     if not fitting:
         smallest = min(v.memory for v in verified)
         raise InfeasibleError(f"memory budget {fmt_bytes(budget)} per device is infeasible: the smallest "
@@ -362,7 +461,7 @@ def _best_fitting(verified, options: SearchOptions) -> VerifiedChoice:
     fitting = [v for v in fitting if not v.remats] or fitting
     fastest = min(fitting, key=lambda v: v.time)
     tied = [v for v in fitting if v.time <= fastest.time * (1 + _tie_tolerance(fastest, v))]
-    return min(tied, key=lambda v: (v.memory, v.comm_bytes, v.shard_state, v.choice))
+    return min(tied, key=lambda v: (v.memory, v.comm_bytes, v.shard_state, v.choice, v.layout))
 
 
 def _solution_key(picks, segs, cands) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -433,7 +532,7 @@ def _verify(step: ShardedStep, example_args, choice, shard, dp_time, *, options:
     fig = compiled_figures(compiled, shape, collectives=True)
     fig = dataclasses.replace(fig, memory=_step_memory(step, fig.memory, options.donate))
     noise = None
-    if budget is not None and fig.memory > budget:
+    if not fits_budget(fig.memory, budget):
         t = float("inf")      # does not fit: not worth timing
     elif gpu is None:
         t, noise = float("nan"), 0.0      # measured by `_time_side_by_side`, with every other fitting plan

@@ -25,9 +25,11 @@ from cfp.sharding.specs import sharded_state_spec, state_owners
 class StateSaving:
     memory: int        # per-device bytes saved
     gathered: int      # per-device bytes received by the all-gathers of parameters before their dots
+    gathers: int = 0   # how many tensors those all-gathers move (each one collective)
 
-    def time(self, link_bytes_per_s: float) -> float:
-        return self.gathered / link_bytes_per_s
+    def time(self, link_bytes_per_s: float, latency_s: float = 0.0) -> float:
+        """Seconds of the all-gathers: their bytes over the link, plus one collective's latency each."""
+        return self.gathered / link_bytes_per_s + self.gathers * latency_s
 
 
 class StateEstimator:
@@ -54,7 +56,7 @@ class StateEstimator:
             g, mesh = self.analysis.graph, self.analysis.mesh.shape
             lay = layout or self.analysis.layout(block, strategy)
             spec_of = lay.spec_of
-            memory = gathered = 0
+            memory = gathered = gathers = 0
             for t in self.owned.get(block, ()):
                 shape = g.tensor(t).shape
                 spec = spec_of.get(t) or tuple(() for _ in shape)
@@ -62,11 +64,13 @@ class StateEstimator:
                 before = g.tensor(t).nbytes // shards(spec, mesh)
                 after = g.tensor(t).nbytes // shards(zero, mesh)
                 memory += before - after
-                if t in self._read_by_dots[block]:
+                if t in self._read_by_dots[block] and before > after:
                     gathered += before - after
-            self._cache[key] = StateSaving(memory, gathered)
+                    gathers += 1
+            self._cache[key] = StateSaving(memory, gathered, gathers)
         return self._cache[key]
 
     def segment(self, blocks, choice) -> StateSaving:
         parts = [self.saving(b, c) for b, c in zip(blocks, choice)]
-        return StateSaving(int(self.scale * sum(p.memory for p in parts)), sum(p.gathered for p in parts))
+        return StateSaving(int(self.scale * sum(p.memory for p in parts)), sum(p.gathered for p in parts),
+                           sum(p.gathers for p in parts))

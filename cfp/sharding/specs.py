@@ -52,6 +52,9 @@ class StepShardings:
     input_specs: tuple[PartitionSpec, ...]
     output_specs: tuple[PartitionSpec, ...]
     shard_state: tuple[int, ...] = ()      # blocks whose parameters and optimizer state are stored sharded
+    # False: only the inputs and outputs are placed, nothing inside the step is constrained (the layouts users
+    # write, `cfp.baselines.user_layouts`); XLA propagates the rest
+    constrained: bool = True
 
 
 def donated_bytes(analysis: Analysis, shardings: "StepShardings") -> int:

@@ -33,8 +33,11 @@ class ShardedStep:
         mesh = MeshSpec.auto(mesh)
         self.program, self.analysis, self.shardings, self.mesh = program, analysis, shardings, mesh
         self.plan, self.search, self.profile = plan, search, profile
-        hooks = ConstraintHooks.for_step(analysis, shardings, mesh)
-        on_output, on_input, scope_of = hooks.on_output, hooks.on_input, hooks.scope_of
+        if shardings.constrained:
+            hooks = ConstraintHooks.for_step(analysis, shardings, mesh)
+            on_output, on_input, scope_of = hooks.on_output, hooks.on_input, hooks.scope_of
+        else:       # a user layout: the input and output shardings alone, XLA propagates the rest
+            on_output = on_input = scope_of = None
 
         def flat_fn(*flat):
             return tuple(program.replay(list(flat), on_output=on_output, scope_of=scope_of, on_input=on_input))

@@ -34,6 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     common.add_shape_overrides(p, dtype_help="compute dtype; parameters stay float32 master weights")
     _layout_options(p)
     common.add_schedule(p)
+    p.set_defaults(schedule=None)     # given: every pipeline runs it; else a layout file's per-pipeline schedules
     common.add_recompute(p, "the layout file's per-stage choice (cfp plan --recompute), else none")
     common.add_steps(p)
     common.add_optimizer(p)
@@ -183,11 +184,12 @@ def _file_layout(args: argparse.Namespace):
                               f"({name} {filed[name]}); drop the flag or the file")
     _check_layout_flags(args, lf.layout)
     args.filed_recompute = lf.recompute
-    # the schedule the plan priced pipeline 0 with, its virtual stages included (`schedule` holds the name only)
-    args.model, args.schedule = lf.model, lf.schedules[0] if lf.schedules else lf.schedule.value
-    if len(set(lf.schedules)) > 1:
-        print(f"note: {args.layout} plans the pipelines with schedules {', '.join(lf.schedules)}; the runtime runs "
-              f"one schedule for all pipelines: {args.schedule} (pipeline 0's)", file=sys.stderr)
+    # each pipeline runs the schedule its plan priced it with, virtual stages included (`schedule` holds the name
+    # only); --schedule on the command line overrides them all
+    args.model = lf.model
+    if args.schedule is None:
+        args.filed_schedules = lf.schedules
+        args.schedule = lf.schedules[0] if lf.schedules else lf.schedule.value
     if is_factory(lf.model):
         return None, {}, lf.layout
     args.config = lf.config
@@ -246,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
     from cfp.runtime.training import DataSource, RunOptions, TrainOptions, run_training, train_user_model
 
     run_args = dict(
-        schedule=args.schedule, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
+        schedule=args.schedule or common.DEFAULT_SCHEDULE, schedules=getattr(args, "filed_schedules", ()),
+        steps=args.steps, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints or None,
         resume=args.resume, timeline_dir=args.timeline_dir, verify=args.verify, verify_tol=args.verify_tol,
         stop_after=args.stop_after, stage_plans=_stage_plans(args), tables=args.schedule_tables,
@@ -254,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     if user:
         um = _user_model(args)
         _, _, layout = layout_from_args(args, um.model.num_layers)
-        run_args["recompute"] = _recompute(args)
+        run_args.update(recompute=_recompute(args), schedule=args.schedule or common.DEFAULT_SCHEDULE,
+                        schedules=getattr(args, "filed_schedules", ()))
         check_layout_fills_processes(list(layout.devices))
         work = lambda: train_user_model(um, RunOptions(layout=layout, **run_args))
     else:

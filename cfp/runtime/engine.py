@@ -49,7 +49,7 @@ from cfp.runtime.stage.cache import CompileCache
 from cfp.runtime.stage.plans import StagePlans
 from cfp.runtime.timeline import Event
 from cfp.runtime.timing import StepClock
-from cfp.runtime.vstages import expand
+from cfp.runtime.vstages import expand, per_pipeline
 from cfp.schedules.actions import KeptBytes, ScheduleTable, check_table, peak_kept
 from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec, check_schedule, global_order
 from cfp.schedules.simulate import ActionCosts, Simulation
@@ -114,8 +114,8 @@ class HeteroTrainer:
         self.model, self.cache = model, cache
         self.tx, self.optimizer = cache.tx, cache.optimizer
         self.devices = list(devices) if devices is not None else jax.devices()
-        self.spec = ScheduleSpec.parse(schedule)
-        self.schedule = self.spec.name
+        # one schedule for every pipeline, or one per pipeline (`cfp.runtime.vstages.per_pipeline`)
+        self._schedules = schedule if isinstance(schedule, (list, tuple)) else ScheduleSpec.parse(schedule)
         self.params: dict[tuple[int, int], Any] = {}
         self.opt_state: dict[tuple[int, int], Any] = {}
         self.step_count = 0
@@ -130,12 +130,13 @@ class HeteroTrainer:
         self._build(layout, plans)
 
     def _build(self, layout: Layout, plans: Optional[StagePlans] = None) -> None:
-        """Programs for ``layout`` run under ``self.spec``: one per expanded stage (`cfp.runtime.vstages`)."""
+        """Programs for ``layout`` run under its pipelines' schedules: one per expanded stage (`cfp.runtime.vstages`)."""
         layout.validate_for(self.model.num_layers, len(self.devices), self.model.heads)
-        if plans is not None and self.spec.v > 1:
-            raise ConfigError(f"schedule {self.spec} runs virtual stages, which searched stage plans do not cover "
-                              "(plans are per stage): use the rules table or a schedule of one virtual stage")
-        self.layout, self.vstages = layout, expand(layout, self.spec)
+        specs = per_pipeline(self._schedules, len(layout.pipelines))
+        if plans is not None and any(spec.v > 1 for spec in specs):
+            raise ConfigError(f"schedule {_specs_text(specs)} runs virtual stages, which searched stage plans do not "
+                              "cover (plans are per stage): use the rules table or a schedule of one virtual stage")
+        self.layout, self.vstages = layout, expand(layout, specs)
         self.run_layout = self.vstages.run
         policies = resolve(self._recompute, [p.num_stages for p in layout.pipelines])
         self.recompute = policies
@@ -144,20 +145,32 @@ class HeteroTrainer:
         self._local = {k: pr for k, pr in self.programs.items() if pr.is_local}
         self._clock = StepClock({k: pr.stage.devices for k, pr in self._local.items()})
         self._act_shape = ActivationShapes(self.run_layout, self.programs)
-        self._use_schedule(self.spec, self.vstages)
+        self._use_schedule(specs, self.vstages)
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """Pipeline 0's schedule (`specs`: every pipeline's)."""
+        return self.specs[0]
+
+    @property
+    def schedule(self) -> ScheduleName:
+        return self.spec.name
+
+    def spec_of(self, pipeline: int) -> ScheduleSpec:
+        return self.specs[pipeline]
 
     def set_layout(self, layout: Layout) -> bool:
         """Switch to another layout between steps: the state is gathered from the current stages and placed on
         the new layout's (values copied, unchanged). Returns whether the layout changed."""
         if layout == self.layout:
             return False
-        self._rebuild(layout, self.spec)
+        self._rebuild(layout, self._schedules)
         return True
 
-    def _rebuild(self, layout: Layout, spec: ScheduleSpec) -> None:
-        """Programs for ``layout`` under ``spec``, the state moved onto them (values copied, unchanged)."""
+    def _rebuild(self, layout: Layout, schedules: Any) -> None:
+        """Programs for ``layout`` under ``schedules``, the state moved onto them (values copied, unchanged)."""
         state = self.state() if self._initialized else None
-        self.spec, self.params, self.opt_state = spec, {}, {}
+        self._schedules, self.params, self.opt_state = schedules, {}, {}
         self._build(layout)
         if state is not None:
             self.load_state(*state)
@@ -218,8 +231,8 @@ class HeteroTrainer:
         first step then only traces. Returns the seconds it took."""
         t0 = time.perf_counter()
         # the other pipelines' stages take pipeline 0's new parameters: they compile no update
-        split = SCHEDULES[self.schedule].split
-        jobs = [job for key, prog in self._local.items() for job in self.compile_jobs(key, split=split)
+        jobs = [job for key, prog in self._local.items()
+                for job in self.compile_jobs(key, split=self.specs[key[0]].entry.split)
                 if key[0] == 0 or job[0] is not prog.fused_update]
         with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(lambda j: j[0].lower(*j[1]).compile(), jobs))
@@ -231,24 +244,26 @@ class HeteroTrainer:
         virtual stages). Between schedules of the same virtual stages the forward and whole-backward programs
         stay, B and W compile on first use; another placement of virtual stages rebuilds the programs and
         places the state on them (values copied, unchanged)."""
-        spec = ScheduleSpec.parse(schedule)
-        vstages = expand(self.layout, spec)
+        request = schedule if isinstance(schedule, (list, tuple)) else ScheduleSpec.parse(schedule)
+        specs = per_pipeline(request, len(self.layout.pipelines))
+        vstages = expand(self.layout, specs)
         if vstages.run != self.run_layout:
             searched = sorted(k for k, pr in self.programs.items() if pr.replay is not None)
             if searched:
-                raise ConfigError(f"schedule {spec} runs other virtual stages than {self.spec}, but stage(s) "
-                                  f"{searched} run searched stage plans, which are per stage")
-            return self._rebuild(self.layout, spec)
-        self._use_schedule(spec, vstages)
+                raise ConfigError(f"schedule {_specs_text(specs)} runs other virtual stages than "
+                                  f"{_specs_text(self.specs)}, but stage(s) {searched} run searched stage plans, "
+                                  "which are per stage")
+            return self._rebuild(self.layout, request)
+        self._schedules = request
+        self._use_schedule(specs, vstages)
 
-    def _use_schedule(self, spec: ScheduleSpec, vstages) -> None:
-        """Run `spec` on the programs built for its virtual stages `vstages`."""
-        if spec.entry.split:
-            whole = sorted(k for k, pr in self.programs.items() if not pr.splits)
-            if whole:
-                raise ConfigError(f"schedule {spec} splits the backward into B and W, but stage(s) {whole} "
-                                  "run a searched stage plan's whole backward only (use gpipe or 1f1b)")
-        self.spec, self.schedule, self.vstages = spec, spec.name, vstages
+    def _use_schedule(self, specs: tuple[ScheduleSpec, ...], vstages) -> None:
+        """Run pipeline q under ``specs[q]`` on the programs built for their virtual stages ``vstages``."""
+        whole = sorted(k for k, pr in self.programs.items() if specs[k[0]].entry.split and not pr.splits)
+        if whole:
+            raise ConfigError(f"schedule {_specs_text(specs)} splits the backward into B and W, but stage(s) {whole} "
+                              "run a searched stage plan's whole backward only (use gpipe or 1f1b)")
+        self.specs, self.vstages = tuple(specs), vstages
         self._tables, self._orders = {}, {}
         self.order = self._order([p.chunks for p in self.layout.pipelines])
 
@@ -264,7 +279,8 @@ class HeteroTrainer:
     def pattern(self, pipeline: int, microbatches: Optional[int] = None) -> ScheduleTable:
         """The schedule's fixed pattern for ``pipeline`` and ``microbatches`` (default: its layout's chunks)."""
         m = self.layout.pipelines[pipeline].chunks if microbatches is None else microbatches
-        return self.spec.entry(self.layout.pipelines[pipeline].num_stages, m, self.spec.v)
+        spec = self.specs[pipeline]
+        return spec.entry(self.layout.pipelines[pipeline].num_stages, m, spec.v)
 
     def use_tables(self, tables: dict[int, ScheduleTable]) -> None:
         """Run each given pipeline's micro-batches by its table from the next step on (until the schedule or the
@@ -274,7 +290,8 @@ class HeteroTrainer:
             pattern = self.pattern(p, t.microbatches)
             if t.placement != pattern.placement or t.split != pattern.split:
                 raise ConfigError(f"a table for pipeline {p} places its virtual stages {t.placement} and "
-                                  f"{'splits' if t.split else 'does not split'} the backward; schedule {self.spec} "
+                                  f"{'splits' if t.split else 'does not split'} the backward; schedule "
+                                  f"{self.specs[p]} "
                                   f"places them {pattern.placement} and {'splits' if pattern.split else 'does not'}")
             kept = self.kept_bytes(p)
             check_table(t, peak_kept(pattern, kept), kept)
@@ -290,13 +307,14 @@ class HeteroTrainer:
             pipe = self.layout.pipelines[p]
             kept = self.kept_bytes(p)
             pattern = self.pattern(p)
-            out[p] = self.spec.entry.generated(pipe.num_stages, pipe.chunks, c, self.spec.v,
+            spec = self.specs[p]
+            out[p] = spec.entry.generated(pipe.num_stages, pipe.chunks, c, spec.v,
                                                peak_kept(pattern, kept), kept)
         return out
 
     def _order(self, chunks: list[int]) -> list:
         """The global action order of the pipelines with ``chunks[p]`` micro-batches (cached)."""
-        key = (self.spec, tuple(p.num_stages for p in self.layout.pipelines), tuple(chunks))
+        key = (self.specs, tuple(p.num_stages for p in self.layout.pipelines), tuple(chunks))
         if key not in self._orders:
             per_pipe = []
             for q, m in enumerate(chunks):
@@ -523,3 +541,8 @@ def _like(tree: Any) -> Any:
 def _check_loss(loss: float, step: int) -> None:
     if not np.isfinite(loss):
         raise NumericalError(f"step {step}: loss is {loss}")
+
+
+def _specs_text(specs: tuple) -> str:
+    """One schedule, or each pipeline's."""
+    return str(specs[0]) if len(set(specs)) == 1 else ", ".join(f"{s} (pipeline {q})" for q, s in enumerate(specs))

@@ -66,7 +66,7 @@ def generate_from_measured(trainer, batch, log: Callable[[str], None], passes: i
     source = f"{passes} passes of the first batch without the update ({time.perf_counter() - t0:.2f} s measured)"
     if adopt_generated(trainer, events, source, log):
         return True
-    log(f"kept {trainer.spec}'s fixed pattern: {passes} measuring passes left some virtual stage's F, B or W "
+    log(f"kept the fixed patterns: {passes} measuring passes left some virtual stage's F, B or W "
         "unmeasured (the host was too busy to watch them)")
     return False
 
@@ -77,11 +77,11 @@ def adopt_generated(trainer, events, source: str, log: Callable[[str], None]) ->
     log what it is against the fixed pattern on the same times. False (nothing changed) while some virtual stage
     has a kind of action (F, B, W) with no measured time: the medians need one of each, not all."""
     seen = {(e.pipeline, e.stage, e.phase) for e in events}
-    if any((q, a.vstage, a.phase) not in seen for q, pipe in enumerate(trainer.layout.pipelines) if pipe.chunks
-           for row in trainer.table(q) for a in row):
+    # the pipelines whose schedule adapts (GPipe's and 1F1B's order is the schedule itself)
+    adapting = [q for q, pipe in enumerate(trainer.layout.pipelines) if pipe.chunks and trainer.spec_of(q).entry.adapts]
+    if any((q, a.vstage, a.phase) not in seen for q in adapting for row in trainer.table(q) for a in row):
         return False
-    costs = {q: median_costs(events, q, trainer.table(q).num_vstages)
-             for q, pipe in enumerate(trainer.layout.pipelines) if pipe.chunks}
+    costs = {q: median_costs(events, q, trainer.table(q).num_vstages) for q in adapting}
     generated = trainer.generated_tables(costs)
     trainer.use_tables({q: table for q, (table, _) in generated.items()})
     for q, (table, sim) in generated.items():

@@ -28,6 +28,7 @@ from cfp.layout import Layout
 from cfp.runtime.measured_tables import (TableSource, gather_events, generate_from_measured, replay_timeline,
                                          simulated_line)
 from cfp.recompute import Recompute, StageRecompute, parse_stage_recompute, resolve
+from cfp.runtime.vstages import per_pipeline
 from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class RunOptions:
     # what each stage's backward recomputes (`cfp.recompute`): one policy, ``auto`` (the layout file's per-stage
     # choice where it has one, else none), or per pipeline one policy per stage
     recompute: Any = Recompute.AUTO
+    # per pipeline, its own schedule (a layout file's plan); empty: ``schedule`` (with ``v``) for every pipeline
+    schedules: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.layout, Layout):
@@ -115,6 +118,8 @@ class RunOptions:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ConfigError(f"keep_checkpoints={k!r} is invalid (must be a positive integer, or None to keep all)")
         stages = [p.num_stages for p in self.layout.pipelines]
+        if self.schedules:
+            object.__setattr__(self, "schedules", per_pipeline(tuple(self.schedules), len(stages)))
         object.__setattr__(self, "recompute", self.recompute if isinstance(self.recompute, Recompute) else (
             parse_stage_recompute(self.recompute, stages, "recompute")
             if isinstance(self.recompute, (list, tuple)) else Recompute.parse(self.recompute)))
@@ -127,8 +132,13 @@ class RunOptions:
 
     @property
     def spec(self) -> ScheduleSpec:
-        """The schedule with its virtual stages per stage."""
-        return ScheduleSpec(self.schedule, self.v)
+        """The schedule with its virtual stages per stage (pipeline 0's, where the pipelines have their own)."""
+        return self.specs[0]
+
+    @property
+    def specs(self) -> tuple[ScheduleSpec, ...]:
+        """Each pipeline's schedule."""
+        return self.schedules or (ScheduleSpec(self.schedule, self.v),) * len(self.layout.pipelines)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -369,7 +379,7 @@ def _plan_stages(opts: RunOptions, cache: "CompileCache", example: Any, log) -> 
 def _build_stages(job: _Job, opts: RunOptions, cache: "CompileCache", example: Any, plans: Any):
     """The trainer holding every stage's program (from `plans` where given, else the rules table)."""
     from cfp.runtime.engine import HeteroTrainer
-    return HeteroTrainer(job.model, job.optimizer, opts.layout, opts.spec, example_batch=example, plans=plans,
+    return HeteroTrainer(job.model, job.optimizer, opts.layout, opts.specs, example_batch=example, plans=plans,
                          cache=cache, recompute=opts.stage_recompute)
 
 
@@ -377,12 +387,12 @@ def _train(trainer, job: _Job, opts: RunOptions, store: "_Checkpoints", start: i
            log):
     """Compile, generate adaptable schedules' tables from measured times, then train the steps left after
     `start`; returns (result, the events of the step the timeline shows)."""
-    log(f"{job.describe}; schedule {trainer.spec}; recompute {recompute_text(trainer.recompute)}; "
+    log(f"{job.describe}; schedule {schedules_text(trainer.specs)}; recompute {recompute_text(trainer.recompute)}; "
         f"{jax.process_count()} process(es), {opts.layout.num_devices} devices")
     log(opts.layout.describe())
     if start < opts.steps:
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
-    if opts.tables is TableSource.GENERATED and SCHEDULES[opts.schedule].adapts and start < opts.steps:
+    if opts.tables is TableSource.GENERATED and any(s.entry.adapts for s in opts.specs) and start < opts.steps:
         generate_from_measured(trainer, job.batches(start), log)
     return _train_steps(trainer, job.batches, range(start, opts.steps), opts.stop_after, store, losses, log)
 
@@ -462,6 +472,14 @@ def _median_makespans(trainer, every: tuple, log) -> dict[int, float]:
             f"{sum(e.pipeline == q for e in tl.events)} measured actions of {steps} steps (every stage owning its "
             f"compute; {tl.unmeasured} actions unwatched)")
     return out
+
+
+def schedules_text(specs) -> str:
+    """A run's schedules in one phrase: the schedule where every pipeline runs it, else each pipeline's."""
+    specs = tuple(specs)
+    if len(set(specs)) == 1:
+        return str(specs[0])
+    return ", ".join(f"{s} (pipeline {q})" for q, s in enumerate(specs))
 
 
 def recompute_text(policies) -> str:
@@ -569,13 +587,14 @@ def _timeline(opts, job, events, log, n_max: int, tables: Optional[dict] = None,
     else:
         summary = tl.summary([_placement(opts, q) for q in range(len(opts.layout.pipelines))])
         for q, v in summary.items():     # the run's schedule's equal-time bubble (the timeline's is 1F1B's)
-            v["theoretical_bubble"] = SCHEDULES[opts.schedule].equal_bubble(v["stages"], v["microbatches"], opts.v)
+            spec = opts.specs[q]
+            v["theoretical_bubble"] = spec.entry.equal_bubble(v["stages"], v["microbatches"], spec.v)
             log(bubble_line(q, v))
-            table = (tables or {}).get(q) or SCHEDULES[opts.schedule].pattern(v["stages"], v["microbatches"], opts.v)
-            line, sims[q] = simulated_line(opts.spec, tl, q, v, table, (kept or {}).get(q))
+            table = (tables or {}).get(q) or spec.entry.pattern(v["stages"], v["microbatches"], spec.v)
+            line, sims[q] = simulated_line(spec, tl, q, v, table, (kept or {}).get(q))
             log(line)
     if opts.timeline_dir and jax.process_index() == 0:
-        _write_timeline(opts.timeline_dir, f"{job.model.name} {opts.spec} {opts.layout.summary()}",
+        _write_timeline(opts.timeline_dir, f"{job.model.name} {schedules_text(opts.specs)} {opts.layout.summary()}",
                         [_placement(opts, q) for q in range(len(opts.layout.pipelines))], tl, log,
                         replay_timeline(sims) if sims else None)
     return summary
@@ -583,7 +602,8 @@ def _timeline(opts, job, events, log, n_max: int, tables: Optional[dict] = None,
 
 def _placement(opts, q: int) -> tuple[int, ...]:
     """The stage of each of pipeline q's virtual stages under the run's schedule."""
-    return SCHEDULES[opts.schedule].placement.stages(opts.layout.pipelines[q].num_stages, opts.v)
+    spec = opts.specs[q]
+    return spec.entry.placement.stages(opts.layout.pipelines[q].num_stages, spec.v)
 
 
 def _write_timeline(directory: str, title: str, placements: list, tl, log, replay=None) -> None:

@@ -1,9 +1,10 @@
 """`cfp train` under the cluster's own launchers, for real: Debian's Open MPI (`mpirun -np 2`) and a single-node
-Slurm (`srun -n 2`; `make launchers` installs both and starts munged, slurmctld and slurmd, scripts/cluster-launchers.sh).
+Slurm (`srun -n 2`; `make launchers` installs both and starts munged, slurmctld and slurmd:
+scripts/cluster-launchers.sh).
 Per launcher: a two-pipeline layout whose every stage hop crosses the two processes trains as one job of 2
-processes (the header says so) and verifies against one device; one rank SIGKILLed after step 2 ends the job
-non-zero within the heartbeat timeout, the launcher naming the rank; the relaunch resumes from the step-2
-checkpoint and gives the uninterrupted run's losses bit for bit. A launcher that is missing or not running skips
+processes (the header says so) and verifies against one device; rank 1 SIGKILLed once checkpoint 2 is saved
+ends the job non-zero within the heartbeat timeout, the launcher naming the rank; the relaunch resumes from the
+newest checkpoint and gives the uninterrupted run's losses bit for bit. A launcher that is missing or not running skips
 with that reason. Slow (each run starts 2 processes that compile): `make test-rest`."""
 import os
 import re
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -25,6 +27,7 @@ TRAIN = ["train", "--model", "llama2", "--num-layers", "3", "--seq-len", "16", "
          "[[[0,1],[4],[2]],[[5,6],[3],[7]]]", "--global-batch-size", "6", "2", "--chunks", "3", "1"]
 STEP = re.compile(r"^step (\d+) loss ([0-9.]+)", re.M)
 HEARTBEAT_S = 10
+REFERENCE_STEPS = 5
 
 
 def _slurm_reason():
@@ -92,55 +95,68 @@ def _run(command, args, tag, timeout=600):
                           timeout=timeout)
 
 
-def test_launcher_trains_verifies_fails_cleanly_and_resumes(launcher, tmp_path):
-    name, command, rank_var, killed = launcher
-    # one job of 2 processes, verified; its losses the reference of the resumed run below
-    full = _run(command, ["--steps", "4", "--verify"], uuid.uuid4().hex)
-    out = full.stdout + full.stderr
-    assert full.returncode == 0, out[-4000:]
-    assert "one job of 2 processes x 4 devices, joined through" in out and "; 2 process(es), 8 devices" in out
-    assert re.search(r"verify: max relative error \S+ over 4 steps \(ok", out), out[-3000:]
-    reference = _losses(full.stdout)
-    assert sorted(reference) == [1, 2, 3, 4]
+def _drain(stream, lines: list) -> None:
+    for line in iter(stream.readline, ""):       # keep the pipe empty: a rank blocked on a full pipe would hang
+        lines.append(line)
 
-    # rank 1 SIGKILLed once checkpoint 2 is saved: the job ends non-zero, the launcher naming rank 1
-    ckpt = tmp_path / "ckpt"
+
+def _killed_run(command, rank_var: str, ckpt) -> tuple[int, str, float, int]:
+    """A long run whose rank 1 is SIGKILLed once checkpoint 2 is saved: (exit code, output, seconds from the kill
+    to the job's end, the newest checkpoint's step)."""
+    from cfp.runtime.checkpoint import latest_step
     tag = uuid.uuid4().hex
     env = dict(os.environ, **_env(tag))
     env.pop("XLA_FLAGS", None)
-    args = ["--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    args = ["--steps", "100000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
     p = subprocess.Popen(command(_env(tag)) + CFP + TRAIN + args, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=_drain, args=(p.stdout, lines), daemon=True)
+    reader.start()
     try:
-        seen = []
-        for line in p.stdout:
-            seen.append(line)
-            if line.startswith("step 2 "):
-                break
-        from cfp.runtime.checkpoint import latest_step
-        guard = time.monotonic() + 300
+        guard = time.monotonic() + 400     # a guard against a hang only: waits while the run lives
         while (latest_step(ckpt) or 0) < 2 and p.poll() is None and time.monotonic() < guard:
-            time.sleep(0.05)
+            time.sleep(0.02)
         pid = _rank_pid(rank_var, tag)
-        assert pid is not None and p.poll() is None, "".join(seen)[-3000:]
+        assert pid is not None and p.poll() is None, "".join(lines)[-3000:]
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        rest = p.communicate(timeout=HEARTBEAT_S + 120)[0]     # a hang raises TimeoutExpired: a failure
+        p.wait(timeout=HEARTBEAT_S + 120)     # a hang raises TimeoutExpired: a failure
         took = time.monotonic() - killed_at
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert p.returncode != 0
+    reader.join(timeout=10)
+    return p.returncode, "".join(lines), took, latest_step(ckpt)
+
+
+def test_launcher_trains_verifies_fails_cleanly_and_resumes(launcher, tmp_path):
+    name, command, rank_var, killed = launcher
+    # one job of 2 processes, verified; its losses the reference of the resumed run below
+    full = _run(command, ["--steps", str(REFERENCE_STEPS), "--verify"], uuid.uuid4().hex)
+    out = full.stdout + full.stderr
+    assert full.returncode == 0, out[-4000:]
+    assert "one job of 2 processes x 4 devices, joined through" in out and "; 2 process(es), 8 devices" in out
+    assert re.search(rf"verify: max relative error \S+ over {REFERENCE_STEPS} steps \(ok", out), out[-3000:]
+    reference = _losses(full.stdout)
+    assert sorted(reference) == list(range(1, REFERENCE_STEPS + 1))
+
+    # rank 1 SIGKILLed once checkpoint 2 is saved: the job ends non-zero, the launcher naming rank 1
+    ckpt = tmp_path / "ckpt"
+    code, rest, took, saved = _killed_run(command, rank_var, ckpt)
+    assert code != 0
     assert killed.search(rest), rest[-3000:]
     print(f"{name}: the job ended {took:.1f} s after rank 1 was killed (measured; heartbeat timeout "
           f"{HEARTBEAT_S} s)")
     assert took < HEARTBEAT_S + 60, took
+    assert 2 <= saved <= REFERENCE_STEPS - 1, saved      # steps take >= 0.2 s; the kill follows within 0.05 s
 
     # the relaunch resumes from the newest checkpoint and gives the uninterrupted run's losses, bit for bit
-    resumed = _run(command, args + ["--resume"], uuid.uuid4().hex)
+    args = ["--steps", str(REFERENCE_STEPS), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--resume"]
+    resumed = _run(command, args, uuid.uuid4().hex)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     losses = _losses(resumed.stdout)
-    start = min(losses)
-    assert start >= 3 and max(losses) == 4 and re.search(rf"resumed from \S+ step {start - 1}\b", resumed.stdout)
-    assert {k: losses[k] for k in losses} == {k: reference[k] for k in losses}
+    assert sorted(losses) == list(range(saved + 1, REFERENCE_STEPS + 1))
+    assert re.search(rf"resumed from \S+ step {saved}\b", resumed.stdout), resumed.stdout[-2000:]
+    assert losses == {k: reference[k] for k in losses}

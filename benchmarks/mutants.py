@@ -592,6 +592,22 @@ MUTANTS: tuple[Mutant, ...] = (
            "    kept = {v for v, k in var_kind.items() if k is not Kind.BACKWARD and v in producer\n",
            ("tests/test_compute_once.py::test_w_runs_no_forward_and_residuals_hold_no_parameters",),
            "F keeps values computed from the parameters alone (a copy of them per micro-batch)"),
+    # ---- issue 42: autoshard held to the layouts users write, resharding priced by latency and bandwidth
+    Mutant("plain-fsdp-candidate-left-out", "search", "cfp/baselines/user_layouts.py",
+           "USER_LAYOUTS = (Layout.DATA_PARALLEL, Layout.FSDP, Layout.DP_TP)",
+           "USER_LAYOUTS = (Layout.DATA_PARALLEL, Layout.DP_TP)",
+           ("tests/test_user_layouts.py",),
+           "the search no longer verifies plain FSDP (in/out shardings alone), so a slower plan can win"),
+    Mutant("resharding-latency-dropped", "search", "cfp/hardware/alpha_beta.py",
+           "        return self.a0 + self.a1 * (n - 1) + wire_factor(kind, n) * nbytes / self.bandwidth",
+           "        return wire_factor(kind, n) * nbytes / self.bandwidth",
+           ("tests/test_alpha_beta.py",),
+           "resharding priced by bandwidth alone: many small reshards look as cheap as one collective"),
+    Mutant("returned-plan-over-the-budget", "search", "cfp/search/search.py",
+           "    return budget is None or memory <= budget",
+           "    return budget is None or memory <= 2 * budget",
+           ("tests/test_user_layouts.py",),
+           "a candidate over the memory budget is timed and can be returned"),
 )
 
 

@@ -11,7 +11,8 @@ from cfp.data.packing import pack_fixed_rows, pack_rows_balanced, pipeline_time
 from cfp.data.rows import WIDTHS, arrange, row_shapes, row_width
 from cfp.data.schemes import CostForm, Scheme
 from cfp.data.train import DataTrainOptions, plan_step
-from cfp.models.attention import attention_block, causal_pairs
+from cfp.models.attention import MIN_BLOCK, attention_block, causal_pairs
+from cfp.models.packed_attention import TASK_CHUNK, computes_all_pairs
 from cfp.runtime.timeline import Event
 from cfp.schedules.registry import Phase
 
@@ -29,7 +30,7 @@ def _tokens(lengths, seed=0):
 
 
 def test_widths_are_fine_and_shapes_few():
-    """Widths are multiples of the 64-token attention block, each at most 1.5x the previous (rounding a row up
+    """Widths are multiples of 64 (two attention blocks), each at most 1.5x the previous (rounding a row up
     wastes at most a third); a 1024-slot limit allows 16 shapes, every one within the limit."""
     assert all(w % 64 == 0 for w in WIDTHS) and WIDTHS[0] == 128
     assert all(b / a <= 1.5 for a, b in zip(WIDTHS, WIDTHS[1:]))
@@ -59,36 +60,55 @@ def test_materialized_micro_batches_take_bounded_shapes_and_hold_every_token_onc
 
 
 def test_row_cost_prices_the_arrays_the_runtime_gets():
-    """A ROWS scheme's micro-batch cost is a·R·pairs(W) + b·R·W + c of the materialised array's [R, W]
-    (padding rows and bucket rounding included), packed and padded."""
+    """A ROWS scheme's micro-batch cost is a·E + b·R·W + c of the materialised array's [R, W] (padding rows
+    and bucket rounding included), E the score entries the attention computes on its segment ids, packed and
+    padded."""
     rng = np.random.default_rng(2)
     for _ in range(30):
         lens = _lengths(rng, int(rng.integers(1, 9)), 512)
         toks = _tokens(lens)
         for packed in (True, False):
-            r, w = materialize(toks, list(range(lens.size)), packed)["inputs"].shape
-            want = ROWS1.a * r * causal_pairs(w) + ROWS1.b * r * w + ROWS1.c
+            arr = materialize(toks, list(range(lens.size)), packed)
+            r, w = arr["inputs"].shape
+            want = ROWS1.a * sum(_entries_by_brute_force(arr)) + ROWS1.b * r * w + ROWS1.c
             assert ROWS1.mb_cost(lens, packed) == pytest.approx(want, rel=1e-12)
 
 
+def _tasks_by_brute_force(seg, blk):
+    """(row, query block, key block) tasks packed causal attention runs on segment ids [R, W], and the unused
+    tasks of its last trip: every diagonal block; off-diagonal pairs that share a nonzero segment id (all of them
+    where they fit one trip), rounded up to whole trips."""
+    rows, width = seg.shape
+    n = width // blk
+    ids = seg.reshape(rows, n, blk)
+    pairs = [(r, i, j) for r in range(rows) for i in range(n) for j in range(i)]
+    if not computes_all_pairs(rows, n):
+        pairs = [(r, i, j) for r, i, j in pairs if set(ids[r, i][ids[r, i] > 0]) & set(ids[r, j][ids[r, j] > 0])]
+    unused = 0 if computes_all_pairs(rows, n) else -len(pairs) % TASK_CHUNK
+    return [(r, i, i) for r in range(rows) for i in range(n)] + pairs, unused
+
+
 def _entries_by_brute_force(arr, dense=False):
-    """(own, padded-query, cross) score entries of the blocked causal attention over the arrays: per row, query
-    q scores keys 0 .. end of q's block (`dense`, ring attention: every key); own = same segment and key <=
-    query."""
-    rows, width = arr["inputs"].shape
+    """(own, padded-query, cross) score entries of the attention over the arrays: per task, each query of its
+    query block scores the key block's keys (`dense`, ring attention: every key of the row); own = same segment
+    and key <= query; a trip's unused tasks count as padding."""
+    seg = arr["segment_ids"]
+    rows, width = seg.shape
     blk = width if dense else attention_block(width)
+    tasks, unused = _tasks_by_brute_force(seg, blk)
+    if dense:
+        tasks, unused = [(r, 0, 0) for r in range(rows)], 0
     own = pad = cross = 0
-    for r in range(rows):
-        seg = arr["segment_ids"][r]
-        for q in range(width):
-            keys = np.arange((q // blk + 1) * blk) if blk < width else np.arange(width)
-            if seg[q] == 0:
+    for r, i, j in tasks:
+        keys = np.arange(width) if dense else np.arange(j * blk, (j + 1) * blk)
+        for q in range(i * blk, (i + 1) * blk) if not dense else range(width):
+            if seg[r, q] == 0:
                 pad += keys.size
                 continue
-            mine = int(np.sum((seg[keys] == seg[q]) & (keys <= q)))
+            mine = int(np.sum((seg[r, keys] == seg[r, q]) & (keys <= q)))
             own += mine
             cross += keys.size - mine
-    return own, pad, cross
+    return own, pad + unused * blk * blk, cross
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["blocked", "ring"])
@@ -106,7 +126,8 @@ def test_compute_parts_count_what_the_arrays_compute(dense):
             assert p["real_slots"] == int(np.sum(arr["weights"] > 0))
             assert (p["own"], p["pad_entries"], p["cross"]) == _entries_by_brute_force(arr, dense)
             r, w = arr["inputs"].shape
-            assert p["own"] + p["pad_entries"] + p["cross"] == r * (w * w if dense else causal_pairs(w))
+            total = p["own"] + p["pad_entries"] + p["cross"]
+            assert total == r * w * w if dense else total <= r * causal_pairs(w) + TASK_CHUNK * MIN_BLOCK ** 2
 
 
 def _partitions(items):

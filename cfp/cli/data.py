@@ -175,7 +175,7 @@ def run_schemes(args) -> int:
     space.save(args.out)
     print(f"{len(space.schemes)} schemes ({space.source}); wrote {args.out}")
     for s in space.schemes:
-        form = "R·pairs(W)" if s.form.value == "rows" else "s²"
+        form = "E" if s.form.value == "rows" else "s²"
         print(f"  {s.name}: {s.a:.3g}·{form} + {s.b:.3g}·{'R·W' if form != 's²' else 's'} + {s.c:.3g} s per "
               f"micro-batch, max_len {s.max_len}")
     return 0

@@ -15,8 +15,9 @@ by the scheme's fitted cost of its layout (`cfp.data.schemes`, form ROWS): a·sc
 each part counted as
     real      entries inside a sequence's own causal block, and real token slots
     padding   padded slots (bucket rounding and padding rows) and the entries of padded queries
-    cross     entries of real queries outside their sequence's causal block: other sequences sharing the row,
-              and the masked entries of the diagonal blocks (attention work outside each sequence's own block)
+    cross     entries of real queries outside their sequence's causal block that the attention computes: the
+              masked parts of the blocks it computes (other sequences sharing a block, the diagonal blocks'
+              upper halves)
     overhead  the fitted per-micro-batch constant c
 so each part is measured time attributed by the fits' shares (said so wherever printed).
 """
@@ -27,9 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp.data.rows import arrange, own_pairs
+from cfp.data.rows import arrange, layout_entries, own_pairs
 from cfp.data.schemes import CostForm, Scheme
-from cfp.models.attention import attention_block
 
 PARTS = ("host", "real", "padding", "cross", "overhead", "bubble", "idle", "sync")
 LABELS = {"host": "host assign+dispatch", "real": "real tokens", "padding": "padding", "cross": "cross-sequence attn",
@@ -59,36 +59,15 @@ class PipelineTime:
         return sum(getattr(self, k) for k in PARTS)
 
 
-def _keys(width: int, lo: int, hi: int, dense: bool = False) -> int:
-    """Key entries attention computes for the queries lo..hi-1 of a row of `width`: blocked causal attention
-    scores the blocks up to each query's own, dense (ring) attention the whole row."""
-    blk = attention_block(width)
-    if hi <= lo:
-        return 0
-    if dense or blk == width:
-        return (hi - lo) * width
-    first, last = lo // blk, (hi - 1) // blk
-    if first == last:
-        return (hi - lo) * (first + 1) * blk
-    total = (blk - lo % blk) * (first + 1) * blk + ((hi - 1) % blk + 1) * (last + 1) * blk
-    total += sum((j + 1) * blk * blk for j in range(first + 1, last))
-    return total
-
-
 def compute_parts(lengths: Sequence[int], packed: bool, dense: bool = False) -> dict[str, float]:
     """A micro-batch's score entries and token slots as the runtime computes them (per head and layer; `dense`:
     a context-parallel stage's ring attention): {own, pad_entries, cross, real_slots, pad_slots}."""
     lay = arrange(lengths, packed)
     lengths = [int(s) for s in lengths]
-    real_entries = pad_entries = 0
-    for row in lay.rows:
-        fill = sum(lengths[k] for k in row)
-        real_entries += _keys(lay.width, 0, fill, dense)
-        pad_entries += _keys(lay.width, fill, lay.width, dense)
-    pad_entries += (lay.num_rows - len(lay.rows)) * _keys(lay.width, 0, lay.width, dense)
+    total, pad_entries = layout_entries(lay, lengths, dense)
     own = own_pairs(lengths)
     real = sum(lengths)
-    return {"own": own, "pad_entries": pad_entries, "cross": real_entries - own, "real_slots": real,
+    return {"own": own, "pad_entries": pad_entries, "cross": total - own - pad_entries, "real_slots": real,
             "pad_slots": lay.slots - real}
 
 

@@ -244,10 +244,11 @@ def _merge_micro_batches(lengths: np.ndarray, scheme: Scheme, mbs: MicroBatches,
         best, pick = 0.0, None
         for i, j in itertools.combinations(range(len(mbs)), 2):
             union = sorted(mbs[i] + mbs[j], key=lambda k: -lengths[k])
-            lay = arrange(lengths[union].tolist(), packed=True)
+            ordered = lengths[union].tolist()
+            lay = arrange(ordered, packed=True)
             if lay.slots > limit:
                 continue
-            c = scheme.row_cost(*lay.shape)
+            c = scheme.layout_cost(lay, ordered)
             others = next((cost[k] for k in top if k not in (i, j)), 0.0)
             gain = now - (sum(cost) - cost[i] - cost[j] + c + bubble * max(c, others))
             if gain > best:

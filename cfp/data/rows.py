@@ -1,10 +1,9 @@
 """How a micro-batch's sequences are arranged in rows [R, W] for the runtime (`arrange`).
 
-Attention over a packed row is blocked causal (`cfp.models.attention.blocked_causal_attention`): its cost is
-fixed by the row's width W, whatever the row holds. So a micro-batch of short sequences is laid out in short
-rows (W the width bucket of its longest sequence), several sequences per row, rather than in one row of its
-total length: R rows of width W cost R·pairs(W) score entries of attention, one row of R·W would cost
-pairs(R·W), about R times more.
+Attention over a packed row (`cfp.models.packed_attention`) computes each row's diagonal blocks and the
+off-diagonal blocks some sequence spans, so a row costs about its sequences' own causal blocks
+(`layout_entries` counts exactly what it computes). Rows are as wide as the micro-batch's longest sequence (its
+width bucket): the token slots of the layers outside attention are R·W.
 
 * Widths are `WIDTHS` (128·2^(k/2): 128, 192, 256, 384, ...), finer than powers of two so rounding a row up
   wastes at most a third of it; a width is a multiple of 64, which the attention blocks need.
@@ -22,8 +21,11 @@ import dataclasses
 import math
 from typing import Sequence
 
+import numpy as np
+
 from cfp.errors import InfeasibleError
-from cfp.models.attention import causal_pairs
+from cfp.models.attention import MIN_BLOCK, attention_block, causal_pairs
+from cfp.models.packed_attention import kernel_entries
 
 MIN_WIDTH = 128
 
@@ -107,11 +109,27 @@ def arrange(lengths: Sequence[int], packed: bool) -> MicroBatchRows:
     return MicroBatchRows(width, tuple(tuple(r) for r in rows), row_count(len(rows)))
 
 
-def row_pairs(width: int, dense: bool = False) -> int:
-    """Attention score entries one row of `width` computes per head and layer: blocked causal attention's
-    (`causal_pairs`), or with `dense` (ring attention of context-parallel stages, which scores every chunk
-    pair) width²."""
-    return width * width if dense else causal_pairs(width)
+def layout_entries(lay: MicroBatchRows, lengths: Sequence[int], dense: bool = False) -> tuple[int, int]:
+    """(attention score entries per head and layer the runtime computes on micro-batch `lay` of sequences of
+    `lengths`, of which entries of padded queries or of unused tasks): packed causal attention's
+    (`kernel_entries`), or with `dense` (ring attention of context-parallel stages) every pair of every row."""
+    fills = [sum(int(lengths[k]) for k in row) for row in lay.rows]
+    if dense:
+        pad = sum(lay.width - f for f in fills) + (lay.num_rows - len(fills)) * lay.width
+        return lay.num_rows * lay.width * lay.width, pad * lay.width
+    rows = [[int(lengths[k]) for k in row] for row in lay.rows]
+    return kernel_entries(rows, lay.num_rows, lay.width, attention_block(lay.width))
+
+
+def seq_entries(s, dense: bool = False):
+    """Estimated score entries of sequences of length s (array) alone: its own causal blocks, or (`dense`) a
+    row of its width bucket's share s/W of W² (for the dispatch's per-sequence costs)."""
+    s = np.asarray(s, np.float64)
+    if dense:
+        w = np.asarray(WIDTHS, np.float64)[np.searchsorted(WIDTHS, s)]
+        return w * s
+    nb = np.ceil(s / MIN_BLOCK)
+    return nb * (nb + 1) / 2 * MIN_BLOCK * MIN_BLOCK
 
 
 def own_pairs(lengths: Sequence[int]) -> int:

@@ -7,7 +7,7 @@ arguments + outputs + temporaries, per device) fits the memory budget (a micro-b
 max_len / R needs no more: the same tokens in shorter rows hold fewer attention scores). Then micro-batches of
 the shapes [R, W] the data path runs -- one row of 128 and of each of the three widest widths, and max_len /
 128 rows of 128 -- are timed (median of `repeats` runs of forward+backward under 1F1B) and
-a·R·pairs(W) + b·R·W + c is fitted to the time per stage, least squares in relative error. A pipeline of pp > 1
+a·E + b·R·W + c (E the score entries the attention computes, `cfp.data.rows.layout_entries`) is fitted to the time per stage, least squares in relative error. A pipeline of pp > 1
 stages runs 4 micro-batches at once and its time is divided by 4 + pp - 1: the stage time the estimate
 Σ cost + (pp-1)·max cost needs, with whatever stages that share the host's cores lose to each other. Last, how
 many pipelines the devices run side by side at full speed (`SchemeSpace.parallel_pipelines`): two pipelines of
@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp.data.rows import MIN_WIDTH, row_pairs
+from cfp.data.rows import MIN_WIDTH, arrange, layout_entries
 from cfp.data.schemes import CostForm, Scheme, SchemeSpace, fit_nonnegative, fit_quadratic
 from cfp.errors import ConfigError
 from cfp.schedules.registry import ScheduleName
@@ -127,8 +127,8 @@ def measure_space(model: str, config_name: str, cfg, params, memory_mb: float, *
             continue
         out.append(scheme)
         if log:
-            log(f"  measured {scheme.name}: time {scheme.a:.3g}·R·pairs(W) + {scheme.b:.3g}·R·W + {scheme.c:.3g} s "
-                f"per stage and micro-batch [R, W], max_len {scheme.max_len}")
+            log(f"  measured {scheme.name}: time {scheme.a:.3g}·E + {scheme.b:.3g}·R·W + {scheme.c:.3g} s "
+                f"per stage and micro-batch [R, W] (E: its attention score entries), max_len {scheme.max_len}")
     if not out:
         raise ConfigError(f"no scheme fits {memory_mb} MiB per device; raise --memory-mb")
     small = min(out, key=lambda s: (s.devices, s.pp))
@@ -260,7 +260,7 @@ def _measure_scheme(model: str, cfg, params, shape, repeats: int, memory_mb: flo
             ts.append(time.perf_counter() - t0)
         # m micro-batches through pp stages take (m + pp - 1) stage-times where the stages run side by side
         times.append(float(np.median(ts)) / (in_flight + pp - 1))
-        rows.append([r * row_pairs(w, cp > 1), r * w, 1.0])
+        rows.append([layout_entries(arrange([w] * r, packed=True), [w] * r, cp > 1)[0], r * w, 1.0])
     if len(times) < 3:   # one shape only (max_len 128): its time is the cost of every micro-batch
         return Scheme(cp, tp, pp, 0.0, 0.0, times[0], max_len, CostForm.ROWS)
     t = np.asarray(times)

@@ -3,9 +3,9 @@ sequence that fits memory (the Hydraulis "scheme space").
 
 A scheme's cost of a micro-batch holding sequences s_1..s_k (seconds per pipeline stage) has one of two forms:
     VARLEN (flash-attention varlen, the GPU cost model):  a·Σ s_i² + b·Σ s_i + c
-    ROWS (this runtime, measured): the micro-batch's `cfp.data.rows` [R, W], a·R·pairs(W) + b·R·W + c, with
-        pairs(W) the score entries blocked causal attention computes on a row of W -- what actually runs:
-        padding and bucket rounding included, attention across sequences sharing a row included.
+    ROWS (this runtime, measured): the micro-batch's `cfp.data.rows` layout [R, W], a·E + b·R·W + c, with E
+        the score entries packed causal attention computes on it (`cfp.data.rows.layout_entries`) -- what
+        actually runs: padding and bucket rounding included, masked parts of the blocks it computes included.
 A padded micro-batch (one sequence per row, `packed=False`) costs its padded rows in either form.
 """
 from __future__ import annotations
@@ -17,12 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp.data.rows import WIDTHS, arrange, row_pairs
+from cfp.data.rows import WIDTHS, MicroBatchRows, arrange, layout_entries, seq_entries
 from cfp.errors import ConfigError
 from cfp.files import write_json_atomic
-
-# score entries per row of each width: blocked causal attention (False) or a context-parallel ring (True)
-_PAIRS = {dense: np.array([row_pairs(w, dense) for w in WIDTHS], np.float64) for dense in (False, True)}
 
 
 class CostForm(enum.Enum):
@@ -77,17 +74,18 @@ class Scheme:
 
     def seq_cost(self, s):
         """Time of sequences of length s without the per-micro-batch c: VARLEN, the sequence's own; ROWS, its
-        share (s / W) of a row of its width W, which shorter sequences fill up."""
+        own causal blocks' attention (`seq_entries`; a ring: its share of its row's) and its s token slots
+        (shorter sequences fill the rest of a row)."""
         s = np.asarray(s, np.float64)
         if self.form is CostForm.VARLEN:
             return self.a * s * s + self.b * s
-        w = np.asarray(WIDTHS, np.float64)[np.searchsorted(WIDTHS, s)]
-        return (self.a * _PAIRS[self.cp > 1][np.searchsorted(WIDTHS, s)] + self.b * w) * s / w
+        return self.a * seq_entries(s, self.cp > 1) + self.b * s
 
-    def row_cost(self, num_rows: int, width: int) -> float:
-        """ROWS: time of one micro-batch arranged as [num_rows, width] (`row_pairs`: ring attention scores
-        every pair of a context-parallel stage's row)."""
-        return self.a * num_rows * row_pairs(width, self.cp > 1) + self.b * num_rows * width + self.c
+    def layout_cost(self, lay: MicroBatchRows, lengths: Sequence[int]) -> float:
+        """ROWS: time of one micro-batch of sequences of `lengths` laid out as `lay` (`layout_entries`: ring
+        attention scores every pair of a context-parallel stage's row)."""
+        entries = layout_entries(lay, lengths, self.cp > 1)[0]
+        return self.a * entries + self.b * lay.slots + self.c
 
     def mb_cost(self, lengths: Sequence[int], packed: bool = True) -> float:
         """Time of one micro-batch holding `lengths` (tokens of each sequence, in the micro-batch's order):
@@ -96,7 +94,8 @@ class Scheme:
         if lengths.size == 0:
             return 0.0
         if self.form is CostForm.ROWS:
-            return self.row_cost(*arrange(lengths.astype(np.int64).tolist(), packed).shape)
+            ints = lengths.astype(np.int64).tolist()
+            return self.layout_cost(arrange(ints, packed), ints)
         if not packed:
             longest = float(lengths.max())
             return float(lengths.size * (self.a * longest * longest + self.b * longest) + self.c)

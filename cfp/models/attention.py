@@ -19,24 +19,20 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from cfp.errors import ConfigError
+from cfp.models.packed_attention import MASK_VALUE, packed_causal_attention
 
 
-MASK_VALUE = -1e9  # finite so fully-masked rows never produce NaN
-
-
-MIN_BLOCK = 64      # query/key block of the blocked causal attention (rows of >= 2 blocks use it)
-BLOCKS_PER_ROW = 8  # a longer row gets longer blocks: the unrolled program stays 8 blocks long
+MIN_BLOCK = 32      # query/key block of packed causal attention: rows of >= 2 blocks run blocked
 
 
 def attention_block(seq_len: int) -> int:
-    """Block length of `blocked_causal_attention` for rows of `seq_len` (the row itself: dense attention)."""
-    block = max(MIN_BLOCK, seq_len // BLOCKS_PER_ROW)
-    return block if seq_len % block == 0 and seq_len >= 2 * block else seq_len
+    """Block length of `packed_causal_attention` for rows of `seq_len` (the row itself: dense attention)."""
+    return MIN_BLOCK if seq_len % MIN_BLOCK == 0 and seq_len >= 2 * MIN_BLOCK else seq_len
 
 
 def causal_pairs(seq_len: int) -> int:
-    """(query, key) score entries per row and head that causal attention computes on rows of `seq_len`: the
-    lower-triangular blocks of `blocked_causal_attention` (blocks on the diagonal whole), or all of them."""
+    """(query, key) score entries per row and head of every block on or below the diagonal (blocks on the
+    diagonal whole): what packed attention computes for a row that one sequence fills, or the whole square."""
     block = attention_block(seq_len)
     n = seq_len // block
     return block * block * n * (n + 1) // 2
@@ -47,12 +43,12 @@ def dot_product_attention(q, k, v, causal: bool, segment_ids=None):
 
     `segment_ids` int32[B,S] (packed sequences, S == T): a query attends only to keys of its own segment,
     so attention never crosses sequences. Returns [B,S,H,D] in q's dtype. Causal attention over packed rows
-    runs blocked (`blocked_causal_attention`: blocks above the diagonal are never computed); without segment
-    ids the whole score matrix is computed, as the CFP analysis of the plain models expects.
+    runs `packed_causal_attention`: only the blocks of each row that some sequence spans are computed; without
+    segment ids the whole score matrix is computed, as the CFP analysis of the plain models expects.
     """
     if causal and segment_ids is not None and q.shape[1] == k.shape[1] \
             and attention_block(q.shape[1]) < q.shape[1]:
-        return blocked_causal_attention(q, k, v, segment_ids)
+        return packed_causal_attention(q, k, v, segment_ids, attention_block(q.shape[1]))
     b, s, h, d = q.shape
     hkv = k.shape[2]
     # Query head h uses kv head h // (H // Hkv): group consecutive query heads.
@@ -67,30 +63,6 @@ def dot_product_attention(q, k, v, causal: bool, segment_ids=None):
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
-
-
-def blocked_causal_attention(q, k, v, segment_ids):
-    """Causal attention of rows [B,S] cut into `attention_block(S)`-long blocks: query block i scores only
-    key blocks 0..i, so the blocks above the diagonal -- which causal attention masks whole -- are never
-    computed (about half the score matrix). Equal to the dense masked attention (a masked key gets
-    probability exactly 0 there) up to summation order. The row's length decides the structure, so it is
-    static: a row holding many short sequences costs what a row of one sequence of its length costs, which
-    is why `cfp.data.rows` lays short sequences out in short rows."""
-    b, s, h, d = q.shape
-    hkv = k.shape[2]
-    block = attention_block(s)
-    q = q.reshape(b, s, hkv, h // hkv, d) * jnp.asarray(d ** -0.5, q.dtype)
-    idx = jnp.arange(s)
-    outs = []
-    for i in range(s // block):
-        lo, hi = i * block, (i + 1) * block
-        keys = slice(0, hi)      # every key block up to the diagonal: a sequence may start in any of them
-        scores = jnp.einsum("bskgd,btkd->bkgst", q[:, lo:hi], k[:, keys]).astype(jnp.float32)
-        ok = (idx[lo:hi, None] >= idx[None, keys])[None] & \
-            (segment_ids[:, lo:hi, None] == segment_ids[:, None, keys])
-        probs = jax.nn.softmax(jnp.where(ok[:, None, None], scores, MASK_VALUE), axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkgst,btkd->bskgd", probs, v[:, keys]))
-    return jnp.concatenate(outs, axis=1).reshape(b, s, h, d)
 
 
 class CpMethod(enum.Enum):

@@ -232,3 +232,16 @@ def test_cli_factory_yielding_batches(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "the factory's batches: step 1's batch {['x']: int32[8, 8]} " \
         "differs from the example batch" in err, err
+
+
+def test_planning_takes_step_0s_batch_at_any_rows(setup):
+    """`cfp plan --model file.py:factory` derives cost facts on an example of --example-rows rows: from per-step
+    batches, step 0's rows cut or cycled to that count."""
+    from cfp.runtime.feed import step_batches
+    model, _, batches, _, _ = setup
+    for given in (batches, Loader(batches), lambda s, rows: {k: v[:rows] for k, v in batches[s].items()}):
+        for rows in (3, ROWS):
+            ex = step_batches(given, model).example(rows)
+            assert all(np.array_equal(ex[k], batches[0][k][:rows]) for k in "xyw")
+    ex = step_batches(batches, model).example(ROWS + 2)
+    assert np.array_equal(ex["x"], np.concatenate([batches[0]["x"], batches[0]["x"][:2]]))

@@ -139,13 +139,13 @@ class StepBatches:
 
     def __init__(self, source: Any, model: Any, name: str):
         self.source, self.model, self.name = source, model, name
-        self.example: Any = None
+        self._example: Any = None
         self.checked: set = set()           # signatures the model was checked on
 
     def __call__(self, step: int, rows: int) -> Any:
         batch = _host(self.source.get(step, rows))
-        if self.example is None:
-            self._check_example(batch, rows)
+        if self._example is None:
+            self._check_example(batch)
             if isinstance(self.source, _Listed):    # every item checked before anything compiles
                 for s in range(1, len(self.source.items)):
                     self._check(s, _host(self.source.items[s]), rows)
@@ -172,21 +172,21 @@ class StepBatches:
             return out
         return batch
 
-    def _check_example(self, batch: Any, rows: int) -> None:
+    def _check_example(self, batch: Any) -> None:
         error = _model_error(self.model, batch)
         if error:
             raise ConfigError(f"{self.name}: step 0's batch {_describe(batch)}: {error}")
-        self.example = batch
+        self._example = batch
         self.checked.add(_signature(batch))
 
     def _check(self, step: int, batch: Any, rows: int) -> None:
         sig = _signature(batch)
         if sig in self.checked and (not self.source.per_step or _rows(batch) == rows):
             return
-        want = _signature(self.example)
+        want = _signature(self._example)
         if sig[0] != want[0] or [d for _, d in sig[1]] != [d for _, d in want[1]]:
             raise ConfigError(f"{self.name}: step {step}'s batch {_describe(batch)} differs from the example batch "
-                              f"(step 0's) {_describe(self.example)}; every batch needs its structure and dtypes")
+                              f"(step 0's) {_describe(self._example)}; every batch needs its structure and dtypes")
         if self.source.per_step and _rows(batch) != rows:
             raise ConfigError(f"{self.name}: step {step}'s batch {_describe(batch)} has "
                               f"{_rows(batch)} rows; the layout's global batch is {rows} rows (its pipelines' "

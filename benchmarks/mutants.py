@@ -421,11 +421,11 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_planner_schedules.py",),
            "the generated schedule may keep the whole device's memory in activations"),
     # ---- issue 29: variable-length data that runs faster
-    Mutant("blocked-attention-skips-shared-block", "data", "cfp/models/attention.py",
-           "keys = slice(0, hi)      # every key block up to the diagonal",
-           "keys = slice(lo, hi)      # every key block up to the diagonal",
-           ("tests/test_data_packing.py",),
-           "blocked attention skips the key blocks before a query's own block, though its sequence started there"),
+    Mutant("blocked-attention-skips-shared-block", "data", "cfp/models/packed_attention.py",
+           "keep = (lo[:, qi] <= hi[:, kj]) & (lo[:, kj] <= hi[:, qi])",
+           "keep = (lo[:, qi] < hi[:, kj]) & (lo[:, kj] <= hi[:, qi])",
+           ("tests/test_packed_attention.py",),
+           "packed attention skips a key block whose last sequence runs on into the query block (issue 39)"),
     Mutant("padding-leaves-out-padding-rows", "data", "cfp/data/breakdown.py",
            '"pad_slots": lay.slots - real}',
            '"pad_slots": lay.width * len(lay.rows) - real}',
@@ -437,8 +437,8 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_data_rows.py",),
            "micro-batches take any row count, so the shapes (and compiles) are no longer bounded"),
     Mutant("row-cost-prices-one-row", "data", "cfp/data/schemes.py",
-           "self.b * num_rows * width + self.c",
-           "self.b * width + self.c",
+           "self.b * lay.slots + self.c",
+           "self.b * lay.width + self.c",
            ("tests/test_data_rows.py",),
            "a micro-batch's fitted cost charges one row's token slots, whatever its row count"),
     Mutant("breakdown-sync-from-own-end", "data", "cfp/data/breakdown.py",
@@ -453,8 +453,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "fine-grained packing keeps each width's micro-batches apart even where one more micro-batch costs more "
            "than the attention a merge adds (the gain compared in the wrong unit)"),
     Mutant("merge-ignores-slot-limit", "data", "cfp/data/packing.py",
-           "            if lay.slots > limit:\n                continue\n            c = scheme.row_cost",
-           "            if lay.slots > 2 * limit:\n                continue\n            c = scheme.row_cost",
+           "            if lay.slots > limit:\n                continue\n            c = scheme.layout_cost",
+           "            if lay.slots > 2 * limit:\n                continue\n            c = scheme.layout_cost",
            ("tests/test_data_rows.py",),
            "merging micro-batches lets one exceed the scheme's slot limit (its memory budget)"),
     # ---- issue 28: one options record; every script exercised
@@ -608,6 +608,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "    return budget is None or memory <= 2 * budget",
            ("tests/test_user_layouts.py",),
            "a candidate over the memory budget is timed and can be returned"),
+    # ---- issue 39: packed attention computes only the blocks it keeps, and the breakdown prices those
+    Mutant("block-map-off-by-one-block", "data", "cfp/models/packed_attention.py",
+           "    return np.tril_indices(n, -1)",
+           "    return np.tril_indices(n, -2)",
+           ("tests/test_packed_attention.py",),
+           "the block map's pairs start one block below the diagonal: a query block never sees the block before it"),
+    Mutant("breakdown-counts-every-block", "data", "cfp/models/packed_attention.py",
+           "    all_pairs = computes_all_pairs(num_rows, n)",
+           "    all_pairs = True",
+           ("tests/test_packed_attention.py",),
+           "the breakdown and fits count every block up to the diagonal, which the kernel no longer computes"),
 )
 
 

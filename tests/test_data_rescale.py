@@ -23,8 +23,8 @@ def _time(span: float, estimated: float) -> PipelineTime:
 def test_a_scaled_scheme_prices_every_micro_batch_by_its_factor():
     (one, two), = scaled([[ONE, TWO]], {(1, 1, 1): 1.7})
     assert two is TWO                                  # no factor: the fit as measured
-    for shape in ((1, 128), (4, 256), (1, 1024)):
-        assert one.row_cost(*shape) == pytest.approx(1.7 * ONE.row_cost(*shape), rel=1e-12)
+    for lengths in ([100], [200, 150, 90, 30], [1000]):
+        assert one.mb_cost(lengths) == pytest.approx(1.7 * ONE.mb_cost(lengths), rel=1e-12)
 
 
 def test_a_factor_moves_halfway_in_log_scale_toward_the_median_ratio_and_stays_bounded():

@@ -54,7 +54,14 @@ def test_stage_plans_give_the_single_device_gradient(searched):
         for path, sh in jax.tree_util.tree_flatten_with_path(prog.shardings)[0]:
             assert sh.spec == specs[jax.tree_util.keystr(path)]
     batch = jax.tree_util.tree_map(np.asarray, make_batch("llama2", cfg, layout.global_batch, 7))
-    for schedule in ("gpipe", "1f1b"):
+    for key in replayed:       # a searched stage's backward recomputes nothing of its forward (none is the default)
+        prog, st = trainer.programs[key], trainer.programs[key].stage
+        mb = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((layout.pipelines[key[0]].micro_batch,)
+                                                                   + a.shape[1:], a.dtype), batch)
+        x = None if st.is_first else trainer._act_shape((key[0], key[1] - 1), mb)
+        split = prog.kept_programs.split(x, mb if (st.is_first or st.is_last) else None)
+        assert split.recomputed(split.whole) == () and split.recomputed(split.w) == (), key
+    for schedule in ("gpipe", "1f1b", "zb-h1"):      # zb-h1: a searched stage's B and W
         trainer.set_schedule(schedule)
         grads, loss = trainer.gradients(batch)
         params = trainer.state()[0]

@@ -2,9 +2,11 @@
 its split into B and W -- from one traced program, so that each computes what it must and nothing twice.
 
 The traced program is ``(params, x, batch, ct) -> (out, g_params, g_x)``: the stage's forward and its VJP in one
-(`cfp.ir._jax_internals.trace_whole`: call-likes inlined, a ``scan``/``while`` kept as one equation). Each value
-is classed by what it depends on: *backward* (on the cotangent ``ct``), *forward* (on the stage input ``x`` or the
-micro-batch, not on ``ct``) or *parameter-only* (on neither). Then, under a recompute policy
+(`cfp.ir._jax_internals.trace_whole`: call-likes inlined, a ``scan``/``while`` kept as one equation), with
+equations that repeat another's on the same operands merged (a backward cut from an analysed step recomputes its
+forward: those copies are the forward's). Each value is classed by what it is: *forward* (what the output needs,
+from the stage input ``x`` or the micro-batch), *parameter-only* (from neither, nor from ``ct``: a function of
+the parameters and constants) or *backward* (the rest). Then, under a recompute policy
 (`cfp.recompute.Recompute`):
 
 * the forward values the backward needs are **kept** (``none``: all; ``selective``: the outputs of dots without
@@ -111,6 +113,7 @@ class StageSplit:
 def split_stage(prog: jxi.OptProgram, groups: Groups, policy: Recompute) -> StageSplit:
     """Cut ``prog`` (the stage's forward and VJP, `Groups`) under ``policy`` (none, selective or full)."""
     policy = Recompute.policy(policy)
+    prog = merged(prog)
     var_kind, eqn_kind = _kinds(prog, groups)
     ins, outs = groups.inputs(prog), groups.outputs(prog)
     producer = _producers(prog)
@@ -128,9 +131,11 @@ def split_stage(prog: jxi.OptProgram, groups: Groups, policy: Recompute) -> Stag
     residuals = tuple(sorted(kept & reads(whole, targets("g_params") + targets("g_x"))))
     w_reads = reads(w, targets("g_params"))
     forward = _closure(prog, producer, targets("out") + [v for v in residuals if v in producer], given | set(ins["x"]))
-    return StageSplit(prog, groups, policy, _ordered(forward), _ordered(whole), _ordered(b), _ordered(w), residuals,
-                      tuple(sorted(w_reads & _defined(prog, b))), tuple(sorted(w_reads & set(residuals))),
-                      tuple(sorted(w_reads & set(ins["ct"]))))
+    return StageSplit(prog=prog, groups=groups, policy=policy, forward=_ordered(forward), whole=_ordered(whole),
+                      b=_ordered(b), w=_ordered(w), residuals=residuals,
+                      handoff=tuple(sorted(w_reads & _defined(prog, b))),
+                      w_residuals=tuple(sorted(w_reads & set(residuals))),
+                      w_ct=tuple(sorted(w_reads & set(ins["ct"]))))
 
 
 def evaluate(prog: jxi.OptProgram, eqns: Sequence[int], env: dict[int, Any]) -> dict[int, Any]:
@@ -148,23 +153,65 @@ def evaluate(prog: jxi.OptProgram, eqns: Sequence[int], env: dict[int, Any]) -> 
 
 # ---------------------------------------------------------------------------------------------------------------
 def _kinds(prog: jxi.OptProgram, groups: Groups) -> tuple[dict[int, Kind], list[Kind]]:
-    """Each value's and each equation's `Kind`, by what its inputs depend on."""
-    ins = groups.inputs(prog)
-    act = set(ins["x"]) | set(ins["batch"])
-    ct = set(ins["ct"])
-    var_kind = {v: Kind.FORWARD if v in act else Kind.BACKWARD if v in ct else Kind.PARAMETER for v in prog.invars}
+    """Each value's and each equation's `Kind`: parameter-only where no input but the parameters (and constants)
+    reaches it, forward where the output needs it, backward otherwise."""
+    ins, outs = groups.inputs(prog), groups.outputs(prog)
+    moving = set(ins["x"]) | set(ins["batch"]) | set(ins["ct"])
+    forward = _closure(prog, _producers(prog), [a[1] for a in outs["out"] if a[0] == "var"], set())
+    var_kind = {v: Kind.FORWARD if v in ins["x"] or v in ins["batch"] else Kind.BACKWARD if v in moving
+                else Kind.PARAMETER for v in prog.invars}
     for v in prog.consts:
         var_kind[v] = Kind.PARAMETER
     eqn_kind = []
-    for eqn in prog.eqns:
+    for e, eqn in enumerate(prog.eqns):
         kinds = {var_kind[a[1]] for a in eqn.invars if a[0] == "var"}
-        k = (Kind.BACKWARD if Kind.BACKWARD in kinds else Kind.FORWARD if Kind.FORWARD in kinds
-             else Kind.PARAMETER)
+        k = (Kind.PARAMETER if kinds <= {Kind.PARAMETER} else Kind.FORWARD if e in forward else Kind.BACKWARD)
         eqn_kind.append(k)
         for v in eqn.outvars:
             if v is not None:
                 var_kind[v] = k
     return var_kind, eqn_kind
+
+
+def merged(prog: jxi.OptProgram) -> jxi.OptProgram:
+    """``prog`` with every equation that repeats an earlier one (same primitive, parameters and operands) dropped
+    and its results read from the earlier one's (equations whose parameters cannot be compared are kept)."""
+    alias: dict[int, int] = {}
+    seen: dict[Any, tuple] = {}
+    eqns = []
+    atom = lambda a: a if a[0] == "lit" else ("var", alias.get(a[1], a[1]))
+    for eqn in prog.eqns:
+        ins = tuple(atom(a) for a in eqn.invars)
+        key = _eqn_key(eqn, ins)
+        if key is not None and key in seen and len(seen[key]) == len(eqn.outvars):
+            for v, w in zip(eqn.outvars, seen[key]):
+                if v is not None and w is not None:
+                    alias[v] = w
+            if all(w is not None for v, w in zip(eqn.outvars, seen[key]) if v is not None):
+                continue
+        new = jxi.OptEqn(eqn.primitive, eqn.params, ins, eqn.outvars)
+        eqns.append(new)
+        if key is not None:
+            seen.setdefault(key, eqn.outvars)
+    outvars = tuple(atom(a) for a in prog.outvars)
+    return jxi.OptProgram(prog.avals, prog.invars, outvars, tuple(eqns), prog.consts)
+
+
+def _eqn_key(eqn: jxi.OptEqn, ins: tuple):
+    """A hashable key of what ``eqn`` computes, or None where its parameters (or literals) are not hashable or it
+    has effects (random number generators excepted: they are pure functions of their key)."""
+    if getattr(eqn.primitive, "name", "") in _NEVER_MERGED:
+        return None
+    try:
+        key = (eqn.primitive, tuple(sorted(eqn.params.items())), ins)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+_NEVER_MERGED = frozenset({"while", "cond", "scan", "shard_map", "custom_linear_solve", "pure_callback",
+                           "io_callback", "debug_callback"})
 
 
 def _keeps(policy: Recompute, eqn: jxi.OptEqn) -> bool:

@@ -92,8 +92,9 @@ def parse_layout_file(data: Any, where: str = "layout file") -> LayoutFile:
         raise ConfigError(f"{where}: {e}") from None
     recompute = data.get("recompute", [])
     recompute = parse_stage_recompute(recompute, [p.num_stages for p in layout.pipelines], where) if recompute else ()
-    return LayoutFile(data["model"], data["config"], overrides, schedule, layout,
-                      dict(data.get("estimate", {})), dict(data.get("cluster", {})), schedules, recompute)
+    return LayoutFile(model=data["model"], config=data["config"], overrides=overrides, schedule=schedule,
+                      layout=layout, estimate=dict(data.get("estimate", {})), cluster=dict(data.get("cluster", {})),
+                      schedules=schedules, recompute=recompute)
 
 
 def load_layout_file(path: str) -> LayoutFile:

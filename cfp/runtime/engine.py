@@ -259,10 +259,6 @@ class HeteroTrainer:
 
     def _use_schedule(self, specs: tuple[ScheduleSpec, ...], vstages) -> None:
         """Run pipeline q under ``specs[q]`` on the programs built for their virtual stages ``vstages``."""
-        whole = sorted(k for k, pr in self.programs.items() if specs[k[0]].entry.split and not pr.splits)
-        if whole:
-            raise ConfigError(f"schedule {_specs_text(specs)} splits the backward into B and W, but stage(s) {whole} "
-                              "run a searched stage plan's whole backward only (use gpipe or 1f1b)")
         self.specs, self.vstages = tuple(specs), vstages
         self._tables, self._orders = {}, {}
         self.order = self._order([p.chunks for p in self.layout.pipelines])
@@ -493,7 +489,7 @@ class HeteroTrainer:
             st = prog.stage
             kept, w_kept = prog.kept_like(x, b if (st.is_first or st.is_last) else None, y)
             ins.append(device_bytes(kept))
-            weight.append(device_bytes(w_kept) if w_kept is not None else ins[-1])
+            weight.append(device_bytes(w_kept))
         return KeptBytes(tuple(float(i) for i in ins), tuple(float(w) for w in weight))
 
     def kept_prediction(self, batch_like: Optional[Any] = None) -> dict[tuple[int, int], int]:

@@ -112,8 +112,9 @@ def _runtime_run(p, args, case) -> tuple[Callable[[], Any], int]:
     def run():
         outs = []
         for _ in range(case.chunks):
-            outs.append(p.fwd(state["params"], x, batch))
-            state["acc"] = p.bwd(state["params"], x, batch, g_y, state["acc"])[0]
+            out, kept = p.forward(state["params"], x, batch)
+            outs.append(out)
+            state["acc"] = p.backward(state["params"], kept, batch, g_y, state["acc"])[0]
         parts = [dict(state["acc"], layers=[state["acc"]["layers"]])]
         state["params"], state["opt"], flags = p.update(state["params"], state["opt"], parts, scale, globals_)
         state["acc"] = p.zeros()

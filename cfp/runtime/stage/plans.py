@@ -76,8 +76,10 @@ class StagePlanOptions:
         return cls(StagePlanMode.SAVED, directory=text, search=search)
 
     def search_options(self) -> SearchOptions:
-        """`search` as a stage search runs it: the default profile cache unless one is named, no progress bar."""
-        return self.search.replace(cache_dir=self.search.profile.cache_dir or default_cache_dir(), progress=False)
+        """`search` as a stage search runs it: the default profile cache unless one is named, no progress bar, and
+        no whole-step user layouts (a stage picks among the searched choices, `plan_search._pick`)."""
+        return self.search.replace(cache_dir=self.search.profile.cache_dir or default_cache_dir(), progress=False,
+                                   layouts=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,8 +261,8 @@ def report_lines(plans: StagePlans, layout: Layout, busy: dict) -> list[str]:
     """Per stage: strategy summary, memory, the search's step time x micro-batches vs the measured busy time.
 
     The search's time is one micro-batch's forward+backward+update (measured under the `measure` profiler on
-    this host, estimated under `estimate`); the runtime's busy time is the stage's measured fwd + bwd (which
-    recomputes the forward) over all its micro-batches per step, without the update."""
+    this host, estimated under `estimate`); the runtime's busy time is the stage's measured fwd + bwd (what its
+    recompute policy recomputes included) over all its micro-batches per step, without the update."""
     out = []
     for p in plans.plans:
         chunks = layout.pipelines[p.pipeline].chunks

@@ -4,18 +4,19 @@ A stage holds the model's parameters for its place (``first`` on the first stage
 the last stage; `cfp.layered.model.stage_params`) and runs, with one signature for every place (``x`` is None
 on the first stage, ``batch`` None on middle stages):
 
-* ``fwd(params, x, batch)`` -- the stage's output activation, or on the last stage ``(loss_sum, weight)``;
-* ``bwd(params, x, batch, g_y, acc)`` -- recomputes the stage forward and applies ``jax.vjp`` (stage-level
-  rematerialisation: only each micro-batch's stage input is kept between fwd and bwd), adds the parameter
-  gradient of the *summed* loss into the accumulator (donated) and returns the input activation's gradient
-  (its floating leaves, `activations`) for the previous stage; the last stage's cotangent is 1 on
-  ``loss_sum`` and 0 on ``weight``;
-* ``bwd_input(params, x, batch, g_y)`` and ``bwd_weight(params, x, batch, g_y, acc)`` -- the backward split in
-  two for the zero-bubble schedules: B returns the input activation's gradient only (XLA leaves out the weight
-  gradient's dots), W adds the parameter gradient into the accumulator; W is given what B was (the stage input and
-  the output's gradient, the dispatcher keeps them from B to W) and recomputes the stage forward and its backward
-  chain from them, so B + W cost more than ``bwd`` but each is exact; the first stage's B has no input gradient
-  and only marks its turn;
+* ``forward(params, x, batch) -> (out, kept)`` -- F: the stage's output activation (the last stage:
+  ``(loss_sum, weight)``) and what the micro-batch keeps for its backward under the stage's recompute policy
+  (`cfp.recompute`; `cfp.runtime.stage.kept`): the residuals of its VJP (``none``), the dot outputs without batch
+  dims (``selective``), or the stage input only (``full``); never a copy of the parameters;
+* ``backward(params, kept, batch, g_y, acc) -> (acc, g_x, done)`` -- the whole backward (GPipe, 1F1B): the
+  parameter gradient of the *summed* loss added into the accumulator (donated) and the input activation's
+  gradient (its floating leaves, `activations`), recomputing only what the policy did not keep; the last stage's
+  cotangent is 1 on ``loss_sum`` and 0 on ``weight``;
+* ``backward_input(params, kept, batch, g_y) -> (g_x, w_kept, done)`` and ``backward_weight(params, w_kept, batch,
+  acc) -> (acc, done)`` -- the backward split for the zero-bubble schedules (`cfp.ir.backward_split`): B runs what
+  the input gradient needs and hands W what W reads (the cotangents at the parameter-consuming operations and the
+  residuals they use); W runs only the weight-gradient work, never the forward; the first stage's B has no input
+  gradient (its W is its whole backward);
 * ``gradient(grad_parts, scale)`` -- sums the pipelines' gradients (in pipeline order) and scales them by
   ``1 / total weight``, so they are the gradient of ``sum(loss_sum) / sum(weight)``, the single-device loss;
 * ``apply_update(grads, opt_state, params, globals)`` -- the stage's part of the user's optimizer
@@ -25,8 +26,8 @@ on the first stage, ``batch`` None on middle stages):
 
 Under the rules table (`cfp.runtime.sharding`: the model's logical dim names, Megatron-style) activations and
 their gradients enter and leave replicated over the stage's ``tp`` axis (and sharded on their sequence dim
-over ``cp``); under a searched stage plan the programs are cut from the analysed stage step
-(`cfp.runtime.stage.replay.StageReplay`) and every layout comes from the plan.
+over ``cp``); under a searched stage plan the forward and backward are cut from the analysed stage step
+(`cfp.runtime.stage.replay.StageReplay`), every layout comes from the plan, and the same policies cut them.
 """
 from __future__ import annotations
 
@@ -67,14 +68,19 @@ class StageProgram:
         self._cp = _context_parallel(self.mesh, stage, model) if stage.cp > 1 else None
         self.replay = replay
         self.is_local = all(d.process_index == jax.process_index() for d in devices)
-        fwd, bwd = self._apply_rules() if replay is None else self._apply_searched_plan(replay)
         self._kept_like: dict = {}
-        self.kept_programs = None if replay is not None else KeptPrograms(
-            self._combined, self.params_like, self.recompute, self._out_like, stage.is_last)
-        self._jit(fwd, bwd)
+        # the stage's forward and VJP in one traced program, cut by the policy (a searched plan's backward, cut
+        # from its analysed step, recomputes the forward: `backward_split.merged` finds those copies)
+        if replay is None:
+            self._apply_rules()
+            combined = self._combined
+        else:
+            combined = _replayed(*self._apply_searched_plan(replay), self.params_like, stage.is_last)
+        self.kept_programs = KeptPrograms(combined, self.params_like, self.recompute, self._out_like, stage.is_last)
+        self._jit()
 
     # ------------------------------------------------------------------ layouts
-    def _apply_rules(self) -> tuple:
+    def _apply_rules(self) -> None:
         """The rules table on the model's logical dim names: activations replicated over ``tp``."""
         names = _stage_names(self.model, self.stage)     # None: every parameter replicated
         self.shardings = param_shardings(self.params_like, names, self.mesh)
@@ -84,7 +90,6 @@ class StageProgram:
         self.act_in_spec = self.act_out_spec = self.g_x_spec = self.g_y_spec = spec
         self.batch_spec = spec
         self.out_spec = (lambda leaf: P()) if self.stage.is_last else spec
-        return self._forward, self._backward
 
     def _apply_searched_plan(self, replay: "StageReplay") -> tuple:
         """A searched stage plan: every layout from the plan, the programs cut from its analysed step."""
@@ -120,21 +125,17 @@ class StageProgram:
     def batch_shardings(self, like: Any) -> Any:
         return self.shard(like, self.batch_spec)
 
-    def _jit(self, fwd, bwd) -> None:
+    def _jit(self) -> None:
         kp = self.kept_programs
-        # under the rules table F keeps what the policy saves and the backward recomputes only the rest (`kept`);
-        # a searched plan's programs keep the stage input and recompute the forward (its cut of the analysed step)
-        self.fwd = jax.jit(fwd if kp is None else self._kept_forward)
-        self.bwd = jax.jit(bwd if kp is None else self._kept_backward, donate_argnums=(4,))
+        # F keeps what the policy saves and the backward recomputes only the rest (`kept`)
+        self.fwd = jax.jit(self._kept_forward)
+        self.bwd = jax.jit(self._kept_backward, donate_argnums=(4,))
         self.zeros = jax.jit(lambda: jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), self.params_like), out_shardings=self.grad_shardings)
         self.gradient = jax.jit(self.summed)
         self._finite = jax.jit(_finite_flags)
-        # B and W (split backward) under the rules table only: a searched plan's programs are cut from its step
-        self.splits = self.replay is None
-        if self.splits:
-            self._bwd_input = jax.jit(self._kept_backward_input)
-            self._bwd_weight = jax.jit(kp.backward_weight, donate_argnums=(4,))
+        self._bwd_input = jax.jit(self._kept_backward_input)
+        self._bwd_weight = jax.jit(kp.backward_weight, donate_argnums=(4,))
         # the whole update as one program: for compiling ahead of time and for memory figures only (the runtime
         # runs the partition's per-unit programs, `apply_update`)
         self.fused_update = jax.jit(self._fused_update, donate_argnums=(0, 1),
@@ -159,10 +160,6 @@ class StageProgram:
                     return tuple(m.last(params["last"], x, batch))
         return x
 
-    def _forward(self, params, x, batch):
-        out = self.run(params, x, batch)
-        return _constrain(out, self.mesh, self.out_spec)
-
     def vjp(self, params, x, batch):
         """``(output, pull)`` of the stage with ``pull(cotangent) -> (parameter gradient, input gradient as the
         list of x's differentiable leaves)`` (an empty list on the first stage)."""
@@ -179,17 +176,9 @@ class StageProgram:
             return (jnp.ones((), out_like[0].dtype), jnp.zeros((), out_like[1].dtype))
         return activations.cotangent(out_like, g_y)
 
-    def _backward(self, params, x, batch, g_y, acc):
-        out, pull = self.vjp(params, x, batch)
-        g_p, g_x = pull(self.cotangent(out, g_y))
-        acc = jax.tree_util.tree_map(jnp.add, acc, g_p)
-        return acc, _constrain_list(list(g_x), self.mesh, self.g_x_spec), jnp.zeros((), jnp.float32)
-
     # ------------------------------------------------------------------ what the dispatcher calls
     def forward(self, params, x, batch):
-        """F: ``(output, what the micro-batch keeps for its backward)`` (a searched plan's programs: its input)."""
-        if self.kept_programs is None:
-            return self.fwd(params, x, batch), x
+        """F: ``(output, what the micro-batch keeps for its backward)``."""
         out, produced = self.fwd(params, x, batch)
         return out, self.kept_programs.kept(x, produced)
 
@@ -199,9 +188,6 @@ class StageProgram:
 
     def backward_input(self, params, kept, batch, g_y):
         """B: ``(input gradient as a list of x's differentiable leaves, what W reads, done)``."""
-        if not self.splits:
-            raise ConfigError(f"stage {self.stage.key}: a searched stage plan runs the whole backward only, not B "
-                              "and W (use gpipe or 1f1b, or the rules table)")
         g_x, handoff, done = self._bwd_input(params, kept, batch, g_y)
         return g_x, (self.kept_programs.for_weight(kept, g_y), handoff), done
 
@@ -281,16 +267,12 @@ class StageProgram:
 
     def kept_like(self, x_like: Any, batch_like: Any, y_like: Any) -> tuple:
         """``(what a micro-batch keeps from F to its backward, what it keeps from B to W)`` as ShapeDtypeStructs
-        on the shardings the compiled F and B give them (the second None where the backward does not split)."""
+        on the shardings the compiled F and B give them."""
         params, x, b, g_y = self.abstract_args(x_like, batch_like, y_like)
-        if self.kept_programs is None:
-            return x, None
         key = signature(x_like, batch_like)
         if key not in self._kept_like:
             kept = self.kept_programs.kept(x, _placed(self.fwd, (params, x, b))[1])
-            w_kept = None
-            if self.splits:
-                w_kept = (self.kept_programs.for_weight(kept, g_y), _placed(self._bwd_input, (params, kept, b, g_y))[1])
+            w_kept = (self.kept_programs.for_weight(kept, g_y), _placed(self._bwd_input, (params, kept, b, g_y))[1])
             self._kept_like[key] = (kept, w_kept)
         return self._kept_like[key]
 
@@ -304,11 +286,10 @@ class StageProgram:
         opt = _with_sharding(self.optimizer.like, self.opt_shardings)
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         parts = [self.grad_parts_like(p) for p in pieces]
-        kept, w_kept = self.kept_like(x_like, batch_like, y_like) if split and self.splits else (
-            self.kept_like(x_like, batch_like, y_like)[0], None)
+        kept, w_kept = self.kept_like(x_like, batch_like, y_like)
         jobs = [(self.fwd, (params, x, b)), (self.bwd, (params, kept, b, g_y, grads)), (self.zeros, ()),
                 (self.fused_update, (params, opt, parts, scalar, self.optimizer.globals_like))]
-        if w_kept is not None:
+        if split:
             jobs += [(self._bwd_input, (params, kept, b, g_y)), (self._bwd_weight, (params, w_kept[0], b, w_kept[1],
                                                                                    grads))]
         return jobs
@@ -431,3 +412,13 @@ def _placed(jitted, args) -> Any:
     shapes = jax.eval_shape(jitted, *args)
     shardings = jitted.lower(*args).compile().output_shardings
     return jax.tree_util.tree_map(lambda l, s: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=s), shapes, shardings)
+
+
+def _replayed(fwd: Callable, bwd: Callable, params_like: Any, is_last: bool) -> Callable:
+    """A searched plan's forward and backward as one ``combined(params, x, batch, ct)`` (its last stage's cotangent
+    is built into the analysed step: ``ct`` is not read there)."""
+    def combined(params, x, batch, ct):
+        zeros = jax.tree_util.tree_map(lambda l: jnp.zeros(l.shape, l.dtype), params_like)
+        acc, g_x, _ = bwd(params, x, batch, None if is_last else list(ct), zeros)
+        return fwd(params, x, batch), acc, list(g_x)
+    return combined

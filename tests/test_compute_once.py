@@ -151,3 +151,22 @@ def test_per_stage_policies_reach_their_stages():
     assert got == {(0, 0): Recompute.FULL, (0, 1): Recompute.NONE, (1, 0): Recompute.SELECTIVE}
     with pytest.raises(Exception, match="one policy per stage"):
         _trainer(cache.model, layout, ((Recompute.FULL,), (Recompute.SELECTIVE,)), cache=cache)
+
+
+def test_one_micro_batch_gets_a_table_within_the_patterns_own_memory():
+    """Issue 38 item 5: with one micro-batch per pipeline the generator's own room (every virtual stage's input and a
+    B's stash at once) exceeded the fixed pattern's memory, and no table was given: the pattern stands."""
+    from cfp.schedules.actions import KeptBytes, peak_kept
+    from cfp.schedules.registry import SCHEDULES, ScheduleName
+    from cfp.schedules.simulate import ActionCosts
+    for name in (ScheduleName.ZB_V,):
+        entry = SCHEDULES[name]
+        pattern = entry.pattern(2, 1, None)
+        n = pattern.num_vstages
+        # the first virtual stage's B hands W much more than its F kept (its cotangents), the others little: the
+        # greedy's room (both inputs and the largest stash at once) is above the pattern's peak (the stash comes
+        # after the other virtual stage's W freed its input)
+        kept = KeptBytes((1.0,) * n, (5.0,) + (1.0,) * (n - 1))
+        costs = ActionCosts((1.0,) * n, (1.0,) * n, (1.0,) * n, (0.0,) * max(n - 1, 0))
+        table, sim = entry.generated(2, 1, costs, None, peak_kept(pattern, kept), kept)
+        assert sim.makespan > 0 and table.microbatches == 1

@@ -1,11 +1,12 @@
-"""cfp vs data parallel vs FSDP on the examples' user programs (Equinox, Flax NNX, scanned Linen), measured
-side by side on 8 simulated CPU devices, without a budget and under a budget below data parallel's memory.
+"""cfp vs the layouts users write on the examples' user programs (Equinox, Flax NNX, scanned Linen), measured
+side by side on 8 simulated CPU devices, without a budget and under a budget below plain data parallel's memory.
 
     python benchmarks/user_programs.py [--budget-fraction 0.85] [--rounds 10] [--verify N]
 
-Per style: cfp searches (measure profiler) on a 2x4 mesh; data parallel and FSDP are the uniform plans
-(`data_parallel_choice`, and with every block's state sharded); all fitting plans are then timed in turns
-(interleaved rounds), so a burst of load on a shared host lands on all of them alike.
+Per style: cfp searches (measure profiler) on a 2x4 mesh; the layouts are those its search verified beside its
+own plans (`cfp.baselines.user_layouts`: plain data parallel, plain FSDP by in/out shardings alone, DP x TP by
+the Megatron rules, and the Alpa-style ILP's plan); all fitting plans are then timed in turns (interleaved
+rounds), so a burst of load on a shared host lands on all of them alike.
 """
 import argparse
 import importlib.util
@@ -17,10 +18,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import cfp  # noqa: E402
-from cfp.analysis.blocks import data_parallel_choice  # noqa: E402
 from cfp.errors import InfeasibleError  # noqa: E402
 from cfp.search.options import fmt_bytes  # noqa: E402
-from cfp.sharding.step import apply_choice  # noqa: E402
 from cfp.xla.compiled import compiled_memory  # noqa: E402
 from side_by_side import time_side_by_side  # noqa: E402
 
@@ -39,7 +38,7 @@ def _row(label, steps, args, rounds, budget):
     fits = {k: s for k, s in steps.items() if s is not None and
             (budget is None or compiled_memory(s.compile(*args)) <= budget)}
     timed = time_side_by_side(fits, args, rounds)
-    dp = timed.get("data parallel", (None,))[0]
+    dp = timed.get("plain data parallel", (None,))[0]
     print(f"  {label}:")
     for k, s in steps.items():
         if s is None:
@@ -50,7 +49,7 @@ def _row(label, steps, args, rounds, budget):
             print(f"    {k:14s} does not fit ({fmt_bytes(mem)} per device, compiled)")
             continue
         t, noise = timed[k]
-        vs = f", {dp / t:.2f}x data parallel" if dp else ""
+        vs = f", {dp / t:.2f}x plain data parallel" if dp and k != "plain data parallel" else ""
         same = [o for o, p in steps.items() if o != k and o != "cfp" and p is not None
                 and k == "cfp" and p.shardings == s.shardings]
         vs += f" (the same plan as {same[0]}: timed twice, the gap is noise)" if same else ""
@@ -64,23 +63,26 @@ def bench(name: str, fraction: float, rounds: int, max_combinations: int = 4, ve
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     searched = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations, verify=verify)
     program, analysis = searched.program, searched.analysis
-    uniform = data_parallel_choice(analysis.graph, analysis.blocks)
-    dp = apply_choice(program, analysis, uniform, mesh)
-    fsdp = apply_choice(program, analysis, uniform, mesh, shard_state=True)
+    layouts = _layouts(searched)
+    dp = layouts["plain data parallel"]
     budget = int(fraction * compiled_memory(dp.compile(*args)))
     print(f"{name}: {len(analysis.blocks)} blocks; cfp plan {list(searched.shardings.choice)}"
-          + (f" (the {searched.search.baseline} baseline)" if searched.search.baseline else ""))
-    _row("no budget", {"cfp": searched, "data parallel": dp, "FSDP": fsdp}, args, rounds, None)
+          + f" ({searched.search.best.label})")
+    _row("no budget", {"cfp": searched, **layouts}, args, rounds, None)
     try:
         tight = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations,
                               memory_limit=budget, verify=verify)
-        if tight.search.baseline:
-            print(f"    cfp under the budget chose the {tight.search.baseline} baseline")
+        print(f"    cfp under the budget chose: {tight.search.best.label}")
     except InfeasibleError as e:
         print(f"    cfp under the budget: {e}")
         tight = None
-    _row(f"budget {fmt_bytes(budget)} ({fraction:.0%} of data parallel's compiled memory)",
-         {"cfp": tight, "data parallel": dp, "FSDP": fsdp}, args, rounds, budget)
+    _row(f"budget {fmt_bytes(budget)} ({fraction:.0%} of plain data parallel's compiled memory)",
+         {"cfp": tight, **layouts}, args, rounds, budget)
+
+
+def _layouts(searched) -> dict:
+    """label -> step of the layouts users write (and the ILP's plan) the search verified beside its own."""
+    return {v.label: searched.search.steps[v.key] for v in searched.search.layouts}
 
 
 def main() -> None:

@@ -1,138 +1,137 @@
-"""cfp demo: autoshard a small GPT's AdamW train step on 8 simulated CPU devices under a memory budget.
+"""cfp demo: autoshard a 16-expert MoE's AdamW train step on 8 simulated CPU devices under a memory budget.
 
-    make demo        (or: .venv/bin/python examples/demo.py [--layers 2] [--mesh 2x4] [--budget-fraction 0.85])
+    make demo        (or: .venv/bin/python examples/demo.py [--model moe] [--override num_experts=16]
+                      [--layers 2] [--mesh 8] [--budget-fraction 0.85])
 
-Data parallel does not fit the budget (85% of its own per-device memory), so the search must trade: it
-profiles each unique segment under its strategy combinations, runs the DP over segments with the budget,
-verifies the best plans whole, and returns the sharded step. The demo prints the plan, trains a few steps
-against the single-device step, and times the plan next to data parallel, FSDP, Megatron TP and DP x TP; a
-baseline with the plan's own sharding is named as such, never given a ratio.
+A mixture of experts is where per-block choices pay: expert weights want their expert dim sharded, attention
+and the embedding want data parallelism, and a uniform layout gets one of the two wrong. The budget (85% of
+plain data parallel's per-device memory) rules data parallel out. The search profiles each unique segment under
+its strategy combinations, runs the DP over segments with the budget (resharding priced by a latency and
+bandwidth model fitted on this host's collectives), then compiles its best plans whole next to the layouts a
+user would write for that budget -- plain data parallel, plain FSDP (input/output shardings alone), DP x TP
+with the Megatron rules (2-D meshes) -- and the Alpa-style ILP's plan, times them side by side and returns
+the fastest that fits. The demo then trains a few steps against the single-device step and times the
+returned plan against every one of those layouts again, side by side (a second measurement). A layout with
+the plan's own sharding is named as such, never given a ratio.
 """
 import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cfp  # noqa: E402
+from cfp.baselines.user_layouts import USER_LAYOUTS, Layout, user_layout_shardings  # noqa: E402
 from cfp.mesh import MeshSpec  # noqa: E402
 from cfp.models import get_config, train_step  # noqa: E402
-from cfp.xla.compiled import compiled_memory  # noqa: E402
-from cfp.baselines.handwritten import Baseline, baseline_step  # noqa: E402
-from cfp.errors import ConfigError  # noqa: E402
-from cfp.sharding.same import same_sharding  # noqa: E402
-from cfp.xla.log import quiet_compiles  # noqa: E402
+from cfp.analysis.analysis import analyze_with_program  # noqa: E402
+from cfp.search.options import fmt_bytes  # noqa: E402
+from cfp.sharding.step import ShardedStep  # noqa: E402
+from cfp.xla.compiled import compiled_memory, time_interleaved  # noqa: E402
+
+BATCH = 16
+
+
+def _overrides(text: str) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"demo: --override {item!r} is not FIELD=VALUE")
+        out[key.strip()] = int(value) if value.strip().isdigit() else float(value)
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="moe")
+    p.add_argument("--override", default="num_experts=16", help="config fields, e.g. num_experts=16")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--mesh", default="2x4")
+    p.add_argument("--mesh", default="8")
     p.add_argument("--budget-fraction", type=float, default=0.85,
-                   help="memory budget as a fraction of data parallel's per-device memory")
+                   help="memory budget as a fraction of plain data parallel's per-device memory")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the second side-by-side timing")
     args = p.parse_args()
     if not 0 < args.budget_fraction:
         raise SystemExit(f"demo: --budget-fraction {args.budget_fraction} must be positive")
 
-    cfg = get_config("gpt", "tiny", num_layers=args.layers)
-    ts = train_step("gpt", cfg)
+    cfg = get_config(args.model, "tiny", num_layers=args.layers, **_overrides(args.override))
+    ts = train_step(args.model, cfg)
     params, opt = jax.jit(ts.init)(jax.random.PRNGKey(0))
-    batch = ts.make_batch(16, jax.random.PRNGKey(1))
+    batch = ts.make_batch(BATCH, jax.random.PRNGKey(1))
     spec = MeshSpec.parse(args.mesh, num_devices=jax.device_count())
     mesh = spec.make()
-    print(f"== GPT tiny (hidden {cfg.hidden_size}, {cfg.num_layers} layers, batch 16), mesh {spec}, "
-          f"{jax.device_count()} {jax.devices()[0].platform} devices")
+    print(f"== {args.model} tiny ({args.override or 'as is'}, hidden {cfg.hidden_size}, {cfg.num_layers} layers, "
+          f"batch {BATCH}), mesh {spec}, {jax.device_count()} {jax.devices()[0].platform} devices; host load "
+          f"average {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
 
-    dp_fn, dp_shardings = baseline_step(Baseline.DATA_PARALLEL, ts.step, (params, opt, batch), mesh)
-    dp_mem = compiled_memory(dp_fn.lower(*jax.device_put((params, opt, batch), dp_shardings)).compile())
+    analysis, program = analyze_with_program(ts.step, spec, params, opt, batch)
+    dp = ShardedStep(program, analysis, user_layout_shardings(Layout.DATA_PARALLEL, analysis, (params, opt, batch)),
+                     mesh)
+    dp_mem = compiled_memory(dp.compile(params, opt, batch))
     budget = int(dp_mem * args.budget_fraction)
-    print(f"data parallel needs {dp_mem / 1e6:.2f} MB per device; budget {budget / 1e6:.2f} MB")
+    print(f"plain data parallel needs {fmt_bytes(dp_mem)} per device (compiled); budget {fmt_bytes(budget)} "
+          f"({args.budget_fraction:.0%})")
 
-    print("\n== cfp.autoshard (analysis, profiling, search)")
+    print("\n== cfp.autoshard (analysis, profiling, search, whole-step candidates side by side)")
     t0 = time.perf_counter()
-    step = cfp.autoshard(ts.step, mesh, params, opt, batch, memory_limit=budget, iters=3, max_combinations=8)
+    step = cfp.autoshard(ts.step, mesh, params, opt, batch, memory_limit=budget, iters=3, max_combinations=4)
     res = step.search
-    print(f"planned in {time.perf_counter() - t0:.1f} s")
+    print(f"planned in {time.perf_counter() - t0:.1f} s (measured)")
     print(res.report())
-    names = step.plan.strategies
-    for b in range(min(8, len(names))):
-        print(f"    block {b}: {names[b]}")
-    print(f"    ... {len(names)} blocks")
+    print(res.candidates_text())
 
     print(f"\n== train {args.steps} steps: cfp plan vs single device")
     single = jax.jit(ts.step)
     p1, o1 = params, opt
     p2, o2 = step.shard_args(params, opt, batch)[:2]
     for i in range(args.steps):
-        b = ts.make_batch(16, jax.random.PRNGKey(100 + i))
+        b = ts.make_batch(BATCH, jax.random.PRNGKey(100 + i))
         p1, o1, l1 = single(p1, o1, b)
         p2, o2, l2 = step(p2, o2, b)
         print(f"step {i}: loss cfp {float(l2):.6f}  single-device {float(l1):.6f}")
         if not np.isclose(float(l2), float(l1), rtol=1e-4):
             raise SystemExit(f"demo: sharded loss {float(l2)} differs from single-device loss {float(l1)}")
-
-    print("\n== step time, side by side (measured: median of 10 interleaved runs; memory from the compiled step)")
-    runs = {**_baselines(ts.step, (params, opt, batch), mesh),
-            "cfp plan": (step.compile(params, opt, batch), jax.tree_util.tree_leaves(step.shard_args(params, opt, batch)))}
-    times = _time_side_by_side(runs)
-    same = [k for k in runs if k != "cfp plan" and same_sharding(runs[k][0], runs["cfp plan"][0])]
-    for k, (c, _) in runs.items():
-        mem = compiled_memory(c)
-        fits = "fits" if mem <= budget else "over the budget"
-        print(f"{k:<14} {statistics.median(times[k]) * 1e3:7.2f} ms (range {min(times[k]) * 1e3:.1f}-"
-              f"{max(times[k]) * 1e3:.1f})   {mem / 1e6:6.2f} MB per device ({fits})")
-    if same:
-        print(f"cfp plan is the {' and '.join(same)} sharding (same per-array input and output shardings): "
-              f"same sharding, no ratio")
-    fitting = [k for k in runs if k != "cfp plan" and k not in same and compiled_memory(runs[k][0]) <= budget]
-    if fitting:
-        best = min(fitting, key=lambda k: statistics.median(times[k]))
-        ratio = statistics.median(times[best]) / statistics.median(times["cfp plan"])
-        print(f"cfp plan vs the best other baseline within the budget ({best}): {ratio:.2f}x "
-              f"(measured; >1: cfp faster)")
-    else:
-        others = [k for k in runs if k != "cfp plan" and k not in same]
-        best = min(others, key=lambda k: statistics.median(times[k]))
-        ratio = statistics.median(times[best]) / statistics.median(times["cfp plan"])
-        print(f"cfp plan vs the fastest baseline with another sharding ({best}, over the budget): {ratio:.2f}x "
-              f"(measured; >1: cfp faster); none with another sharding fits the budget")
-    remats = step.rematerializations(params, opt, batch)
-    print(f"cfp plan: XLA replicated {len(remats)} tensors to reshard them compiling it (involuntary full remats)")
+    _second_timing(step, res, (params, opt, batch), budget, args.rounds)
 
 
-def _baselines(step_fn, args, mesh) -> dict:
-    """name -> (compiled step, its placed arguments) of the hand-written baselines that apply on `mesh`; XLA's
-    log of their compiles is kept in a file (one summary line)."""
-    out = {}
-    with quiet_compiles("baseline compiles"):
-        for b in (Baseline.DATA_PARALLEL, Baseline.FSDP, Baseline.MEGATRON_TP, Baseline.DP_TP):
-            try:
-                fn, shardings = baseline_step(b, step_fn, args, mesh)
-            except ConfigError as e:
-                print(f"{b.value}: not applicable here ({e})")
-                continue
-            placed = jax.device_put(args, shardings)
-            out[b.value] = (fn.lower(*placed).compile(), placed)
-    return out
+def _second_timing(step, res, args, budget: int, rounds: int) -> None:
+    """The returned plan against every layout of the search's candidates again, in `rounds` interleaved rounds."""
+    from cfp.sharding.same import same_sharding
+    print(f"\n== step time again, side by side (measured: median of {rounds} interleaved rounds; memory compiled)")
+    runs = {"cfp plan": step}
+    for v in res.layouts:
+        runs[v.label] = res.steps[v.key]
+    for layout in (*USER_LAYOUTS, Layout.ALPA_ILP):
+        if layout.label not in runs:
+            print(f"{layout.label}: not a candidate here" + (" (it needs a 2-D mesh)" if layout is Layout.DP_TP else ""))
+    fits = {k: s for k, s in runs.items() if compiled_memory(s.compile(*args)) <= budget}
+    timed = dict(zip(fits, time_interleaved(
+        [(s.compile(*args), lambda s=s: jax.tree_util.tree_leaves(s.shard_args(*args))) for s in fits.values()],
+        rounds, 2)))
+    cfp_c = step.compile(*args)
+    for k, s in runs.items():
+        mem = compiled_memory(s.compile(*args))
+        t = f"{timed[k][0] * 1e3:8.2f} ms ±{timed[k][1] * 100:.0f}%" if k in timed else "    not timed"
+        print(f"{k:<22} {t}   {fmt_bytes(mem)} per device ({'fits' if mem <= budget else 'over the budget'})")
+    same = [k for k in fits if k != "cfp plan" and same_sharding(fits[k].compile(*args), cfp_c)]
+    for k in same:
+        print(f"cfp plan is the {k} sharding (same per-array input and output shardings): same sharding, no ratio")
+    others = [k for k in timed if k != "cfp plan" and k not in same]
+    if not others:
+        print("no other layout fits the budget")
+        return
+    best = min(others, key=lambda k: timed[k][0])
+    ratio = timed[best][0] / timed["cfp plan"][0]
+    verdict = "ahead of" if ratio > 1 + timed["cfp plan"][1] else "tied with" if ratio >= 1 else "behind"
+    print(f"cfp plan vs the fastest layout that fits the budget ({best}): {ratio:.2f}x (measured; >1: cfp "
+          f"faster): {verdict} it (spread ±{max(timed[best][1], timed['cfp plan'][1]) * 100:.0f}%)")
 
-
-def _time_side_by_side(runs: dict) -> dict:
-    """Seconds of 10 interleaved runs of each compiled step (after one warm-up each)."""
-    times = {k: [] for k in runs}
-    for c, a in runs.values():
-        jax.block_until_ready(c(*a))
-    for _ in range(10):
-        for k, (c, a) in runs.items():
-            t = time.perf_counter()
-            jax.block_until_ready(c(*a))
-            times[k].append(time.perf_counter() - t)
-    return times
 
 if __name__ == "__main__":
     main()

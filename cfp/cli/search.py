@@ -134,7 +134,9 @@ def run_search(args) -> int:
         metrics = {"time": b.time, "dp_time": b.dp_time, "memory": b.memory, "flops": b.flops,
                    "profiler": str(table.profiler), "config": args.config, "mesh": args.mesh,
                    **model_metrics(args.model, model_config(args), args.batch_size)}
-        plan = make_plan(analysis, resolve(analysis, result.choice, result.shard_state), metrics)
+        chosen = result.steps.get(b.key)     # a plain layout's or the ILP's step (issue 42); else resolved
+        plan = make_plan(analysis, chosen.shardings if chosen is not None and b.layout
+                         else resolve(analysis, result.choice, result.shard_state), metrics, layout=b.layout)
         # estimates on the searched GPU, else the catalog default (labelled in the plan and by `cfp explain`)
         with_estimates(plan, analysis, table, args.gpu or DEFAULT_CATALOG_GPU).save(args.plan_out)
         print(f"wrote {args.plan_out}")

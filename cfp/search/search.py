@@ -120,7 +120,7 @@ class SearchResult:
         kind = "estimated" if b.noise is None else "measured"
         others = [v for v in self.verified + self.layouts if v.key != b.key
                   and v.time != float("inf") and fits_budget(v.memory, self.budget)]
-        won = f" ({b.label}{', a plain layout' if b.label != 'searched' else ''})"
+        won = f" ({b.label}{', a layout users write' if b.layout and b.layout != 'alpa-ilp' else ''})"
         if not others or b.time == float("inf"):
             return f"chosen plan{won}: {b.time * 1e3:.4g} ms {kind}; no runner-up within the budget"
         r = min(others, key=lambda v: v.time)
@@ -234,7 +234,7 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
 def _uniform_labels(analysis: Analysis, uniform) -> dict:
     """(choice, sharded-state blocks) -> name of cfp's own uniform plans (its constraints inside the step)."""
     every = tuple(range(len(analysis.blocks)))
-    out = {(tuple(uniform), ()): "data parallel", (tuple(uniform), every): "FSDP (ZeRO-3 per block)"}
+    out = {(tuple(uniform), ()): "cfp data parallel", (tuple(uniform), every): "cfp ZeRO-3 per block"}
     tp = dp_tp_choice(analysis)
     if tp is not None:
         out.setdefault((tp, ()), "DP x TP (cfp's choice)")

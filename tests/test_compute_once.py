@@ -170,3 +170,20 @@ def test_one_micro_batch_gets_a_table_within_the_patterns_own_memory():
         costs = ActionCosts((1.0,) * n, (1.0,) * n, (1.0,) * n, (0.0,) * max(n - 1, 0))
         table, sim = entry.generated(2, 1, costs, None, peak_kept(pattern, kept), kept)
         assert sim.makespan > 0 and table.microbatches == 1
+
+
+@pytest.mark.slow
+def test_zb_v_runs_searched_stage_plans_of_a_model_that_names_no_dims(tmp_path):
+    """Issue 38 item 5: a plain-JAX model with no logical dim names has no other way to run TP stages than searched
+    plans; under zb-v they are searched per virtual stage and train like one device."""
+    import cfp
+    from cfp.runtime.stage.plans import StagePlanOptions
+    from cfp.search.options import SearchOptions
+    model = layered_mixer.model(4, patches=16, channels=32, token_hidden=32, channel_hidden=64)
+    batch = layered_mixer.batch(8, patches=16)
+    layout = cfp.Layout.from_lists([[2, 2]], [[2, 2]], [8], [4])
+    plans = StagePlanOptions("search", search=SearchOptions().replace(
+        kind="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path), max_combinations=2, top_k=2, verify=0))
+    result = cfp.train_pipelines(model, optax.adamw(1e-3), layout, batch, steps=2, schedule="zb-v", verify=True,
+                                 stage_plans=plans)
+    assert result.verify_ok and np.isfinite(result.verify_error)

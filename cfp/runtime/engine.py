@@ -133,9 +133,6 @@ class HeteroTrainer:
         """Programs for ``layout`` run under its pipelines' schedules: one per expanded stage (`cfp.runtime.vstages`)."""
         layout.validate_for(self.model.num_layers, len(self.devices), self.model.heads)
         specs = per_pipeline(self._schedules, len(layout.pipelines))
-        if plans is not None and any(spec.v > 1 for spec in specs):
-            raise ConfigError(f"schedule {_specs_text(specs)} runs virtual stages, which searched stage plans do not "
-                              "cover (plans are per stage): use the rules table or a schedule of one virtual stage")
         self.layout, self.vstages = layout, expand(layout, specs)
         self.run_layout = self.vstages.run
         policies = resolve(self._recompute, [p.num_stages for p in layout.pipelines])

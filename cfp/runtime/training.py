@@ -28,7 +28,7 @@ from cfp.layout import Layout
 from cfp.runtime.measured_tables import (TableSource, gather_events, generate_from_measured, replay_timeline,
                                          simulated_line)
 from cfp.recompute import Recompute, StageRecompute, parse_stage_recompute, resolve
-from cfp.runtime.vstages import per_pipeline
+from cfp.runtime.vstages import expand, per_pipeline
 from cfp.schedules.registry import SCHEDULES, ScheduleName, ScheduleSpec
 
 if TYPE_CHECKING:
@@ -371,7 +371,9 @@ def _plan_stages(opts: RunOptions, cache: "CompileCache", example: Any, log) -> 
     table."""
     from cfp.runtime.stage.plan_sources import PlanRequest, plans_for_run
     from cfp.runtime.stage.plans import StagePlanOptions
-    return plans_for_run(PlanRequest(options=opts.stage_plans or StagePlanOptions(), layout=opts.layout,
+    # under virtual stages the programs are per virtual stage (`cfp.runtime.vstages`): so are the plans
+    layout = expand(opts.layout, opts.specs).run if any(s.v > 1 for s in opts.specs) else opts.layout
+    return plans_for_run(PlanRequest(options=opts.stage_plans or StagePlanOptions(), layout=layout,
                                      cache=cache, batch_like=example, checkpoint_dir=opts.checkpoint_dir,
                                      resume=opts.resume, log=log))
 

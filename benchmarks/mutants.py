@@ -619,6 +619,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "    all_pairs = True",
            ("tests/test_packed_attention.py",),
            "the breakdown and fits count every block up to the diagonal, which the kernel no longer computes"),
+    # ---- issues 38 and 40 (planner): recompute priced per stage as the runtime runs it
+    Mutant("planner-prices-none-with-recomputed-forward", "planner", "cfp/planner/step_features.py",
+           "    return 3 if policy is Recompute.FULL else 2",
+           "    return 3",
+           ("tests/test_planner_recompute.py",),
+           "a stage that keeps its residuals is priced as if its backward reran the forward"),
 )
 
 

@@ -59,7 +59,7 @@ def test_backward_is_three_forwards_with_recompute_and_two_without(cfg, tp):
 
 def test_without_recompute_every_stored_micro_batch_keeps_its_activations(cfg):
     pipe = _pipe(1, (2, 2), 8, 4)                 # GPipe keeps all 4 micro-batches' inputs
-    full = CostModel(cfg, GPUS).memory_terms(pipe.stages[0], 0, pipe, 1)
+    full = CostModel(cfg, GPUS, features=StepFeatures(recompute="full")).memory_terms(pipe.stages[0], 0, pipe, 1)
     none = CostModel(cfg, GPUS, features=StepFeatures(recompute="none")).memory_terms(pipe.stages[0], 0, pipe, 1)
     assert none[3] == pytest.approx(4 * full[3]) and none[:3] == full[:3]
 
@@ -150,7 +150,8 @@ def test_a_stage_beyond_the_cache_runs_its_memory_bound_work_at_the_spilled_rate
     assert below >= 1, "the calibrated cache holds one sequence's activations of two layers"
     for mb in (below, below + 1):
         pipe = _pipe(1, (1, layers, 1), 2 * mb, 2)
-        est = [CostModel(cfg, c).stage_estimate(pipe.stages[1], 1, pipe, 1, pipe.stages[2]) for c in (cpu, plain)]
+        est = [CostModel(cfg, c, features=StepFeatures(recompute="full")).stage_estimate(
+            pipe.stages[1], 1, pipe, 1, pipe.stages[2]) for c in (cpu, plain)]
         extra = 4 * layers * mb * (m.layer_elementwise_bytes(1) - m.layer_score_bytes(1)) * (
             1 / (spilled_gbps * 1e9) - 1 / (gpu.mem_gbps * 1e9))      # forward + recomputed forward + backward
         want = 0.0 if mb == below else extra

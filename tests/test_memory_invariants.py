@@ -61,7 +61,11 @@ from cfp.layout import Layout
 from cfp.models import get_config
 from cfp.planner.cluster import parse_cluster
 from cfp.planner.costmodel import CostModel
+from cfp.planner.step_features import StepFeatures
+from cfp.recompute import Recompute
 from cfp.schedules.registry import SCHEDULES, Phase, ScheduleName
+
+FULL = StepFeatures(recompute=Recompute.FULL)
 
 CPU = parse_cluster({"inter_machine_bandwidth": "1GB/s",
                      "machines": [{"gpu": "cpu", "count": 8, "intra_bandwidth": "10GB/s"}]})
@@ -120,9 +124,11 @@ def compile_stage(trainer, key) -> CompiledStage:
     jobs = trainer.compile_jobs(key)
     (bwd, bwd_args), (upd, upd_args) = jobs[1], jobs[3]
     bwd_c, upd_c = bwd.lower(*bwd_args).compile(), upd.lower(*upd_args).compile()
+    # the stage input: what full recomputation keeps (the first stage's is its token ids, in the micro-batch)
+    kept = per_device_bytes(bwd_args[1]) if bwd_args[1] is not None else 0
     return CompiledStage(_memory(bwd_c), upd_c.memory_analysis().argument_size_in_bytes, _memory(upd_c),
                          per_device_bytes(upd_args[0]), per_device_bytes(upd_args[1]),
-                         per_device_bytes(bwd_args[1] if bwd_args[1] is not None else bwd_args[2]["inputs"]))
+                         kept or per_device_bytes(bwd_args[2]["inputs"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +153,7 @@ class Case:
 
     def terms(self, schedule: ScheduleName | None = None):
         p, i = self.key
-        cm = CostModel(_config(self.model), CPU, schedule=schedule or self.schedule)
+        cm = CostModel(_config(self.model), CPU, schedule=schedule or self.schedule, features=FULL)
         pipe = self.layout.pipelines[p]
         return cm, pipe, pipe.stages[i], cm.memory_terms(pipe.stages[i], i, pipe, len(self.layout.pipelines))
 
@@ -160,7 +166,10 @@ def stages() -> list[Case]:
     out, seen = [], {}
     for model, layout, schedule in LAYOUTS:
         cfg = _config(model)
-        trainer = zoo_trainer(model, cfg, layout, abstract=True, example_batch=make_batch(model, cfg, 1, 0))
+        # full recomputation, as the model's terms are priced here: the backward program holds one micro-batch's
+        # stage activations whole, the other in-flight micro-batches their inputs only
+        trainer = zoo_trainer(model, cfg, layout, abstract=True, example_batch=make_batch(model, cfg, 1, 0),
+                              recompute=Recompute.FULL)
         for p, pipe in enumerate(layout.pipelines):
             for i, st in enumerate(pipe.stages):
                 shape = (model, st.tp, st.layers, i == 0, i == len(pipe.stages) - 1, pipe.micro_batch,

@@ -9,6 +9,7 @@ from cfp.planner.costmodel import CostModel
 from cfp.planner.layout_file import load_layout_file
 from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import find_layout
+from cfp.planner.step_features import StepFeatures
 from cfp.planner.schedule_choice import SIMULATED_WITHIN, kept_bytes, schedule_reports
 from cfp.schedules.actions import kept_profile
 from cfp.schedules.registry import ScheduleSpec
@@ -24,10 +25,13 @@ def _cluster(memory: str):
 
 
 def _rest(cm, pipe, i, n_pipes, spec) -> float:
-    """The stage's peak bytes (cost model) less the inputs and W stashes its schedule's counts keep there."""
+    """The stage's peak bytes (cost model) less the inputs, their residuals (under the stage's recompute policy)
+    and W stashes its schedule's counts keep there."""
     st, m, mb = pipe.stages[i], cm.model, pipe.micro_batch
     n_in, n_stash = cm.placed(pipe.num_stages, pipe.chunks, spec)[1][i]
+    residual = cm.residual_bytes(st.tp, cm.stage_policy(st, i, pipe, n_pipes, spec))
     counted = (n_in * mb * (m.token_bytes() if i == 0 and spec.v == 1 else m.boundary_bytes())
+               + n_in / spec.v * st.layers * mb * residual
                + n_stash / spec.v * st.layers * mb * m.layer_weight_stash_bytes(st.tp))
     return cm.stage_memory(st, i, pipe, n_pipes, spec) - counted
 
@@ -49,7 +53,7 @@ def test_planned_schedule_respects_the_memory_it_was_given(memory, want):
         for c in r.candidates:
             if c.table is None:
                 continue
-            kept = kept_bytes(cm, pipe, c.spec)
+            kept = kept_bytes(cm, pipe, c.spec, n)
             for i, row in enumerate(kept_profile(c.table, kept)):
                 cap = cluster.machines[pipe.stages[i].machine].memory
                 assert _rest(cm, pipe, i, n, c.spec) + max([0.0] + row) <= cap * (1 + 1e-9), (c.spec, i)
@@ -66,7 +70,8 @@ def test_cost_model_prices_each_schedule_per_pipeline():
     stages need more memory; a tight cluster rules it out and the fastest that fits is taken."""
     stages = (Stage((0,), 4, 0), Stage((1,), 4, 0), Stage((4,), 4, 1))
     pipe = Pipeline(stages, 8, 8)
-    roomy = CostModel(CFG, _cluster("24GiB"), "auto")
+    full = StepFeatures(recompute="full")     # one policy: the schedules' own memory decides
+    roomy = CostModel(CFG, _cluster("24GiB"), "auto", features=full)
     zbv = ScheduleSpec.parse("zb-v")
     base = roomy.stage_estimates(pipe, 1)
     v = roomy.stage_estimates(pipe, 1, zbv)
@@ -78,7 +83,7 @@ def test_cost_model_prices_each_schedule_per_pipeline():
     best = min((t, str(s)) for s, t, ok in est.schedule_options[0] if ok)[1]
     assert str(est.schedules[0]) == best and est.pipeline_time[0] == times[best]
     assert best == "zb-v" and all(ok for _, _, ok in est.schedule_options[0])
-    tight = CostModel(CFG, _cluster("10GiB"), "auto").estimate(roomy_layout)
+    tight = CostModel(CFG, _cluster("10GiB"), "auto", features=full).estimate(roomy_layout)
     assert {str(s): ok for s, _, ok in tight.schedule_options[0]} == \
         {"1f1b": True, "interleaved:2": True, "zb-h1": False, "zb-v": False}
     assert str(tight.schedules[0]) == "interleaved:2" and tight.fits

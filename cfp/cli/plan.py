@@ -35,6 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=common.positive_int, default=None,
                    help="sequences (a factory's model: batch rows) per step (default: 4 per device)")
     common.add_plan_schedule(p)
+    common.add_recompute(p, "per stage the least recomputation whose kept activations fit its memory under its "
+                            "schedule; the choice is written to the layout file")
     p.add_argument("--out", default=None, metavar="FILE", help="write the layout file (JSON) here")
     p.add_argument("--stage-times", default=None, metavar="DIR",
                    help="stage plans saved by `cfp train --stage-plans search` (CHECKPOINT_DIR/stage_plans): "
@@ -74,7 +76,7 @@ def load_stage_times(directory: str, model: str, config):
 
 def _table(cm, layout, est) -> str:
     cl = cm.cluster
-    head = ("pipeline", "stage", "GPUs", "TP", "layers", "micro-batches", "memory (est.)",
+    head = ("pipeline", "stage", "GPUs", "TP", "layers", "micro-batches", "recompute", "memory (est.)",
             "time/mb (est. unless marked)")
     rows = []
     for p, (pipe, ests) in enumerate(zip(layout.pipelines, est.stages)):
@@ -83,7 +85,7 @@ def _table(cm, layout, est) -> str:
             contiguous = len(ids) > 1 and list(ids) == list(range(ids[0], ids[-1] + 1))
             span = f"{ids[0]}-{ids[-1]}" if contiguous else ",".join(map(str, ids))
             rows.append((str(p), str(s), f"{cl.machines[st.machine].gpu.name} [{span}]", str(st.tp),
-                         str(st.layers), f"{pipe.chunks} x {pipe.micro_batch}",
+                         str(st.layers), f"{pipe.chunks} x {pipe.micro_batch}", e.recompute.value,
                          f"{e.memory / 1e9:.2f}/{e.capacity / 1e9:.0f} GB",
                          f"{(e.fwd + e.bwd) * 1e3:.1f} ms" + (" (measured)" if e.measured else "")))
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
@@ -153,12 +155,12 @@ def run(args: argparse.Namespace) -> int:
         what = (f"{args.model} {args.config} ({config.num_layers} layers, seq {config.seq_len}, "
                 f"{config.dtype})")
     options = PlannerOptions(global_batch_size=args.global_batch_size or 4 * cluster.num_devices,
-                             schedule=args.schedule, stage_times=stage_times)
+                             schedule=args.schedule, stage_times=stage_times, recompute=args.recompute)
     result = _plan_with_progress(cluster, config, options)
-    cm = CostModel(config, cluster, options.schedule, stage_times)
+    cm = CostModel(config, cluster, options.schedule, stage_times, options.features)
     est = result.estimate
     print(f"cluster: {cluster.summary()} ({cluster.num_devices} devices); model {what}; global batch "
-          f"{options.global_batch_size}; schedule {args.schedule}")
+          f"{options.global_batch_size}; schedule {args.schedule}; recompute {args.recompute}")
     print(_table(cm, result.layout, est))
     from cfp.planner.schedule_choice import schedule_reports
     reports = schedule_reports(cm, result.layout, est)
@@ -176,8 +178,11 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(_compare(cm, options, est)))
     if args.out:
         chosen = [r.chosen.spec for r in reports]
+        n = len(result.layout.pipelines)     # each stage's policy under the schedule its pipeline was given
+        policies = tuple(tuple(e.recompute for e in cm.stage_estimates(pipe, n, spec))
+                         for pipe, spec in zip(result.layout.pipelines, chosen))
         lf = LayoutFile(args.model, args.config or "", overrides, chosen[0].name, result.layout,
-                        _estimate_dict(est, chosen), cluster.to_dict(), tuple(str(s) for s in chosen))
+                        _estimate_dict(est, chosen), cluster.to_dict(), tuple(str(s) for s in chosen), policies)
         write_layout_file(args.out, lf)
         print(f"layout written to {args.out}")
     print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog's dense "

@@ -43,7 +43,8 @@ from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
-from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, collective_sync_seconds
+from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, backward_passes, collective_sync_seconds
+from cfp.recompute import Recompute
 from cfp.schedules import formulas
 from cfp.schedules.registry import ScheduleName, ScheduleSpec, schedule_choices
 
@@ -75,6 +76,10 @@ def precision_of(dtype: str, gpu: GpuSpec) -> Precision:
     return rates.dot_precision(dtype, None, gpu)
 
 
+def _flops(gemms) -> float:
+    return sum(f for f, _ in gemms)
+
+
 def _host_sums(parts) -> list[float]:
     """Per shared-host machine, the sum of its (machine, seconds) entries over pipelines (0.0 if none)."""
     total: dict[int, float] = {}
@@ -98,6 +103,7 @@ class StageEstimate:
     measured: bool = False  # fwd/bwd from a measured stage time (`MeasuredStageTimes`), not the model
     params: float = 0.0     # parameters per device
     wgrad: float = 0.0      # the part of `bwd` that is the weight gradient (W of a split backward)
+    recompute: Recompute = Recompute.FULL   # the stage's recompute policy its figures are priced with
 
 
 @dataclass(frozen=True)
@@ -277,12 +283,19 @@ class CostModel:
         return (e.head_stage(num_stages, spec.v),
                 tuple(e.counts(i, num_stages, chunks, spec.v) for i in range(num_stages)))
 
-    def stage_flops(self, st: Stage, first: bool, last: bool, mb: int) -> tuple[float, float]:
-        """Per-device FLOPs of the stage's forward and backward (recompute included) programs."""
+    def stage_flops(self, st: Stage, first: bool, last: bool, mb: int, policy: Recompute = None
+                    ) -> tuple[float, float]:
+        """Per-device FLOPs of the stage's forward and backward (recompute included) programs under `policy`
+        (default: the least recomputation the step's features allow, what the runtime runs unless told)."""
         m = self.model
+        policy = policy or self.features.policies[0]
         f = mb * (st.layers * m.layer_flops(st.tp) + (m.head_flops(st.tp) if last else 0.0))
         grads = mb * (st.layers * m.layer_backward_flops(st.tp) + (m.head_backward_flops(st.tp) if last else 0.0))
-        return f, (self.features.backward_passes - 2) * f + grads
+        if policy is Recompute.SELECTIVE:       # everything of the forward but the parameter dots, again
+            dots = mb * (st.layers * _flops(m.layer_weight_gemms(st.tp, 1)) + (_flops(m.head_gemms(st.tp, 1))
+                                                                             if last else 0.0))
+            return f, grads + max(0.0, f - dots)
+        return f, (backward_passes(policy) - 2) * f + grads
 
     def stage_params(self, st: Stage, first: bool, last: bool) -> float:
         m = self.model
@@ -300,16 +313,47 @@ class CostModel:
         return (3 * self._stage_bytes(m.param_bytes, st, first, last)
                 + 2 * self._stage_bytes(m.optimizer_bytes, st, first, last))
 
-    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None
-                     ) -> MemoryTerms:
-        """A stage's `MemoryTerms` (P pipelines) under ``spec`` (default: the base schedule), see `stage_memory`."""
+    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None,
+                     policy: Recompute = None) -> MemoryTerms:
+        """A stage's `MemoryTerms` (P pipelines) under ``spec`` (default: the base schedule) and recompute
+        `policy` (default: the stage's, `stage_policy`), see `stage_memory`."""
         spec = spec or self.spec
+        policy = policy or self.stage_policy(st, idx, pipe, n_pipes, spec)
         head, counts = self.placed(len(pipe.stages), pipe.chunks, spec)
-        return self._memory_terms(st.tp, idx == 0, idx == head, counts[idx], spec.v, pipe.micro_batch, n_pipes)
+        return self._memory_terms(st.tp, idx == 0, idx == head, counts[idx], spec.v, pipe.micro_batch, n_pipes,
+                                  policy)
+
+    def stage_policy(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None
+                     ) -> Recompute:
+        """The stage's recompute policy: the least recomputation among the features' policies whose peak fits its
+        devices' memory (`auto`), else the leanest (the stage does not fit)."""
+        options = self.features.policies
+        if len(options) == 1 or st.machine is None:     # (no machine, no memory: the runtime's own default)
+            return options[0]
+        cap = self.cluster.machines[st.machine].memory
+        for policy in options[:-1]:
+            if self.stage_memory(st, idx, pipe, n_pipes, spec, policy) <= cap:
+                return policy
+        return options[-1]
+
+    def residual_bytes(self, tp: int, policy: Recompute) -> float:
+        """Bytes per sequence one layer keeps from its forward to its backward under `policy`, beyond the stage
+        input (`cfp.ir.backward_split`'s cuts): `none` every value the backward reads (`layer_activation_bytes`);
+        `selective` the outputs of its dots without batch dims (jax.checkpoint_policies.
+        dots_with_no_batch_dims_saveable's rule: the parameter dots' outputs, counted from the layer's own GEMMs,
+        in the activation dtype); `full` nothing."""
+        m = self.model
+        if policy is Recompute.FULL:
+            return 0.0
+        whole = m.layer_activation_bytes(tp)
+        if policy is Recompute.NONE:
+            return whole
+        outputs = sum(f / (2 * k) for f, (_, _, k) in m.layer_weight_gemms(tp, 1)) * m.act_bytes
+        return min(whole, outputs)
 
     @_memo
     def _memory_terms(self, tp: int, first: bool, last: bool, stored: tuple[int, int], v: int, mb: int,
-                      n_pipes: int) -> MemoryTerms:
+                      n_pipes: int, policy: Recompute = Recompute.FULL) -> MemoryTerms:
         m = self.model
         share = self.features.state_share(n_pipes)
         ends = lambda fig: share * ((fig(Part.EMBED, tp) if first else 0.0) + (fig(Part.HEAD, tp) if last else 0.0))
@@ -320,11 +364,12 @@ class CostModel:
         # accumulator) and one layer's backward transients
         a0 = (inputs + (mb * m.head_activation_bytes(tp) if last else 0.0)
               + (m.embed_backward_bytes(tp) if first else 0.0) + mb * m.layer_temp_bytes(tp))
-        # one micro-batch's stage activations in the backward (recomputed: the one running; else every kept
-        # input's virtual stage), plus the W stashes of a split backward (a virtual stage's parameter dots' inputs
-        # and output gradients each)
-        live = max(1.0, self.features.stored_activations(n_in) / v)
-        a1 = mb * (live * m.layer_activation_bytes(tp) + n_stash / v * m.layer_weight_stash_bytes(tp))
+        # the running backward's micro-batch holds its stage's activations whole (what its policy did not keep,
+        # recomputed), every other kept input its virtual stage's residuals (`residual_bytes`), plus the W stashes
+        # of a split backward (a virtual stage's parameter dots' inputs and output gradients each)
+        kept = self.residual_bytes(tp, policy)
+        a1 = mb * (m.layer_activation_bytes(tp) - kept + max(1.0, n_in / v) * kept
+                   + n_stash / v * m.layer_weight_stash_bytes(tp))
         return MemoryTerms(ends(m.param_bytes), share * m.param_bytes(Part.LAYER, tp), a0, a1,
                            ends(m.optimizer_bytes), share * m.optimizer_bytes(Part.LAYER, tp))
 
@@ -342,7 +387,7 @@ class CostModel:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
         the number of layers)."""
         cap = self.cluster.machines[st.machine].memory
-        t = self.memory_terms(st, idx, pipe, n_pipes, spec)
+        t = self.memory_terms(st, idx, pipe, n_pipes, spec, self.features.policies[-1])   # the leanest policy
         g = self.features.gathered_copies(n_pipes)
         # 2(s0 + n s1) + o0 + n o1 + a0 + n a1 <= cap  and  (2 + G)(s0 + n s1) + o0 + n o1 <= cap
         n1 = (cap - 2 * t.s0 - t.o0 - t.a0) / (2 * t.s1 + t.o1 + t.a1)
@@ -364,11 +409,13 @@ class CostModel:
                 cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes, spec)
             yield cap
 
-    def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None) -> float:
+    def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None,
+                     policy: Recompute = None) -> float:
         """Peak bytes per device: params + optimizer state + gradient accumulator, plus the larger of the
-        backward's working set (kept inputs and W stashes + one micro-batch's stage activations and transients)
-        and the gradients received from the other pipelines at the update."""
-        t = self.memory_terms(st, idx, pipe, n_pipes, spec)
+        backward's working set (kept inputs, their residuals and W stashes + one micro-batch's stage activations
+        and transients) and the gradients received from the other pipelines at the update; under `policy`
+        (default: the stage's, `stage_policy`)."""
+        t = self.memory_terms(st, idx, pipe, n_pipes, spec, policy)
         n = st.layers
         return t.state(n) + max(t.a0 + n * t.a1, self.features.gathered_copies(n_pipes) * (t.s0 + n * t.s1))
 
@@ -398,33 +445,41 @@ class CostModel:
                n_pipes, -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
         e = self._stage_memo.get(key)
         if e is None:
+            policy = self.stage_policy(st, idx, pipe, n_pipes, place[2])
             # the times do not depend on the schedule beyond where the head is: memoised apart from the memory
-            tkey = key[:4] + (place[0],) + key[5:]
+            tkey = key[:4] + (place[0], policy) + key[5:]
             times = self._stage_memo.get(tkey)
             if times is None:
-                times = self._stage_memo[tkey] = self._stage_estimate(st, idx, pipe, n_pipes, nxt, place[0])
+                times = self._stage_memo[tkey] = self._stage_estimate(st, idx, pipe, n_pipes, nxt, place[0], policy)
             e = self._stage_memo[key] = StageEstimate(
                 fwd=times.fwd, bwd=times.bwd, send=times.send, memory=self.stage_memory(st, idx, pipe, n_pipes,
-                                                                                         place[2]),
+                                                                                         place[2], policy),
                 capacity=times.capacity, flops_fwd=times.flops_fwd, flops_bwd=times.flops_bwd,
-                update=times.update, measured=times.measured, params=times.params, wgrad=times.wgrad)
+                update=times.update, measured=times.measured, params=times.params, wgrad=times.wgrad,
+                recompute=policy)
         return e
 
     def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
-                        nxt: Stage | None, last: bool) -> StageEstimate:
-        """The stage's figures but its memory (left 0: `_cached_stage` adds it per schedule)."""
+                        nxt: Stage | None, last: bool, policy: Recompute) -> StageEstimate:
+        """The stage's figures under recompute `policy` but its memory (left 0: `_cached_stage` adds it per
+        schedule)."""
         m = self.model
         first = idx == 0
         mb = pipe.micro_batch
-        ff, fb = self.stage_flops(st, first, last, mb)
+        ff, fb = self.stage_flops(st, first, last, mb, policy)
         spilled = self.spills(st, mb, last)
         compute = (st.layers * self.layer_seconds(st.machine, st.tp, mb, spilled)
                    + (self.head_seconds(st.machine, st.tp, mb, spilled) if last else 0.0))
         ar = m.layer_all_reduces(st.tp) * self.tp_all_reduce_seconds(st.machine, st.tp, mb * m.boundary_bytes())
         emb_f, emb_b = self.embed_seconds(st.machine, st.tp, mb) if first else (0.0, 0.0)
         fwd = compute + emb_f + st.layers * ar                   # after attention, after the MLP
-        k = self.features.backward_passes                        # (recomputed forward +) backward (2x)
+        k = backward_passes(policy)                              # (recomputed forward +) backward (2x)
         bwd = k * compute + (k - 2) * emb_f + emb_b + (k - 1) * st.layers * ar
+        if policy is Recompute.SELECTIVE:   # B recomputes all but the parameter dots (their outputs were kept)
+            bwd += (st.layers * (self.layer_seconds(st.machine, st.tp, mb, spilled)
+                                 - self.layer_weight_dot_seconds(st.machine, st.tp, mb))
+                    + (self.head_seconds(st.machine, st.tp, mb, spilled) - self.head_dot_seconds(st.machine, st.tp, mb)
+                       if last else 0.0))
         # W: the weight-gradient dots (as many FLOPs as the forward's dots) and the embedding's gradient
         wgrad = (st.layers * self.layer_weight_dot_seconds(st.machine, st.tp, mb)
                  + (self.head_dot_seconds(st.machine, st.tp, mb) if last else 0.0) + emb_b)

@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 from cfp.errors import ConfigError
 from cfp.planner.measured import MeasuredStageTimes
+from cfp.planner.step_features import StepFeatures
+from cfp.recompute import Recompute
 from cfp.schedules.registry import ScheduleName, ScheduleSpec, schedule_choices
 
 
@@ -25,7 +27,9 @@ class PlannerOptions:
     `refine_evaluations` bounds the local refinement (a count, not a time, so plans are deterministic);
     `phase2_metis` offers METIS' compute-balanced stage cut next to one TP degree per device type
     (off: the latter only, for comparison); `stage_times`: measured stage times that replace the
-    analytic ones for stages of their shape and device (`cfp plan --stage-times`)."""
+    analytic ones for stages of their shape and device (`cfp plan --stage-times`); `recompute`: every stage's
+    recompute policy (`cfp.recompute.Recompute`), or "auto": per stage the least recomputation whose kept
+    activations fit its memory under its schedule."""
     global_batch_size: int
     schedule: Any = ScheduleName.ONE_F_ONE_B
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
@@ -34,8 +38,10 @@ class PlannerOptions:
     refine_evaluations: int = 3000
     phase2_metis: bool = True
     stage_times: Optional[MeasuredStageTimes] = None
+    recompute: Recompute = Recompute.AUTO
 
     def __post_init__(self):
+        object.__setattr__(self, "recompute", Recompute.parse(self.recompute, "PlannerOptions.recompute"))
         _positive("global_batch_size", self.global_batch_size)
         schedule_choices(self.schedule)      # validates
         if not isinstance(self.micro_batch_sizes, (list, tuple)) or not self.micro_batch_sizes:
@@ -51,6 +57,11 @@ class PlannerOptions:
                 raise ConfigError(f"PlannerOptions.{name}={getattr(self, name)!r} must be True or False")
         if self.stage_times is not None and not isinstance(self.stage_times, MeasuredStageTimes):
             raise ConfigError(f"PlannerOptions.stage_times={self.stage_times!r} must be a MeasuredStageTimes")
+
+    @property
+    def features(self) -> StepFeatures:
+        """How the planned step runs: cfp's runtime with these recompute policies."""
+        return StepFeatures(recompute=self.recompute)
 
     @property
     def choices(self) -> tuple[ScheduleSpec, ...]:

@@ -293,7 +293,7 @@ def find_layout(cluster: Cluster, config, options: PlannerOptions,
 def _find_layout(cluster: Cluster, config, options: PlannerOptions,
                  progress: Optional[Callable[[int, int], None]]) -> PlannerResult:
     t0 = time.perf_counter()
-    cm = CostModel(config, cluster, options.schedule, options.stage_times)
+    cm = CostModel(config, cluster, options.schedule, options.stage_times, options.features)
     search = _Search(cm, options)
     choices = tp_choices(cluster, cm.model.tp_divisor)
     # a count whose average pipeline cannot hold the model has a pipeline that cannot (`holds_model`)

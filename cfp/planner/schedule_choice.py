@@ -79,14 +79,17 @@ class ScheduleReport:
         return head + (f"; {', '.join(others)}" if others else "") + f"; chosen: {why}"
 
 
-def kept_bytes(cm: CostModel, pipe: Pipeline, spec: ScheduleSpec) -> KeptBytes:
-    """Per virtual stage, the bytes one micro-batch keeps: its input (token ids for the first) from F to B, and
+def kept_bytes(cm: CostModel, pipe: Pipeline, spec: ScheduleSpec, n_pipes: int = 1) -> KeptBytes:
+    """Per virtual stage, the bytes one micro-batch keeps: its input (token ids for the first) and its layers'
+    residuals under its stage's recompute policy (`CostModel.stage_policy`, `residual_bytes`) from F to B, and
     what its W needs (its layers' parameter dots' inputs and output gradients) from B to W."""
     m, mb = cm.model, pipe.micro_batch
     placement = spec.entry.placement.stages(pipe.num_stages, spec.v)
     layers = vstage_layers([s.layers for s in pipe.stages], placement)
     tp = [pipe.stages[d].tp for d in placement]
-    inputs = tuple(mb * (m.token_bytes() if c == 0 else m.boundary_bytes()) for c in range(len(placement)))
+    policy = [cm.stage_policy(st, i, pipe, n_pipes, spec) for i, st in enumerate(pipe.stages)]
+    inputs = tuple(mb * ((m.token_bytes() if c == 0 else m.boundary_bytes())
+                         + n * cm.residual_bytes(t, policy[d])) for c, (n, t, d) in enumerate(zip(layers, tp, placement)))
     weight = tuple(mb * n * m.layer_weight_stash_bytes(t) if spec.entry.split else 0.0 for n, t in zip(layers, tp))
     return KeptBytes(inputs, weight)
 
@@ -99,10 +102,13 @@ def memory_limit(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec
     m, mb = cm.model, pipe.micro_batch
     _, counts = cm.placed(pipe.num_stages, pipe.chunks, spec)
     for i, st in enumerate(pipe.stages):
-        t = cm.memory_terms(st, i, pipe, n_pipes, spec)
+        policy = cm.stage_policy(st, i, pipe, n_pipes, spec)
+        t = cm.memory_terms(st, i, pipe, n_pipes, spec, policy)
         n_in, n_stash = counts[i]
-        # the kept part of the cost model's peak, as `CostModel._memory_terms` counts it
+        # the kept part of the cost model's peak, as `CostModel._memory_terms` counts it: inputs, their residuals
+        # (the running backward's whole activations stay in the rest) and W stashes
         kept = (n_in * mb * (m.token_bytes() if i == 0 and spec.v == 1 else m.boundary_bytes())
+                + n_in / spec.v * st.layers * mb * cm.residual_bytes(st.tp, policy)
                 + n_stash / spec.v * st.layers * mb * m.layer_weight_stash_bytes(st.tp))
         others = t.state(st.layers) + t.a0 + st.layers * t.a1 - kept
         out.append(cm.cluster.machines[st.machine].memory - others)
@@ -158,7 +164,7 @@ def _candidate(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec, 
     if not simulate_it:
         return Candidate(spec, formula, fits)
     limit = memory_limit(cm, pipe, n_pipes, spec)
-    kept = kept_bytes(cm, pipe, spec)
+    kept = kept_bytes(cm, pipe, spec, n_pipes)
     table, sim = spec.entry.generated(pipe.num_stages, pipe.chunks, action_costs(cm, pipe, n_pipes, spec), spec.v,
                                       limit, kept)
     return Candidate(spec, formula, fits, table, sim, limit, tuple(peak_kept(table, kept)))

@@ -1,9 +1,9 @@
 """How the priced training step runs: the runtime features the planner's cost model (`cfp.planner.costmodel`)
 prices beyond the model's own figures.
 
-The defaults are cfp's own runtime (each stage's forward recomputed in its backward, attention scores
-materialised, every pipeline's gradients gathered onto every stage and summed, nothing overlapped), which is what
-`cfp plan` prices. Other values describe runs of other systems priced through the same cost floor, e.g. the
+The defaults are cfp's own runtime (each stage's recompute policy the least recomputation whose kept activations
+fit its memory, `Recompute.AUTO`; attention scores materialised, every pipeline's gradients gathered onto every
+stage and summed, nothing overlapped), which is what `cfp plan` prices. Other values describe runs of other systems priced through the same cost floor, e.g. the
 published runs `benchmarks/validate_costmodel.py` checks the model against: no recomputation, fused (flash)
 attention, gradients all-reduced (DDP, Megatron) or parameters sharded across the data-parallel pipelines (FSDP,
 ZeRO-3), data-parallel traffic overlapped with compute.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cfp.errors import ConfigError
 from cfp.hardware.collectives import collective_time
-from cfp.recompute import Recompute
+from cfp.recompute import POLICIES, Recompute
 
 
 class GradSync(str, enum.Enum):
@@ -37,7 +37,7 @@ def _enum(cls, value, what):
 class StepFeatures:
     """Runtime features of the priced step (defaults: cfp's runtime). `grad_bytes`: bytes per gradient element
     sent by the data-parallel sync; `overlap_grad_sync`: that traffic runs under the forward-backward compute."""
-    recompute: Recompute = Recompute.FULL
+    recompute: Recompute = Recompute.AUTO     # one policy for every stage, or AUTO: per stage (`CostModel`)
     fused_attention: bool = False
     grad_sync: GradSync = GradSync.GATHER
     grad_bytes: int = 4
@@ -53,13 +53,9 @@ class StepFeatures:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
 
     @property
-    def backward_passes(self) -> int:
-        """A stage's backward in forward-compute units: the gradients (2x), plus the recomputed forward."""
-        return 3 if self.recompute is Recompute.FULL else 2
-
-    def stored_activations(self, stored_inputs: int) -> int:
-        """Micro-batches whose whole-stage activations are live at the backward's peak."""
-        return 1 if self.recompute is Recompute.FULL else stored_inputs
+    def policies(self) -> tuple[Recompute, ...]:
+        """The policies a stage may be priced with, least recomputation first (AUTO: the first that fits)."""
+        return POLICIES if self.recompute is Recompute.AUTO else (self.recompute,)
 
     def state_share(self, n_pipes: int) -> float:
         """Share of a stage's parameters and optimizer state each device holds."""
@@ -74,6 +70,13 @@ class StepFeatures:
 
 
 CFP_RUNTIME = StepFeatures()
+
+
+def backward_passes(policy: Recompute) -> int:
+    """A stage's backward in forward-compute units beyond what `selective` recomputes: the gradients (2x), plus
+    the recomputed forward under `full` (as the runtime runs it: `none` and `selective` keep the forward's
+    values, `cfp.ir.backward_split`)."""
+    return 3 if policy is Recompute.FULL else 2
 
 
 def collective_sync_seconds(features: StepFeatures, stage_params: float, n: int, chunks: int,

@@ -330,12 +330,19 @@ class CostModel:
         options = self.features.policies
         if len(options) == 1 or st.machine is None:     # (no machine, no memory: the runtime's own default)
             return options[0]
-        cap = self.cluster.machines[st.machine].memory
-        for policy in options[:-1]:
-            if self.stage_memory(st, idx, pipe, n_pipes, spec, policy) <= cap:
-                return policy
-        return options[-1]
+        spec = spec or self.spec
+        head, stored = self.placed(len(pipe.stages), pipe.chunks, spec)
+        key = ("stage_policy", self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == head, stored[idx],
+               spec.v, pipe.micro_batch, n_pipes)     # all a stage's peak depends on (`_memory_terms`)
+        hit = self._memo.get(key)
+        if hit is None:
+            cap = self.cluster.machines[st.machine].memory
+            hit = next((p for p in options[:-1] if self.stage_memory(st, idx, pipe, n_pipes, spec, p) <= cap),
+                       options[-1])
+            self._memo[key] = hit
+        return hit
 
+    @_memo
     def residual_bytes(self, tp: int, policy: Recompute) -> float:
         """Bytes per sequence one layer keeps from its forward to its backward under `policy`, beyond the stage
         input (`cfp.ir.backward_split`'s cuts): `none` every value the backward reads (`layer_activation_bytes`);

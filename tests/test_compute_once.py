@@ -184,6 +184,8 @@ def test_zb_v_runs_searched_stage_plans_of_a_model_that_names_no_dims(tmp_path):
     layout = cfp.Layout.from_lists([[2, 2]], [[2, 2]], [8], [4])
     plans = StagePlanOptions("search", search=SearchOptions().replace(
         kind="estimate", gpu="A100-SXM-80G", cache_dir=str(tmp_path), max_combinations=2, top_k=2, verify=0))
-    result = cfp.train_pipelines(model, optax.adamw(1e-3), layout, batch, steps=2, schedule="zb-v", verify=True,
+    # SGD: the mixer's token-MLP output bias has an exactly zero gradient (the layer norms after it remove it), whose
+    # float32 noise (~1e-8) AdamW would turn into full-size steps of either sign, on one device as here
+    result = cfp.train_pipelines(model, optax.sgd(0.1), layout, batch, steps=2, schedule="zb-v", verify=True,
                                  stage_plans=plans)
     assert result.verify_ok and np.isfinite(result.verify_error)

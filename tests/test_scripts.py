@@ -78,6 +78,9 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun | InSuite] = {
     "benchmarks/analysis_time.py": (Run("--num-layers 2 --configs tiny --repeats 1", r"tiny"),),
     "benchmarks/batching.py": DocRun(),
     "benchmarks/calibrate_cpu.py": (Run("--repeats 1 --micro-batches 1,2", r"all-reduce fit: latency"),),     # never --write here
+    "benchmarks/compute_once.py": (Run("--steps 2 --num-layers 2 --layer-partitions [[1,1]] --hetero-configs "
+                                       "[[1,1]] --chunks 2 --global-batch-size 4 --schedules 1f1b zb-h1 "
+                                       "--recompute none full --rounds 1", r"zb-h1 none / 1f1b none tokens/s"),),
     "benchmarks/compare.py": (
         Run("--model gpt --num-layers 1 --batch-size 8 --iters 2 --profile-iters 3 --max-combinations 2 "
             "--verify 1", r"cfp speedup vs alpa-ilp", name="cpu"),

@@ -48,10 +48,10 @@ def _compiled_all_reduce_bytes(trainer, key) -> tuple[int, int]:
 def test_tp_all_reduces_match_the_compiled_stage(model):
     """A middle TP-2 stage of two layers. Forward: Megatron's two all-reduces per layer (after attention and
     after the MLP), each of one micro-batch's activation -- the planner's figure must equal XLA's exactly.
-    Backward: the planner counts four per layer (the recomputed forward's two, one per column-parallel input
-    gradient); XLA's HLO has the recomputed forward's (less the last, dead) and one all-reduce per projection's
-    input gradient (q, k, v; GPT's fc_in, Llama's gate and up, measured: not combined before reducing), so the
-    planner's backward is a lower bound, measured 0.73 (GPT) and 0.62 (Llama-2) of the compiled bytes.
+    Backward (the runtime's default, no recomputation): the planner counts Megatron's two per layer (one per
+    column-parallel block's input gradient); XLA's HLO has one all-reduce per projection's input gradient (q, k,
+    v; GPT's fc_in, Llama's gate and up: not combined before reducing), so the planner's backward is a lower
+    bound, 2 of GPT's 4 and 2 of Llama-2's 5 per layer.
     A cost model without the TP collectives, or with the wrong count or size, fails."""
     from cfp.models import make_batch
     from cfp.runtime.engine import zoo_trainer
@@ -66,4 +66,4 @@ def test_tp_all_reduces_match_the_compiled_stage(model):
     act = 2 * cfg.seq_len * cfg.hidden_size * 4           # one micro-batch's float32 activation
     assert fwd_c == 2 * 2 * act                            # what XLA compiled: 2 layers x 2 all-reduces
     assert fwd_p == pytest.approx(fwd_c, rel=1e-9)
-    assert 0.55 * bwd_c < bwd_p <= bwd_c, (bwd_p, bwd_c)
+    assert 0.35 * bwd_c < bwd_p <= bwd_c, (bwd_p, bwd_c)

@@ -515,8 +515,9 @@ def _plain_dtype(aval) -> bool:
 
 
 def bind_whole(eqn: OptEqn, values: Sequence[Any]) -> list:
-    """Evaluate `eqn` as traced; always a list of outputs."""
-    out = eqn.primitive.bind(*values, **eqn.params)
+    """Evaluate `eqn` as traced (its parameters as `eval_jaxpr` binds them: a `shard_map` rebuilds its function);
+    always a list of outputs."""
+    out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 

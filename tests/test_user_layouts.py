@@ -105,7 +105,9 @@ def test_the_plan_under_a_budget_is_the_fastest_candidate_that_fits(budgeted, pr
     assert over
     text = res.margin_text()
     assert f"chosen plan ({res.best.label}" in text and "runner-up (" in text
+    if res.best.layout in ("data-parallel", "fsdp", "dp-tp"):
+        assert "a layout users write" in text
     if res.best.layout:
-        assert "a plain layout" in text and load_plan(out).layout == res.best.layout
+        assert load_plan(out).layout == res.best.layout
     again = apply_plan(problem[0], "2x4", *args, plan=out)
     np.testing.assert_allclose(float(again(*args)[0]), float(jax.jit(problem[0])(*args)[0]), rtol=1e-5)

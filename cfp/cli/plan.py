@@ -181,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
         n = len(result.layout.pipelines)     # each stage's policy under the schedule its pipeline was given
         policies = tuple(tuple(e.recompute for e in cm.stage_estimates(pipe, n, spec))
                          for pipe, spec in zip(result.layout.pipelines, chosen))
-        lf = LayoutFile(args.model, args.config or "", overrides, chosen[0].name, result.layout,
-                        _estimate_dict(est, chosen), cluster.to_dict(), tuple(str(s) for s in chosen), policies)
+        lf = LayoutFile(model=args.model, config=args.config or "", overrides=overrides, schedule=chosen[0].name,
+                        layout=result.layout, estimate=_estimate_dict(est, chosen), cluster=cluster.to_dict(),
+                        schedules=tuple(str(s) for s in chosen), recompute=policies)
         write_layout_file(args.out, lf)
         print(f"layout written to {args.out}")
     print(f"estimated MFU: {100 * est.mfu:.2f}% (against the catalog's dense "

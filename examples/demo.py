@@ -97,10 +97,10 @@ def main() -> None:
         print(f"step {i}: loss cfp {float(l2):.6f}  single-device {float(l1):.6f}")
         if not np.isclose(float(l2), float(l1), rtol=1e-4):
             raise SystemExit(f"demo: sharded loss {float(l2)} differs from single-device loss {float(l1)}")
-    _second_timing(step, res, (params, opt, batch), budget, args.rounds)
+    _time_side_by_side(step, res, (params, opt, batch), budget, args.rounds)
 
 
-def _second_timing(step, res, args, budget: int, rounds: int) -> None:
+def _time_side_by_side(step, res, args, budget: int, rounds: int) -> None:
     """The returned plan against every layout of the search's candidates again, in `rounds` interleaved rounds."""
     from cfp.sharding.same import same_sharding
     print(f"\n== step time again, side by side (measured: median of {rounds} interleaved rounds; memory compiled)")

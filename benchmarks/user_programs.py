@@ -18,7 +18,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import cfp  # noqa: E402
-from cfp.errors import InfeasibleError  # noqa: E402
+from cfp.baselines.user_layouts import USER_LAYOUTS, user_layout_shardings  # noqa: E402
+from cfp.errors import ConfigError, InfeasibleError  # noqa: E402
+from cfp.sharding.step import ShardedStep  # noqa: E402
 from cfp.search.options import fmt_bytes  # noqa: E402
 from cfp.xla.compiled import compiled_memory  # noqa: E402
 from side_by_side import time_side_by_side  # noqa: E402
@@ -42,18 +44,18 @@ def _row(label, steps, args, rounds, budget):
     print(f"  {label}:")
     for k, s in steps.items():
         if s is None:
-            print(f"    {k:14s} infeasible under the budget")
+            print(f"    {k:22s} infeasible under the budget")
             continue
         mem = compiled_memory(s.compile(*args))
         if k not in timed:
-            print(f"    {k:14s} does not fit ({fmt_bytes(mem)} per device, compiled)")
+            print(f"    {k:22s} does not fit ({fmt_bytes(mem)} per device, compiled)")
             continue
         t, noise = timed[k]
         vs = f", {dp / t:.2f}x plain data parallel" if dp and k != "plain data parallel" else ""
         same = [o for o, p in steps.items() if o != k and o != "cfp" and p is not None
                 and k == "cfp" and p.shardings == s.shardings]
         vs += f" (the same plan as {same[0]}: timed twice, the gap is noise)" if same else ""
-        print(f"    {k:14s} {t * 1e3:8.3f} ms ±{noise * 100:.0f}% (measured), {fmt_bytes(mem)} per device "
+        print(f"    {k:22s} {t * 1e3:8.3f} ms ±{noise * 100:.0f}% (measured), {fmt_bytes(mem)} per device "
               f"(compiled){vs}")
 
 
@@ -63,7 +65,7 @@ def bench(name: str, fraction: float, rounds: int, max_combinations: int = 4, ve
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     searched = cfp.autoshard(step_fn, mesh, *args, iters=3, max_combinations=max_combinations, verify=verify)
     program, analysis = searched.program, searched.analysis
-    layouts = _layouts(searched)
+    layouts = _layouts(searched, args, mesh)
     dp = layouts["plain data parallel"]
     budget = int(fraction * compiled_memory(dp.compile(*args)))
     print(f"{name}: {len(analysis.blocks)} blocks; cfp plan {list(searched.shardings.choice)}"
@@ -80,9 +82,19 @@ def bench(name: str, fraction: float, rounds: int, max_combinations: int = 4, ve
          {"cfp": tight, **layouts}, args, rounds, budget)
 
 
-def _layouts(searched) -> dict:
-    """label -> step of the layouts users write (and the ILP's plan) the search verified beside its own."""
-    return {v.label: searched.search.steps[v.key] for v in searched.search.layouts}
+def _layouts(searched, args, mesh) -> dict:
+    """label -> step of the layouts users write (and the ILP's plan) the search verified beside its own; built
+    here when the search verified nothing whole (`--verify 0`)."""
+    if searched.search.layouts:
+        return {v.label: searched.search.steps[v.key] for v in searched.search.layouts}
+    out = {}
+    for layout in USER_LAYOUTS:
+        try:
+            sh = user_layout_shardings(layout, searched.analysis, args)
+        except ConfigError:
+            continue
+        out[layout.label] = ShardedStep(searched.program, searched.analysis, sh, mesh)
+    return out
 
 
 def main() -> None:

@@ -144,7 +144,9 @@ def test_cli_defaults_are_the_api_defaults():
     train = p.parse_args(["train"])
     plan = p.parse_args(["plan", "--cluster", "c.yaml", "--model", "gpt"])
     data = p.parse_args(["data", "train", "--model", "gpt", "--input", "stdlib"])
-    assert train.schedule == plan.schedule == TrainOptions.schedule.value == common.DEFAULT_SCHEDULE
+    # `cfp train --schedule` unset is None: a layout file's per-pipeline schedules, else the default
+    assert train.schedule is None
+    assert plan.schedule == TrainOptions.schedule.value == common.DEFAULT_SCHEDULE
     assert PlannerOptions.__dataclass_fields__["schedule"].default.value == common.DEFAULT_SCHEDULE
     assert train.schedule_tables == TrainOptions.tables.value
     assert train.steps == data.steps == TrainOptions.steps == common.DEFAULT_STEPS
@@ -155,21 +157,22 @@ def test_cli_defaults_are_the_api_defaults():
     assert train.keep_checkpoints == TrainOptions.keep_checkpoints
 
 
-def test_a_layout_file_runs_the_schedule_planned_for_its_first_pipeline(tmp_path, capsys):
+def test_a_layout_file_runs_the_schedules_planned_for_its_pipelines(tmp_path, capsys):
     """`cfp plan` prices each pipeline with its own schedule (virtual stages included); `cfp train --layout` runs
-    pipeline 0's, v and all (the file's `schedule` holds the name only), and says so when the others differ."""
+    each pipeline's, v and all (the file's `schedule` holds the name only); `--schedule` overrides them all."""
     from cfp.cli.main import build_parser
     from cfp.cli.train import layout_from_args
     from cfp.layout import Layout
     from cfp.planner.layout_file import LayoutFile, write_layout_file
     from cfp.schedules.registry import ScheduleName
     layout = Layout.from_lists([[1, 1, 1], [1]], [[2, 2, 2], [6]], [6, 2], [3, 2])
-    for schedules, note in ((("interleaved:3", "1f1b"), True), (("interleaved:3", "interleaved:3"), False)):
+    for schedules in (("interleaved:3", "1f1b"), ("interleaved:3", "interleaved:3")):
         path = str(tmp_path / "l.json")
         write_layout_file(path, LayoutFile("llama2", "tiny", {"num_layers": 6}, ScheduleName.INTERLEAVED, layout,
                                            {}, {}, schedules))
         args = build_parser().parse_args(["train", "--layout", path])
         assert layout_from_args(args)[2] == layout
-        assert args.schedule == "interleaved:3"
-        err = capsys.readouterr().err
-        assert ("runs one schedule for all pipelines: interleaved:3 (pipeline 0's)" in err) == note, err
+        assert args.schedule == "interleaved:3" and args.filed_schedules == schedules
+        given = build_parser().parse_args(["train", "--layout", path, "--schedule", "gpipe"])
+        layout_from_args(given)
+        assert given.schedule == "gpipe" and not getattr(given, "filed_schedules", ())

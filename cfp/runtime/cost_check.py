@@ -4,9 +4,12 @@ For every stage of a layout it lowers and compiles the runtime's forward, backwa
 (`cfp.runtime.stage.StageProgram`, abstract arguments, nothing runs) and sets the cost model's figures
 beside XLA's: per-device FLOPs of one micro-batch's forward and backward (`cost_analysis()["flops"]`)
 and the bytes of the backward and update programs (`cfp.xla.compiled.compiled_memory`: arguments + outputs
-+ temporaries - aliased). The model's backward figure is the params and gradient accumulator, the stage input and its
-gradient, and one micro-batch's stage activations; its update figure is params, optimizer state and one
-gradient per pipeline.
++ temporaries - aliased). FLOPs are the programs the cost model prices (each stage's recompute policy, here
+`none`: no forward in the backward); the backward's bytes are those of its `full` recomputation program, the
+working set the model's figure describes: the params and gradient accumulator, the stage input and its gradient,
+and one micro-batch's stage activations (what a `none` stage keeps per micro-batch instead is
+`CostModel.residual_bytes`, checked against the dispatcher's buffers by the runtime's kept-memory prediction). The
+update figure is params, optimizer state and one gradient per pipeline.
 """
 from __future__ import annotations
 
@@ -53,16 +56,19 @@ def _model_figures(cm: CostModel, layout: Layout, p: int, i: int) -> tuple[float
 def check_compiled_stages(model_name: str, config: Any, cm: CostModel, layout: Layout) -> list[StageCheck]:
     """Compile every stage of `layout` (devices of this process) and compare; see the module doc."""
     from cfp.models import make_batch
+    from cfp.recompute import Recompute
     from cfp.runtime.engine import zoo_trainer
 
     example = make_batch(model_name, config, 1, 0)
-    trainer = zoo_trainer(model_name, config, layout, abstract=True, example_batch=example)
+    trainers = {rc: zoo_trainer(model_name, config, layout, abstract=True, example_batch=example, recompute=rc)
+                for rc in (Recompute.NONE, Recompute.FULL)}
     out = []
-    for p, i in sorted(trainer.programs):
-        (fwd, fwd_args), (bwd, bwd_args), _, (upd, upd_args) = trainer.compile_jobs((p, i))
+    for p, i in sorted(trainers[Recompute.NONE].programs):
+        (fwd, fwd_args), (bwd, bwd_args), _, (upd, upd_args) = trainers[Recompute.NONE].compile_jobs((p, i))
         fwd, bwd, upd = (f.lower(*a).compile() for f, a in ((fwd, fwd_args), (bwd, bwd_args), (upd, upd_args)))
+        full, full_args = trainers[Recompute.FULL].compile_jobs((p, i))[1]
         ff, fb, mb, mu = _model_figures(cm, layout, p, i)
         out.append(StageCheck((p, i), (ff, fwd.cost_analysis()["flops"]), (fb, bwd.cost_analysis()["flops"]),
-                              (mb, compiled_memory(bwd, donated=True)),
+                              (mb, compiled_memory(full.lower(*full_args).compile(), donated=True)),
                               (mu, compiled_memory(upd, donated=True))))
     return out

@@ -189,3 +189,21 @@ def test_zb_v_runs_searched_stage_plans_of_a_model_that_names_no_dims(tmp_path):
     result = cfp.train_pipelines(model, optax.sgd(0.1), layout, batch, steps=2, schedule="zb-v", verify=True,
                                  stage_plans=plans)
     assert result.verify_ok and np.isfinite(result.verify_error)
+
+
+def test_a_layout_files_recompute_runs_per_stage(tmp_path, capsys):
+    """`cfp plan --recompute auto` writes each stage's policy into the layout file; `cfp train --layout` runs them
+    (the header names each stage's), and `--recompute` overrides them all."""
+    import json
+    from cfp.cli.main import main
+    layout = Layout.from_lists([[1, 1]], [[2, 2]], [4], [2])
+    doc = {"format": "cfp-layout/2", "model": "llama2", "config": "tiny", "overrides": {"num_layers": 4},
+           "schedule": "1f1b", "layout": layout.to_json(), "estimate": {}, "cluster": {},
+           "recompute": [["full", "none"]]}
+    path = tmp_path / "l.json"
+    path.write_text(json.dumps(doc))
+    assert main(["train", "--layout", str(path), "--steps", "2", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute per stage pipeline 0: full, none;" in out and "(ok" in out
+    assert main(["train", "--layout", str(path), "--steps", "1", "--recompute", "selective"]) == 0
+    assert "recompute selective;" in capsys.readouterr().out

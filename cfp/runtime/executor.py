@@ -9,6 +9,7 @@ accumulates the gradient of the summed ``loss_sum`` over its micro-batches, and 
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Optional
 
@@ -111,9 +112,16 @@ def device_bytes(tree: Any, shardings: Any = None) -> int:
               else [getattr(leaf, "sharding", None) for leaf in leaves])
     total = 0
     for leaf, sharding in zip(leaves, placed):
-        shape = sharding.shard_shape(leaf.shape) if sharding is not None else np.shape(leaf)
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        total += _shard_bytes(sharding, tuple(np.shape(leaf)), np.dtype(leaf.dtype).itemsize)
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_bytes(sharding: Any, shape: tuple, itemsize: int) -> int:
+    """Bytes of one device's shard of an array of ``shape`` under ``sharding`` (None: the whole array); cached: the
+    dispatcher counts a micro-batch's tens of residuals after every action."""
+    shard = sharding.shard_shape(shape) if sharding is not None else shape
+    return int(np.prod(shard, dtype=np.int64)) * itemsize
 
 
 class KeptMemory:
@@ -125,10 +133,19 @@ class KeptMemory:
     def __init__(self, saved: dict, kept: dict, stage_of: Callable = lambda key: key):
         self.saved, self.kept, self.stage_of = saved, kept, stage_of
         self.peak: dict[tuple[int, int], int] = {}
+        # each buffer's bytes, counted once (a micro-batch's residuals are tens of arrays, observed after every
+        # action): by id, the buffer held here so that its id is not reused within the step
+        self._sizes: dict[int, tuple[Any, int]] = {}
+
+    def _bytes(self, v: Any) -> int:
+        hit = self._sizes.get(id(v))
+        if hit is None:
+            hit = self._sizes[id(v)] = (v, device_bytes(v))
+        return hit[1]
 
     def observe(self, key: tuple[int, int]) -> None:
         at = self.stage_of(key)
-        held = sum(device_bytes(v) for buf in (self.saved, self.kept) for (k, _), v in buf.items()
+        held = sum(self._bytes(v) for buf in (self.saved, self.kept) for (k, _), v in buf.items()
                    if self.stage_of(k) == at)
         self.peak[at] = max(self.peak.get(at, 0), held)
 

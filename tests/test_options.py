@@ -71,13 +71,16 @@ def test_stage_plans_search_builds_the_record_with_its_defaults():
                                       "--stage-plans", "search"])
     opts = train._stage_plans(args)
     assert opts.mode is StagePlanMode.SEARCH and opts.search == SearchOptions()
-    # a stage search profiles through the default cache, without a progress bar; nothing else changes
-    assert opts.search_options() == SearchOptions().replace(cache_dir=default_cache_dir(), progress=False)
+    # a stage search profiles through the default cache, without a progress bar and without the whole-step user
+    # layouts (its pick is among the searched choices); nothing else changes
+    assert opts.search_options() == SearchOptions().replace(cache_dir=default_cache_dir(), progress=False,
+                                                            layouts=False)
     args = build_parser().parse_args(["train", "--model", "llama2", "--hetero-configs", "[[2]]", "--stage-plans",
                                       "search", "--stage-memory", "3MB", "--stage-profiler", "estimate", "--gpu", GPU])
     given = SearchOptions().replace(memory_per_device="3MB", kind="estimate", gpu=GPU)
     assert train._stage_plans(args).search == given
-    assert train._stage_plans(args).search_options() == given.replace(cache_dir=default_cache_dir(), progress=False)
+    assert train._stage_plans(args).search_options() == given.replace(cache_dir=default_cache_dir(), progress=False,
+                                                                      layouts=False)
     # every other search and profiling flag of cfp search reaches the stage search as --stage-<flag>
     args = build_parser().parse_args(["train", "--model", "llama2", "--hetero-configs", "[[2]]", "--stage-plans",
                                       "search", "--stage-iters", "3", "--stage-warmup", "1",

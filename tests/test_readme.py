@@ -208,6 +208,27 @@ INLINE: dict[str, Run | Skip] = {
         "the twelve-step form of the same benchmark (6 min on an idle 2-core host with its fits); its CI-sized form, "
         "`benchmarks/batching.py --quick`, runs"),
     "cfp data propose": Skip(_NAME),
+    "cfp plan --recompute auto": Skip(_NAME),
+    "cfp plan --model llama2 --config 7B": Skip(_NAME),
+    "python benchmarks/compute_once.py --steps 6 --rounds 2": Skip(
+        "every schedule with and without recomputation, 21 verified runs (18 min on a loaded 2-core host); "
+        "tests/test_scripts.py runs compute_once.py shrunk"),
+    "PYTHONPATH=$PWD python benchmarks/user_programs.py --styles equinox_gpt --rounds 5": Skip(
+        "a benchmark of minutes (a search with its whole-step candidates timed); tests/test_readme.py runs "
+        "user_programs.py shrunk through its documented command"),
+    "benchmarks/planner_scale.py --sizes 1024 4096 --a100 pcie --model 7B --schedule auto": Skip(
+        "plans 1024 and 4096 GPUs (about 15 s of CPU); tests/test_scripts.py runs planner_scale.py shrunk"),
+    "PYTHONPATH=$PWD python benchmarks/planner_measured.py --rounds 3": Skip(
+        "trains and times eight layouts (minutes); tests/test_scripts.py runs planner_measured.py shrunk"),
+    "PYTHONPATH=$PWD python benchmarks/planner_paper.py": Skip(
+        "plans every paper cluster (about a minute of CPU); tests/test_scripts.py runs planner_paper.py shrunk"),
+    'benchmarks/batching.py --steps 6 --tokens-per-step 8192 --max-seq-len 1024 --schemes /tmp/fits39.json '
+    '--uniform "[(1,1,2),(1,1,2),(1,1,2),(1,1,2)]" --no-proposed': Skip(
+        "the benchmark run of issue 39 with its own measured fits (tens of minutes on a loaded host); its CI-sized "
+        "form, `benchmarks/batching.py --quick`, runs"),
+    "benchmarks/compare.py --model moe --num-layers 2 --mesh 8 --iters 10 --override num_experts=16": Skip(
+        "a search with every candidate timed (17 min on a loaded host); tests/test_scripts.py runs compare.py "
+        "shrunk"),
     "cfp data schemes --model llama2 --max-seq-len 1024": Skip(
         "measures ten schemes' fits (2 min 36 s on an idle 2-core host); `cfp data schemes` runs above, shrunk to "
         "the cost model's estimate, and its measured path is tests/test_data_train.py's"),
@@ -219,8 +240,6 @@ INLINE: dict[str, Run | Skip] = {
     "benchmarks/batching.py --work-bound 512,1024,2048,4096 --steps 8 --tokens-per-step 16384": Run(
         "batching", (("benchmarks/", "python benchmarks/"),
                      ("512,1024,2048,4096 --steps 8 --tokens-per-step 16384", "256,512 --steps 2 --tokens-per-step 1024"))),
-    "cfp plan is the fsdp sharding ...: same sharding, no ratio": Skip(_OUTPUT),
-    "cfp plan vs the best other baseline within the budget (fsdp): 1.11x": Skip(_OUTPUT),
     "cfp plan --cluster examples/clusters/local.yaml --model moe --num-layers 4 --out m.json": Run(
         "plan_moe", (), ("m.json",)),
     "cfp train --layout m.json --steps 3 --verify": Run("plan_moe", (("--steps 3", "--steps 1"),)),

@@ -302,7 +302,7 @@ def test_valid_plans_round_trip(plan):
 
 
 BAD_PLAN = {
-    "version": [0, 4, "3", None, 2.5],
+    "version": [0, 5, "3", None, 2.5],
     "mesh_shape": [[], [0], [-2], ["2"], [True], None, 8],
     "axis_names": [["x0", "x0"], [1, 2], "x0"],
     "choice": [[-1], ["0"], [True], None, 3],
@@ -373,6 +373,7 @@ def _option_cases():
          [0, -1, True, "lots", "0GB", "2 parsecs", math.nan, math.inf, []]),
         (SearchOptions, {}, "shard_state", [True, False], [1, 0, "yes", None]),
         (SearchOptions, {}, "donate", [True, False], [1, "no", None]),
+        (SearchOptions, {}, "layouts", [True, False], [1, "no", None]),
         (ProfileOptions, {}, "iters", [3, 10], [2, 0, True, 3.0, None, math.inf]),
         (ProfileOptions, {}, "warmup", [0, 2], [-1, True, 1.0, 0.5, None]),
         (ProfileOptions, {}, "max_combinations", [1, 12], BAD_NUMBERS),
@@ -383,6 +384,8 @@ def _option_cases():
         (ProfileOptions, {}, "overlap_compile", [True, False], [1, "yes", None]),
         (ProfileOptions, {}, "progress", [True, False], [1, "no", None]),
         (PlannerOptions, {}, "global_batch_size", [1, 64], BAD_NUMBERS),
+        (PlannerOptions, {"global_batch_size": 8}, "recompute", ["auto", "none", "selective", "full"],
+         ["sometimes", None, 3, ""]),
         (PlannerOptions, {"global_batch_size": 8}, "micro_batch_sizes", [(1,), (1, 2, 4), [8, 2]],
          [(), (0,), (1, -2), 4, None, "12", (1.5,), (True,)]),
         (PlannerOptions, {"global_batch_size": 8}, "max_pipelines", [None, 1, 16], BAD_NUMBERS[:-4]),

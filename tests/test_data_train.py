@@ -134,15 +134,17 @@ def _check_priced_with_learned_factors(opts, data, cands, res) -> None:
 
 
 def _compiled_mib(cfg, params, s: int) -> float:
-    """Arguments + outputs + temporaries of one packed row's forward+backward (segment ids: the blocked
-    attention the runtime runs), compiled here from the model."""
+    """Arguments + outputs + temporaries of one packed row's backward (segment ids: the blocked attention the
+    runtime runs) as the runtime's default computes it once: a forward program keeps every residual (`jax.vjp`)
+    and the backward program takes them; compiled here from the model."""
     model = build_model(MODEL, cfg)
 
     def loss_sum(p, x, t, w, seg, pos):
         logits, _ = model.apply(p, x, segment_ids=seg, positions=pos)
         return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), t) * w)
     x, w = jax.ShapeDtypeStruct((1, s), jnp.int32), jax.ShapeDtypeStruct((1, s), jnp.float32)
-    m = jax.jit(jax.value_and_grad(loss_sum)).lower(params, x, x, w, x, x).compile().memory_analysis()
+    _, vjp_like = jax.eval_shape(lambda p, *b: jax.vjp(lambda q: loss_sum(q, *b), p), params, x, x, w, x, x)
+    m = jax.jit(lambda f: f(jnp.ones((), jnp.float32))).lower(vjp_like).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes) / 2 ** 20
 
 

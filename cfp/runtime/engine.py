@@ -454,7 +454,8 @@ class HeteroTrainer:
 
     def stage_memory(self, batch_like: Any) -> list:
         """Per-device bytes (`compiled_memory`: arguments + outputs + temporaries) of every local stage's backward
-        program (which recomputes its forward) on micro-batches shaped like ``batch_like``."""
+        program (its arguments hold the residuals its forward kept, under the stage's recompute policy) on
+        micro-batches shaped like ``batch_like``."""
         out = []
         for key in self._local:
             fn, args = self.compile_jobs(key, batch_like)[1]

@@ -22,6 +22,7 @@ from cfp.planner.options import PlannerOptions
 from cfp.planner.planner import PlannerResult, find_layout
 from cfp.profiling.options import ProfileOptions
 from cfp.profiling.table import ProfileTable
+from cfp.runtime.feed import Share, process_share
 from cfp.runtime.training import RunOptions, TrainOptions, TrainResult, run_training, train_pipelines
 from cfp.search.options import SearchOptions
 from cfp.search.plan import Plan, load_plan
@@ -39,7 +40,7 @@ __all__ = [
     # heterogeneous clusters: planner and training runtime
     "LayeredModel", "from_linen", "from_nnx", "from_equinox", "train_pipelines", "RunOptions",
     "Cluster", "parse_cluster", "PlannerOptions", "PlannerResult", "find_layout", "plan_layout", "Layout",
-    "TrainOptions", "TrainResult", "run_training",
+    "TrainOptions", "TrainResult", "run_training", "process_share", "Share",
     # errors
     "CfpError", "ConfigError", "PlanError", "CaptureError", "InfeasibleError",
 ]

@@ -217,8 +217,10 @@ def _check_gpus(space, longest: int, gpus: int, path: str) -> None:
 
 
 def run_train(args) -> int:
-    ensure_host_devices(8)
+    from cfp.runtime.launch import maybe_initialize_distributed
     patient_collectives()
+    maybe_initialize_distributed()  # before any device use: the job of `cfp launch` or the cluster's launcher
+    ensure_host_devices(8)
     import jax
 
     from cfp.data import train

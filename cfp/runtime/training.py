@@ -291,8 +291,9 @@ def train_user_model(user: Any, opts: RunOptions, log: Callable[..., None] = Non
     from cfp.runtime.feed import step_batches
     from cfp.runtime.verify import model_reference
     model, rows = user.model, opts.layout.global_batch
-    # checked before anything compiles; an iterator's batches kept for the replay of --verify only
-    batches = step_batches(user.batches, model).for_run(rows, replay=opts.verify)
+    # checked before anything compiles; an iterator's batches kept for the replay of --verify only; this
+    # process's share of each step placed at its rows (`cfp.runtime.feed.Share`)
+    batches = step_batches(user.batches, model).for_run(opts.layout, replay=opts.verify)
     job = _Job(model, user.optimizer, batches, _model_settings(model, rows),
                lambda: model_reference(model, user.optimizer),
                f"model {model.name}{'' if user.spec == model.name else ' from ' + user.spec} "

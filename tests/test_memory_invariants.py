@@ -10,10 +10,9 @@ really is:
   stage gathers every pipeline's gradient and updates for all; `StageProgram.fused_update`, the partition's
   per-unit update compiled as one program for memory figures), (1 + N) S + O; claimed exactly, to the update's
   scalar scale (4 bytes; 16 allowed). Only pipeline 0 holds optimizer state and runs the update; the other
-  pipelines hold the parameters and the accumulator and copy pipeline 0's new parameters. The planner prices
-  every pipeline's stage as pipeline 0's (it plans pipelines without knowing which comes first), so its figure
-  is compared with pipeline 0's stage of the same shape, and for the other pipelines checked to be that
-  figure, which exceeds what they hold by the optimizer state and the gathered gradients;
+  pipelines hold the parameters and the accumulator and copy pipeline 0's new parameters. The planner's figure
+  at a plain pipeline count is pipeline 0's (`Among`), compared here with pipeline 0's stage of the same
+  shape; the other pipelines' own figures are checked in tests/test_pipeline_memory.py;
 - the stored inputs: a stage keeps one input per micro-batch whose forward ran and whose backward has not; the
   count is read off the schedule's own action lists here, the input's bytes off the compiled argument; claimed
   exactly (a0 under GPipe less a0 under 1F1B is their difference in stored inputs times the input's bytes).

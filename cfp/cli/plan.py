@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
           f"{options.global_batch_size}; schedule {args.schedule}; recompute {args.recompute}")
     print(_table(cm, result.layout, est))
     from cfp.planner.schedule_choice import schedule_reports
+    from cfp.planner.step_features import Among
     reports = schedule_reports(cm, result.layout, est)
     print("\n".join(_schedule_lines(reports)))
     if stage_times is not None:
@@ -179,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         chosen = [r.chosen.spec for r in reports]
         n = len(result.layout.pipelines)     # each stage's policy under the schedule its pipeline was given
-        policies = tuple(tuple(e.recompute for e in cm.stage_estimates(pipe, n, spec))
-                         for pipe, spec in zip(result.layout.pipelines, chosen))
+        policies = tuple(tuple(e.recompute for e in cm.stage_estimates(pipe, Among(n, p == 0), spec))
+                         for p, (pipe, spec) in enumerate(zip(result.layout.pipelines, chosen)))
         lf = LayoutFile(model=args.model, config=args.config or "", overrides=overrides, schedule=chosen[0].name,
                         layout=result.layout, estimate=_estimate_dict(est, chosen), cluster=cluster.to_dict(),
                         schedules=tuple(str(s) for s in chosen), recompute=policies)

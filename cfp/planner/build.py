@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 
 from cfp.hardware.collectives import collective_time
 from cfp.layout import Layout, Pipeline, Stage
-from cfp.planner.costmodel import CostModel
+from cfp.planner.costmodel import CostModel, Places
+from cfp.planner.step_features import Among
 
 
 def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[Stage]:
@@ -29,7 +30,7 @@ def layer_time(cm: CostModel, st: Stage, mb: int) -> float:
 
 
 def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int,
-                 n_pipes: int) -> Optional[tuple[Stage, ...]]:
+                 n_pipes: Places) -> Optional[tuple[Stage, ...]]:
     """Layers per stage minimising the slowest stage (the head's time counted on the last; adding layers
     one at a time where the stage stays fastest is exact for this min-max) subject to each stage's
     memory; None when the model does not fit."""
@@ -71,7 +72,7 @@ def pipeline_terms(cm: CostModel, stages: Sequence[Stage], micro_batch: int) -> 
     return a, cm.pipeline_time(ests, 2) - a
 
 
-def max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes: int, limit: int) -> int:
+def max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes: Places, limit: int) -> int:
     """Most micro-batches (<= limit) the pipeline holds within memory under the cost model's base schedule:
     only what the stages keep between forward and backward grows with them (without bound under GPipe, up to a
     schedule's most in flight otherwise) and never falls, so the largest count whose every stage fits is found
@@ -85,7 +86,7 @@ def max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes
     return hit
 
 
-def _max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes: int, limit: int) -> int:
+def _max_chunks(cm: CostModel, stages: Sequence[Stage], micro_batch: int, n_pipes: Places, limit: int) -> int:
     caps = [cm.cluster.machines[st.machine].memory for st in stages]
 
     def fits(c: int) -> bool:
@@ -131,7 +132,7 @@ def orders_signature(cm: CostModel, orders: Sequence[Sequence[Stage]]) -> tuple:
 
 
 def best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
-                n_pipes: int, signature: Optional[tuple] = None) -> Optional[tuple[Stage, ...]]:
+                n_pipes: Places, signature: Optional[tuple] = None) -> Optional[tuple[Stage, ...]]:
     """The candidate stage order, with its layers split for `chunks` micro-batches, whose pipeline (and
     optimizer update) is fastest; None when no order fits. Memoised by the orders' signature
     (`orders_signature`): planning at scale builds many pipelines of like machines."""
@@ -154,7 +155,7 @@ def best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, mi
 
 
 def _search_orders(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
-                   n_pipes: int) -> Optional[tuple[int, tuple[Stage, ...]]]:
+                   n_pipes: Places) -> Optional[tuple[int, tuple[Stage, ...]]]:
     best, best_t = None, math.inf
     for i, stages in enumerate(orders):
         st = split_layers(cm, stages, chunks * micro_batch, chunks, n_pipes)
@@ -182,16 +183,17 @@ def build_layout(cm: CostModel, pipes: Sequence[Sequence[Sequence[Stage]]], glob
     total = global_batch // micro_batch
     guess = max(1, total // k)
     sigs = signatures or [orders_signature(cm, orders) for orders in pipes]
-    first = [best_order(cm, orders, guess, micro_batch, k, sig) for orders, sig in zip(pipes, sigs)]
+    places = [Among(k, p == 0) for p in range(k)]    # pipeline 0 holds the optimizer state (`Among`)
+    first = [best_order(cm, orders, guess, micro_batch, at, sig) for orders, sig, at in zip(pipes, sigs, places)]
     if any(st is None for st in first):
         return None
     chunks = allocate_chunks([pipeline_terms(cm, st, micro_batch) for st in first],
-                             [max_chunks(cm, st, micro_batch, k, total) for st in first], total)
+                             [max_chunks(cm, st, micro_batch, at, total) for st, at in zip(first, places)], total)
     if chunks is None:
         return None
     out = []
-    for orders, sig, c in zip(pipes, sigs, chunks):
-        st = best_order(cm, orders, c, micro_batch, k, sig)
+    for orders, sig, c, at in zip(pipes, sigs, chunks, places):
+        st = best_order(cm, orders, c, micro_batch, at, sig)
         if st is None:
             return None
         out.append(Pipeline(st, c * micro_batch, c))

@@ -43,13 +43,15 @@ from cfp.hardware.gpus import GpuSpec, Precision
 from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.cluster import Cluster
 from cfp.planner.measured import MeasuredStageTimes, StageShape
-from cfp.planner.step_features import CFP_RUNTIME, GradSync, StepFeatures, backward_passes, collective_sync_seconds
+from cfp.planner.step_features import (CFP_RUNTIME, Among, GradSync, StepFeatures, backward_passes,
+                                      collective_sync_seconds)
 from cfp.recompute import Recompute
 from cfp.schedules import formulas
 from cfp.schedules.registry import ScheduleName, ScheduleSpec, schedule_choices
 
 
 _MISSING = object()
+Places = "int | Among"      # a pipeline's place among the layout's pipelines (an int n: pipeline 0 of n)
 
 
 def _memo(fn):
@@ -130,8 +132,9 @@ class Estimate:
 class MemoryTerms(NamedTuple):
     """A stage's memory per device in bytes, (fixed, per layer) pairs: `s` parameters (as many gradient bytes
     in the accumulator, and per pipeline gathered at the sync), `a` the backward's working set, `o` the
-    optimizer state. A stage of n layers peaks at 2 S + O + max(A, G S) with S = s0 + n s1, O = o0 + n o1,
-    A = a0 + n a1 and G gathered gradient copies (`stage_memory`)."""
+    optimizer state (0 on the stages of pipelines other than 0, which hold none). A stage of n layers peaks at
+    2 S + O + max(A, G S) with S = s0 + n s1, O = o0 + n o1, A = a0 + n a1 and G parameter-sized copies
+    received after the backward (`stage_memory`, `StepFeatures.gathered_copies`)."""
     s0: float
     s1: float
     a0: float
@@ -313,7 +316,7 @@ class CostModel:
         return (3 * self._stage_bytes(m.param_bytes, st, first, last)
                 + 2 * self._stage_bytes(m.optimizer_bytes, st, first, last))
 
-    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None,
+    def memory_terms(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None,
                      policy: Recompute = None) -> MemoryTerms:
         """A stage's `MemoryTerms` (P pipelines) under ``spec`` (default: the base schedule) and recompute
         `policy` (default: the stage's, `stage_policy`), see `stage_memory`."""
@@ -323,7 +326,7 @@ class CostModel:
         return self._memory_terms(st.tp, idx == 0, idx == head, counts[idx], spec.v, pipe.micro_batch, n_pipes,
                                   policy)
 
-    def stage_policy(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None
+    def stage_policy(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None
                      ) -> Recompute:
         """The stage's recompute policy: the least recomputation among the features' policies whose peak fits its
         devices' memory (`auto`), else the leanest (the stage does not fit)."""
@@ -360,10 +363,10 @@ class CostModel:
 
     @_memo
     def _memory_terms(self, tp: int, first: bool, last: bool, stored: tuple[int, int], v: int, mb: int,
-                      n_pipes: int, policy: Recompute = Recompute.FULL) -> MemoryTerms:
+                      n_pipes: Places, policy: Recompute = Recompute.FULL) -> MemoryTerms:
         m = self.model
-        share = self.features.state_share(n_pipes)
-        ends = lambda fig: share * ((fig(Part.EMBED, tp) if first else 0.0) + (fig(Part.HEAD, tp) if last else 0.0))
+        share, opt = self.features.state_share(n_pipes), self.features.optimizer_share(n_pipes)
+        ends = lambda fig: (fig(Part.EMBED, tp) if first else 0.0) + (fig(Part.HEAD, tp) if last else 0.0)
         n_in, n_stash = stored
         # kept virtual-stage inputs (token ids only where the stage's one virtual stage is the first)
         inputs = n_in * mb * (m.token_bytes() if first and v == 1 else m.boundary_bytes())
@@ -377,20 +380,24 @@ class CostModel:
         kept = self.residual_bytes(tp, policy)
         a1 = mb * (m.layer_activation_bytes(tp) - kept + max(1.0, n_in / v) * kept
                    + n_stash / v * m.layer_weight_stash_bytes(tp))
-        return MemoryTerms(ends(m.param_bytes), share * m.param_bytes(Part.LAYER, tp), a0, a1,
-                           ends(m.optimizer_bytes), share * m.optimizer_bytes(Part.LAYER, tp))
+        # only what a pipeline's stages hold: the optimizer state on pipeline 0's alone (`Among`)
+        return MemoryTerms(share * ends(m.param_bytes), share * m.param_bytes(Part.LAYER, tp), a0, a1,
+                           opt * ends(m.optimizer_bytes), opt * m.optimizer_bytes(Part.LAYER, tp))
 
-    def pipeline_memory_floor(self, n_pipes: int, tps: tuple[int, ...]) -> float:
-        """Bytes the devices of one pipeline among `n_pipes` hold together at least, at any split into stages of
-        TP degrees `tps`: every stage's peak (`stage_memory`) is at least its parameters, accumulator, optimizer
-        state and the gathered gradient copies, and a stage of TP t holds at least 1/t of its layers' figures per
-        device, so the pipeline's devices hold the whole model's (at its least over `tps`) that many times."""
-        m, share, g = self.model, self.features.state_share(n_pipes), self.features.gathered_copies(n_pipes)
+    def pipeline_memory_floor(self, n_pipes, tps: tuple[int, ...]) -> float:
+        """Bytes the devices of one pipeline at `n_pipes` (an `Among`; an int: pipeline 0) hold together at
+        least, at any split into stages of TP degrees `tps`: every stage's peak (`stage_memory`) is at least its
+        parameters, accumulator, optimizer state and the copies received after the backward, and a stage of TP t
+        holds at least 1/t of its layers' figures per device, so the pipeline's devices hold the whole model's
+        (at its least over `tps`) that many times."""
+        m, f = self.model, self.features
+        g = f.gathered_copies(n_pipes)
         least = lambda fig: min(t * (m.num_layers * fig(Part.LAYER, t) + fig(Part.EMBED, t) + fig(Part.HEAD, t))
                                 for t in tps)
-        return share * ((2 + g) * least(m.param_bytes) + least(m.optimizer_bytes))
+        return f.state_share(n_pipes) * (2 + g) * least(m.param_bytes) + f.optimizer_share(n_pipes) * least(
+            m.optimizer_bytes)
 
-    def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None) -> int:
+    def layer_capacity(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None) -> int:
         """Most layers stage `idx` holds within its devices' memory (both terms of the peak are linear in
         the number of layers)."""
         cap = self.cluster.machines[st.machine].memory
@@ -401,7 +408,7 @@ class CostModel:
         n2 = (cap - (2 + g) * t.s0 - t.o0) / ((2 + g) * t.s1 + t.o1)
         return int(math.floor(min(n1, n2) * (1 + 1e-12)))
 
-    def layer_capacities(self, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None) -> Iterator[int]:
+    def layer_capacities(self, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None) -> Iterator[int]:
         """`layer_capacity` of every stage of `pipe` in order, lazily (a caller may stop at a stage that cannot
         hold a layer), memoised on what it depends on (planning at scale asks ~10^6 times, hence the flat loop)."""
         spec = spec or self.spec
@@ -416,24 +423,26 @@ class CostModel:
                 cap = memo[key] = self.layer_capacity(st, i, pipe, n_pipes, spec)
             yield cap
 
-    def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None,
+    def stage_memory(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None,
                      policy: Recompute = None) -> float:
-        """Peak bytes per device: params + optimizer state + gradient accumulator, plus the larger of the
+        """Peak bytes per device of stage `idx` of a pipeline at `n_pipes` (`Among`: pipeline 0 or another):
+        params + gradient accumulator (+ optimizer state on pipeline 0's stages only), plus the larger of the
         backward's working set (kept inputs, their residuals and W stashes + one micro-batch's stage activations
-        and transients) and the gradients received from the other pipelines at the update; under `policy`
-        (default: the stage's, `stage_policy`)."""
+        and transients) and what arrives after it (on pipeline 0 the other pipelines' gradients, on the others
+        pipeline 0's new parameters: `StepFeatures.gathered_copies`); under `policy` (default: the stage's,
+        `stage_policy`)."""
         t = self.memory_terms(st, idx, pipe, n_pipes, spec, policy)
         n = st.layers
         return t.state(n) + max(t.a0 + n * t.a1, self.features.gathered_copies(n_pipes) * (t.s0 + n * t.s1))
 
-    def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
+    def stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: Places,
                        nxt: Stage | None, spec: ScheduleSpec = None) -> StageEstimate:
         """Memoised on what the figures depend on (`_cached_stage`: not on which devices of the machine)."""
         spec = spec or self.spec
         head, stored = self.placed(len(pipe.stages), pipe.chunks, spec)
         return self._cached_stage(st, idx, pipe, (idx == head, stored[idx], spec), n_pipes, nxt)
 
-    def stage_estimates(self, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec = None
+    def stage_estimates(self, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None
                         ) -> tuple[StageEstimate, ...]:
         """`stage_estimate` of every stage of `pipe` under ``spec`` (default: the base schedule)."""
         spec = spec or self.spec
@@ -443,7 +452,7 @@ class CostModel:
         return tuple(self._cached_stage(s, i, pipe, (i == head, stored[i], spec), n_pipes,
                                         st[i + 1] if i + 1 < n else None) for i, s in enumerate(st))
 
-    def _cached_stage(self, st: Stage, idx: int, pipe: Pipeline, place: tuple, n_pipes: int,
+    def _cached_stage(self, st: Stage, idx: int, pipe: Pipeline, place: tuple, n_pipes: Places,
                       nxt: Stage | None) -> StageEstimate:
         """`_stage_estimate` memoised on what its figures depend on: the machine's spec, TP degree, layers,
         place (first, holding the head, kept inputs and stashes, schedule), micro-batch, pipelines and the link to
@@ -466,7 +475,7 @@ class CostModel:
                 recompute=policy)
         return e
 
-    def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: int,
+    def _stage_estimate(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: Places,
                         nxt: Stage | None, last: bool, policy: Recompute) -> StageEstimate:
         """The stage's figures under recompute `policy` but its memory (left 0: `_cached_stage` adds it per
         schedule)."""
@@ -539,7 +548,7 @@ class CostModel:
         return ([s.fwd + x for s, x in zip(stages, sends)], [s.bwd - s.wgrad + x for s, x in zip(stages, sends)],
                 [s.wgrad for s in stages])
 
-    def _pipeline(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
+    def _pipeline(self, pipe: Pipeline, n_pipes: Places) -> _PipelineFigures:
         """Memoised figures of one pipeline among `n_pipes` (refinement re-estimates layouts that differ
         in one or two pipelines)."""
         key = (pipe, n_pipes)
@@ -548,7 +557,7 @@ class CostModel:
             figs = self._figs_memo[key] = self._pipeline_figures(pipe, n_pipes)
         return figs
 
-    def _priced(self, pipe: Pipeline, n_pipes: int) -> tuple:
+    def _priced(self, pipe: Pipeline, n_pipes: Places) -> tuple:
         """(schedule, stage estimates, seconds, every schedule's (spec, seconds, fits)) of the fastest schedule
         whose stages fit, else the base one; memoised on the pipeline's shape -- per stage its machine's spec, TP
         degree, layers and link to the next -- which is all they depend on (pipelines of like machines, e.g. the
@@ -570,7 +579,7 @@ class CostModel:
         hit = self._pipe_memo[key] = (best[0], best[1], best[2], tuple(options))
         return hit
 
-    def _pipeline_figures(self, pipe: Pipeline, n_pipes: int) -> _PipelineFigures:
+    def _pipeline_figures(self, pipe: Pipeline, n_pipes: Places) -> _PipelineFigures:
         spec, ests, time, options = self._priced(pipe, n_pipes)
         ms = self.cluster.machines
         shape = self._shape_figures(pipe, ests)
@@ -720,8 +729,8 @@ class CostModel:
         return max(worst, *_host_sums(f.host_busy for f in figs))
 
     def _figures(self, layout: Layout) -> list[_PipelineFigures]:
-        n = len(layout.pipelines)
-        return [self._pipeline(p, n) for p in layout.pipelines]
+        n = len(layout.pipelines)      # pipeline 0 holds the optimizer state and updates for all (`Among`)
+        return [self._pipeline(p, Among(n, i == 0)) for i, p in enumerate(layout.pipelines)]
 
     def estimate(self, layout: Layout) -> Estimate:
         figs = self._figures(layout)      # once: dp, update and compute time read the same figures

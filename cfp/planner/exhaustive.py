@@ -21,6 +21,7 @@ from cfp.planner.build import allocate_chunks, max_chunks, pipeline_terms
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.metis import size_cuts, size_orders
 from cfp.planner.options import PlannerOptions
+from cfp.planner.step_features import Among
 
 MAX_DEVICES = 16
 
@@ -87,7 +88,7 @@ def _machine_groups(cl, cuts: Sequence[tuple[int, ...]]) -> list[list[int]]:
     return out
 
 
-def _layer_splits(cm: CostModel, stages: tuple[Stage, ...], batch: int, chunks: int, k: int):
+def _layer_splits(cm: CostModel, stages: tuple[Stage, ...], batch: int, chunks: int, k: "int | Among"):
     L = cm.model.num_layers
     for comp in compositions(L, len(stages), [L] * len(stages)):
         st = tuple(Stage(s.devices, n, s.machine) for s, n in zip(stages, comp))
@@ -95,6 +96,25 @@ def _layer_splits(cm: CostModel, stages: tuple[Stage, ...], batch: int, chunks: 
         if all(cm.stage_memory(s, i, pipe, k) <= cm.cluster.machines[s.machine].memory
                for i, s in enumerate(st)):
             yield pipe
+
+
+def _placed_options(cm: CostModel, blocks: list, pipes_blocks: list, mb: int, total: int, memo: dict
+                    ) -> Iterator[list[list]]:
+    """Per choice of the block that is pipeline 0 (which alone holds the optimizer state, `Among`; one per
+    distinct block), per pipeline in layout order its (stages, time terms, micro-batch cap) of every order and
+    layer split that fits at its place (`memo`: by block and place)."""
+    k = len(blocks)
+    owners = [j for j, b in enumerate(blocks) if b not in blocks[:j]]
+    for o in owners:
+        order = [o] + [j for j in range(k) if j != o]
+        per_pipe = []
+        for p, j in enumerate(order):
+            at = Among(k, p == 0)
+            if (j, at) not in memo:
+                memo[j, at] = [(q.stages, pipeline_terms(cm, q.stages, mb), max_chunks(cm, q.stages, mb, at, total))
+                               for od in _pipeline_orders(pipes_blocks[j]) for q in _layer_splits(cm, od, mb, 1, at)]
+            per_pipe.append(memo[j, at])
+        yield per_pipe
 
 
 def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_000
@@ -126,11 +146,8 @@ def exhaustive_layout(cm: CostModel, options: PlannerOptions, limit: int = 200_0
                 if G % mb or G // mb < k:
                     continue
                 total = G // mb
-                # per pipeline: (stages, time terms, micro-batch cap) of every order and layer split
-                per_pipe = [[(p.stages, pipeline_terms(cm, p.stages, mb), max_chunks(cm, p.stages, mb, k, total))
-                             for order in _pipeline_orders(pb) for p in _layer_splits(cm, order, mb, 1, k)]
-                            for pb in pipes_blocks]
-                for combo in itertools.product(*per_pipe):
+                placed = _placed_options(cm, blocks, pipes_blocks, mb, total, {})
+                for combo in itertools.chain.from_iterable(itertools.product(*pp) for pp in placed):
                     count += 1
                     if count > limit:
                         raise InfeasibleError(f"exhaustive search passed {limit} layouts; use a "

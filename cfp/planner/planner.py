@@ -33,6 +33,7 @@ from cfp.planner.metis import (balanced_stages, cluster_graph, machine_groups, p
                                split_pipelines, split_stages, stage_orders)
 from cfp.planner.options import PlannerOptions
 from cfp.planner.refine import refine
+from cfp.planner.step_features import Among
 
 METIS_MAX_EDGES = 1_000_000   # phase 1's device graph beyond this: the equal-share cut alone (module docstring)
 
@@ -125,17 +126,24 @@ class _Search:
         return self._phase2[key]
 
     def holds_model(self, k: int, groups: list[list[int]]) -> bool:
-        """Whether each of the `k` device groups holds `CostModel.pipeline_memory_floor` (a pipeline that cannot
-        fits no split into stages: the count's layouts need not be built)."""
-        floor = self.cm.pipeline_memory_floor(k, self.tps)
+        """Whether each of the `k` device groups (pipeline 0's first) holds `CostModel.pipeline_memory_floor` at
+        its place (a pipeline that cannot fits no split into stages: the count's layouts need not be built)."""
         mem = self.cm.cluster.devices
-        return all(sum(mem[d].memory for d in g) >= floor for g in groups)
+        floors = [self.cm.pipeline_memory_floor(Among(k, p == 0), self.tps) for p in range(min(k, 2))]
+        return all(sum(mem[d].memory for d in g) >= floors[min(p, 1)] for p, g in enumerate(groups))
+
+    def pipeline_zero_first(self, groups: list[list[int]]) -> list[list[int]]:
+        """The groups with the one of most device memory first (the first stable among equals): pipeline 0 also
+        holds the optimizer state (`Among`), so it goes where the most memory is."""
+        mem = self.cm.cluster.devices
+        most = max(range(len(groups)), key=lambda p: (sum(mem[d].memory for d in groups[p]), -p))
+        return [groups[most]] + groups[:most] + groups[most + 1:]
 
     def evaluate(self, k: int, tp: dict[str, int], metis: bool = False, by_type: bool = False
                  ) -> tuple[Optional[Layout], float]:
         cl = self.cm.cluster
         tp_of = lambda m: tp[cl.machines[m].gpu.name]
-        groups = self.pipelines(k, by_type)
+        groups = self.pipeline_zero_first(self.pipelines(k, by_type))
         if (k, by_type) not in self._holds:
             self._holds[k, by_type] = self.holds_model(len(groups), groups)
         if not self._holds[k, by_type]:
@@ -296,10 +304,11 @@ def _find_layout(cluster: Cluster, config, options: PlannerOptions,
     cm = CostModel(config, cluster, options.schedule, options.stage_times, options.features)
     search = _Search(cm, options)
     choices = tp_choices(cluster, cm.model.tp_divisor)
-    # a count whose average pipeline cannot hold the model has a pipeline that cannot (`holds_model`)
+    # a count whose pipelines together cannot hold their floors has a pipeline that cannot (`holds_model`)
     total = sum(d.memory for d in cluster.devices)
+    floor = lambda k, updates: cm.pipeline_memory_floor(Among(k, updates), search.tps)
     ks = [k for k in pipeline_counts(cluster, options, cm.model.num_layers)
-          if cm.pipeline_memory_floor(k, search.tps) <= total / k]
+          if floor(k, True) + (k - 1) * floor(k, False) <= total]
     found: list[_Candidate] = []     # the best TP map per pipeline count
     others: list[_Candidate] = []    # the TP maps that lost
     shares: list[_Candidate] = []   # the best TP map per count on the equal-share cut where METIS' fits none

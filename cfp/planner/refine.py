@@ -28,6 +28,7 @@ from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.build import allocate_chunks, best_order, max_chunks, pipeline_terms, split_layers
 from cfp.planner.costmodel import CostModel, Estimate
 from cfp.planner.metis import size_cuts, size_orders
+from cfp.planner.step_features import Among
 
 _SHIFTS = (1, 2, 3, 4, 8, 16, 32, 64)
 _EPS = 1e-9
@@ -64,7 +65,7 @@ class _Budget:
             lay = self._rebuilds[key] = _rebuild(self, pipes, changed, global_batch, mb)
         return lay
 
-    def terms(self, stages: tuple[Stage, ...], mb: int, k: int, total: int) -> tuple[tuple, int]:
+    def terms(self, stages: tuple[Stage, ...], mb: int, k: "int | Among", total: int) -> tuple[tuple, int]:
         """A pipeline's time terms and micro-batch cap (memoised: rebuilds repeat unchanged pipelines)."""
         key = (stages, mb, k, total)
         terms = self._terms.get(key)
@@ -189,16 +190,17 @@ def _rebuild(bud: _Budget, pipes: Sequence[Sequence[Stage]], changed: set[int], 
         return None
     guess = max(1, total // k)
     stages = []
+    places = [Among(k, p == 0) for p in range(k)]    # pipeline 0 holds the optimizer state (`Among`)
     for p, st in enumerate(pipes):
         if p in changed:
             orders = _head_orders(st)
-            st = (split_layers(cm, st, guess * mb, guess, k) if len(orders) == 1
-                  else best_order(cm, orders, guess, mb, k))
+            st = (split_layers(cm, st, guess * mb, guess, places[p]) if len(orders) == 1
+                  else best_order(cm, orders, guess, mb, places[p]))
             if st is None:
                 return None
         stages.append(tuple(st))
-    chunks = allocate_chunks([bud.terms(st, mb, k, total)[0] for st in stages],
-                             [bud.terms(st, mb, k, total)[1] for st in stages], total)
+    terms = [bud.terms(st, mb, at, total) for st, at in zip(stages, places)]
+    chunks = allocate_chunks([t[0] for t in terms], [t[1] for t in terms], total)
     if chunks is None:
         return None
     return Layout.unchecked(tuple(Pipeline(st, c * mb, c) for st, c in zip(stages, chunks)))

@@ -16,6 +16,7 @@ from typing import Optional
 
 from cfp.layout import Layout, Pipeline
 from cfp.planner.costmodel import CostModel, Estimate
+from cfp.planner.step_features import Among
 from cfp.schedules.actions import KeptBytes, ScheduleTable, peak_kept, vstage_layers
 from cfp.schedules.registry import ScheduleSpec
 from cfp.schedules.simulate import ActionCosts, Simulation
@@ -79,7 +80,7 @@ class ScheduleReport:
         return head + (f"; {', '.join(others)}" if others else "") + f"; chosen: {why}"
 
 
-def kept_bytes(cm: CostModel, pipe: Pipeline, spec: ScheduleSpec, n_pipes: int = 1) -> KeptBytes:
+def kept_bytes(cm: CostModel, pipe: Pipeline, spec: ScheduleSpec, n_pipes: "int | Among" = 1) -> KeptBytes:
     """Per virtual stage, the bytes one micro-batch keeps: its input (token ids for the first) and its layers'
     residuals under its stage's recompute policy (`CostModel.stage_policy`, `residual_bytes`) from F to B, and
     what its W needs (its layers' parameter dots' inputs and output gradients) from B to W."""
@@ -94,7 +95,7 @@ def kept_bytes(cm: CostModel, pipe: Pipeline, spec: ScheduleSpec, n_pipes: int =
     return KeptBytes(inputs, weight)
 
 
-def memory_limit(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec) -> tuple[float, ...]:
+def memory_limit(cm: CostModel, pipe: Pipeline, n_pipes: "int | Among", spec: ScheduleSpec) -> tuple[float, ...]:
     """Per stage, the bytes left for kept inputs and W stashes: its device memory less everything else the cost
     model counts at its peak (parameters, optimizer state, gradients, the backward's working set, the head's
     logits); what the schedule's pattern keeps (`Schedule.counts`) fits in it whenever the stage fits."""
@@ -115,7 +116,7 @@ def memory_limit(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec
     return tuple(out)
 
 
-def action_costs(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec) -> ActionCosts:
+def action_costs(cm: CostModel, pipe: Pipeline, n_pipes: "int | Among", spec: ScheduleSpec) -> ActionCosts:
     """Per virtual stage, F, B and W seconds: its stage's (`CostModel.action_seconds`, sends included) shared
     among the stage's virtual stages by their layers (the embedding and the head counted as one layer each)."""
     ests = cm.stage_estimates(pipe, n_pipes, spec)
@@ -140,14 +141,14 @@ def schedule_reports(cm: CostModel, layout: Layout, est: Estimate) -> list[Sched
     n = len(layout.pipelines)
     for p, (pipe, options) in enumerate(zip(layout.pipelines, est.schedule_options)):
         key = (tuple((cm.kind[s.machine], s.tp, s.layers) for s in pipe.stages), pipe.micro_batch, pipe.chunks,
-               est.stages[p], options)
+               est.stages[p], options, p == 0)
         if key not in seen:
             best = min([t for _, t, ok in options if ok], default=0.0)
             near = [spec for spec, t, ok in options if ok and t <= SIMULATED_WITHIN * best]
             size = sum(pipe.num_stages * s.v * pipe.chunks * (3 if s.entry.split else 2) for s in near)
             simulate_all = spent + size <= MAX_SIMULATED_ACTIONS
             spent += size if simulate_all else 0
-            seen[key] = [_candidate(cm, pipe, n, spec, t, ok, simulate_it=simulate_all and spec in near)
+            seen[key] = [_candidate(cm, pipe, Among(n, p == 0), spec, t, ok, simulate_it=simulate_all and spec in near)
                          for spec, t, ok in options]
         cands = seen[key]
         sims = [c for c in cands if c.simulation is not None]
@@ -159,7 +160,7 @@ def schedule_reports(cm: CostModel, layout: Layout, est: Estimate) -> list[Sched
     return out
 
 
-def _candidate(cm: CostModel, pipe: Pipeline, n_pipes: int, spec: ScheduleSpec, formula: float, fits: bool,
+def _candidate(cm: CostModel, pipe: Pipeline, n_pipes: "int | Among", spec: ScheduleSpec, formula: float, fits: bool,
                simulate_it: bool) -> Candidate:
     if not simulate_it:
         return Candidate(spec, formula, fits)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cfp.errors import ConfigError
 from cfp.hardware.collectives import collective_time
@@ -24,6 +25,20 @@ class GradSync(str, enum.Enum):
     SHARDED = "sharded"        # FSDP / ZeRO-3: parameters and optimizer state sharded across the pipelines;
     #                            per micro-batch an all-gather of the parameters in the forward and again in
     #                            the backward, per step a reduce-scatter of the gradients
+
+
+class Among(NamedTuple):
+    """A pipeline's place in a layout of `n` pipelines: `updates` for pipeline 0, which under cfp's gather sync
+    alone sums every pipeline's gradients, holds the optimizer state and runs the update; the others hold their
+    parameters and accumulator and take pipeline 0's new parameters (`cfp.runtime.engine`). Where a count is
+    given as a plain int it is pipeline 0's place (`among`)."""
+    n: int
+    updates: bool = True
+
+
+def among(n_pipes: "int | Among") -> Among:
+    """`n_pipes` as an `Among` (an int: pipeline 0 among that many)."""
+    return n_pipes if isinstance(n_pipes, Among) else Among(int(n_pipes))
 
 
 def _enum(cls, value, what):
@@ -57,13 +72,26 @@ class StepFeatures:
         """The policies a stage may be priced with, least recomputation first (AUTO: the first that fits)."""
         return POLICIES if self.recompute is Recompute.AUTO else (self.recompute,)
 
-    def state_share(self, n_pipes: int) -> float:
-        """Share of a stage's parameters and optimizer state each device holds."""
-        return 1.0 / n_pipes if self.grad_sync is GradSync.SHARDED else 1.0
+    def state_share(self, n_pipes: "int | Among") -> float:
+        """Share of a stage's parameters (and, where it holds it, optimizer state) each device holds."""
+        return 1.0 / among(n_pipes).n if self.grad_sync is GradSync.SHARDED else 1.0
 
-    def gathered_copies(self, n_pipes: int) -> int:
-        """Parameter-sized gradient buffers received from the other pipelines at the sync."""
-        return n_pipes - 1 if self.grad_sync is GradSync.GATHER else 0
+    def optimizer_share(self, n_pipes: "int | Among") -> float:
+        """Share of a stage's optimizer state each device of a pipeline at `n_pipes` holds: under the gather
+        sync only pipeline 0's stages hold it (none on the others), else every pipeline its `state_share`."""
+        place = among(n_pipes)
+        if self.grad_sync is GradSync.GATHER and not place.updates and place.n > 1:
+            return 0.0
+        return self.state_share(place)
+
+    def gathered_copies(self, n_pipes: "int | Among") -> int:
+        """Parameter-sized buffers a stage receives after its backward beside its parameters and accumulator:
+        under the gather sync pipeline 0's stages the other pipelines' gradients (n - 1), the others' pipeline
+        0's new parameters (1, `cfp.runtime.executor.broadcast_params`); 0 under the other syncs."""
+        place = among(n_pipes)
+        if self.grad_sync is not GradSync.GATHER or place.n == 1:
+            return 0
+        return place.n - 1 if place.updates else 1
 
     def step_seconds(self, compute: float, sync: float, update: float) -> float:
         return (max(compute, sync) if self.overlap_grad_sync else compute + sync) + update

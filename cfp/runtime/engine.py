@@ -18,7 +18,8 @@ in pipeline order, cut into each pipeline's ``chunks`` micro-batches) or, per pi
    stage's part, on the summed gradient scaled by ``1 / sum(weight)``; then every other pipeline's stages get
    the new parameters from pipeline 0's (``executor.broadcast_params``), so all pipelines hold the same bits
    whatever their stage boundaries and TP degrees, and only pipeline 0 holds optimizer state. A NaN or Inf in
-   the loss, a summed gradient or a new parameter raises ``NumericalError`` naming the step and the leaf.
+   the loss or a new parameter raises ``NumericalError`` naming the step and the leaf (its gradient's, when that
+   is not finite; a non-finite gradient the optimizer rejects, e.g. ``optax.apply_if_finite``, is no error).
 
 ``set_layout`` switches the layout between steps (e.g. to another data mix's, `cfp.data`): the state is gathered
 and placed on the new layout's stages (a copy, bit-exact). Per-action start/end times are measured by ``timing.StepClock``.
@@ -506,10 +507,12 @@ class HeteroTrainer:
         return out
 
     def _check_finite(self, flags: dict) -> None:
-        """Raise NumericalError naming the first stage leaf whose gradient or new value is not finite."""
+        """Raise NumericalError naming the first stage leaf whose gradient or new value is not finite, when a new
+        value is not: a non-finite gradient the user's optimizer rejected (``optax.apply_if_finite``,
+        ``MultiSteps``' ``skip_not_finite``, ``zero_nans``) leaves the parameters finite, as on one device."""
         for key in sorted(flags):
             ok = np.asarray(flags[key])
-            if ok.all():
+            if ok[1].all():
                 continue
             st = self.programs[key].stage
             names = [_global_name(jax.tree_util.keystr(p), st.layer_start, self.model.stacked) for p, _ in

@@ -128,11 +128,13 @@ def test_a_per_step_batch_is_the_global_batch_or_this_processs_share(monkeypatch
 
 
 @pytest.mark.parametrize("argv", [
-    ["train", "--model", "llama2", "--num-layers", "2", "--hetero-configs", "[[1,1]]"],
-    ["data", "train", "--model", "llama2", "--input", "stdlib", "--steps", "1", "--mixes", "[[(1,1,1)]]"]])
+    ["train", "--model", "llama2", "--num-layers", "2", "--hetero-configs", "[[1,1]]", "--data", "files",
+     "--data-path", "missing.txt"],
+    ["data", "train", "--model", "llama2", "--input", "missing.jsonl", "--steps", "1", "--mixes", "[[(1,1,1)]]"]])
 def test_cfp_train_and_data_train_join_the_job_through_one_function(monkeypatch, argv, tmp_path):
     """Both entry points call `maybe_initialize_distributed` (the one join: `cfp launch`'s CFP_* variables, else the
-    cluster launcher's) before their work: here it stops them, so nothing else ran."""
+    cluster launcher's) before their work: here it stops them, so nothing else ran (their input, missing, would
+    fail at once after it)."""
     import cfp.runtime.launch as launch
     from cfp.cli.main import main
 

@@ -160,3 +160,50 @@ def test_launcher_trains_verifies_fails_cleanly_and_resumes(launcher, tmp_path):
     assert sorted(losses) == list(range(saved + 1, REFERENCE_STEPS + 1))
     assert re.search(rf"resumed from \S+ step {saved}\b", resumed.stdout), resumed.stdout[-2000:]
     assert losses == {k: reference[k] for k in losses}
+
+
+def _data_mix(tmp_path) -> str:
+    """A mix JSON of three pipelines on the job's 8 devices: (1,2,1) on 0-1, (1,2,2) on 2-5 (its stages on either
+    process), (1,2,1) on 6-7; their fits from the cost model (`cfp data schemes --gpu`: nothing measured)."""
+    import json
+
+    from cfp.cli.main import main
+    space = tmp_path / "space.json"
+    assert main(["data", "schemes", "--model", "llama2", "--config", "tiny", "--gpu", "A100-SXM-80G",
+                 "--max-devices", "8", "--max-seq-len", "128", "--out", str(space)]) == 0
+    fits = {(s["cp"], s["tp"], s["pp"]): s for s in json.loads(space.read_text())["schemes"]}
+    keys = ("cp", "tp", "pp", "a", "b", "c", "max_len", "form")
+    group = lambda shape: {"scheme": {k: fits[shape][k] for k in keys}, "pipelines": 1, "min_len": 0, "max_len": 127}
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"estimated_step_s": 1e-6, "devices": 8,
+                               "groups": [group((1, 2, 1)), group((1, 2, 2)), group((1, 2, 1))]}))
+    return str(mix)
+
+
+def test_launcher_runs_cfp_data_train_as_one_job(launcher, tmp_path):
+    """`cfp data train` joins the launcher's job as `cfp train` does (maybe_initialize_distributed): a mix on 8
+    devices that neither 4-device process could run alone trains as one job of 2 processes and verifies against
+    one device (each sequence alone), both processes reporting the same losses."""
+    name, command, _, _ = launcher
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rng = __import__("numpy").random.default_rng(0)
+    for i, n in enumerate((30, 60, 90, 120, 45, 70, 20, 100, 80, 50)):
+        (docs / f"{i}.txt").write_text("".join(chr(c) for c in rng.integers(97, 123, n)))
+    argv = ["data", "train", "--model", "llama2", "--config", "tiny", "--input", str(docs), "--max-seq-len", "128",
+            "--tokens-per-step", "400", "--steps", "2", "--mixes", _data_mix(tmp_path), "--verify"]
+    tag = uuid.uuid4().hex
+    # no rank is killed here: JAX's default-like heartbeat, so a loaded host's slow rank is not taken for dead
+    ranks_env = dict(_env(tag), CFP_HEARTBEAT_TIMEOUT="60")
+    env = dict(os.environ, **ranks_env)
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run(command(ranks_env) + CFP + argv, env=env, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "one job of 2 processes x 4 devices, joined through" in out, out[-3000:]
+    losses = re.findall(r"^step (\d): mix 0 \S.* loss ([0-9.]+) ", r.stdout, re.M)
+    per_step: dict = {}
+    for step, loss in losses:
+        per_step.setdefault(step, []).append(loss)
+    assert sorted(per_step) == ["1", "2"] and all(len(v) == 2 and len(set(v)) == 1 for v in per_step.values()), losses
+    assert len(re.findall(r"verify: max relative error \S+ over 2 steps \(ok", r.stdout)) == 2, out[-3000:]

@@ -1,5 +1,7 @@
 """Measure this machine's simulated XLA:CPU devices for the `cpu` entry of the device catalog
-(`cfp.hardware.gpus`, read from `cfp/hardware/cpu_calibration.py`, which `--write` rewrites).
+(`cfp.hardware.gpus`, read from `cfp/hardware/cpu_calibration.py`, which `--write` rewrites: the documented
+fallback of the host entry `cfp plan` measures and caches itself, `cfp.hardware.host_entry`). The measurement is
+`cfp.hardware.host_measure`'s at its full size (the host entry's first use runs its quick size).
 
 Every kernel is timed by the CPU time of all the process's threads (`time.process_time`), not wall time: the
 devices share the host's cores and one intra-op thread pool (one device's GEMM spreads over every core), so
@@ -26,194 +28,22 @@ Medians of `--repeats` runs. Prints the figures (measured), the fits and the cat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
-import statistics
 import sys
 import textwrap
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from cfp.hardware import host_measure as hm  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cfp", "hardware", "cpu_calibration.py")
-# (m, n, k): the projections of Llama-2/GPT "small" (hidden 256, FFN 688/1024) at 2 and 8 sequences of 128 tokens
-# and TP 1-8, and thin ones; attention einsums come as batched (b, m, n, k)
-GEMMS = ((256, 256, 256), (256, 688, 256), (256, 256, 688), (256, 64, 256), (256, 32, 256), (256, 256, 64),
-         (1024, 256, 256), (1024, 688, 256), (1024, 256, 688), (1024, 64, 256), (1024, 32, 256),
-         (1024, 2048, 256), (512, 512, 512), (128, 128, 128), (2048, 256, 256))
-BATCHED = ((16, 128, 128, 32), (16, 128, 32, 128), (64, 128, 128, 32))
-STAGE_MICRO_BATCHES = (1, 2, 3, 4, 5, 6, 8)
-
-
-def cpu_seconds(fn, args, repeats: int) -> float:
-    """Median CPU seconds (all threads) of `fn(*args)` after a warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        c0 = time.process_time()
-        jax.block_until_ready(fn(*args))
-        times.append(time.process_time() - c0)
-    return statistics.median(times)
-
-
-def _on(device, shape):
-    return jax.device_put(np.random.default_rng(0).standard_normal(shape).astype(np.float32), device)
-
-
-def gemm_points(repeats: int) -> list[tuple[tuple[float, float, float], float]]:
-    """((m, n, k), FLOPs per CPU second) of each shape in GEMMS and BATCHED, on device 0."""
-    dev, out = jax.devices()[0], []
-    mm = jax.jit(lambda a, b: a @ b)
-    for m, n, k in GEMMS:
-        t = cpu_seconds(mm, (_on(dev, (m, k)), _on(dev, (k, n))), repeats)
-        out.append(((m, n, k), 2 * m * n * k / t))
-    bmm = jax.jit(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))
-    for b, m, n, k in BATCHED:
-        t = cpu_seconds(bmm, (_on(dev, (b, m, k)), _on(dev, (b, k, n))), repeats)
-        out.append(((m, n, k), 2 * b * m * n * k / t))
-    return out
-
-
-def fit_gemm(points) -> tuple[float, float]:
-    """(large-GEMM FLOPs per CPU second R, half dimension H) of rate = R prod(d / (d + H)): least squares in
-    log space, H on a grid (R is then the geometric mean)."""
-    shapes = np.array([s for s, _ in points], float)
-    log_rate = np.log([r for _, r in points])
-    best = None
-    for h in np.arange(0.0, 256.5, 0.5):
-        curve = np.log(shapes / (shapes + h)).sum(axis=1)
-        log_r = float(np.mean(log_rate - curve))
-        err = float(np.sum((log_rate - curve - log_r) ** 2))
-        if best is None or err < best[0]:
-            best = (err, float(np.exp(log_r)), float(h))
-    return best[1], best[2]
-
-
-def memory_rate(repeats: int) -> float:
-    """Bytes read + written per CPU second of `x * a + b` in float32, all devices at once (smaller of 1, 4 MiB
-    per device)."""
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    k = mesh.devices.size
-    f = jax.jit(lambda x: x * 1.0001 + 0.5)
-    rates = []
-    for elements in (1 << 18, 1 << 20):
-        x = jax.device_put(np.ones((k, elements), np.float32), NamedSharding(mesh, P("d")))
-        rates.append(2 * 4 * elements * k / cpu_seconds(f, (x,), repeats))
-    return min(rates)
-
-
-def all_reduce_points(repeats: int, cores: int) -> list[tuple[int, int, float]]:
-    """(n, bytes, per-device seconds with all devices busy) of one psum over the first n devices, inside a
-    program (the CPU time of a chain of 17 psums less that of 1, over 16: a program's own launch is not the
-    collective's): its CPU time x devices / (n cores), the share of the host a TP group of n holds."""
-    def chain(r):
-        def body(v):
-            for _ in range(r):
-                v = jax.lax.psum(v, "d") * 0.5
-            return v
-        return body
-    out = []
-    for n in (2, 4, 8):
-        mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
-        for nbytes in (1 << 16, 1 << 18, 1 << 20):
-            x = jax.device_put(np.ones((n, nbytes // 4), np.float32), NamedSharding(mesh, P("d")))
-            t1, t17 = (cpu_seconds(jax.jit(jax.shard_map(chain(r), mesh=mesh, in_specs=P("d"), out_specs=P("d"))),
-                                   (x,), repeats) for r in (1, 17))
-            out.append((n, nbytes, max(t17 - t1, 0.0) / 16 * len(jax.devices()) / (n * cores)))
-    return out
-
-
-def fit_link(points) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of t = latency + 2(n-1)/n B / bandwidth, least squares."""
-    a = np.array([[1.0, 2 * (n - 1) / n * b] for n, b, _ in points])
-    t = np.array([s for _, _, s in points])
-    (lat, inv_bw), *_ = np.linalg.lstsq(a, t, rcond=None)
-    return max(float(lat), 0.0), 1.0 / float(inv_bw)
-
-
-def softmax_rate(repeats: int) -> float:
-    """Bytes per CPU second of a float32 softmax over [b, 128, 128] scores (b = 16 and 64: the heads of 2 and
-    8 sequences), counted as the cost model counts them (`ModelCost.layer_score_bytes`: 4 passes of 4 bytes)."""
-    dev, rates = jax.devices()[0], []
-    f = jax.jit(lambda s: jax.nn.softmax(s, axis=-1))
-    for b in (16, 64):
-        rates.append(4 * 4 * b * 128 * 128 / cpu_seconds(f, (_on(dev, (b, 128, 128)),), repeats))
-    return statistics.median(rates)
-
-
-def stage_points(repeats: int, copies: int, micro_batches=STAGE_MICRO_BATCHES) -> list[tuple[int, float]]:
-    """(micro-batch, CPU seconds per copy) of the forward + backward programs of a middle one-layer Llama-2
-    "small" stage (the runtime's compiled programs, `HeteroTrainer.compile_jobs`) at 1-8 sequences, `copies`
-    of it (one per core, on distinct devices) run at once as a pipeline's busy stages are: they share the
-    last-level cache."""
-    from cfp.layout import Layout
-    from cfp.models import get_config, make_batch
-    from cfp.runtime.engine import zoo_trainer
-    cfg = get_config("llama2", "small", num_layers=3)
-    out = []
-    for mb in micro_batches:
-        trainer = zoo_trainer("llama2", cfg, Layout.from_lists(
-            [[1, 1, 1]] * copies, [[1, 1, 1]] * copies, [2 * mb] * copies, [2] * copies), abstract=True,
-            example_batch=make_batch("llama2", cfg, 1, 0))
-        jobs = [trainer.compile_jobs((p, 1))[:2] for p in range(copies)]
-        runs = [[(prog.lower(*like).compile(), like) for prog, like in pair] for pair in jobs]
-        total = 0.0
-        for step in range(2):                                   # the forward programs, then the backward ones
-            times = []
-            for r in range(repeats + 1):                        # fresh arguments: the backward donates some
-                args = [jax.block_until_ready(jax.tree_util.tree_map(
-                    lambda a: jax.device_put(jnp.full(a.shape, 0.01, a.dtype), a.sharding), run[step][1]))
-                    for run in runs]
-                c0 = time.process_time()
-                jax.block_until_ready([run[step][0](*a) for run, a in zip(runs, args)])
-                if r:
-                    times.append((time.process_time() - c0) / copies)
-            total += statistics.median(times)
-        out.append((mb, total))
-    return out
-
-
-def fit_stage(points, gemm: tuple[float, float], softmax: float) -> tuple[float, float, float]:
-    """(in-cache rate, effective cache bytes, spilled rate): bytes per CPU second of the rest of the
-    elementwise work (norms, residuals, activations, RoPE) in the cost model's stage time fwd + bwd = 4 (GEMMs
-    + softmax bytes / `softmax` + other bytes / rate) (`cfp.planner.costmodel`), the GEMMs at the fitted
-    `gemm` curve (rate, half dimension). The rate is a step in the stage's working set (one micro-batch's
-    layer activations, `ModelCost.layer_activation_bytes`): each split of the points by micro-batch gets a
-    rate per side by least squares through the origin (the rate beyond lower than the one before, else the
-    split is no cache); the split with the least relative squared error wins,
-    its cache the midpoint of the working sets either side (no split: twice the largest point's).
-    (A fixed cost per kernel fitted beside it came out at 0: the points are linear through the origin.)"""
-    from cfp.models import get_config
-    from cfp.costs import ModelCost
-    m = ModelCost(get_config("llama2", "small", num_layers=3))
-    rate, half = gemm
-    x, y, ws = [], [], []
-    for mb, t in points:
-        dots = sum(f / (rate * np.prod([d / (d + half) for d in mnk])) for f, mnk in m.layer_gemms(1, mb))
-        x.append(4 * mb * (m.layer_elementwise_bytes(1) - m.layer_score_bytes(1)))
-        y.append(t - 4 * (dots + mb * m.layer_score_bytes(1) / softmax))
-        ws.append(mb * m.layer_activation_bytes(1))
-    x, y = np.array(x), np.array(y)
-    fit = lambda a, b: float(a @ a / (a @ b))                   # bytes per second: x = rate * y
-    err = lambda a, b, r: float(np.sum((b - a / r) ** 2 / b ** 2))
-    best = None
-    # points[:cut] in cache, the rest spilled (two or more on each side), or all in cache
-    for cut in (*range(2, len(points) - 1), len(points)):
-        r_in = fit(x[:cut], y[:cut])
-        r_out = fit(x[cut:], y[cut:]) if cut < len(points) else r_in
-        if cut < len(points) and not r_out < r_in:
-            continue                                            # not a cache: the rate must drop beyond it
-        e = err(x[:cut], y[:cut], r_in) + (err(x[cut:], y[cut:], r_out) if cut < len(points) else 0.0)
-        cache = (ws[cut - 1] + ws[cut]) / 2 if cut < len(points) else 2 * ws[-1]
-        if best is None or e < best[0]:
-            best = (e, r_in, cache, r_out)
-    return best[1:]
+STAGE_MICRO_BATCHES = hm.STAGE_MICRO_BATCHES
 
 
 def write(path: str, figures: dict, note: str) -> None:
@@ -250,50 +80,47 @@ def main() -> None:
                          "integers, e.g. 1,2,4")
     if args.write and micro_batches != STAGE_MICRO_BATCHES:
         raise SystemExit("calibrate_cpu: --write takes the default --micro-batches (the catalog's stage fit)")
-    cores, devices = os.cpu_count() or 1, len(jax.devices())
+    size = dataclasses.replace(hm.FULL, repeats=args.repeats, micro_batches=micro_batches)
+    cores, devices = hm.host_cores(), len(jax.devices())
     load = os.getloadavg()[0]
     print(f"{devices} {jax.devices()[0].platform} devices on {cores} cores; host load average {load:.1f}")
-    points = gemm_points(args.repeats)
+    points = hm.gemm_points(size)
     for (m, n, k), r in points:
         print(f"GEMM float32 ({m}, {n}, {k}): {r / 1e9:.1f} GFLOP per CPU second (measured)")
-    rate, half = fit_gemm(points)
+    rate, half = hm.fit_gemm(points)
     worst = max(abs(np.log(r / (rate * np.prod([d / (d + half) for d in s])))) for s, r in points)
     print(f"GEMM fit: {rate / 1e9:.1f} GFLOP per CPU second at large shapes, half dimension {half:.1f} "
           f"(fitted; worst point off by {np.expm1(worst):.0%})")
-    mem = memory_rate(args.repeats)
+    mem = hm.memory_rate(args.repeats)
     print(f"elementwise x*a+b, 1 and 4 MiB per device, all devices: {mem / 1e9:.2f} GB per CPU second (measured)")
-    stage = stage_points(args.repeats, cores, micro_batches)
+    stage = hm.stage_points(size, cores)
     for mb, t in stage:
         print(f"Llama-2 small middle stage of 1 layer, forward + backward, {mb} sequences, {cores} at once: "
               f"{t * 1e3:.2f} ms CPU each (measured)")
-    soft = softmax_rate(args.repeats)
+    soft = hm.softmax_rate(args.repeats)
     print(f"softmax float32 over [16 and 64, 128, 128]: {soft / 1e9:.2f} GB per CPU second (4 passes; measured)")
-    mem, cache, spilled = fit_stage(stage, (rate, half), soft)
+    mem, cache, spilled = hm.fit_stage(stage, (rate, half), soft, size)
     print(f"stage fit: other elementwise work {mem / 1e9:.2f} GB per CPU second while a stage's activations "
           f"fit {cache / 2 ** 20:.1f} MiB, {spilled / 1e9:.2f} beyond (fitted)")
-    ar = all_reduce_points(args.repeats, cores)
+    ar = hm.all_reduce_points(size, cores)
     for n, b, s in ar:
         print(f"all-reduce {b / 2 ** 20:.3g} MiB over {n}: {s * 1e3:.3f} ms per device, all busy (measured)")
-    lat, link = fit_link(ar)
+    lat, link = hm.fit_link(ar)
     print(f"all-reduce fit: latency {lat * 1e6:.0f} us, {link / 1e9:.2f} GB/s per device, all busy (fitted)")
-    figures = dict(cores=cores, devices=devices, gemm_gflops_per_core=round(rate / 1e9, 2),
-                   gemm_half_dim=half, mem_gbps_per_core=round(mem / 1e9, 2),
-                   cache_mib=round(cache / 2 ** 20, 1), spilled_mem_gbps_per_core=round(spilled / 1e9, 2),
-                   softmax_gbps_per_core=round(soft / 1e9, 2),
-                   link_gbps_per_core=round(link / 1e9 * devices / cores, 3),
-                   collective_cpu_us=round(lat * 1e6 * cores / devices, 1),
-                   host_memory_gb=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1))
-    print("catalog values: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
-    bad = [k for k, v in figures.items() if not (isinstance(v, (int, float)) and 0 < v < float("inf"))]
-    if bad:
+    try:
+        figures = dataclasses.asdict(hm.calibration(cores=cores, devices=devices, rate=rate, half=half, mem=mem,
+                                                    cache=cache, spilled=spilled, soft=soft, link=link, lat=lat))
+        print("catalog values: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+    except ValueError as e:
         # a stage time below what its GEMMs and softmax alone take leaves no time (or less) for the rest, and a
-        # collective's fixed cost below the noise of few repeats fits to 0: the kernel rates and the stage were
-        # measured in different states of the host, or too few times. Only a catalog entry needs them positive.
-        msg = (f"calibrate_cpu: fitted {', '.join(f'{k}={figures[k]!r}' for k in bad)} must be positive for the "
-               f"catalog; nothing written (measure again on a quieter host, or with more --repeats)")
-        if args.write or not all(np.isfinite(figures[k]) for k in bad):    # NaN or Inf: an error anyway
+        # collective's fixed cost below the noise of few repeats fits to 0. Only a catalog entry needs them
+        # positive.
+        msg = f"calibrate_cpu: {e} for the catalog; nothing written (measure again on a quieter host, or with " \
+              "more --repeats)"
+        if args.write or "nan" in str(e) or "inf" in str(e):    # NaN or Inf: an error anyway
             raise SystemExit(msg)
         print(msg.replace("; nothing written", "; --write would refuse them"), file=sys.stderr)
+        return
     if args.write:
         note = (f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on "
                 f"{_cpu_name()} ({cores} cores, {devices} devices), host load average {load:.1f}, "

@@ -7,12 +7,13 @@ layouts (pure data parallel, one pipeline of 8 stages, tensor-parallel groups) a
 the runtime (`HeteroTrainer`: its compiled stage programs, one optimizer step per layout per round, the
 layouts in turns so that a busy spell of the shared host falls on all alike, after a warm-up step).
 
-The catalog's `cpu` entry (`benchmarks/calibrate_cpu.py`) describes the host's cores as this process has them
-when no one else loads the host; on a shared host the process gets fewer. So before each step a reference
+The `cpu` devices are priced by this host's measured entry (`cfp.hardware.host_entry`: measured on first use,
+cached per host; `--recalibrate` measures again; the catalog's entry where measurement is off or fails), which
+describes the host's cores as this process has them when no one else loads the host; on a shared host the process gets fewer. So before each step a reference
 program (a GEMM on every device) measures the cores the host gives now (its CPU time over its wall time), and
-the estimate at that share is the catalog's times cores / share -- one factor for all layouts, which leaves
+the estimate at that share is the idle-host one times cores / share -- one factor for all layouts, which leaves
 the ranking as it is. Prints per layout that estimate and the measured (median) wall step time and their
-ratio; the catalog's own estimate beside the step's measured CPU time (all threads) over the host's cores;
+ratio; the idle-host estimate beside the step's measured CPU time (all threads) over the host's cores;
 the ranking by each, `rank order estimated vs measured: same/different` with each pair the two order
 differently and whether their measured medians differ by more than the runs' spread (half the range of the
 middle three), and `worst estimate/measured ratio: R` (the ratio furthest from 1).
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import yaml  # noqa: E402
 
-from cfp.hardware.cpu_calibration import CPU  # noqa: E402
+from cfp.hardware.host_entry import host_figures  # noqa: E402
 from cfp.models import get_config  # noqa: E402
 from cfp.planner.baselines import _megatron, greedy_layout  # noqa: E402
 from cfp.planner.cluster import parse_cluster  # noqa: E402
@@ -135,11 +136,15 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--global-batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--recalibrate", action="store_true", help="measure this host's devices again (else cached)")
     ap.add_argument("--max-layouts", type=int, default=None,
                     help="time the planner's pick and the first N-1 other layouts only (default: all)")
     args = ap.parse_args()
     with open(CLUSTER) as f:
         cluster = parse_cluster(yaml.safe_load(f))
+    # this host's measured entry (measured on first use, cached per host), else the catalog's, named
+    figures = host_figures(args.recalibrate, log=lambda s: print(s, flush=True))
+    cluster = cluster.with_device(figures.spec)
     cfg = get_config(args.model, args.config, num_layers=args.num_layers)
     options = PlannerOptions(global_batch_size=args.global_batch_size)
     cm = CostModel(cfg, cluster, options.schedule)
@@ -147,22 +152,23 @@ def main() -> None:
     est = [cm.estimate(lay).step_time for _, lay in layouts]
     print(f"{args.model} {args.config} ({cfg.num_layers} layers, seq {cfg.seq_len}, {cfg.dtype}), global batch "
           f"{args.global_batch_size}, schedule 1f1b, on {cluster.summary()}; host load average "
-          f"{os.getloadavg()[0]:.1f} on {CPU.cores} cores; cpu entry: {_calibration_note()}", flush=True)
+          f"{os.getloadavg()[0]:.1f} on {figures.calibration.cores} cores; figures: {figures.describe()}", flush=True)
     wall, cpu, share = measure(args.model, cfg, layouts, args.rounds, lambda s: print(s, flush=True))
-    report(layouts, est, wall, cpu, statistics.median(share))
+    report(layouts, est, wall, cpu, statistics.median(share), figures.calibration.cores)
 
 
-def report(layouts, est, wall, cpu, cores_now: float) -> None:
+def report(layouts, est, wall, cpu, cores_now: float, cores: int) -> None:
     """The table (estimated at the host's measured share, against measured wall time), the rankings and the
-    worst ratio; beside it the catalog's idle-host estimate against the measured CPU time over the cores."""
-    scale = CPU.cores / cores_now
-    print(f"host share during the steps: {cores_now:.2f} of {CPU.cores} cores (measured, median); the estimates "
-          f"below at that share are the catalog's (all {CPU.cores} cores) x {scale:.2f}")
+    worst ratio; beside it the idle-host estimate (all `cores` the figures were measured with) against the
+    measured CPU time over those cores."""
+    scale = cores / cores_now
+    print(f"host share during the steps: {cores_now:.2f} of {cores} cores (measured, median); the estimates "
+          f"below at that share are the idle-host ones (all {cores} cores) x {scale:.2f}")
     print(f"{'layout':<24} {'est. step (s)':>13} {'meas. wall (s)':>14} {'noise':>6} {'est/meas':>8} "
           f"{'est. idle (s)':>13} {'meas. CPU/cores (s)':>19} {'est/meas':>8}  shape")
     ratios, med, spread = [], [], []
     for (name, lay), e, w, c in zip(layouts, est, wall, cpu):
-        m, mc = statistics.median(w), statistics.median(c) / CPU.cores
+        m, mc = statistics.median(w), statistics.median(c) / cores
         noise = (max(w) - min(w)) / 2 / m
         ratios.append(e * scale / m)
         med.append(m)
@@ -203,11 +209,6 @@ def swapped_pairs(est, med, spread) -> list[tuple[int, int, bool]]:
             if est[i] < est[j] and med[i] > med[j]:
                 out.append((i, j, med[i] - med[j] > spread[i] + spread[j]))
     return out
-
-
-def _calibration_note() -> str:
-    import cfp.hardware.cpu_calibration as cal
-    return " ".join(cal.__doc__.split("\n\n", 1)[1].split())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # a fresh profile cache per test process (pytest workers included): no test reads another run's entries
 import tempfile  # noqa: E402
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="cfp-test-cache-")
+# plans price the cpu devices by the catalog's entry (measuring the host, `cfp.hardware.host_entry`, takes ~40 s
+# and at level 0 would measure other programs); tests/test_host_entry.py turns it on with its own cache dir
+os.environ.setdefault("CFP_CALIBRATE", "0")
 
 
 # ---- shared problems of the API/plan/search tests (tiny, so every test using them stays within seconds) ----

@@ -41,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stage-times", default=None, metavar="DIR",
                    help="stage plans saved by `cfp train --stage-plans search` (CHECKPOINT_DIR/stage_plans): "
                         "stages of the same shape on the same device are priced by their measured times")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure this host's devices again (the `cpu` entry; otherwise measured once per host and "
+                        "cached, CFP_CACHE_DIR; CFP_CALIBRATE=0 uses the catalog's)")
     p.add_argument("--compare", action="store_true",
                    help="also estimate a Megatron-style layout, a greedy heuristic and, up to 16 devices, "
                         "the exhaustive optimum")
@@ -54,6 +57,20 @@ ZOO = ("gpt", "llama2", "moe", "bert")
 def load_cluster_file(path: str):
     from cfp.planner.cluster import Cluster
     return Cluster.load(path)
+
+
+def host_devices(cluster, recalibrate: bool = False):
+    """(cluster, which figures price it): its `cpu` machines described by this host's measured entry
+    (`cfp.hardware.host_entry`: measured on first use, said so on stderr, then cached), else the catalog's."""
+    if not cluster.has_device("cpu"):
+        if recalibrate:
+            raise ConfigError("--recalibrate measures this host's devices (the cpu entry); the cluster has none")
+        return cluster, "catalog entries (published datasheets, cfp/hardware/gpus.py)"
+    from cfp.hardware.host_entry import host_figures
+    figures = host_figures(recalibrate, log=lambda line: print(line, file=sys.stderr, flush=True))
+    return cluster.with_device(figures.spec), f"cpu devices: {figures.describe()}" + (
+        "; the other devices: catalog entries (published datasheets)" if len(
+            {m.gpu.name for m in cluster.machines}) > 1 else "")
 
 
 def load_stage_times(directory: str, model: str, config):
@@ -137,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
     from cfp.planner.options import PlannerOptions
     from cfp.planner.planner import find_layout
 
-    t0 = time.perf_counter()
     common.check_outputs(args, files_={"out": "--out"})
-    cluster = load_cluster_file(args.cluster)
+    cluster, priced_by = host_devices(load_cluster_file(args.cluster), args.recalibrate)
+    t0 = time.perf_counter()
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("seq_len", args.seq_len),
                                    ("dtype", args.dtype)) if v is not None}
     if is_factory(args.model):
@@ -161,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     est = result.estimate
     print(f"cluster: {cluster.summary()} ({cluster.num_devices} devices); model {what}; global batch "
           f"{options.global_batch_size}; schedule {args.schedule}; recompute {args.recompute}")
+    print(f"figures: {priced_by}")
     print(_table(cm, result.layout, est))
     from cfp.planner.schedule_choice import schedule_reports
     from cfp.planner.step_features import Among

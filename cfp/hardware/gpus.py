@@ -137,8 +137,14 @@ def _gpu(name, *, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, sour
 
 
 def _cpu() -> GpuSpec:
-    """The `cpu` entry from the figures `benchmarks/calibrate_cpu.py` measured (`cpu_calibration.CPU`)."""
+    """The catalog's `cpu` entry, from the figures `benchmarks/calibrate_cpu.py --write` measured
+    (`cpu_calibration.CPU`): the fallback of this host's measured entry (`cfp.hardware.host_entry`)."""
     from cfp.hardware.cpu_calibration import CPU
+    return cpu_spec(CPU)
+
+
+def cpu_spec(CPU) -> GpuSpec:
+    """The `cpu` device entry of a `CpuCalibration`'s figures (per device with all devices busy)."""
     per_device = CPU.cores / CPU.devices
     return _gpu("cpu", fp32=CPU.gemm_gflops_per_core * per_device / 1e3, tf32=None, bf16=None, fp8=None,
                 mem_gbps=CPU.mem_gbps_per_core * per_device, mem_gb=CPU.host_memory_gb / CPU.devices,

@@ -6,6 +6,8 @@ machine-major (machine 0's devices first), which is the numbering `devices_id` o
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 import numbers
@@ -84,6 +86,16 @@ class Cluster:
             out += [Device(nxt + i, mi, m.gpu, m.memory) for i in range(m.count)]
             nxt += m.count
         return tuple(out)
+
+    def with_device(self, spec: GpuSpec) -> "Cluster":
+        """The cluster with its machines of `spec`'s device type described by `spec` (this host's measured
+        `cpu` entry, `cfp.hardware.host_entry`); their memory stays as the file gave it."""
+        machines = tuple(dataclasses.replace(m, gpu=spec) if m.gpu.name == spec.name else m for m in self.machines)
+        return Cluster(machines=machines, inter_bandwidth=self.inter_bandwidth)
+
+    def has_device(self, name: str) -> bool:
+        """Whether any machine's devices are of catalog type `name`."""
+        return any(m.gpu.name == name for m in self.machines)
 
     @property
     def num_devices(self) -> int:

@@ -263,7 +263,8 @@ def train_pipelines(model: "LayeredModel", optimizer: "optax.GradientTransformat
     """Train ``model`` with ``optimizer`` (any optax transformation) on ``layout`` (a `cfp.Layout` or a layout file)
     for ``steps`` steps. ``batches``: a list or iterable of per-step global batches (a generator, a data loader), one
     batch whose rows the steps take in turn, or ``batches(step, rows) -> global batch`` (`cfp.runtime.feed`; every
-    batch checked against step 0's before it runs). ``checkpoint_dir`` with ``checkpoint_every=K`` saves atomic
+    batch checked against step 0's before it runs; in a multi-process job a per-step batch may be this process's share
+    of the rows, `cfp.process_share`). ``checkpoint_dir`` with ``checkpoint_every=K`` saves atomic
     checkpoints, with ``resume=True`` continues from the newest (onto any layout); ``verify`` replays the steps on
     one device with the model's own loss and the optimizer and compares; other keywords are `RunOptions` fields
     (``timeline_dir``, ``stage_plans``, ...). Returns the `TrainResult`."""

@@ -18,9 +18,10 @@ pipeline's gradients of the summed loss in micro-batch order, summing the pipeli
 Tolerance from measured noise: the reference runs in float32 and in float64, and cfp's float32 parameters must be
 within ``NOISE_FACTOR`` times the float32 reference's own normwise distance from the float64 one, floored at
 ``FLOOR`` (measured over these cases and steps: the float32 reference's distance up to 5.8e-7, cfp's up to 5.7e-7,
-at most 1.0x the reference's; the optimizer state likewise). The check can fail: every case asserts that the steps moved the parameters by
-more than 100x its tolerance, and a wrapper's reduction combined the wrong way across stages (mutant
-``optax-wrapper-finite-any-stage``) fails it.
+at most 1.0x the reference's; the optimizer state likewise). The check can fail: every case asserts that the
+steps moved the parameters by more than 100x its tolerance, and a wrapper's reduction combined the wrong way
+across stages (mutant ``optax-wrapper-finite-any-stage``) fails it, as does stopping the run on a gradient the
+optimizer rejected (``engine-raises-on-rejected-gradient``).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The timeline's statistics as properties (hypothesis, the deterministic profile of conftest.py).
 
 * A stalled action moves no median: `median_action_seconds` (what the generated tables are built from) gives, per
-  stage, the median of its F, B (whole backwards counted there) and W; stalling the slowest action of a group (of three or more) by
-  any factor leaves every median exactly as it was, stalling fewer than half of a group keeps its median between
+  stage, the median of its F, B (whole backwards counted there) and W; stalling the slowest action of a group (of
+  three or more) by any factor leaves every median exactly as it was, stalling fewer than half of a group keeps its median between
   its old value and the group's old maximum, and no other group moves. A mean, or one group's figure taken
   from another's actions, fails it.
 * Pipelines of different speeds keep their own figures: the events of several pipelines (each a simulated run

@@ -2,9 +2,9 @@
 
 * A stalled action moves no median: `median_action_seconds` (what the generated tables are built from) gives, per
   stage, the median of its F, B (whole backwards counted there) and W; stalling the slowest action of a group (of
-  three or more) by any factor leaves every median exactly as it was, stalling fewer than half of a group keeps its median between
-  its old value and the group's old maximum, and no other group moves. A mean, or one group's figure taken
-  from another's actions, fails it.
+  three or more) by any factor leaves every median exactly as it was, stalling fewer than half of a group keeps
+  its median between its old value and the group's old maximum, and no other group moves. A mean, or one group's
+  figure taken from another's actions, fails it.
 * Pipelines of different speeds keep their own figures: the events of several pipelines (each a simulated run
   of its schedule at its own speed, all from time 0) give per pipeline the medians (`median_costs`), makespan,
   busy time, bubble and critical path that pipeline's events alone give, and those are the simulated ones.

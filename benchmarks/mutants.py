@@ -712,6 +712,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "median_action_seconds(list(events), num_vstages)",
            ("tests/test_properties_timeline.py",),
            "a pipeline's medians are taken over every pipeline's actions: a fast pipeline gets a slow one's times"),
+    # ---- issue 43 item 2: sizes past one digit
+    Mutant("frontend-layers-sorted-as-text", "layered", "cfp/layered/frontends.py",
+           "                  key=lambda k: int(k[len(name) + 1:]))",
+           "                  key=str)",
+           ("tests/test_sizes_frontends.py::test_twelve_layers_train_like_the_users_own_step[linen-layers_i]",),
+           "a Linen model's layers_0 .. layers_11 run in text order (layers_10 after layers_1)"),
+    Mutant("checkpoint-steps-sorted-as-text", "runtime", "cfp/runtime/checkpoint.py",
+           "    return sorted(steps)\n",
+           "    return sorted(steps, key=str)\n",
+           ("tests/test_sizes.py::test_checkpoint_steps_past_9_and_99",),
+           "checkpoint steps ordered as text: a run resumes from step 9 although step 10 was saved"),
 )
 
 

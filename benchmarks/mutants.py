@@ -394,15 +394,14 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
            "the executor runs W but drops its weight gradient from the stage's accumulator"),
     Mutant("runtime-w-counted-twice", "schedules", "cfp/runtime/stage/kept.py",
-           "        return self._grads(split, w_kept.sig, env, acc), jnp.zeros((), jnp.float32)",
-           "        return self._grads(split, w_kept.sig, env, self._grads(split, w_kept.sig, env, acc)), "
-           "jnp.zeros((), jnp.float32)",
+           "        return self._grads(cut, env, acc), jnp.zeros((), jnp.float32)",
+           "        return self._grads(cut, env, self._grads(cut, env, acc)), jnp.zeros((), jnp.float32)",
            ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
            "W adds the micro-batch's weight gradient twice"),
     Mutant("runtime-b-sends-no-gradient", "schedules", "cfp/runtime/stage/kept.py",
-           "        return (self._g_x(split, kept.sig, env), Kept(kept.sig, tuple(env[i] for i in split.handoff)),",
-           "        return ([jnp.zeros_like(g) for g in self._g_x(split, kept.sig, env)], "
-           "Kept(kept.sig, tuple(env[i] for i in split.handoff)),",
+           "        return (self._g_x(cut, env), Kept(kept.sig, tuple(env[i] for i in cut.split.handoff)),",
+           "        return ([jnp.zeros_like(g) for g in self._g_x(cut, env)], "
+           "Kept(kept.sig, tuple(env[i] for i in cut.split.handoff)),",
            ("tests/test_runtime.py::test_matches_single_device_gpipe_and_1f1b",),
            "B hands the previous stage a gradient that ignores its output's (the earlier stages' W see nothing)"),
     Mutant("planner-ignores-w-stashes", "planner", "cfp/planner/costmodel.py",

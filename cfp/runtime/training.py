@@ -25,6 +25,7 @@ import numpy as np
 from cfp.errors import ConfigError
 from cfp.files import check_output_dir
 from cfp.layout import Layout
+from cfp.runtime import heap
 from cfp.runtime.measured_tables import (TableSource, gather_events, generate_from_measured, replay_timeline,
                                          simulated_line)
 from cfp.recompute import Recompute, StageRecompute, parse_stage_recompute, resolve
@@ -423,24 +424,26 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
     start = steps.start
     timed, busy_sum, busy_steps, last_events, full, step, kept = [], {}, {}, None, False, start, {}
     every_event = []      # every measured action of the timed steps
-    for step in steps:
-        stats = trainer.step(batches(step))
-        losses[step + 1] = stats.loss
-        log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {stats.tokens / stats.seconds:,.0f} "
-            f"measured ({stats.seconds:.3f} s)")
-        if step > start:  # the first step still traces (and warms caches); keep it out of rates
-            timed.append(stats)
-            every_event += stats.events
-            for k, v in stats.busy().items():     # a stage's busy time only from steps it was measured in full
-                if k not in stats.unmeasured:
-                    busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
-        if not stats.unmeasured or not full:   # the timeline: the last step measured in full, else the last step
-            last_events, full = stats.events, not stats.unmeasured
-        kept = stats.kept_peak
-        if store.every and (step + 1) % store.every == 0:
-            _save(store, trainer, losses)
-        if stop_after is not None and step + 1 - start >= stop_after:
-            break
+    with heap.steady() as settle:     # the collector off the objects the first step compiled
+        for step in steps:
+            stats = trainer.step(batches(step))
+            settle()
+            losses[step + 1] = stats.loss
+            log(f"step {step + 1} loss {stats.loss:.8f} tokens/s {stats.tokens / stats.seconds:,.0f} "
+                f"measured ({stats.seconds:.3f} s)")
+            if step > start:  # the first step still traces (and warms caches); keep it out of rates
+                timed.append(stats)
+                every_event += stats.events
+                for k, v in stats.busy().items():     # a stage's busy time only from steps it was measured in full
+                    if k not in stats.unmeasured:
+                        busy_sum[k], busy_steps[k] = busy_sum.get(k, 0.0) + v, busy_steps.get(k, 0) + 1
+            if not stats.unmeasured or not full:   # the timeline: the last step measured in full, else the last step
+                last_events, full = stats.events, not stats.unmeasured
+            kept = stats.kept_peak
+            if store.every and (step + 1) % store.every == 0:
+                _save(store, trainer, losses)
+            if stop_after is not None and step + 1 - start >= stop_after:
+                break
     result = TrainResult(losses, None, {}, {}, step_seconds=[s.seconds for s in timed], kept_peak=kept)
     if timed:
         result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)

@@ -15,6 +15,7 @@ Program signatures (``batch`` None on middle stages, ``g_y`` None on the last):
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -50,6 +51,28 @@ class Kept:
         return cls(sig, tuple(values))
 
 
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """One micro-batch shape's cut, with the trees and shapes its programs' values take; ``made``: F's residuals
+    that are not the stage input's own (`StageSplit.residuals` order)."""
+    split: StageSplit
+    out_tree: Any
+    params_tree: Any
+    out_likes: tuple
+    params_likes: tuple
+    floats: tuple            # the input activation's differentiable leaves (the input gradient's shapes)
+    from_x: tuple            # residual ids that are the stage input's own leaves
+    made: tuple
+
+
+def _cut(split: StageSplit, out_like: Any, params_like: Any, floats: list) -> Cut:
+    x_ids = set(split.groups.inputs(split.prog)["x"])
+    leaves = lambda t: tuple(jax.ShapeDtypeStruct(l.shape, l.dtype) for l in jax.tree_util.tree_leaves(t))
+    return Cut(split, jax.tree_util.tree_structure(out_like), jax.tree_util.tree_structure(params_like),
+               leaves(out_like), leaves(params_like), tuple(floats),
+               tuple(i for i in split.residuals if i in x_ids), tuple(i for i in split.residuals if i not in x_ids))
+
+
 class KeptPrograms:
     """The pure functions of one stage under ``policy`` (see the module doc), from ``combined(params, x, batch,
     ct_leaves) -> (out, g_params, g_x list)`` and the stage's abstract parameters."""
@@ -58,13 +81,15 @@ class KeptPrograms:
         self.combined, self.params_like = combined, params_like
         self.policy = Recompute.policy(policy)
         self._out_like, self.is_last = out_like, is_last
-        self._splits: dict[Sig, StageSplit] = {}
-        self._trees: dict[Sig, tuple] = {}
+        self._cuts: dict[Sig, Cut] = {}
 
     # ------------------------------------------------------------------ the cut, per micro-batch shape
     def split(self, x_like: Any, batch_like: Any) -> StageSplit:
+        return self.cut(x_like, batch_like).split
+
+    def cut(self, x_like: Any, batch_like: Any) -> Cut:
         sig = signature(x_like, batch_like)
-        if sig not in self._splits:
+        if sig not in self._cuts:
             out = self._out_like(x_like, batch_like)
             ct = self.ct_like(out)
             prog = jxi.trace_whole(self.combined, self.params_like, x_like, batch_like, ct)
@@ -72,12 +97,8 @@ class KeptPrograms:
             floats = activations.gradient_like(x_like) if x_like is not None else []
             groups = Groups(n(self.params_like), n(x_like), n(batch_like), len(ct), n(out), n(self.params_like),
                             len(floats))
-            self._splits[sig] = split_stage(prog, groups, self.policy)
-            self._trees[sig] = (jax.tree_util.tree_structure(out), jax.tree_util.tree_structure(self.params_like),
-                                [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in jax.tree_util.tree_leaves(out)],
-                                [jax.ShapeDtypeStruct(l.shape, l.dtype)
-                                 for l in jax.tree_util.tree_leaves(self.params_like)], floats)
-        return self._splits[sig]
+            self._cuts[sig] = _cut(split_stage(prog, groups, self.policy), out, self.params_like, floats)
+        return self._cuts[sig]
 
     def ct_like(self, out_like: Any) -> list:
         """The cotangent inputs: the output's differentiable leaves' gradients (the last stage: one per output
@@ -86,11 +107,13 @@ class KeptPrograms:
             return [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in jax.tree_util.tree_leaves(out_like)]
         return activations.gradient_like(out_like)
 
-    def _last_ct(self, sig: Sig) -> list:
-        _, _, outs, _, _ = self._trees[sig]
-        return [jnp.ones(o.shape, o.dtype) if k == 0 else jnp.zeros(o.shape, o.dtype) for k, o in enumerate(outs)]
+    @staticmethod
+    def _last_ct(cut: Cut) -> list:
+        return [jnp.ones(o.shape, o.dtype) if k == 0 else jnp.zeros(o.shape, o.dtype)
+                for k, o in enumerate(cut.out_likes)]
 
-    def _env(self, split: StageSplit, params, x, batch, ct) -> dict:
+    @staticmethod
+    def _env(split: StageSplit, params, x, batch, ct) -> dict:
         ins = split.groups.inputs(split.prog)
         env = dict(zip(ins["params"], jax.tree_util.tree_leaves(params)))
         env.update(zip(ins["x"], jax.tree_util.tree_leaves(x)))
@@ -105,60 +128,63 @@ class KeptPrograms:
 
     # ------------------------------------------------------------------ the programs' bodies
     def forward(self, params, x, batch):
-        split = self.split(_like(x), _like(batch))
-        sig = signature(_like(x), _like(batch))
+        cut = self.cut(_like(x), _like(batch))
+        split = cut.split
         env = evaluate(split.prog, split.forward, self._env(split, params, x, batch, None))
-        out_tree, _, outs, _, _ = self._trees[sig]
-        out = jax.tree_util.tree_unflatten(out_tree, self._values(env, split.groups.outputs(split.prog)["out"], outs))
-        inputs = set(split.groups.inputs(split.prog)["x"])
-        return out, Kept(sig, tuple(env[i] for i in split.residuals if i not in inputs))
+        out = jax.tree_util.tree_unflatten(cut.out_tree, self._values(env, split.groups.outputs(split.prog)["out"],
+                                                                      cut.out_likes))
+        return out, Kept(signature(_like(x), _like(batch)), tuple(env[i] for i in cut.made))
 
     def kept(self, x: Any, produced: Kept) -> Kept:
-        """What the micro-batch keeps for its backward: the residuals in `StageSplit.residuals` order, the stage
-        input's own leaves taken from ``x``."""
-        split = self._splits[produced.sig]
-        xs = dict(zip(split.groups.inputs(split.prog)["x"], jax.tree_util.tree_leaves(x)))
-        made = iter(produced.values)
-        return Kept(produced.sig, tuple(xs[i] if i in xs else next(made) for i in split.residuals))
+        """What the micro-batch keeps for its backward: the stage input's leaves it reads (`Cut.from_x`), then what
+        F produced (`Cut.made`)."""
+        cut = self._cuts[produced.sig]
+        xs = dict(zip(cut.split.groups.inputs(cut.split.prog)["x"], jax.tree_util.tree_leaves(x)))
+        return Kept(produced.sig, tuple(xs[i] for i in cut.from_x) + produced.values)
 
-    def _backward_env(self, kept: Kept, params, batch, g_y) -> tuple[StageSplit, dict]:
-        split = self._splits[kept.sig]
-        ct = self._last_ct(kept.sig) if self.is_last else list(g_y)
-        env = self._env(split, params, None, batch, ct)
-        env.update(zip(split.residuals, kept.values))
-        return split, env
+    @staticmethod
+    def _residuals(cut: Cut, values: tuple) -> dict:
+        """``{residual id: value}`` of a `kept`."""
+        return dict(zip(cut.from_x + cut.made, values))
 
-    def _grads(self, split: StageSplit, sig: Sig, env: dict, acc):
-        _, p_tree, _, p_like, _ = self._trees[sig]
-        g_p = jax.tree_util.tree_unflatten(p_tree, self._values(env, split.groups.outputs(split.prog)["g_params"],
-                                                                p_like))
+    def _backward_env(self, kept: Kept, params, batch, g_y) -> tuple[Cut, dict]:
+        cut = self._cuts[kept.sig]
+        ct = self._last_ct(cut) if self.is_last else list(g_y)
+        env = self._env(cut.split, params, None, batch, ct)
+        env.update(self._residuals(cut, kept.values))
+        return cut, env
+
+    def _grads(self, cut: Cut, env: dict, acc):
+        g_p = jax.tree_util.tree_unflatten(cut.params_tree, self._values(
+            env, cut.split.groups.outputs(cut.split.prog)["g_params"], cut.params_likes))
         return jax.tree_util.tree_map(jnp.add, acc, g_p)
 
-    def _g_x(self, split: StageSplit, sig: Sig, env: dict) -> list:
-        return self._values(env, split.groups.outputs(split.prog)["g_x"], self._trees[sig][4])
+    def _g_x(self, cut: Cut, env: dict) -> list:
+        return self._values(env, cut.split.groups.outputs(cut.split.prog)["g_x"], cut.floats)
 
     def backward(self, params, kept: Kept, batch, g_y, acc):
-        split, env = self._backward_env(kept, params, batch, g_y)
-        evaluate(split.prog, split.whole, env)
-        return self._grads(split, kept.sig, env, acc), self._g_x(split, kept.sig, env), jnp.zeros((), jnp.float32)
+        cut, env = self._backward_env(kept, params, batch, g_y)
+        evaluate(cut.split.prog, cut.split.whole, env)
+        return self._grads(cut, env, acc), self._g_x(cut, env), jnp.zeros((), jnp.float32)
 
     def backward_input(self, params, kept: Kept, batch, g_y):
-        split, env = self._backward_env(kept, params, batch, g_y)
-        evaluate(split.prog, split.b, env)
-        return (self._g_x(split, kept.sig, env), Kept(kept.sig, tuple(env[i] for i in split.handoff)),
+        cut, env = self._backward_env(kept, params, batch, g_y)
+        evaluate(cut.split.prog, cut.split.b, env)
+        return (self._g_x(cut, env), Kept(kept.sig, tuple(env[i] for i in cut.split.handoff)),
                 jnp.zeros((), jnp.float32))
 
     def for_weight(self, kept: Kept, g_y) -> Kept:
         """What W reads of the micro-batch's residuals and output gradient (kept from B to W)."""
-        split = self._splits[kept.sig]
-        res = dict(zip(split.residuals, kept.values))
+        cut = self._cuts[kept.sig]
+        split, res = cut.split, self._residuals(cut, kept.values)
         ct = dict(zip(split.groups.inputs(split.prog)["ct"], [] if self.is_last else list(g_y)))
         return Kept(kept.sig, tuple(res[i] for i in split.w_residuals)
                     + tuple(ct[i] for i in split.w_ct if i in ct))
 
     def backward_weight(self, params, w_kept: Kept, batch, handoff: Kept, acc):
-        split = self._splits[w_kept.sig]
-        ct = dict(zip(split.groups.inputs(split.prog)["ct"], self._last_ct(w_kept.sig))) if self.is_last else {}
+        cut = self._cuts[w_kept.sig]
+        split = cut.split
+        ct = dict(zip(split.groups.inputs(split.prog)["ct"], self._last_ct(cut))) if self.is_last else {}
         env = self._env(split, params, None, batch, None)
         env.update(ct)
         n = len(split.w_residuals)
@@ -166,7 +192,7 @@ class KeptPrograms:
         env.update(zip([i for i in split.w_ct if i not in ct], w_kept.values[n:]))
         env.update(zip(split.handoff, handoff.values))
         evaluate(split.prog, split.w, env)
-        return self._grads(split, w_kept.sig, env, acc), jnp.zeros((), jnp.float32)
+        return self._grads(cut, env, acc), jnp.zeros((), jnp.float32)
 
 
 def _like(tree: Any) -> Any:

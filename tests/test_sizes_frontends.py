@@ -2,9 +2,9 @@
 style it accepts (Linen: ``layers_0 .. layers_11`` submodules, an ``nn.scan`` stack with logical names, other part
 names; NNX: a list of modules, other part names, an ``nnx.vmap`` stack; Equinox: a list of modules, an
 ``eqx.filter_vmap`` stack), trained by cfp on a pipeline of 10 micro-batches (ids past 9) over two stages cut at
-layer 7, against the user's own training step: their whole model on one device, their loss, their optax chain (a global-norm clip and
-AdamW). Layers put in another order (``layers_10`` before ``layers_2``) or a micro-batch left out is far outside
-the tolerance.
+layer 7, against the user's own training step: their whole model on one device, their loss, their optax chain (a
+global-norm clip and AdamW). Layers put in another order (``layers_10`` before ``layers_2``) or a micro-batch left
+out is far outside the tolerance.
 
 Tolerance: normwise relative parameter error after 2 steps; measured 1.5e-8 .. 1.0e-7 over these cases in two
 runs (float32 reordering: the micro-batches' sum); the bound 1e-5 is 100x that, and the steps move the

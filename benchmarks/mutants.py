@@ -722,6 +722,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "    return sorted(steps, key=str)\n",
            ("tests/test_sizes.py::test_checkpoint_steps_past_9_and_99",),
            "checkpoint steps ordered as text: a run resumes from step 9 although step 10 was saved"),
+    Mutant("batch-offsets-by-micro-batch", "runtime", "cfp/layout.py",
+           "            off += p.batch\n",
+           "            off += p.micro_batch\n",
+           ("tests/test_sizes.py::test_twelve_pipelines_get_their_own_rows_and_order",),
+           "a pipeline's rows start after the earlier pipelines' micro-batches, not their batches: rows fed twice"),
 )
 
 

@@ -6,7 +6,8 @@
   computed here), and the dispatch order of their tables (`global_order`) keeps every stage's own order.
 * Fixed patterns with 100 and 120 micro-batches (GPipe, 1F1B, ZB-H1, interleaved): valid (the executor of
   test_properties_schedules) and, with equal action times, as long as the closed form says:
-  ``(m + p - 1) (F + B)`` for GPipe and 1F1B.
+  ``(m + p - 1) (F + B)`` for GPipe and 1F1B, keeping on stage s at most m (GPipe) or min(p - s, m) (1F1B)
+  micro-batches.
 * The runtime with 100 micro-batches (slow tier): a 12-layer user model on two stages trains like one device.
 """
 from __future__ import annotations
@@ -20,10 +21,10 @@ import pytest
 from cfp.layout import Layout
 from cfp.runtime.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from cfp.runtime.executor import split_batch
-from cfp.schedules.actions import global_order
+from cfp.schedules.actions import KeptBytes, global_order
 from cfp.schedules.registry import SCHEDULES, ScheduleName
 from cfp.schedules.simulate import ActionCosts
-from test_properties_schedules import assert_valid, replay
+from test_properties_schedules import assert_valid, peaks, replay
 
 STEPS_PAST = list(range(1, 13)) + [99, 100, 101]
 
@@ -83,6 +84,9 @@ def test_patterns_with_a_hundred_micro_batches(name, m):
             f, b = 1.0, 2.0
             span = replay(table, ActionCosts((f,) * p, (b,) * p, (0.0,) * p))
             assert abs(span - (m + p - 1) * (f + b)) < 1e-9 * span
+            # what a stage keeps: GPipe every micro-batch, 1F1B at most p - s (its warm-up and one more)
+            most = [m if name is ScheduleName.GPIPE else min(p - s, m) for s in range(p)]
+            assert peaks(table, KeptBytes((1.0,) * p, (1.0,) * p)) == most
 
 
 @pytest.mark.slow

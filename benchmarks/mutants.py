@@ -650,6 +650,11 @@ MUTANTS: tuple[Mutant, ...] = (
            '        return "cpu entry"',
            ("tests/test_host_entry.py",),
            "an estimate priced by the catalog's fallback entry does not say so (nor why)"),
+    Mutant("planner-syncs-on-every-pipeline", "planner", "cfp/planner/costmodel.py",
+           "        for p, f in zip(layout.pipelines[:1], figs[:1]):",
+           "        for p, f in zip(layout.pipelines, figs):",
+           ("tests/test_pipeline_memory.py",),
+           "the gradient sync priced on every pipeline's stages, though only pipeline 0's gather"),
     # ---- issue 43 (tests past the listed cases): optax wrappers through the optimizer partition
     Mutant("optax-wrapper-finite-any-stage", "runtime", "cfp/runtime/optimizer/update_plan.py",
            '"and": jnp.logical_and, "or": jnp.logical_or}',

@@ -129,3 +129,16 @@ def test_the_planner_puts_pipeline_0_where_the_most_memory_is():
     groups = [list(range(8)), list(range(8, 16))]
     assert search.pipeline_zero_first(groups) == [groups[1], groups[0]]
     assert search.pipeline_zero_first(groups[::-1]) == [groups[1], groups[0]]
+
+
+def test_the_gradient_sync_is_pipeline_0s():
+    """Only pipeline 0's stages gather the gradients (`cfp.runtime.executor.sync_gradients`): the sync time
+    follows pipeline 0's stage bounds (a stage syncs its layers one after another), not another pipeline's."""
+    from cfp.layout import Pipeline, Stage
+    cluster = parse_cluster({"inter_machine_bandwidth": "10GB/s", "machines": [
+        {"gpu": "A100-SXM-80G", "count": 8, "intra_bandwidth": "300GB/s"}] * 2})
+    cm = CostModel(get_config("llama2", "small", num_layers=4), cluster)
+    split = lambda m, layers: tuple(Stage((8 * m + i,), n, m) for i, n in enumerate(layers))
+    dp = lambda a, b: cm.estimate(Layout.unchecked((Pipeline(split(0, a), 8, 4), Pipeline(split(1, b), 8, 4)))).dp_time
+    assert dp((2, 2), (4,)) == pytest.approx(dp((2, 2), (2, 2)))
+    assert dp((4,), (2, 2)) > 1.5 * dp((2, 2), (2, 2))

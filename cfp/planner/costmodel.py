@@ -614,11 +614,12 @@ class CostModel:
         return hit[1]
 
     def dp_time(self, layout: Layout) -> float:
-        """Gradient sync as the runtime does it (`cfp.runtime.executor.sync_gradients`): every stage receives
-        its modules' gradients from every other pipeline, resharded onto its devices -- per layer a gather of
-        the pipelines' pieces (the largest per-device shard among them) over the slowest link the layout spans
-        -- and sums them (memory-bound); a stage syncs its layers one after another, stages at once, so the
-        step waits for the slowest stage (on a shared host: for the host to do them all)."""
+        """Gradient sync as the runtime does it (`cfp.runtime.executor.sync_gradients`): every stage of pipeline 0
+        (which updates for all) receives its modules' gradients from every other pipeline, resharded onto its
+        devices -- per layer a gather of the pipelines' pieces (the largest per-device shard among them) over the
+        slowest link the layout spans -- and sums them (memory-bound); a stage syncs its layers one after
+        another, stages at once, so the step waits for the slowest stage (on a shared host: for the host to do
+        them all)."""
         return self._dp_time(layout, self._figures(layout))
 
     def _dp_time(self, layout: Layout, figs: list[_PipelineFigures]) -> float:
@@ -637,7 +638,8 @@ class CostModel:
         if prefix is None:
             prefix = self._memo[pkey] = np.concatenate(([0.0], np.cumsum(per_tp[narrowest]))).tolist()
         worst, host = 0.0, {}
-        for p, f in zip(layout.pipelines, figs):
+        # the runtime's gather: pipeline 0's stages receive every pipeline's pieces (`sync_gradients`)
+        for p, f in zip(layout.pipelines[:1], figs[:1]):
             ends = (self.kind[p.stages[0].machine], self.kind[p.stages[-1].machine])
             key = ("stage_syncs", pkey, f.bounds, ends)
             t = self._memo.get(key)

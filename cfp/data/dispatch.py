@@ -62,32 +62,51 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
     lengths = np.asarray(lengths, np.int64)
     _check_fit(pipelines, lengths)
     kinds = sorted(set(pipelines), key=lambda s: s.max_len)
-    heaps = [[(0.0, p) for p, s in enumerate(pipelines) if s == k] for k in kinds]
+    # a heap entry (load, pipeline, multiplier): a pipeline's first (= its longest) sequence also pays the
+    # (pp-1) bubble, so its cost counts pp times until it has one (`pipeline_estimate`'s growth)
+    heaps = [[(0.0, p, k.pp) for p, s in enumerate(pipelines) if s == k] for k in kinds]
     order = np.argsort(-lengths, kind="stable")
     ordered = lengths[order]
     # plain Python numbers in processing order: indexing numpy arrays per element is several times slower
     costs = [k.seq_cost(ordered).tolist() for k in kinds]
-    first = np.searchsorted([k.max_len for k in kinds], ordered).tolist()   # the kinds that fit: first[i]..
-    ks = [range(f, len(kinds)) for f in range(len(kinds))]
-    depth = [k.pp for k in kinds]   # a pipeline's first (= its longest) sequence also pays the (pp-1) bubble
-    started = [False] * len(pipelines)
-    assign = [0] * lengths.size
-    replace, inf = heapq.heapreplace, float("inf")
-    for i in range(lengths.size):
-        best, best_k = inf, -1
-        for k in ks[first[i]]:
-            load, p = heaps[k][0]
-            # `pipeline_estimate`'s growth: sequences come longest first, so a pipeline's first is its slowest
-            t = load + costs[k][i] if started[p] else load + costs[k][i] * depth[k]
-            if t < best:
-                best, best_k = t, k
-        p = heaps[best_k][0][1]
-        replace(heaps[best_k], (best, p))
-        started[p] = True
-        assign[i] = p
+    first = np.searchsorted([k.max_len for k in kinds], ordered)   # the kinds that fit: first[i]..
+    assign: list[int] = []
+    # longest first, so the kinds that fit only grow: one run of sequences per first kind that fits
+    for f in range(len(kinds) - 1, -1, -1):
+        lo, hi = np.searchsorted(-first, [-f, -f + 1])
+        if f == len(kinds) - 1:
+            _one_kind(heaps[f], costs[f][lo:hi], assign)
+        else:
+            _least_of_kinds(heaps[f:], [c[lo:hi] for c in costs[f:]], assign)
     out = np.empty(lengths.size, np.int64)
     out[order] = assign
     return out
+
+
+def _one_kind(heap: list[tuple], costs: list[float], assign: list[int]) -> None:
+    """Each sequence (of `costs`) to the pipeline of the heap whose time grows to the least."""
+    replace, put = heapq.heapreplace, assign.append
+    for x in costs:
+        load, p, mul = heap[0]
+        replace(heap, (load + x * mul, p, 1))
+        put(p)
+
+
+def _least_of_kinds(heaps: list[list], costs: list[list[float]], assign: list[int]) -> None:
+    """Each sequence to the pipeline whose time grows to the least over the kinds (ties: the first kind)."""
+    replace, put, inf = heapq.heapreplace, assign.append, float("inf")
+    kinds = range(len(heaps))
+    for i in range(len(costs[0])):
+        best, best_k = inf, -1
+        for k in kinds:
+            load, _, mul = heaps[k][0]
+            t = load + costs[k][i] * mul
+            if t < best:
+                best, best_k = t, k
+        h = heaps[best_k]
+        p = h[0][1]
+        replace(h, (best, p, 1))
+        put(p)
 
 
 def dispatch_ilp(pipelines: Sequence[Scheme], lengths, time_limit: float = 1.0,

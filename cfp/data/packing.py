@@ -12,8 +12,10 @@ at most `max_len` slots of their row layout). Fine-grained packing minimises the
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +26,7 @@ from cfp.errors import InfeasibleError
 from cfp.schedules.registry import pipeline_time as _schedule_time
 
 MicroBatches = list[list[int]]   # per micro-batch, indices into the pipeline's length list
+_tokens = operator.itemgetter(2)  # of a heap entry (cost, micro-batch, tokens, Σ s²)
 
 
 def _check(lengths: np.ndarray, max_len: int) -> None:
@@ -33,21 +36,37 @@ def _check(lengths: np.ndarray, max_len: int) -> None:
 
 
 def pack_fixed(lengths: Sequence[int], max_len: int) -> MicroBatches:
-    """First-fit in data order into micro-batches of at most `max_len` tokens."""
+    """First-fit in data order into micro-batches of at most `max_len` tokens. The first micro-batch with room
+    is found by bisection in the running maximum of the rooms (`best[j]` = most room among micro-batches
+    0..j, non-decreasing), which a placement lowers only up to the next micro-batch with at least the room
+    it had: O(n log m) for the usual steps, where scanning every micro-batch was O(n·m)."""
     lengths = np.asarray(lengths, np.int64)
     _check(lengths, max_len)
     bins: MicroBatches = []
     room: list[int] = []
+    best: list[int] = []
+    first = bisect.bisect_left
     for i, s in enumerate(lengths.tolist()):
-        for j, r in enumerate(room):
-            if s <= r:
-                bins[j].append(i)
-                room[j] -= s
-                break
-        else:
+        j = first(best, s)
+        if j == len(best):
             bins.append([i])
             room.append(max_len - s)
+            best.append(max(best[-1], max_len - s) if best else max_len - s)
+            continue
+        bins[j].append(i)
+        room[j] -= s
+        _lower_running_max(best, room, j)
     return bins
+
+
+def _lower_running_max(best: list[int], room: list[int], j: int) -> None:
+    """`best` = the running maximum of `room` again after room[j] fell; stops where it no longer changes."""
+    prev = best[j - 1] if j else -1
+    for k in range(j, len(best)):
+        v = room[k] if room[k] > prev else prev
+        if v == best[k]:
+            return
+        best[k] = prev = v
 
 
 def pack_fixed_rows(lengths: Sequence[int], max_len: int) -> MicroBatches:
@@ -104,50 +123,101 @@ def min_count(lengths: np.ndarray, max_len: int) -> int:
 
 
 def _lpt(lengths: np.ndarray, order: np.ndarray, scheme: Scheme, m: int, max_len: int,
-         stop: float = np.inf) -> tuple[MicroBatches, float] | None:
-    """Each sequence (longest first) into the cheapest micro-batch with room; with the pipeline time.
-    None if a sequence does not fit, or once the pipeline time provably reaches `stop` (a count at least as
-    good is known): m <= len(lengths) micro-batches all get used, so the time is at least `_sum_bound` plus
-    (pp-1) x the slowest micro-batch so far, which only grows."""
-    heap = [(scheme.c, j) for j in range(m)]    # (cost so far, micro-batch)
-    tokens = [0] * m
-    sq = [0] * m
-    bins: MicroBatches = [[] for _ in range(m)]
+         stop: float = np.inf, sums: tuple[float, float] | None = None,
+         opening: tuple | None = None) -> tuple[MicroBatches, float] | None:
+    """Each sequence (longest first) into the cheapest micro-batch with room, the lowest index among equals;
+    with the pipeline time. None if a sequence does not fit, or once the pipeline time provably reaches `stop`
+    (a count at least as good is known): m <= len(lengths) micro-batches all get used, so the time is at least
+    `_sum_bound` plus (pp-1) x the slowest micro-batch so far, which only grows. `sums`: (Σ s, Σ s²) of
+    `lengths` as floats, and `opening`: `_opening` of the lengths in `order` for at least m, if known."""
     a, b, c, bubble = scheme.a, scheme.b, scheme.c, scheme.pp - 1
     limit = np.inf
     if bubble and stop < np.inf and (a > 0 or b > 0):   # (every micro-batch used needs a > 0 or b > 0)
-        lf = lengths.astype(np.float64)
-        limit = (stop - _sum_bound(float(lf.sum()), float((lf * lf).sum()), scheme, m)) / bubble
-    slowest = c
-    lens = lengths.tolist()
-    # micro-batches without room for the current sequence wait in `parked` (fullest last); sequences only get
-    # shorter, so each comes back once one fits: O(n log m) where setting them aside per sequence was O(n·m)
-    parked: list[tuple[int, float, int]] = []       # (tokens - max_len = -room, cost, micro-batch)
-    pop, push = heapq.heappop, heapq.heappush
-    for i in order.tolist():
-        s = lens[i]
+        if sums is None:
+            lf = lengths.astype(np.float64)
+            sums = float(lf.sum()), float((lf * lf).sum())
+        limit = (stop - _sum_bound(sums[0], sums[1], scheme, m)) / bubble
+    ordered = lengths[order]
+    heap, k, slowest = _first_round(opening or _opening(ordered, scheme, m), scheme, m)
+    if k and slowest >= limit:
+        return None
+    heapq.heapify(heap)
+    parked: list[tuple] = []           # (tokens - max_len = -room, cost, micro-batch, tokens, Σ s²)
+    got = _lpt_rest(ordered[k:].tolist(), heap, parked, scheme, max_len, slowest, limit)
+    if got is None:
+        return None
+    owner, final = np.concatenate([np.arange(k), np.asarray(got, np.int64)]), heap + [e[1:] for e in parked]
+    used = np.bincount(owner, minlength=m) > 0
+    costs = [cost for cost, j, _, _ in sorted(final, key=lambda e: e[1]) if used[j]]
+    return _bins(order, owner, m), _schedule_time([1.0] * scheme.pp, costs)
+
+
+def _opening(ordered: np.ndarray, scheme: Scheme, m: int) -> tuple[list[tuple], list[float]]:
+    """The greedy's first steps at once, for any count up to m: while every micro-batch holding a sequence
+    costs more than an empty one (c), the i-th longest sequence opens micro-batch i. The heap entries (cost,
+    micro-batch, tokens, Σ s²) of the micro-batches so opened (at most m), and the running maximum of their
+    costs."""
+    a, b, c = scheme.a, scheme.b, scheme.c
+    s = ordered[:m]
+    sq = s * s
+    cost = a * sq + b * s + c          # the same float operations, in the same order, as `_lpt_rest`'s
+    above = cost > c
+    k = s.size if above.all() else int(np.argmin(above))
+    entries = list(zip(cost[:k].tolist(), range(k), s[:k].tolist(), sq[:k].tolist()))
+    return entries, np.maximum.accumulate(cost[:k]).tolist()
+
+
+def _first_round(opening: tuple[list[tuple], list[float]], scheme: Scheme, m: int
+                 ) -> tuple[list[tuple], int, float]:
+    """The heap of m micro-batches after `_opening`'s steps (the rest empty), their number k, and the slowest
+    micro-batch's cost."""
+    entries, peak = opening
+    k = min(len(entries), m)
+    return entries[:k] + [(scheme.c, j, 0, 0) for j in range(k, m)], k, peak[k - 1] if k else scheme.c
+
+
+def _lpt_rest(lens: list[int], heap: list[tuple], parked: list[tuple], scheme: Scheme, max_len: int,
+              slowest: float, limit: float) -> list[int] | None:
+    """The greedy from the state (`heap`, `parked`, updated in place) on: the micro-batch of each of `lens`;
+    None as `_lpt`. Micro-batches without room for the current sequence wait in `parked` (most room first);
+    sequences only get shorter, so each comes back once one fits: O(n log m), where setting them aside per
+    sequence was O(n·m)."""
+    a, b, c = scheme.a, scheme.b, scheme.c
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    out: list[int] = []
+    put = out.append
+    for s in lens:
         while parked and -parked[0][0] >= s:
-            _, cost, j = pop(parked)
-            push(heap, (cost, j))
-        while heap and tokens[heap[0][1]] + s > max_len:
-            cost, j = pop(heap)
-            push(parked, (tokens[j] - max_len, cost, j))
-        if not heap:
-            return None
-        j = heap[0][1]
-        t = tokens[j] + s
-        tokens[j] = t
-        q = sq[j] + s * s
-        sq[j] = q
-        bins[j].append(i)
+            push(heap, pop(parked)[1:])
+        top = heap[0]
+        if top[2] + s > max_len:
+            if len(heap) > 16 and min(heap, key=_tokens)[2] + s > max_len:
+                return None        # no micro-batch has room: said at once, not after parking every one
+            while top[2] + s > max_len:
+                pop(heap)
+                push(parked, (top[2] - max_len,) + top)
+                if not heap:
+                    return None
+                top = heap[0]
+        _, j, t, q = top
+        t += s
+        q += s * s
         cost = a * q + b * t + c
-        heapq.heapreplace(heap, (cost, j))
+        replace(heap, (cost, j, t, q))
+        put(j)
         if cost > slowest:
             slowest = cost
             if slowest >= limit:
                 return None
-    costs = [cost for cost, j in heap if bins[j]] + [cost for _, cost, j in parked]
-    return [mb for mb in bins if mb], _schedule_time([1.0] * scheme.pp, costs)
+    return out
+
+
+def _bins(order: np.ndarray, owner: np.ndarray, m: int) -> MicroBatches:
+    """The used micro-batches in index order, each its sequences (indices into the lengths) in `order`'s
+    order; `owner[i]`: the micro-batch of the sequence `order[i]`."""
+    flat = order[np.argsort(owner, kind="stable")].tolist()
+    ends = np.cumsum(np.bincount(owner, minlength=m)).tolist()
+    return [flat[lo:hi] for lo, hi in zip([0] + ends[:-1], ends) if hi > lo]
 
 
 def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = None,
@@ -172,9 +242,16 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
     m0 = -(-int(total) // max_len)
     top = min(m0 + extra, lengths.size)
     least = min_count(lengths, max_len)           # fewer micro-batches cannot hold the sequences at all
+    opening = _opening(lengths[order], scheme, top)   # every count's first steps, computed once
     tried: dict[int, tuple] = {}
+    bounds: dict[int, float] = {}
 
     def bound(m: int) -> float:
+        if m not in bounds:
+            bounds[m] = _count_bound(m)
+        return bounds[m]
+
+    def _count_bound(m: int) -> float:
         if m < least:
             return np.inf
         if scheme.a == 0 and scheme.b == 0:      # degenerate costs: micro-batches may stay empty, no bound
@@ -186,7 +263,8 @@ def pack_balanced(lengths: Sequence[int], scheme: Scheme, max_len: int | None = 
         # most promising count first: a good early best lets the bound skip or stop the others
         for m in sorted({m for m in ms if m not in tried and m0 <= m <= top}, key=lambda m: (bound(m), m)):
             best = min((t for t, _ in tried.values()), default=np.inf)
-            found = None if bound(m) >= best else _lpt(lengths, order, scheme, m, max_len, stop=best)
+            found = (None if bound(m) >= best
+                     else _lpt(lengths, order, scheme, m, max_len, best, (total, sq), opening))
             tried[m] = (np.inf, None) if found is None else (found[1], found[0])
 
     # coarse offsets, then halve the gaps on both sides of the best count found so far

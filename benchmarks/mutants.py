@@ -198,8 +198,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "the bin lower bound leaves one token less of room beside the long sequences, so it can exceed "
            "the least micro-batch count and skip feasible counts"),
     Mutant("packing-forgets-parked-micro-batches", "data", "cfp/data/packing.py",
-           "costs = [cost for cost, j in heap if bins[j]] + [cost for _, cost, j in parked]",
-           "costs = [cost for cost, j in heap if bins[j]]",
+           "np.asarray(got, np.int64)]), heap + [e[1:] for e in parked]",
+           "np.asarray(got, np.int64)]), heap",
            ("tests/test_data_assign.py",),
            "the packing greedy leaves the micro-batches it set aside as full out of the pipeline time it reports"),
     Mutant("step-sequences-short", "data", "cfp/data/train.py",
@@ -732,6 +732,23 @@ MUTANTS: tuple[Mutant, ...] = (
            "            off += p.micro_batch\n",
            ("tests/test_sizes.py::test_twelve_pipelines_get_their_own_rows_and_order",),
            "a pipeline's rows start after the earlier pipelines' micro-batches, not their batches: rows fed twice"),
+    # ---- issue 39 item 4: assignment at the scale of the largest steps (fast paths)
+    Mutant("lpt-first-round-drops-a-sequence", "data", "cfp/data/packing.py",
+           "got = _lpt_rest(ordered[k:].tolist(),",
+           "got = _lpt_rest(ordered[k + 1:].tolist(),",
+           ("tests/test_assign_fast.py",),
+           "the packing greedy's vectorised first round hands the loop its sequences less the next one"),
+    Mutant("first-fit-running-max-not-lowered", "data", "cfp/data/packing.py",
+           "        if v == best[k]:",
+           "        if v <= best[k]:",
+           ("tests/test_assign_fast.py",),
+           "first-fit's running maximum of the rooms is not lowered after a placement: sequences go to full "
+           "micro-batches"),
+    Mutant("dispatch-first-sequence-pays-no-bubble", "data", "cfp/data/dispatch.py",
+           "replace(heap, (load + x * mul, p, 1))",
+           "replace(heap, (load + x, p, 1))",
+           ("tests/test_assign_fast.py",),
+           "the dispatch's one-kind run forgets that a pipeline's first sequence also pays the (pp-1) bubble"),
 )
 
 

@@ -134,6 +134,8 @@ def _bench_parser(sub) -> None:
     common.add_gpu(b, common.DEFAULT_CATALOG_GPU, "GPU of the cost model")
     b.add_argument("--tokens-per-step", type=positive_int, default=1_600_000, help="tokens in one training step")
     b.add_argument("--max-seq-len", type=positive_int, default=32768, help="longest synthetic sequence")
+    b.add_argument("--sequences", type=positive_int, default=100_000,
+                   help="sequences of the large step also timed (the goal: 10^5 in < 300 ms CPU)")
     common.add_steps(b, help="timed repetitions of the per-step assignment")
     common.add_seed(b, help="seed of the synthetic lengths")
     b.set_defaults(func=run, action=run_bench_planner)
@@ -303,7 +305,8 @@ def run_bench_planner(args) -> int:
     space = estimate_space(args.model, args.config, cfg, args.gpu, max_devices=min(64, args.gpus))
     rng = np.random.default_rng(args.seed)
     # synthetic long tail: log-normal lengths (median ~1.1K, mean ~3K tokens), cut at max_seq_len
-    lengths = np.clip(rng.lognormal(7.0, 1.4, 200_000).astype(np.int64), 16, args.max_seq_len)
+    lengths = np.clip(rng.lognormal(7.0, 1.4, max(200_000, 2 * args.sequences)).astype(np.int64), 16,
+                      args.max_seq_len)
     t0 = time.perf_counter()
     st = propose(space, lengths, args.gpus, args.tokens_per_step)
     t_prop = time.perf_counter() - t0
@@ -322,12 +325,12 @@ def run_bench_planner(args) -> int:
     print(f"per-step assignment time: {cpu:.1f} ms CPU, {wall:.1f} ms wall (measured, median of {args.steps} "
           f"steps of ~{int(np.mean(counts))} sequences; dispatch + fine-grained packing)")
     big = []
-    for _ in range(args.steps):   # the goal's size: 10^4 sequences in one step, same mix
-        step_lens = lengths[rng.permutation(lengths.size)[:10_000]]
+    for _ in range(args.steps):   # the goal's size: 10^5 sequences in one step (ByteScale's scale), same mix
+        step_lens = lengths[rng.permutation(lengths.size)[:args.sequences]]
         big.append(_timed(lambda: assign_step(METHODS[4], pipes, step_lens)))
     cpu, wall = np.median(big, axis=0) * 1e3
-    print(f"per-step assignment time for 10000 sequences: {cpu:.1f} ms CPU, {wall:.1f} ms wall (measured, median "
-          f"of {args.steps}; goal < 100 ms CPU: {'met' if cpu < 100 else 'not met'})")
+    print(f"per-step assignment time for {args.sequences} sequences: {cpu:.1f} ms CPU, {wall:.1f} ms wall "
+          f"(measured, median of {args.steps}; goal < 300 ms CPU for 10^5: {'met' if cpu < 300 else 'not met'})")
     return 0
 
 

@@ -76,6 +76,8 @@ def dispatch_greedy(pipelines: Sequence[Scheme], lengths) -> np.ndarray:
         lo, hi = np.searchsorted(-first, [-f, -f + 1])
         if f == len(kinds) - 1:
             _one_kind(heaps[f], costs[f][lo:hi], assign)
+        elif f == len(kinds) - 2:
+            _two_kinds(heaps[f], heaps[f + 1], costs[f][lo:hi], costs[f + 1][lo:hi], assign)
         else:
             _least_of_kinds(heaps[f:], [c[lo:hi] for c in costs[f:]], assign)
     out = np.empty(lengths.size, np.int64)
@@ -90,6 +92,21 @@ def _one_kind(heap: list[tuple], costs: list[float], assign: list[int]) -> None:
         load, p, mul = heap[0]
         replace(heap, (load + x * mul, p, 1))
         put(p)
+
+
+def _two_kinds(h0: list[tuple], h1: list[tuple], c0: list[float], c1: list[float], assign: list[int]) -> None:
+    """`_least_of_kinds` of two kinds (the usual mix's short sequences), unrolled."""
+    replace, put = heapq.heapreplace, assign.append
+    for x0, x1 in zip(c0, c1):
+        l0, p0, m0 = h0[0]
+        l1, p1, m1 = h1[0]
+        t0, t1 = l0 + x0 * m0, l1 + x1 * m1
+        if t1 < t0:
+            replace(h1, (t1, p1, 1))
+            put(p1)
+        else:
+            replace(h0, (t0, p0, 1))
+            put(p0)
 
 
 def _least_of_kinds(heaps: list[list], costs: list[list[float]], assign: list[int]) -> None:

@@ -55,18 +55,13 @@ def pack_fixed(lengths: Sequence[int], max_len: int) -> MicroBatches:
             continue
         bins[j].append(i)
         room[j] -= s
-        _lower_running_max(best, room, j)
+        prev = best[j - 1] if j else -1      # the running maximum again, up to where it no longer changes
+        for k in range(j, len(best)):
+            v = room[k] if room[k] > prev else prev
+            if v == best[k]:
+                break
+            best[k] = prev = v
     return bins
-
-
-def _lower_running_max(best: list[int], room: list[int], j: int) -> None:
-    """`best` = the running maximum of `room` again after room[j] fell; stops where it no longer changes."""
-    prev = best[j - 1] if j else -1
-    for k in range(j, len(best)):
-        v = room[k] if room[k] > prev else prev
-        if v == best[k]:
-            return
-        best[k] = prev = v
 
 
 def pack_fixed_rows(lengths: Sequence[int], max_len: int) -> MicroBatches:

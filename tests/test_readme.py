@@ -249,6 +249,8 @@ INLINE: dict[str, Run | Skip] = {
     "cfp data train --mixes": Skip(_NAME), "cfp train": Skip(_NAME), "cfp data train": Skip(_NAME),
     "cfp data bench-planner --gpus 1024 --model llama2 --config 32B --tokens-per-step 1600000 --max-seq-len 32768":
         Skip("the fenced `cfp data bench-planner` command of \"Variable-length data\", run above, shrunk"),
+    "cfp data bench-planner --gpus 4096 --tokens-per-step 100000000 --max-seq-len 8192 --steps 5": Skip(
+        "the fenced `cfp data bench-planner` command (its 10^5-sequence step included), run above, shrunk"),
     "benchmarks/compare.py --num-layers 2 --mesh 8 --iters 10 --override ...": Skip(
         _TEMPLATE.format("--override ...: one row's field override per run")),
     'cfp train --model llama2 --num-layers 4 --hetero-configs "[[2,2]]" --layer-partitions "[[2,2]]" '

@@ -749,6 +749,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "replace(heap, (load + x, p, 1))",
            ("tests/test_assign_fast.py",),
            "the dispatch's one-kind run forgets that a pipeline's first sequence also pays the (pp-1) bubble"),
+    # ---- issue 39 item 2: the attention implementation chosen in one place
+    Mutant("attention-cudnn-head-dim-256-before-hopper", "models", "cfp/models/attention_select.py",
+           "head_max = 256 if cc >= HOPPER else 128",
+           "head_max = 256",
+           ("tests/test_attention_select.py",),
+           "the GPU selection takes cuDNN's fused path for head dims over 128 on GPUs before Hopper, which it "
+           "does not support"),
 )
 
 

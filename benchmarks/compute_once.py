@@ -4,6 +4,7 @@ and the makespan simulated from each stage's median measured F/B/W over every ac
 stage owning its compute: what a bubble costs shows), each run verified against one device.
 
     python benchmarks/compute_once.py                          # the uneven 4-stage Llama-2 layout, 6 steps
+    python benchmarks/compute_once.py --config small --schedules 1f1b   # the same at hidden 256
     python benchmarks/compute_once.py --steps 3 --num-layers 4 --layer-partitions "[[1,1,1,1]]" --chunks 4 \\
         --schedules 1f1b zb-h1 --recompute none full           # shrunk
 """
@@ -27,7 +28,8 @@ def run(schedule: str, recompute: str, args) -> dict:
     layout = Layout.from_lists(parse_nested_list(args.hetero_configs, "hetero_configs"),
                                parse_nested_list(args.layer_partitions, "layer_partitions"),
                                global_batch_size=args.global_batch_size, chunks=args.chunks)
-    opts = TrainOptions(model="llama2", layout=layout, overrides={"num_layers": args.num_layers},
+    opts = TrainOptions(model="llama2", config_name=args.config, layout=layout,
+                        overrides={"num_layers": args.num_layers},
                         schedule=schedule, steps=args.steps, verify=True, recompute=recompute,
                         )
     r = run_training(opts, log=lambda *a, **k: None)
@@ -38,6 +40,8 @@ def run(schedule: str, recompute: str, args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="tiny", help="the Llama-2 config (tiny: the issue's layout; small: hidden "
+                    "256, where the dots outweigh XLA's per-operation costs on a CPU)")
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--hetero-configs", default="[[1,1,1,1]]")
     ap.add_argument("--layer-partitions", default="[[3,2,2,1]]")

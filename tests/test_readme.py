@@ -213,6 +213,9 @@ INLINE: dict[str, Run | Skip] = {
     "python benchmarks/compute_once.py --steps 6 --rounds 2": Skip(
         "every schedule with and without recomputation, 21 verified runs (18 min on a loaded 2-core host); "
         "tests/test_scripts.py runs compute_once.py shrunk"),
+    "python benchmarks/compute_once.py --config small --schedules 1f1b --steps 6 --rounds 2": Skip(
+        "the same benchmark at hidden 256 (5 min on a loaded 2-core host); tests/test_scripts.py runs "
+        "compute_once.py shrunk"),
     "PYTHONPATH=$PWD python benchmarks/user_programs.py --styles equinox_gpt --rounds 5": Skip(
         "a benchmark of minutes (a search with its whole-step candidates timed); tests/test_readme.py runs "
         "user_programs.py shrunk through its documented command"),

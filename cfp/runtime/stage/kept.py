@@ -68,9 +68,11 @@ class Cut:
 def _cut(split: StageSplit, out_like: Any, params_like: Any, floats: list) -> Cut:
     x_ids = set(split.groups.inputs(split.prog)["x"])
     leaves = lambda t: tuple(jax.ShapeDtypeStruct(l.shape, l.dtype) for l in jax.tree_util.tree_leaves(t))
-    return Cut(split, jax.tree_util.tree_structure(out_like), jax.tree_util.tree_structure(params_like),
-               leaves(out_like), leaves(params_like), tuple(floats),
-               tuple(i for i in split.residuals if i in x_ids), tuple(i for i in split.residuals if i not in x_ids))
+    return Cut(split=split, out_tree=jax.tree_util.tree_structure(out_like),
+               params_tree=jax.tree_util.tree_structure(params_like), out_likes=leaves(out_like),
+               params_likes=leaves(params_like), floats=tuple(floats),
+               from_x=tuple(i for i in split.residuals if i in x_ids),
+               made=tuple(i for i in split.residuals if i not in x_ids))
 
 
 class KeptPrograms:

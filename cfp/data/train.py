@@ -30,6 +30,7 @@ from cfp.data.schemes import Scheme, SchemeSpace, Shape
 from cfp.data.sources import Sequences
 from cfp.errors import ConfigError, InfeasibleError
 from cfp.models.configs import MoEConfig
+from cfp.runtime import heap
 from cfp.schedules.registry import ScheduleName, ScheduleSpec
 
 
@@ -287,18 +288,20 @@ def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[S
     trainer.set_schedule(opts.schedule)
     losses, records, real, slots, secs, comp = [], [], 0, 0, 0.0, 0.0
     factors: dict = {}
-    for step in range(opts.steps):
-        c0 = trainer.warm_s
-        st, rec = train_step(opts, data, trainer, candidates, layouts, step, factors)
-        comp += trainer.warm_s - c0
-        factors = next_factors(opts, factors, candidates, rec)
-        losses.append(st.loss)
-        records.append(rec)
-        real, slots, secs = real + rec.real_tokens, slots + rec.slots, secs + rec.seconds
-        if log:
-            log(step_line(step, rec, candidates))
-            for t in rec.pipelines if verbose else ():
-                log("    " + format_pipeline(t))
+    with heap.steady() as settle:     # the collector off the objects the first step compiled
+        for step in range(opts.steps):
+            c0 = trainer.warm_s
+            st, rec = train_step(opts, data, trainer, candidates, layouts, step, factors)
+            settle()
+            comp += trainer.warm_s - c0
+            factors = next_factors(opts, factors, candidates, rec)
+            losses.append(st.loss)
+            records.append(rec)
+            real, slots, secs = real + rec.real_tokens, slots + rec.slots, secs + rec.seconds
+            if log:
+                log(step_line(step, rec, candidates))
+                for t in rec.pipelines if verbose else ():
+                    log("    " + format_pipeline(t))
     return DataTrainResult(tuple(losses), real, slots, secs, comp, tuple(records))
 
 

@@ -661,7 +661,7 @@ MUTANTS: tuple[Mutant, ...] = (
            '"and": jnp.logical_or, "or": jnp.logical_or}',
            ("tests/test_optax_wrappers.py",),
            "apply_if_finite's all-finite is combined across stages with or: one stage's finite gradient applies "
-           "another stage's NaN"),
+           "another stage's non-finite one"),
     Mutant("engine-raises-on-rejected-gradient", "runtime", "cfp/runtime/engine.py",
            "            if ok[1].all():\n",
            "            if ok.all():\n",

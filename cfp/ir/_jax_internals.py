@@ -360,6 +360,14 @@ def backends_are_initialized() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def distributed_client():
+    """The coordination service's client of ``jax.distributed.initialize`` (None before it, or without it):
+    its ``wait_at_barrier`` is a barrier of a subset of processes with a timeout of the caller's choosing,
+    which JAX's public API does not offer."""
+    from jax._src import distributed
+    return distributed.global_state.client
+
+
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from cfp.runtime.cliques import meet_before_first_collective
+
 
 def _local(device) -> bool:
     return device.process_index == jax.process_index()
@@ -66,6 +68,7 @@ def move(tree: Optional[Any], src_devices: list, dst_devices: list, dst_sharding
     leaves_like, treedef = jax.tree_util.tree_flatten(like)
     leaves = jax.tree_util.tree_leaves(tree) if src_local else [None] * len(leaves_like)
     arrays = [global_array(l, v) for l, v in zip(leaves_like, leaves)]
+    meet_before_first_collective([src, dst], ready=arrays)   # the pair's gloo context: both ends within 30 s
     out = fn(jax.tree_util.tree_unflatten(treedef, arrays))
     if not dst_local:
         return None

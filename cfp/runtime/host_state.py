@@ -7,6 +7,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from cfp.runtime.cliques import meet_before_first_collective
+
 
 def host(tree: Any) -> Any:
     """A host numpy copy of a (possibly sharded) device tree."""
@@ -18,6 +20,8 @@ def gather_stages(keys: Sequence[tuple[int, int]], held: dict, like_of: Callable
     """Host copies of stage ``keys``' trees (``held[key]`` on the process running the stage); in a multi-process
     run each is broadcast from its process, so every process gets all of them."""
     out = []
+    if jax.process_count() > 1:
+        meet_before_first_collective(jax.devices())
     for key in keys:
         mine = local(key)
         value = host(held[key]) if mine else jax.tree_util.tree_map(
@@ -32,4 +36,5 @@ def gather_stages(keys: Sequence[tuple[int, int]], held: dict, like_of: Callable
 def process_allgather(x: Any) -> Any:
     """Every process's copy of the (host) pytree ``x``, stacked on a new leading axis."""
     from jax.experimental import multihost_utils
+    meet_before_first_collective(jax.devices())
     return multihost_utils.process_allgather(x)

@@ -36,10 +36,10 @@ def gather_events(events, n_max: int) -> Timeline:
     rows = np.array([[e.pipeline, e.stage, e.microbatch, list(Phase).index(e.phase),
                       e.start, e.end] for e in events], np.float32).reshape(-1, 6)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+        from cfp.runtime.host_state import process_allgather
         padded = np.full((n_max, 6), -1.0, np.float32)
         padded[:len(rows)] = rows
-        rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, 6)
+        rows = np.asarray(process_allgather(padded)).reshape(-1, 6)
         rows = rows[rows[:, 0] >= 0]
     tl = Timeline(unmeasured=n_max - len(rows))
     for row in rows:

@@ -59,3 +59,31 @@ def test_factors_learned_from_measured_spans_reach_the_true_scale_and_change_the
     assert chosen[0] == 0 and chosen[-1] == 1
     assert 1.5 < factors[(1, 1, 1)] <= 2.0 + 1e-9   # learned while it ran, kept once the choice left it
     assert factors[(1, 2, 1)] == pytest.approx(0.9, rel=0.05)
+
+
+def test_every_process_prices_the_next_step_with_process_0s_factors(monkeypatch):
+    """Each process measures only the pipelines it runs (the others' spans are 0 there), so its own factors differ;
+    `next_factors` hands every process process 0's (an all-gather over the candidates' shapes, in one order
+    whatever factors a process holds), so all choose the same mix and enter the same collectives."""
+    import dataclasses
+    import types
+
+    import jax
+
+    import cfp.runtime.host_state as host_state
+    from cfp.data import train
+    gathered = []
+
+    def allgather(x):       # process 0 measured pipeline 0 only: its factor for (1, 1, 1) moved, (1, 2, 1)'s not
+        gathered.append(np.asarray(x))
+        return np.stack([np.array([1.5, 1.0], np.float32), np.asarray(x)])
+    monkeypatch.setattr(host_state, "process_allgather", allgather)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    opts = DataTrainOptions(model="llama2", method=METHODS[4], steps=2, tokens_per_step=1000)
+    # this process ran pipeline 1 only: (1, 2, 1) measured 2x its estimate, (1, 1, 1) not at all
+    rec = types.SimpleNamespace(mix=0, pipelines=(_time(0.0, 1.0), _time(2.0, 1.0)))
+    assert updated({}, [ONE, TWO], rec.pipelines) == {(1, 2, 1): pytest.approx(2.0 ** DAMPING)}  # its own view
+    got = train.next_factors(opts, {}, [[ONE, TWO]], rec)
+    assert got == {(1, 1, 1): pytest.approx(1.5)}          # process 0's, (1, 2, 1) at 1 there
+    assert [g.tolist() for g in gathered] == [[1.0, pytest.approx(2.0 ** DAMPING)]]   # sorted shapes: (1,1,1), (1,2,1)
+    assert train.next_factors(dataclasses.replace(opts, recalibrate=False), {}, [[ONE, TWO]], rec) == {}

@@ -274,8 +274,23 @@ def train_step(opts: DataTrainOptions, data: Sequences, trainer, candidates, lay
 
 def next_factors(opts: DataTrainOptions, factors: dict, candidates, rec: StepRecord) -> dict:
     """The factors the step after `rec` prices with: `rec`'s measured spans folded in (`cfp.data.rescale`), or
-    unchanged without `opts.recalibrate`."""
-    return updated(factors, candidates[rec.mix], rec.pipelines) if opts.recalibrate else factors
+    unchanged without `opts.recalibrate`. In a multi-process job every process takes process 0's (`agreed`)."""
+    if not opts.recalibrate:
+        return factors
+    new = updated(factors, candidates[rec.mix], rec.pipelines)
+    import jax
+    return agreed(new, candidates) if jax.process_count() > 1 else new
+
+
+def agreed(factors: dict, candidates) -> dict:
+    """Process 0's `factors` on every process (one small all-gather over the candidates' scheme shapes). Each
+    process measures only the pipelines it runs, so its own factors differ from the others'; priced by them, the
+    processes could choose different mixes for a step and enter different collectives (a hang or an abort)."""
+    from cfp.runtime.host_state import process_allgather
+    shapes = sorted({s.shape for mix in candidates for s in mix})    # the same on every process (not its keys)
+    mine = np.array([factors.get(k, 1.0) for k in shapes], np.float32)
+    first = np.asarray(process_allgather(mine))[0]
+    return {k: float(v) for k, v in zip(shapes, first) if v != 1.0}
 
 
 def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[Sequence[Scheme]],

@@ -1,7 +1,7 @@
 """One process of tests/test_first_collective.py (started by `cfp launch --nprocs 2 --devices-per-proc 4`): process
-1 reaches each first cross-process collective -- a gather of stage trees (`gather_stages`), then a move between
-the processes' first devices (`comm.move`) -- ``argv[1]`` seconds after process 0, longer than the 30 s in which
-XLA's gloo builds a clique's connections; prints what it got."""
+1 reaches each first cross-process collective -- a gather of stage trees (`gather_stages`), then a move from
+process 0's first device to process 1's second (`comm.move`) -- ``argv[1]`` seconds after process 0, longer than
+the 30 s in which XLA's gloo builds a clique's connections; prints what it got."""
 import sys
 import time
 
@@ -26,7 +26,8 @@ def main(late_s: float) -> None:
         time.sleep(late_s)
     trees = gather_stages([(0, 0), (0, 1)], held, lambda k: like, lambda k: k[1] == me)
     print(f"process {me} gathered {[t.tolist() for t in trees]}", flush=True)
-    src, dst = jax.devices()[0], next(d for d in jax.devices() if d.process_index == 1)
+    # process 1's second device: the gather above built the cliques of equal local indices ({0, 4}, ...)
+    src, dst = jax.devices()[0], [d for d in jax.devices() if d.process_index == 1][1]
     if me == 1:
         time.sleep(late_s)
     x = jax.device_put(jnp.arange(3.0) + 100, src) if me == 0 else None

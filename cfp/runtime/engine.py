@@ -445,11 +445,12 @@ class HeteroTrainer:
         self._clock.events(order, 0.0)
         return loss
 
-    def measure(self, batch: Any) -> list[Event]:
+    def measure(self, batch: Any, serial: bool = False) -> list[Event]:
         """One pass of the schedule on ``batch`` without the update (gradients discarded, state unchanged): each
-        action's measured interval, from the pass's start (as a step's `StepStats.events`)."""
+        action's measured interval, from the pass's start (as a step's `StepStats.events`). ``serial``: one action
+        at a time (`ScheduleRun`), so that stages sharing cores do not lengthen each other's measured times."""
         t0 = time.perf_counter()
-        acc, _, _, order, _ = self._run_schedule(self.micro_batches(batch))
+        acc, _, _, order, _ = self._run_schedule(self.micro_batches(batch), serial)
         jax.block_until_ready(acc)
         return self._clock.events(order, t0)
 
@@ -463,14 +464,14 @@ class HeteroTrainer:
             out.append(compiled_memory(fn.lower(*args).compile()))
         return out
 
-    def _run_schedule(self, mbs: list[list[Any]]) -> tuple[dict, float, float, list, dict]:
+    def _run_schedule(self, mbs: list[list[Any]], serial: bool = False) -> tuple[dict, float, float, list, dict]:
         """(accumulated gradients, loss, total weight, global action order, per local stage the most activation
-        bytes per device kept between actions)."""
+        bytes per device kept between actions); ``serial``: one action at a time (`ScheduleRun`)."""
         if not self._initialized:
             raise ConfigError("HeteroTrainer.step called before init() or load_state()")
         order = self._order([len(p) for p in mbs])
         run = ScheduleRun(self.run_layout, self.programs, self.params, order, self._act_shape, self._clock,
-                          self.vstages.stage_of)
+                          self.vstages.stage_of, serial)
         acc, loss, weight = run.run(mbs)
         return acc, loss, weight, order, run.memory.peak
 

@@ -154,12 +154,14 @@ class ScheduleRun:
     """Dispatches one step's forward/backward actions; ``run(per_pipeline)`` -> (accumulators, loss, weight).
 
     ``per_pipeline[p]`` are pipeline p's micro-batches (``check_micro_batches``); each may have its own shape
-    (packed variable-length rows), and a pipeline may have none this step."""
+    (packed variable-length rows), and a pipeline may have none this step. ``serial``: each action waits for the
+    one before it to end (one action at a time: its measured time is its own, not shared with the other stages
+    computing on the same cores)."""
 
     def __init__(self, layout: Layout, programs: dict, params: dict, order: list, act_shape: ActivationShapes,
-                 clock: StepClock, stage_of: Callable = lambda key: key):
+                 clock: StepClock, stage_of: Callable = lambda key: key, serial: bool = False):
         self.layout, self.programs, self.params, self.order = layout, programs, params, order
-        self.act_shape, self.clock = act_shape, clock
+        self.act_shape, self.clock, self.serial = act_shape, clock, serial
         # buffers between actions, keyed by (pipeline, stage, microbatch) or (stage key, microbatch)
         self.acts, self.grads_back, self.saved, self.batches = {}, {}, {}, {}
         self.kept: dict[tuple, tuple] = {}   # (stage key, microbatch) -> what W reads, from its B
@@ -180,6 +182,9 @@ class ScheduleRun:
             if done is not None:  # None: another process's stage
                 self.clock.dispatched((a.pipeline, a.stage), a.microbatch, a.phase, t0, done)
                 self.memory.observe((a.pipeline, a.stage))
+                if self.serial:
+                    jax.block_until_ready(done)
+                    self.clock.ended((a.pipeline, a.stage), a.microbatch, a.phase, time.perf_counter())
         for key, prog in self.programs.items():  # a pipeline without micro-batches adds zeros
             if prog.is_local and key not in self.acc:
                 self.acc[key] = prog.zeros()

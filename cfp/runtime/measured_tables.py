@@ -61,9 +61,12 @@ def generate_from_measured(trainer, batch, log: Callable[[str], None], passes: i
     whether tables were adopted."""
     trainer.warm(batch)
     t0, events = time.perf_counter(), []
+    # in one process every stage shares the host's cores: one action at a time, each is timed alone
+    serial = jax.process_count() == 1
     for _ in range(passes):
-        events += gather_events(trainer.measure(batch), len(trainer.order)).events
-    source = f"{passes} passes of the first batch without the update ({time.perf_counter() - t0:.2f} s measured)"
+        events += gather_events(trainer.measure(batch, serial=serial), len(trainer.order)).events
+    source = (f"{passes} passes of the first batch without the update{', one action at a time' if serial else ''} "
+              f"({time.perf_counter() - t0:.2f} s measured)")
     if adopt_generated(trainer, events, source, log):
         return True
     log(f"kept the fixed patterns: {passes} measuring passes left some virtual stage's F, B or W "

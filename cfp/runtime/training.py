@@ -360,7 +360,7 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
     init_state = trainer.state()[:2] if opts.verify else None
     result, last_events, every_event = _train(trainer, job, opts, store, start, losses, log)
     _report(trainer, job, opts, plans, result, last_events, log)
-    result.median_makespan = _median_makespans(trainer, every_event, log)
+    result.median_makespan = _median_makespans(trainer, every_event, lambda: job.batches(start), log)
     if opts.verify:
         result.verify_error, result.verify_ok = _verify(job, trainer, init_state, start, losses, opts.verify_tol,
                                                         log)
@@ -459,25 +459,43 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
     return result, last_events, (every_event, len(timed))
 
 
-def _median_makespans(trainer, every: tuple, log) -> dict[int, float]:
-    """Per pipeline, the makespan its table gives with each stage's median measured F, B and W over every
-    measured action of the timed steps (every stage owning its compute): a figure also when the host was too busy
-    to watch every action of a step. A collective under several processes."""
+SERIAL_PASSES = 1     # passes run one action at a time after the timed steps, for the simulated makespans
+
+
+def _median_makespans(trainer, every: tuple, batch: Callable[[], Any], log) -> dict[int, float]:
+    """Per pipeline, the makespan its table gives with each stage's median F, B and W (every stage owning its
+    compute). In one process the medians come from `SERIAL_PASSES` passes of ``batch()`` run one action at a time
+    after the timed steps: every stage here shares the host's cores, so an action timed beside others is stretched
+    by them, the more the fewer bubbles a schedule leaves, which would price a bubble-free schedule by its own
+    overlap. Under several processes they come from every measured action of the timed steps (a collective;
+    a figure also when the host was too busy to watch every action of a step)."""
     from cfp.runtime.measured_tables import gather_events, median_costs
     from cfp.schedules.simulate import simulate
     events, steps = every
     if not steps:
         return {}
     tl = gather_events(events, len(trainer.order) * steps)
+    serial = None
+    if jax.process_count() == 1:
+        first = batch()
+        serial = [e for _ in range(SERIAL_PASSES) for e in trainer.measure(first, serial=True)]
     out = {}
     for q in range(len(trainer.run_layout.pipelines)):
         table = trainer.table(q)
         if not any(e.pipeline == q for e in tl.events):
             continue
-        out[q] = simulate(table, median_costs(tl.events, q, table.num_vstages)).makespan
+        side = simulate(table, median_costs(tl.events, q, table.num_vstages)).makespan
+        if serial is None or not any(e.pipeline == q for e in serial):
+            out[q] = side
+            log(f"pipeline {q}: makespan {side:.4f} s simulated from each stage's median F/B/W over "
+                f"{sum(e.pipeline == q for e in tl.events)} measured actions of {steps} steps (every stage owning "
+                f"its compute; {tl.unmeasured} actions unwatched)")
+            continue
+        out[q] = simulate(table, median_costs(serial, q, table.num_vstages)).makespan
         log(f"pipeline {q}: makespan {out[q]:.4f} s simulated from each stage's median F/B/W over "
-            f"{sum(e.pipeline == q for e in tl.events)} measured actions of {steps} steps (every stage owning its "
-            f"compute; {tl.unmeasured} actions unwatched)")
+            f"{sum(e.pipeline == q for e in serial)} actions measured one at a time ({SERIAL_PASSES} pass(es) after "
+            f"the timed steps; every stage owning its compute); from the timed steps' actions, which shared the "
+            f"cores: {side:.4f} s")
     return out
 
 

@@ -9,6 +9,9 @@ import pytest
 from cfp.analysis.analysis import analyze_with_program
 from cfp.api import apply_plan, autoshard, load_plan
 from cfp.baselines.user_layouts import Layout, user_layout_shardings
+from cfp.errors import ConfigError
+from cfp.search.options import SearchOptions
+from cfp.search.search import StepCache, _budget_of_data_parallel, host_copies
 from cfp.search.plan import make_plan
 from cfp.sharding.step import ShardedStep
 from cfp.xla.compiled import compiled_memory
@@ -111,3 +114,43 @@ def test_the_plan_under_a_budget_is_the_fastest_candidate_that_fits(budgeted, pr
         assert load_plan(out).layout == res.best.layout
     again = apply_plan(problem[0], "2x4", *args, plan=out)
     np.testing.assert_allclose(float(again(*args)[0]), float(jax.jit(problem[0])(*args)[0]), rtol=1e-5)
+
+
+def test_budget_fraction_is_of_plain_data_parallel_compiled_once(problem):
+    """SearchOptions.budget_fraction: the budget is that fraction of plain data parallel's compiled memory, and
+    the step compiled to work it out is the search's plain data parallel candidate (its `StepCache` entry), not
+    cfp's constrained data parallel nor a second copy."""
+    step, args, analysis, program = problem
+    dp = compiled_memory(ShardedStep(program, analysis, user_layout_shardings(Layout.DATA_PARALLEL, analysis, args),
+                                     analysis.mesh.make()).compile(*args))
+    steps = StepCache(program, analysis, analysis.mesh.make())
+    opts = _budget_of_data_parallel(analysis, args, SearchOptions(budget_fraction=0.9), steps=steps, log=print)
+    assert opts.memory_per_device == int(dp * 0.9) and opts.budget_fraction is None
+    assert list(steps) == [(user_layout_shardings(Layout.DATA_PARALLEL, analysis, args).choice, (),
+                            Layout.DATA_PARALLEL.value)]
+    res = autoshard(step, "2x4", *args, options=SearchOptions(budget_fraction=0.9), profiler="estimate",
+                    gpu="A100-SXM-80G", max_combinations=2).search
+    assert res.budget == int(dp * 0.9)
+    plain = [v for v in res.layouts if v.layout == Layout.DATA_PARALLEL.value]
+    assert len(plain) == 1 and plain[0].memory == dp and plain[0].time == float("inf")     # over 90% of itself
+    assert res.best.memory <= res.budget
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, float("nan"), True, "0.85"])
+def test_budget_fraction_must_be_a_positive_number(bad):
+    with pytest.raises(ConfigError):
+        SearchOptions(budget_fraction=bad)
+
+
+def test_budget_fraction_and_a_budget_are_exclusive():
+    with pytest.raises(ConfigError, match="not both"):
+        SearchOptions(budget_fraction=0.85, memory_per_device="1MB")
+
+
+def test_host_copies_are_numpy_with_the_same_values():
+    x = jax.numpy.arange(6.0).reshape(2, 3)
+    key = jax.random.key(0)
+    out = host_copies({"x": x, "key": key, "n": 3})
+    assert isinstance(out["x"], np.ndarray) and not isinstance(out["x"], jax.Array)
+    np.testing.assert_array_equal(out["x"], np.asarray(x))
+    assert out["key"] is key and out["n"] == 3

@@ -56,7 +56,10 @@ class SearchOptions:
     compiled and timed beside the searched plans, and the fastest that fits is returned.
     `timing_budget`: seconds the side-by-side timing of the verified plans may take: its rounds (at least
     `iters`, at most max(`iters`, 10)) stop once the timed runs have taken that long, so a deep model's slower
-    step is timed fewer times rather than for longer."""
+    step is timed fewer times rather than for longer. `budget_fraction`: instead of `memory_per_device`, the
+    budget as this fraction of plain data parallel's compiled per-device memory (the layout users write, see
+    `cfp.baselines.user_layouts`): the search compiles that step first and verifies it as a candidate, so a
+    caller need not compile it a second time to work out the budget."""
 
     profile: ProfileOptions = ProfileOptions()
     memory_per_device: int | None = dataclasses.field(default=None, metadata={
@@ -76,6 +79,7 @@ class SearchOptions:
                 "shardings alone) and the Alpa-style ILP's plan; the fastest that fits wins"})
     timing_budget: float = dataclasses.field(default=10.0, metadata={
         "help": "seconds the side-by-side timing of the verified plans may take"})
+    budget_fraction: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.profile, ProfileOptions):
@@ -91,6 +95,12 @@ class SearchOptions:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if not _positive_number(self.timing_budget):
             raise ConfigError(f"timing_budget={self.timing_budget!r} must be a positive number of seconds")
+        if self.budget_fraction is not None:
+            if not _positive_number(self.budget_fraction):
+                raise ConfigError(f"budget_fraction={self.budget_fraction!r} must be a positive number (a fraction "
+                                  f"of plain data parallel's memory)")
+            if self.memory_per_device is not None:
+                raise ConfigError("give memory_per_device or budget_fraction, not both")
         if self.link_gbps is not None and not _positive_number(self.link_gbps):
             raise ConfigError(f"link_gbps={self.link_gbps!r} must be a positive number (GB/s)")
 

@@ -200,6 +200,8 @@ def search(program: Program, analysis: Analysis, table: ProfileTable, example_ar
     uniform = data_parallel_choice(analysis.graph, analysis.blocks)
     loops = LoopBodies(program, analysis, table, gpu, mesh) if analysis.graph.loops else None
     steps = StepCache(program, analysis, mesh)
+    if options.budget_fraction is not None:
+        options = _budget_of_data_parallel(analysis, example_args, options, steps=steps, log=log)
     scale, estimator = _calibrate(analysis, table, uniform, example_args, options=options, steps=steps, log=log)
     cands, cost, mem = _candidate_rows(analysis.segments, entries, estimator, scale, link, comm)
     trans = _transitions(analysis, cands, link, comm)
@@ -331,6 +333,19 @@ class StepCache(dict):
         return self[key]
 
 
+def _budget_of_data_parallel(analysis, example_args, options: SearchOptions, *, steps: StepCache,
+                             log) -> SearchOptions:
+    """`options` with `memory_per_device` set to `budget_fraction` of plain data parallel's compiled per-device
+    memory. Its step is the one `_layout_candidates` verifies (same `StepCache` key), so it compiles once."""
+    shardings = user_layout_shardings(Layout.DATA_PARALLEL, analysis, example_args)
+    step = steps.layout_step(Layout.DATA_PARALLEL, shardings)
+    memory = _step_memory(step, compiled_memory(step.compile(*example_args)), options.donate)
+    budget = max(1, int(memory * options.budget_fraction))
+    log(f"budget: {options.budget_fraction:.0%} of plain data parallel's {fmt_bytes(memory)} per device "
+        f"(compiled) = {fmt_bytes(budget)}")
+    return dataclasses.replace(options, memory_per_device=budget, budget_fraction=None)
+
+
 def _calibrate(analysis, table, uniform, example_args, *, options: SearchOptions, steps: StepCache, log):
     """(memory scale of the summed segment memories, state-sharding estimator or None), both calibrated on
     whole compiles of data parallel (plain, and with every block's state sharded) when verifying."""
@@ -431,10 +446,11 @@ def _time_side_by_side(verified, steps, example_args, options: SearchOptions, lo
     if not fits:
         return verified
     runs = []
+    host = host_copies(example_args)
     for k in fits:
         step = steps[verified[k].key]
         runs.append((step.compile(*example_args),
-                     lambda step=step: jax.tree_util.tree_leaves(step.shard_args(*example_args))))
+                     lambda step=step: jax.tree_util.tree_leaves(step.shard_args(*host))))
     # ten rounds where the budget allows: the spread of a few runs understates how much this host's timings wander
     timed = time_interleaved(runs, max(options.iters, 10), options.warmup, options.timing_budget, options.iters)
     out = list(verified)
@@ -444,6 +460,18 @@ def _time_side_by_side(verified, steps, example_args, options: SearchOptions, lo
         f"{out[k].label} {list(out[k].choice)[:4]}...{' sharded state' if out[k].shard_state else ''} "
         f"{out[k].time * 1e3:.4g} ms ±{out[k].noise * 100:.0f}%" for k in fits))
     return out
+
+
+def host_copies(args):
+    """`args` with every array leaf copied to host memory once (numpy), for placing them again before each
+    timed run: a device array placed with another sharding goes through a slicing program that JAX compiles
+    per shape and sharding (in `make demo`, 17 such compiles took 7.3 s at a host load of ~10), a host array
+    is copied shard by shard. Typed PRNG keys (extended dtypes) have no numpy form and stay as they are."""
+    def copy(x):
+        if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            return np.asarray(x)
+        return x
+    return jax.tree_util.tree_map(copy, args)
 
 
 def _tie_tolerance(a: VerifiedChoice, b: VerifiedChoice) -> float:

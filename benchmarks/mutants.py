@@ -607,6 +607,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "    return budget is None or memory <= 2 * budget",
            ("tests/test_user_layouts.py",),
            "a candidate over the memory budget is timed and can be returned"),
+    Mutant("budget-fraction-of-cfp-data-parallel", "search", "cfp/search/search.py",
+           "    step = steps.layout_step(Layout.DATA_PARALLEL, shardings)\n",
+           "    step = steps.step(data_parallel_choice(analysis.graph, analysis.blocks))\n",
+           ("tests/test_user_layouts.py",),
+           "budget_fraction takes its fraction of cfp's constrained data parallel (in the demo 7.4 MB, not plain "
+           "data parallel's 17.3 MB): a budget far below what the user asked for"),
     # ---- issue 39: packed attention computes only the blocks it keeps, and the breakdown prices those
     Mutant("block-map-off-by-one-block", "data", "cfp/models/packed_attention.py",
            "    return np.tril_indices(n, -1)",
@@ -617,12 +623,6 @@ MUTANTS: tuple[Mutant, ...] = (
            "    all_pairs = computes_all_pairs(num_rows, n)",
            "    all_pairs = True",
            ("tests/test_packed_attention.py",),
-    Mutant("budget-fraction-of-cfp-data-parallel", "search", "cfp/search/search.py",
-           "    step = steps.layout_step(Layout.DATA_PARALLEL, shardings)\n",
-           "    step = steps.step(data_parallel_choice(analysis.graph, analysis.blocks))\n",
-           ("tests/test_user_layouts.py",),
-           "budget_fraction takes its fraction of cfp's constrained data parallel (in the demo 7.4 MB, not plain "
-           "data parallel's 17.3 MB): a budget far below what the user asked for"),
            "the breakdown and fits count every block up to the diagonal, which the kernel no longer computes"),
     # ---- issues 38 and 40 (planner): recompute priced per stage as the runtime runs it
     Mutant("planner-prices-none-with-recomputed-forward", "planner", "cfp/planner/step_features.py",

@@ -11,6 +11,8 @@ from cfp.layout import Layout, Pipeline, Stage
 from cfp.planner.costmodel import CostModel, Places
 from cfp.planner.step_features import Among
 
+_MISSING = object()
+
 
 def stage_layouts(cm: CostModel, groups: Sequence[Sequence[int]]) -> list[Stage]:
     devs = cm.cluster.devices
@@ -34,6 +36,24 @@ def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int
     """Layers per stage minimising the slowest stage (the head's time counted on the last; adding layers
     one at a time where the stage stays fastest is exact for this min-max) subject to each stage's
     memory; None when the model does not fit."""
+    counts = layer_counts(cm, stages, batch, chunks, n_pipes, order_token(cm, stages))
+    return None if counts is None else tuple(Stage(s.devices, k, s.machine) for s, k in zip(stages, counts))
+
+
+def layer_counts(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int, n_pipes: Places,
+                 token: int) -> Optional[tuple[int, ...]]:
+    """`split_layers`' layer counts, memoised on all they depend on: the order (`token`, its `order_token`: the
+    stages' layers now do not matter), the micro-batch, the place and what the base schedule keeps at each
+    stage (`CostModel.placed`: the micro-batch count matters only through it)."""
+    key = ("layer_counts", token, batch // chunks, n_pipes, cm.placed(len(stages), chunks))
+    counts = cm.build_memo.get(key, _MISSING)
+    if counts is _MISSING:
+        counts = cm.build_memo[key] = _layer_counts(cm, stages, batch, chunks, n_pipes)
+    return counts
+
+
+def _layer_counts(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int,
+                  n_pipes: Places) -> Optional[tuple[int, ...]]:
     L = cm.model.num_layers
     if len(stages) > L:
         return None
@@ -61,7 +81,7 @@ def split_layers(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: int
         n[i] += 1
         if n[i] < caps[i]:
             heapq.heappush(heap, (fixed[i] + (n[i] + 1) * tau[i], i))
-    return tuple(Stage(s.devices, k, s.machine) for s, k in zip(stages, n))
+    return tuple(n)
 
 
 def pipeline_terms(cm: CostModel, stages: Sequence[Stage], micro_batch: int) -> tuple[float, float]:
@@ -122,13 +142,22 @@ def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], t
     return c
 
 
-def orders_signature(cm: CostModel, orders: Sequence[Sequence[Stage]]) -> tuple:
-    """What the layer splits and times of a pipeline's candidate stage orders depend on: per stage its
-    machine's spec and TP degree, and whether its neighbour is on the same machine (the link); pipelines of
-    like machines share it."""
+def orders_signature(cm: CostModel, orders: Sequence[Sequence[Stage]]) -> tuple[int, ...]:
+    """What the layer splits and times of a pipeline's candidate stage orders depend on, one token per order
+    (`order_token`); pipelines of like machines share it."""
+    return tuple(order_token(cm, o) for o in orders)
+
+
+def order_token(cm: CostModel, order: Sequence[Stage]) -> int:
+    """A small int standing for what the layer split and times of a stage order depend on: per stage its
+    machine's spec and TP degree, and whether its neighbour is on the same machine (the link). Interned, so the
+    memo keys of the search hash one int where they hashed the order's ~30 entries (planning 1024 GPUs builds
+    ~17,000 keys of orders)."""
     kind = cm.kind
-    return tuple((tuple((kind[st.machine], len(st.devices)) for st in o),
-                  tuple(a.machine == b.machine for a, b in zip(o, o[1:]))) for o in orders)
+    sig = (tuple((kind[st.machine], len(st.devices)) for st in order),
+           tuple(a.machine == b.machine for a, b in zip(order, order[1:])))
+    tokens = cm.build_memo.setdefault("order tokens", {})
+    return tokens.setdefault(sig, len(tokens))
 
 
 def best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
@@ -140,8 +169,9 @@ def best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, mi
     key = ("best_order", sig, chunks, micro_batch, n_pipes)
     memo = cm.build_memo
     if key not in memo:
-        found = _search_orders(cm, orders, chunks, micro_batch, n_pipes)
-        memo[key] = None if found is None else (found[0], tuple(st.layers for st in found[1]))
+        # orders relabelled from a pipeline of like machines (the planner's `_Relabelled`) are searched as the
+        # orders they map: the search depends on their signature alone, and mapping every order costs more
+        memo[key] = _search_orders(cm, getattr(orders, "source", orders), chunks, micro_batch, n_pipes, sig)
     hit = memo[key]
     if hit is None:
         return None
@@ -155,18 +185,19 @@ def best_order(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, mi
 
 
 def _search_orders(cm: CostModel, orders: Sequence[Sequence[Stage]], chunks: int, micro_batch: int,
-                   n_pipes: Places) -> Optional[tuple[int, tuple[Stage, ...]]]:
+                   n_pipes: Places, sig: tuple[int, ...]) -> Optional[tuple[int, tuple[int, ...]]]:
     best, best_t = None, math.inf
     for i, stages in enumerate(orders):
-        st = split_layers(cm, stages, chunks * micro_batch, chunks, n_pipes)
-        if st is not None:
+        counts = layer_counts(cm, stages, chunks * micro_batch, chunks, n_pipes, sig[i])
+        if counts is not None:
+            st = tuple(Stage(s.devices, n, s.machine) for s, n in zip(stages, counts))
             a, w = pipeline_terms(cm, st, micro_batch)
             # the update depends on the stages alone: priced on `pipeline_terms`' probe, whose stage figures
             # are memoised by now
             probe = cm.stage_estimates(Pipeline(st, micro_batch, 1), 1)
             t = a + (chunks - 1) * w + cm.stages_update_time(st, probe)
             if t < best_t:
-                best, best_t = (i, st), t
+                best, best_t = (i, counts), t
     return best
 
 

@@ -152,6 +152,7 @@ class _PipelineFigures:
     stages: tuple[StageEstimate, ...]
     time: float                     # the pipeline's forward-backward time, seconds
     layer_tp: np.ndarray            # TP degree per layer
+    tp_token: int                   # one per distinct `layer_tp` (`_shape_figures`)
     bounds: tuple[int, ...]         # the first layer of each stage, then the number of layers
     fits: bool
     peak: float                     # dense peak FLOP/s of its devices
@@ -330,9 +331,15 @@ class CostModel:
                      ) -> Recompute:
         """The stage's recompute policy: the least recomputation among the features' policies whose peak fits its
         devices' memory (`auto`), else the leanest (the stage does not fit)."""
+        return self._policy_peak(st, idx, pipe, n_pipes, spec)[0]
+
+    def _policy_peak(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None
+                     ) -> tuple[Recompute, float]:
+        """(`stage_policy`, the stage's peak under it), memoised together: the choice prices the peaks, and the
+        search asks for the peak at the stage's own policy (`stage_memory`) as often as for the policy."""
         options = self.features.policies
         if len(options) == 1 or st.machine is None:     # (no machine, no memory: the runtime's own default)
-            return options[0]
+            return options[0], self._peak_bytes(st, idx, pipe, n_pipes, spec, options[0])
         spec = spec or self.spec
         head, stored = self.placed(len(pipe.stages), pipe.chunks, spec)
         key = ("stage_policy", self.kind[st.machine], len(st.devices), st.layers, idx == 0, idx == head, stored[idx],
@@ -340,9 +347,11 @@ class CostModel:
         hit = self._memo.get(key)
         if hit is None:
             cap = self.cluster.machines[st.machine].memory
-            hit = next((p for p in options[:-1] if self.stage_memory(st, idx, pipe, n_pipes, spec, p) <= cap),
-                       options[-1])
-            self._memo[key] = hit
+            for p in options:
+                peak = self._peak_bytes(st, idx, pipe, n_pipes, spec, p)
+                if peak <= cap or p is options[-1]:
+                    break
+            hit = self._memo[key] = (p, peak)
         return hit
 
     @_memo
@@ -364,9 +373,27 @@ class CostModel:
     @_memo
     def _memory_terms(self, tp: int, first: bool, last: bool, stored: tuple[int, int], v: int, mb: int,
                       n_pipes: Places, policy: Recompute = Recompute.FULL) -> MemoryTerms:
-        m = self.model
+        """Memoised in two parts (a 1024-GPU plan asks ~40,000 combinations, most differing only in the place):
+        the state by TP degree and ends alone, the working set (`_working_set`) without the place."""
         share, opt = self.features.state_share(n_pipes), self.features.optimizer_share(n_pipes)
+        params, layer_params, state, layer_state = self._state_bytes(tp, first, last)
+        a0, a1 = self._working_set(tp, first, last, stored, v, mb, policy)
+        # only what a pipeline's stages hold: the optimizer state on pipeline 0's alone (`Among`)
+        return MemoryTerms(share * params, share * layer_params, a0, a1, opt * state, opt * layer_state)
+
+    @_memo
+    def _state_bytes(self, tp: int, first: bool, last: bool) -> tuple[float, float, float, float]:
+        """(parameter bytes of the ends, of a layer, optimizer state of the ends, of a layer) per device."""
+        m = self.model
         ends = lambda fig: (fig(Part.EMBED, tp) if first else 0.0) + (fig(Part.HEAD, tp) if last else 0.0)
+        return (ends(m.param_bytes), m.param_bytes(Part.LAYER, tp), ends(m.optimizer_bytes),
+                m.optimizer_bytes(Part.LAYER, tp))
+
+    @_memo
+    def _working_set(self, tp: int, first: bool, last: bool, stored: tuple[int, int], v: int, mb: int,
+                     policy: Recompute) -> tuple[float, float]:
+        """(a0, a1) of `MemoryTerms`: the backward's working set, fixed and per layer."""
+        m = self.model
         n_in, n_stash = stored
         # kept virtual-stage inputs (token ids only where the stage's one virtual stage is the first)
         inputs = n_in * mb * (m.token_bytes() if first and v == 1 else m.boundary_bytes())
@@ -380,9 +407,7 @@ class CostModel:
         kept = self.residual_bytes(tp, policy)
         a1 = mb * (m.layer_activation_bytes(tp) - kept + max(1.0, n_in / v) * kept
                    + n_stash / v * m.layer_weight_stash_bytes(tp))
-        # only what a pipeline's stages hold: the optimizer state on pipeline 0's alone (`Among`)
-        return MemoryTerms(share * ends(m.param_bytes), share * m.param_bytes(Part.LAYER, tp), a0, a1,
-                           opt * ends(m.optimizer_bytes), opt * m.optimizer_bytes(Part.LAYER, tp))
+        return a0, a1
 
     def pipeline_memory_floor(self, n_pipes, tps: tuple[int, ...]) -> float:
         """Bytes the devices of one pipeline at `n_pipes` (an `Among`; an int: pipeline 0) hold together at
@@ -431,6 +456,12 @@ class CostModel:
         and transients) and what arrives after it (on pipeline 0 the other pipelines' gradients, on the others
         pipeline 0's new parameters: `StepFeatures.gathered_copies`); under `policy` (default: the stage's,
         `stage_policy`)."""
+        if policy is None:
+            return self._policy_peak(st, idx, pipe, n_pipes, spec)[1]
+        return self._peak_bytes(st, idx, pipe, n_pipes, spec, policy)
+
+    def _peak_bytes(self, st: Stage, idx: int, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec,
+                    policy: Recompute) -> float:
         t = self.memory_terms(st, idx, pipe, n_pipes, spec, policy)
         n = st.layers
         return t.state(n) + max(t.a0 + n * t.a1, self.features.gathered_copies(n_pipes) * (t.s0 + n * t.s1))
@@ -442,15 +473,43 @@ class CostModel:
         head, stored = self.placed(len(pipe.stages), pipe.chunks, spec)
         return self._cached_stage(st, idx, pipe, (idx == head, stored[idx], spec), n_pipes, nxt)
 
-    def stage_estimates(self, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None
+    def stage_estimates(self, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec = None, shape: tuple = None
                         ) -> tuple[StageEstimate, ...]:
-        """`stage_estimate` of every stage of `pipe` under ``spec`` (default: the base schedule)."""
+        """`stage_estimate` of every stage of `pipe` under ``spec`` (default: the base schedule), memoised on the
+        pipeline's shape (`pipeline_shape`: every stage's `_cached_stage` key is made of it, its batch, chunks, place
+        and schedule), so a pipeline met again costs one key instead of one per stage (planning 1024 GPUs asks
+        ~22,000 times for pipelines of ~15 stages); `shape`: the pipeline's, where the caller has it."""
         spec = spec or self.spec
-        st = pipe.stages
-        n = len(st)
+        shape = shape or self.pipeline_shape(pipe)
+        key = ("stage_estimates", shape, pipe.batch, pipe.chunks, n_pipes, spec)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._stage_estimates(pipe, n_pipes, spec, shape)
+        return hit
+
+    def _stage_estimates(self, pipe: Pipeline, n_pipes: Places, spec: ScheduleSpec, shape: tuple
+                         ) -> tuple[StageEstimate, ...]:
+        """Per stage `_cached_stage`, whose memo is looked up here with the key made from `shape` (the same key:
+        ~200,000 lookups at 1024 GPUs, most of them hits)."""
+        stages, (per_stage, links) = pipe.stages, shape
+        n, mb, memo = len(stages), pipe.micro_batch, self._stage_memo
         head, stored = self.placed(n, pipe.chunks, spec)
-        return tuple(self._cached_stage(s, i, pipe, (i == head, stored[i], spec), n_pipes,
-                                        st[i + 1] if i + 1 < n else None) for i, s in enumerate(st))
+        out = []
+        for i, st in enumerate(stages):
+            kind, width, layers = per_stage[i]
+            key = (kind, width, layers, i == 0, (i == head, stored[i], spec), mb, n_pipes,
+                   links[i] if i + 1 < n else -1.0)
+            e = memo.get(key)
+            out.append(e if e is not None else
+                       self._cached_stage(st, i, pipe, key[4], n_pipes, stages[i + 1] if i + 1 < n else None))
+        return tuple(out)
+
+    def pipeline_shape(self, pipe: Pipeline) -> tuple:
+        """All a pipeline's stage figures depend on beyond its batch, chunks and place: per stage its machine's spec,
+        TP degree and layers, and the links between consecutive stages (not which devices or machines)."""
+        st, kind, link = pipe.stages, self.kind, self.cluster.link
+        return (tuple((kind[s.machine], len(s.devices), s.layers) for s in st),
+                tuple(link(a.machine, b.machine) for a, b in zip(st, st[1:])))
 
     def _cached_stage(self, st: Stage, idx: int, pipe: Pipeline, place: tuple, n_pipes: Places,
                       nxt: Stage | None) -> StageEstimate:
@@ -461,15 +520,14 @@ class CostModel:
                n_pipes, -1.0 if nxt is None else self.cluster.link(st.machine, nxt.machine))
         e = self._stage_memo.get(key)
         if e is None:
-            policy = self.stage_policy(st, idx, pipe, n_pipes, place[2])
+            policy, memory = self._policy_peak(st, idx, pipe, n_pipes, place[2])
             # the times do not depend on the schedule beyond where the head is: memoised apart from the memory
             tkey = key[:4] + (place[0], policy) + key[5:]
             times = self._stage_memo.get(tkey)
             if times is None:
                 times = self._stage_memo[tkey] = self._stage_estimate(st, idx, pipe, n_pipes, nxt, place[0], policy)
             e = self._stage_memo[key] = StageEstimate(
-                fwd=times.fwd, bwd=times.bwd, send=times.send, memory=self.stage_memory(st, idx, pipe, n_pipes,
-                                                                                         place[2], policy),
+                fwd=times.fwd, bwd=times.bwd, send=times.send, memory=memory,
                 capacity=times.capacity, flops_fwd=times.flops_fwd, flops_bwd=times.flops_bwd,
                 update=times.update, measured=times.measured, params=times.params, wgrad=times.wgrad,
                 recompute=policy)
@@ -562,27 +620,25 @@ class CostModel:
         whose stages fit, else the base one; memoised on the pipeline's shape -- per stage its machine's spec, TP
         degree, layers and link to the next -- which is all they depend on (pipelines of like machines, e.g. the
         equal-share cut's, share it)."""
-        st, kind, link = pipe.stages, self.kind, self.cluster.link
-        key = (tuple((kind[s.machine], len(s.devices), s.layers) for s in st),
-               tuple(link(a.machine, b.machine) for a, b in zip(st, st[1:])), pipe.batch, pipe.chunks, n_pipes)
+        shape = self.pipeline_shape(pipe)
+        key = (shape, pipe.batch, pipe.chunks, n_pipes)
         hit = self._pipe_memo.get(key)
         if hit is not None:
             return hit
         options, best = [], None
         for spec in self.choices:       # the fastest schedule whose stages fit; else the base one
-            ests = self.stage_estimates(pipe, n_pipes, spec)
+            ests = self.stage_estimates(pipe, n_pipes, spec, shape)
             t = self.pipeline_time(ests, pipe.chunks, spec)
             fits = all(e.memory <= e.capacity for e in ests)
             options.append((spec, t, fits))
             if best is None or (fits and (not best[3] or t < best[2])):
                 best = (spec, ests, t, fits)
-        hit = self._pipe_memo[key] = (best[0], best[1], best[2], tuple(options))
+        hit = self._pipe_memo[key] = (best[0], best[1], best[2], tuple(options), self._shape_figures(pipe, best[1]))
         return hit
 
     def _pipeline_figures(self, pipe: Pipeline, n_pipes: Places) -> _PipelineFigures:
-        spec, ests, time, options = self._priced(pipe, n_pipes)
+        spec, ests, time, options, shape = self._priced(pipe, n_pipes)
         ms = self.cluster.machines
-        shape = self._shape_figures(pipe, ests)
         share, own = [], []
         busy, upd = {}, {}
         for s, e in zip(pipe.stages, ests):
@@ -594,24 +650,26 @@ class CostModel:
                 upd[m] = upd.get(m, 0.0) + e.update * f
             else:
                 own.append(e.update)
-        layer_tp, bounds, fits, peak = shape
-        return _PipelineFigures(stages=ests, time=time, layer_tp=layer_tp, bounds=bounds, fits=fits, peak=peak,
+        (layer_tp, token), bounds, fits, peak = shape
+        return _PipelineFigures(stages=ests, time=time, layer_tp=layer_tp, tp_token=token, bounds=bounds, fits=fits,
+                                peak=peak,
                                 machines=frozenset(s.machine for s in pipe.stages), share=tuple(share),
                                 host_busy=tuple(busy.items()), host_update=tuple(upd.items()),
                                 own_update=max(own, default=0.0), schedule=spec, options=options)
 
     def _shape_figures(self, pipe: Pipeline, ests: tuple) -> tuple:
-        """(TP degree per layer, stage bounds, fits, dense peak FLOP/s) of a pipeline, memoised on its estimates
-        (`_priced`'s) and per stage TP degree, layers and machine spec."""
-        key = ("shape", id(ests), tuple((self.kind[s.machine], len(s.devices), s.layers) for s in pipe.stages))
-        hit = self._memo.get(key)
-        if hit is None or hit[0] is not ests:
-            layers = [s.layers for s in pipe.stages]
-            widths = [len(s.devices) for s in pipe.stages]
-            hit = self._memo[key] = (ests, (np.repeat(widths, layers), (0, *itertools.accumulate(layers)),
-                                           all(e.memory <= e.capacity for e in ests),
-                                           sum(s.tp * self._peak[s.machine] for s in pipe.stages)))
-        return hit[1]
+        """((TP degree per layer, its token), stage bounds, fits, dense peak FLOP/s) of a pipeline priced as `ests`
+        (kept with `_priced`'s figures). The per-layer degrees are interned, one token each, so `_dp_time` finds
+        the narrowest over a layout's pipelines by their tokens (refinement estimates thousands of layouts that
+        differ in one pipeline)."""
+        layers = tuple(s.layers for s in pipe.stages)
+        widths = tuple(len(s.devices) for s in pipe.stages)
+        tokens = self._memo.setdefault("layer_tp tokens", {})
+        layer_tp = tokens.get((widths, layers))
+        if layer_tp is None:
+            layer_tp = tokens[widths, layers] = (np.repeat(widths, layers), len(tokens))
+        return (layer_tp, (0, *itertools.accumulate(layers)), all(e.memory <= e.capacity for e in ests),
+                sum(s.tp * self._peak[s.machine] for s in pipe.stages))
 
     def dp_time(self, layout: Layout) -> float:
         """Gradient sync as the runtime does it (`cfp.runtime.executor.sync_gradients`): every stage of pipeline 0
@@ -632,11 +690,15 @@ class CostModel:
         bw = self._sync_bandwidth(machines)
         machine = next(iter(machines))
         per_tp = self._sync_table(n, bw, self.kind[machine])
-        narrowest = np.stack([f.layer_tp for f in figs]).min(axis=0)
-        pkey = (narrowest.tobytes(), n, bw, self.kind[machine])
+        tokens = ("narrowest", tuple(f.tp_token for f in figs))
+        narrowest = self._memo.get(tokens)     # (TP degree per layer at its narrowest, as bytes)
+        if narrowest is None:
+            least = np.stack([f.layer_tp for f in figs]).min(axis=0)
+            narrowest = self._memo[tokens] = (least, least.tobytes())
+        pkey = (narrowest[1], n, bw, self.kind[machine])
         prefix = self._memo.get(pkey)
         if prefix is None:
-            prefix = self._memo[pkey] = np.concatenate(([0.0], np.cumsum(per_tp[narrowest]))).tolist()
+            prefix = self._memo[pkey] = np.concatenate(([0.0], np.cumsum(per_tp[narrowest[0]]))).tolist()
         worst, host = 0.0, {}
         # the runtime's gather: pipeline 0's stages receive every pipeline's pieces (`sync_gradients`)
         for p, f in zip(layout.pipelines[:1], figs[:1]):
@@ -732,7 +794,8 @@ class CostModel:
 
     def _figures(self, layout: Layout) -> list[_PipelineFigures]:
         n = len(layout.pipelines)      # pipeline 0 holds the optimizer state and updates for all (`Among`)
-        return [self._pipeline(p, Among(n, i == 0)) for i, p in enumerate(layout.pipelines)]
+        first, other = Among(n, True), Among(n, False)
+        return [self._pipeline(p, other if i else first) for i, p in enumerate(layout.pipelines)]
 
     def estimate(self, layout: Layout) -> Estimate:
         figs = self._figures(layout)      # once: dp, update and compute time read the same figures

@@ -211,6 +211,7 @@ class _Relabelled(Sequence):
 
     def __init__(self, orders: Sequence, dmap: dict, mmap: dict):
         self._orders, self._dmap, self._mmap, self._made = orders, dmap, mmap, {}
+        self.source = orders    # what `build.best_order` searches instead: the same signature, nothing to map
 
     def __len__(self) -> int:
         return len(self._orders)

@@ -1,6 +1,7 @@
-"""The processes of a set of devices meet before the first collective on that set.
+"""The processes of a clique (devices in a collective's order) meet before the first collective on it.
 
-Why: XLA's CPU collectives (gloo, cross-process) build one connection context per set of devices (a clique) the
+Why: XLA's CPU collectives (gloo, cross-process) build one connection context per clique -- the list of devices
+in the order the collective's mesh gives them: a move from device 2 to 2048 and one from 2048 to 2 are two -- the
 first time a collective runs on it, and that rendezvous reads the peers' addresses from the coordination service
 with a fixed 30 s deadline (XLA's ``GlooKeyValueStore``; neither ``jax.distributed.initialize`` nor the XLA flags
 set it). A process that reaches a clique's first collective more than 30 s before a peer -- the peer still
@@ -33,14 +34,15 @@ _lock = threading.Lock()
 
 
 def meet_before_first_collective(devices: Sequence[Any], ready: Optional[Any] = None) -> bool:
-    """Wait until every process holding one of ``devices`` gets here, the first time this process runs a
-    collective on that set of devices; later calls (and sets within one process) return at once. ``ready``:
+    """Wait until every process holding one of ``devices`` (in the collective's mesh order) gets here, the first
+    time this process runs a collective on them in that order; later calls (and devices of one process) return at
+    once. ``ready``:
     the arrays this process's collective reads, waited for first so that work queued before it does not delay
     its start. Returns whether it waited at a barrier."""
     processes = sorted({d.process_index for d in devices})
     if len(processes) < 2:
         return False
-    ids = tuple(sorted(d.id for d in devices))
+    ids = tuple(d.id for d in devices)      # in order: gloo keys its contexts by the ordered list
     with _lock:
         if ids in _met:
             return False

@@ -77,10 +77,12 @@ def _layer_counts(cm: CostModel, stages: Sequence[Stage], batch: int, chunks: in
     heap = [(fixed[i] + 2 * tau[i], i) for i in range(len(stages)) if caps[i] > 1]
     heapq.heapify(heap)
     for _ in range(L - len(stages)):
-        t, i = heapq.heappop(heap)
+        i = heap[0][1]
         n[i] += 1
         if n[i] < caps[i]:
-            heapq.heappush(heap, (fixed[i] + (n[i] + 1) * tau[i], i))
+            heapq.heapreplace(heap, (fixed[i] + (n[i] + 1) * tau[i], i))
+        else:
+            heapq.heappop(heap)
     return tuple(n)
 
 
@@ -134,11 +136,15 @@ def allocate_chunks(terms: Sequence[tuple[float, float]], caps: Sequence[int], t
     c = [1] * k
     heap = [(a + w, p) for p, (a, w) in enumerate(terms) if caps[p] > 1]
     heapq.heapify(heap)
-    for _ in range(total - k):
-        _, p = heapq.heappop(heap)
+    pop, replace = heapq.heappop, heapq.heapreplace
+    for _ in range(total - k):      # (thousands of micro-batches at scale: the pop and push as one replace)
+        p = heap[0][1]
         c[p] += 1
         if c[p] < caps[p]:
-            heapq.heappush(heap, (terms[p][0] + c[p] * terms[p][1], p))
+            a, w = terms[p]
+            replace(heap, (a + c[p] * w, p))
+        else:
+            pop(heap)
     return c
 
 

@@ -70,6 +70,8 @@ class StepStats:
     unmeasured: tuple = ()   # per action of this process with no measured interval (not in `events`): its stage
     kept_peak: dict = field(default_factory=dict)   # local stage -> most bytes per device of activations kept
     stage_of: Any = None     # an event's (pipeline, virtual stage) -> its (pipeline, stage); None: the same
+    cpu_seconds: float = 0.0  # the process's CPU time over the step, all threads (its work, whatever else loads
+    # the host: on shared cores wall time is the total work only while nothing else runs)
 
     def busy(self) -> dict[tuple[int, int], float]:
         """Seconds each stage (its virtual stages together) spent computing (fwd + bwd) in this step."""
@@ -329,7 +331,7 @@ class HeteroTrainer:
 
     def step(self, batch: Any) -> StepStats:
         """One optimizer step on a global batch or on per-pipeline micro-batch lists (see ``micro_batches``)."""
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         mbs = self.micro_batches(batch)
         acc, loss, weight, order, kept_peak = self._run_schedule(mbs)
         _check_loss(loss, self.step_count + 1)
@@ -344,7 +346,7 @@ class HeteroTrainer:
         broadcast_params(self.run_layout, self.programs, self.params, self._slice,
                          lambda key, pieces: self.programs[key].join_layers(pieces))
         jax.block_until_ready(list(self.params.values()))
-        seconds = time.perf_counter() - t_start
+        seconds, cpu_seconds = time.perf_counter() - t_start, time.process_time() - cpu_start
         self._check_finite(flags)
         self.step_count += 1
         flat = [mb for p in mbs for mb in p]
@@ -352,7 +354,7 @@ class HeteroTrainer:
         events = self._clock.events(order, t_start)
         return StepStats(step=self.step_count, loss=loss, seconds=seconds, tokens=slots,
                          real_tokens=int(round(weight)), events=events, unmeasured=tuple(self._clock.unmeasured),
-                         kept_peak=kept_peak, stage_of=self.vstages.stage_of)
+                         kept_peak=kept_peak, stage_of=self.vstages.stage_of, cpu_seconds=cpu_seconds)
 
     def _globals(self, grads: dict) -> dict:
         """The optimizer's values taken over every stage (e.g. a global gradient norm), exchanged round by round

@@ -177,10 +177,12 @@ class TrainResult:
     verify_error: Optional[float] = None
     verify_ok: bool = True
     step_seconds: list[float] = field(default_factory=list)   # measured, per step after the first
+    tokens_per_cpu_s: Optional[float] = None   # the same tokens over the process's CPU time (all threads): the
+    # step's work, which other load on a shared host does not inflate as it does wall time
     kept_peak: dict = field(default_factory=dict)       # last step: local stage -> most activation bytes kept
     kept_predicted: dict = field(default_factory=dict)  # ... and its schedule's prediction (bytes per device)
-    # per pipeline, the makespan simulated from each stage's median F/B/W over every measured action of the timed
-    # steps, every stage owning its compute (seconds; printed also when some action went unwatched)
+    # per pipeline, the makespan simulated from each stage's median F/B/W, every stage owning its compute (seconds;
+    # one process: actions measured one at a time after the timed steps; several: every measured action of them)
     median_makespan: dict = field(default_factory=dict)
     params: Any = None                   # train_pipelines: the trained parameters (host numpy, the model's structure)
     opt_state: Any = None                # ... and the optimizer state
@@ -358,7 +360,8 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
                          opts.layout)
     start, losses = _initial_state(store, opts.resume, job.model, trainer, log)
     init_state = trainer.state()[:2] if opts.verify else None
-    result, last_events, every_event = _train(trainer, job, opts, store, start, losses, log)
+    result, last_events, every_event = _train(trainer, job, opts, store, start, losses, log,
+                                              packed="segment_ids" in example)
     _report(trainer, job, opts, plans, result, last_events, log)
     result.median_makespan = _median_makespans(trainer, every_event, lambda: job.batches(start), log)
     if opts.verify:
@@ -389,11 +392,14 @@ def _build_stages(job: _Job, opts: RunOptions, cache: "CompileCache", example: A
 
 
 def _train(trainer, job: _Job, opts: RunOptions, store: "_Checkpoints", start: int, losses: dict[int, float],
-           log):
+           log, packed: bool = False):
     """Compile, generate adaptable schedules' tables from measured times, then train the steps left after
-    `start`; returns (result, the events of the step the timeline shows)."""
+    `start` (`packed`: the batches carry segment ids); returns (result, the events of the step the timeline
+    shows)."""
+    from cfp.models.attention_select import header_line
     log(f"{job.describe}; schedule {schedules_text(trainer.specs)}; recompute {recompute_text(trainer.recompute)}; "
         f"{jax.process_count()} process(es), {opts.layout.num_devices} devices")
+    log(header_line(job.model.config, packed))     # the attention the zoo model's stages are traced with
     log(opts.layout.describe())
     if start < opts.steps:
         log(f"compiled {len(trainer.programs)} stages in {trainer.compile():.1f} s")
@@ -447,8 +453,12 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
     result = TrainResult(losses, None, {}, {}, step_seconds=[s.seconds for s in timed], kept_peak=kept)
     if timed:
         result.tokens_per_s = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
+        cpu = sum(s.cpu_seconds for s in timed)
+        result.tokens_per_cpu_s = sum(s.tokens for s in timed) / cpu if cpu > 0 else None
         result.busy = {k: v / busy_steps[k] for k, v in busy_sum.items()}
-        log(f"tokens/s {result.tokens_per_s:,.0f} measured (mean over steps {start + 2}..{step + 1})")
+        per_cpu = f", {result.tokens_per_cpu_s:,.0f} per CPU second" if result.tokens_per_cpu_s else ""
+        log(f"tokens/s {result.tokens_per_s:,.0f} measured{per_cpu} (mean over steps {start + 2}..{step + 1}; CPU: "
+            "the process's threads, its work whatever else runs on the host)")
         line = "busy per stage (s/step, measured; mean over the steps each stage's actions were all measured): " + \
             ", ".join(f"p{k[0]}s{k[1]} {v:.4f} ({busy_steps[k]} of {len(timed)} steps)"
                       for k, v in sorted(result.busy.items()))

@@ -1,18 +1,19 @@
 """cfp demo: autoshard a 16-expert MoE's AdamW train step on 8 simulated CPU devices under a memory budget.
 
     make demo        (or: .venv/bin/python examples/demo.py [--model moe] [--override num_experts=16]
-                      [--layers 2] [--mesh 8] [--budget-fraction 0.85])
+                      [--layers 2] [--mesh 8] [--budget-fraction 0.85] [--max-combinations 2] [--verify 1])
 
-A mixture of experts is where per-block choices pay: expert weights want their expert dim sharded, attention
-and the embedding want data parallelism, and a uniform layout gets one of the two wrong. The budget (85% of
-plain data parallel's per-device memory) rules data parallel out. The search profiles each unique segment under
-its strategy combinations, runs the DP over segments with the budget (resharding priced by a latency and
-bandwidth model fitted on this host's collectives), then compiles its best plans whole next to the layouts a
-user would write for that budget -- plain data parallel, plain FSDP (input/output shardings alone), DP x TP
-with the Megatron rules (2-D meshes) -- and the Alpa-style ILP's plan, times them side by side and returns
-the fastest that fits. The demo then trains a few steps against the single-device step and times the
-returned plan against every one of those layouts again, side by side (a second measurement). A layout with
-the plan's own sharding is named as such, never given a ratio.
+The budget (85% of plain data parallel's per-device memory, `SearchOptions.budget_fraction`) rules plain data
+parallel out. The search profiles each unique segment under `--max-combinations` strategy combinations (data
+parallel's and the leanest at 2), runs the DP over segments with the budget (resharding priced by a latency
+and bandwidth model fitted on this host's collectives), then compiles its best plan (`--verify`) and cfp's
+uniform plans whole next to the layouts a user would write for that budget -- plain data parallel, plain FSDP
+(input/output shardings alone), DP x TP with the Megatron rules (2-D meshes) -- and the Alpa-style ILP's plan,
+times them side by side and returns the fastest that fits (candidates within the measured spread of the
+fastest are tied, and the tie goes to the least memory). The demo then trains a few steps against the
+single-device step and times the returned plan against every one of those layouts again, side by side (a
+second measurement). A layout with the plan's own sharding is named as such, never given a ratio. What it
+returned in the measured runs, and how fast, is in docs/benchmarks.md#make-demo.
 """
 import argparse
 import os
@@ -25,12 +26,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cfp  # noqa: E402
-from cfp.baselines.user_layouts import USER_LAYOUTS, Layout, user_layout_shardings  # noqa: E402
+from cfp.baselines.user_layouts import USER_LAYOUTS, Layout  # noqa: E402
 from cfp.mesh import MeshSpec  # noqa: E402
 from cfp.models import get_config, train_step  # noqa: E402
-from cfp.analysis.analysis import analyze_with_program  # noqa: E402
-from cfp.search.options import fmt_bytes  # noqa: E402
-from cfp.sharding.step import ShardedStep  # noqa: E402
+from cfp.search.options import SearchOptions, fmt_bytes  # noqa: E402
+from cfp.search.search import host_copies  # noqa: E402
 from cfp.xla.compiled import compiled_memory, time_interleaved  # noqa: E402
 
 BATCH = 16
@@ -54,6 +54,10 @@ def main() -> None:
     p.add_argument("--mesh", default="8")
     p.add_argument("--budget-fraction", type=float, default=0.85,
                    help="memory budget as a fraction of plain data parallel's per-device memory")
+    p.add_argument("--max-combinations", type=int, default=2,
+                   help="strategy combinations profiled per segment kind (data parallel's and the leanest at 2)")
+    p.add_argument("--verify", type=int, default=1,
+                   help="the DP's best plans compiled whole (besides cfp's uniform plans and the users' layouts)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the second side-by-side timing")
     args = p.parse_args()
@@ -70,26 +74,26 @@ def main() -> None:
           f"batch {BATCH}), mesh {spec}, {jax.device_count()} {jax.devices()[0].platform} devices; host load "
           f"average {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
 
-    analysis, program = analyze_with_program(ts.step, spec, params, opt, batch)
-    dp = ShardedStep(program, analysis, user_layout_shardings(Layout.DATA_PARALLEL, analysis, (params, opt, batch)),
-                     mesh)
-    dp_mem = compiled_memory(dp.compile(params, opt, batch))
-    budget = int(dp_mem * args.budget_fraction)
-    print(f"plain data parallel needs {fmt_bytes(dp_mem)} per device (compiled); budget {fmt_bytes(budget)} "
-          f"({args.budget_fraction:.0%})")
-
     print("\n== cfp.autoshard (analysis, profiling, search, whole-step candidates side by side)")
     t0 = time.perf_counter()
-    step = cfp.autoshard(ts.step, mesh, params, opt, batch, memory_limit=budget, iters=3, max_combinations=4)
+    # the budget as a fraction of plain data parallel's compiled memory: the search compiles that step once,
+    # as one of its candidates, rather than the demo compiling it a second time beforehand
+    options = SearchOptions(budget_fraction=args.budget_fraction)
+    step = cfp.autoshard(ts.step, mesh, params, opt, batch, options=options, iters=3,
+                         max_combinations=args.max_combinations, verify=args.verify)
     res = step.search
     print(f"planned in {time.perf_counter() - t0:.1f} s (measured)")
+    dp_mem = next(v.memory for v in res.layouts if v.layout == Layout.DATA_PARALLEL.value)
+    print(f"plain data parallel needs {fmt_bytes(dp_mem)} per device (compiled); budget {fmt_bytes(res.budget)} "
+          f"({args.budget_fraction:.0%})")
     print(res.report())
     print(res.candidates_text())
 
     print(f"\n== train {args.steps} steps: cfp plan vs single device")
     single = jax.jit(ts.step)
     p1, o1 = params, opt
-    p2, o2 = step.shard_args(params, opt, batch)[:2]
+    host = host_copies((params, opt, batch))   # placed from host memory (see host_copies)
+    p2, o2 = step.shard_args(*host)[:2]
     for i in range(args.steps):
         b = ts.make_batch(BATCH, jax.random.PRNGKey(100 + i))
         p1, o1, l1 = single(p1, o1, b)
@@ -97,7 +101,7 @@ def main() -> None:
         print(f"step {i}: loss cfp {float(l2):.6f}  single-device {float(l1):.6f}")
         if not np.isclose(float(l2), float(l1), rtol=1e-4):
             raise SystemExit(f"demo: sharded loss {float(l2)} differs from single-device loss {float(l1)}")
-    _time_side_by_side(step, res, (params, opt, batch), budget, args.rounds)
+    _time_side_by_side(step, res, (params, opt, batch), res.budget, args.rounds)
 
 
 def _time_side_by_side(step, res, args, budget: int, rounds: int) -> None:
@@ -111,8 +115,9 @@ def _time_side_by_side(step, res, args, budget: int, rounds: int) -> None:
         if layout.label not in runs:
             print(f"{layout.label}: not a candidate here" + (" (it needs a 2-D mesh)" if layout is Layout.DP_TP else ""))
     fits = {k: s for k, s in runs.items() if compiled_memory(s.compile(*args)) <= budget}
+    host = host_copies(args)    # placed from host memory: no slicing program compiled per shape and sharding
     timed = dict(zip(fits, time_interleaved(
-        [(s.compile(*args), lambda s=s: jax.tree_util.tree_leaves(s.shard_args(*args))) for s in fits.values()],
+        [(s.compile(*args), lambda s=s: jax.tree_util.tree_leaves(s.shard_args(*host))) for s in fits.values()],
         rounds, 2)))
     cfp_c = step.compile(*args)
     for k, s in runs.items():

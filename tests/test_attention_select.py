@@ -115,3 +115,85 @@ def test_attend_rejects_a_path_for_the_wrong_rows():
         attend(Impl.CUDNN, q, k, v, True, jnp.ones((2, 64), jnp.int32))
     with pytest.raises(ConfigError, match="segment ids"):
         attend(Impl.PACKED_BLOCKS, q, k, v, True)
+
+
+# ---- the zoo and the run headers ask the chooser (issue 39 item 2): what the header names is what runs
+
+from cfp.models import attention_select as sel  # noqa: E402
+from cfp.models import get_config, init_params, loss_fn, make_batch  # noqa: E402
+
+
+def _recording(monkeypatch):
+    """Record the implementation every zoo attention call runs, and run cuDNN's call through XLA (this host
+    has no cuDNN; the call and its arguments are the ones a GPU gets)."""
+    ran, fused_calls = [], []
+    real_attend, real_dpa = sel.attend, jax.nn.dot_product_attention
+
+    def attend(impl, *a, **k):
+        ran.append(impl)
+        return real_attend(impl, *a, **k)
+
+    def dpa(*a, implementation=None, is_causal=False, **k):
+        fused_calls.append((implementation, is_causal))
+        return real_dpa(*a, implementation="xla", is_causal=is_causal, **k)
+
+    monkeypatch.setattr(sel, "attend", attend)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", dpa)
+    return ran, fused_calls
+
+
+def _loss(model, cfg, params, seed=0):
+    return float(jax.jit(loss_fn(model, cfg))(params, make_batch(model, cfg, 2, seed)))
+
+
+@pytest.mark.parametrize("model,dtype,kinds,want", [
+    ("gpt", "bfloat16", (H100,), Impl.CUDNN),
+    ("llama2", "bfloat16", (A100,), Impl.CUDNN),         # grouped-query heads go to cuDNN as they are
+    ("gpt", "float32", (H100,), Impl.XLA),
+    ("gpt", "bfloat16", (V100,), Impl.XLA),
+    ("gpt", "bfloat16", (CPU,), Impl.XLA),
+    ("gpt", "bfloat16", (H100, V100), Impl.XLA),         # one program for both: the path both run
+    ("bert", "bfloat16", (H100,), Impl.XLA),             # bidirectional
+], ids=str)
+def test_zoo_runs_what_the_header_names(monkeypatch, model, dtype, kinds, want):
+    cfg = get_config(model, "tiny", dtype=dtype)
+    params = init_params(model, cfg, 0)
+    ran, fused_calls = _recording(monkeypatch)
+    with sel.on_devices(kinds):
+        header = sel.header_line(cfg, packed=False)
+        loss = _loss(model, cfg, params)
+    assert header.startswith(f"attention: {want.value} (")
+    assert set(ran) == {want} and len(ran) == cfg.num_layers
+    assert fused_calls == ([("cudnn", True)] * cfg.num_layers if want is Impl.CUDNN else [])
+    # the fused call (through XLA here) gives the loss the dense path gives (measured difference 5.6e-5 on
+    # both models, bfloat16 rounding; the attention's own numerics: test_fused_call_through_xla_matches_...)
+    if want is Impl.CUDNN:
+        monkeypatch.undo()
+        with sel.on_devices((CPU,)):
+            dense = _loss(model, cfg, params)
+        assert abs(loss - dense) < 1e-3
+
+
+def test_cpu_header_and_packed_header():
+    cfg = get_config("gpt", "tiny")                      # float32, this host's CPU devices
+    assert sel.header_line(cfg, packed=False) == "attention: xla (dense; cpu devices)"
+    assert sel.header_line(cfg, packed=True).startswith("attention: packed-blocks (packed causal rows of 64")
+    assert sel.header_line(None, packed=False) == "attention: the model's own (not a zoo model)"
+
+
+def test_decide_for_mixed_devices_names_them():
+    c = sel.decide_for((H100, V100, H100), _case())
+    assert c.impl is Impl.XLA and "sm 9.0: cudnn" in c.why and "sm 7.0: xla" in c.why
+    assert sel.decide_for((H100, A100), _case()).impl is Impl.CUDNN
+    with pytest.raises(ConfigError, match="no devices"):
+        sel.decide_for((), _case())
+
+
+def test_dot_product_attention_keeps_the_cpu_path():
+    """`cfp.models.attention.dot_product_attention` runs what the chooser picks for a device without fused
+    kernels, whatever devices the scope names (the XLA paths' reference for tests and context parallelism)."""
+    from cfp.models.attention import dot_product_attention
+    q, k, v = _qkv("bfloat16")
+    with sel.on_devices((H100,)):
+        got = np.asarray(dot_product_attention(q, k, v, True), np.float64)
+    np.testing.assert_allclose(got, _reference(q, k, v, True), atol=TOLERANCE["bfloat16"], rtol=0)

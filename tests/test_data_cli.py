@@ -112,6 +112,8 @@ def test_data_train_runs_hydraulis_mixes_and_verifies(tmp_path, capsys):
             str(tmp_path / "s.json"), "--verbose", "--verify"]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    # every micro-batch carries segment ids: the header names the packed kernel the rows of 4 blocks run
+    assert "attention: packed-blocks (packed causal rows of 128 tokens" in out, out
     assert "measured cp1tp2pp2" in out and "measured cp2tp1pp1" in out and "measured cp1tp1pp1" in out
     assert len(re.findall(r"step \d: mix [01] \[", out)) == 2
     assert re.search(r"verify: max relative error \S+ over 2 steps \(ok tolerance", out), out

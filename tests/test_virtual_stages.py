@@ -146,6 +146,7 @@ def test_a_run_measures_its_stages_then_trains_on_the_generated_table(tmp_path, 
                             learning_rate=LR, weight_decay=WD, schedule=schedule, verify=True, tables=tables,
                             timeline_dir=str(tmp_path / tables))
         runs[tables] = run_training(opts, log=lambda *a, **k: said.extend(a), cache=cache)
+        assert "attention: xla (dense; cpu devices)" in said     # the header names what the stages run
         adopted = [line for line in said if line.startswith("pipeline 0 runs ")]
         ran = [line for line in said if line.startswith("pipeline 0 ran ")]
         assert runs[tables].verify_ok, said

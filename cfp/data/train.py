@@ -29,6 +29,7 @@ from cfp.data.propose import SchemeMix, propose
 from cfp.data.schemes import Scheme, SchemeSpace, Shape
 from cfp.data.sources import Sequences
 from cfp.errors import ConfigError, InfeasibleError
+from cfp.models.attention_select import header_line
 from cfp.models.configs import MoEConfig
 from cfp.runtime import heap
 from cfp.schedules.registry import ScheduleName, ScheduleSpec
@@ -301,6 +302,8 @@ def run(opts: DataTrainOptions, data: Sequences, trainer, candidates: Sequence[S
     n_dev = len(trainer.devices)
     layouts = [layout_of(p, trainer.model.num_layers, n_dev) for p in candidates]
     trainer.set_schedule(opts.schedule)
+    if log:     # every micro-batch carries segment ids (padding is segment 0): the packed case, at the widest rows
+        log(header_line(trainer.model.config, packed=True))
     losses, records, real, slots, secs, comp = [], [], 0, 0, 0.0, 0.0
     factors: dict = {}
     with heap.steady() as settle:     # the collector off the objects the first step compiled

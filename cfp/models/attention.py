@@ -42,13 +42,20 @@ def dot_product_attention(q, k, v, causal: bool, segment_ids=None):
     """q [B,S,H,D], k/v [B,T,Hkv,D] with H % Hkv == 0 (grouped-query when Hkv < H).
 
     `segment_ids` int32[B,S] (packed sequences, S == T): a query attends only to keys of its own segment,
-    so attention never crosses sequences. Returns [B,S,H,D] in q's dtype. Causal attention over packed rows
-    runs `packed_causal_attention`: only the blocks of each row that some sequence spans are computed; without
-    segment ids the whole score matrix is computed, as the CFP analysis of the plain models expects.
+    so attention never crosses sequences. Returns [B,S,H,D] in q's dtype. The XLA path
+    `cfp.models.attention_select` chooses on devices without fused kernels: causal attention over packed rows
+    runs `packed_causal_attention` (only the blocks of each row that some sequence spans are computed);
+    without segment ids the whole score matrix is computed (`dense_attention`), as the CFP analysis of the
+    plain models expects.
     """
-    if causal and segment_ids is not None and q.shape[1] == k.shape[1] \
-            and attention_block(q.shape[1]) < q.shape[1]:
-        return packed_causal_attention(q, k, v, segment_ids, attention_block(q.shape[1]))
+    # imported here: attention_select builds on this module (the choice lives there, in one place)
+    from cfp.models import attention_select as sel
+    return sel.attend(sel.choose(sel.XLA_DEVICE, sel.case_of(q, v, causal, segment_ids)), q, k, v, causal,
+                      segment_ids)
+
+
+def dense_attention(q, k, v, causal: bool, segment_ids=None):
+    """`dot_product_attention` over the whole score matrix: float32 scores of every (query, key) pair, masked."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     # Query head h uses kv head h // (H // Hkv): group consecutive query heads.
@@ -102,10 +109,12 @@ def context_parallel(cp: ContextParallel):
 
 
 def attend(q, k, v, causal: bool, segment_ids=None, positions=None):
-    """Attention of the model zoo: plain unless a `context_parallel` scope is active."""
+    """Attention of the model zoo: context-parallel under a `context_parallel` scope, else the implementation
+    `cfp.models.attention_select` chooses for the devices it is traced for (fused on GPUs that support it)."""
     cp = _ACTIVE.get()
     if cp is None:
-        return dot_product_attention(q, k, v, causal, segment_ids)
+        from cfp.models.attention_select import zoo_attend     # here: attention_select imports this module
+        return zoo_attend(q, k, v, causal, segment_ids)
     return cp_attention(q, k, v, cp, causal, segment_ids, positions)
 
 

@@ -36,7 +36,8 @@ def _rest(cm, pipe, i, n_pipes, spec) -> float:
     return cm.stage_memory(st, i, pipe, n_pipes, spec) - counted
 
 
-@pytest.mark.parametrize("memory, want", [("24GiB", "zb-v"), ("5GiB", "zb-h1"), ("4GiB", "1f1b")])
+# memory sizes for the runtime's fused attention on these GPUs (issue 39; 4 GiB forced 1F1B with scores materialised)
+@pytest.mark.parametrize("memory, want", [("24GiB", "zb-v"), ("5GiB", "zb-h1"), ("3GiB", "1f1b")])
 def test_planned_schedule_respects_the_memory_it_was_given(memory, want):
     """Less device memory, leaner schedules: ZB-V (two virtual stages, W stashes) where there is room, ZB-H1
     with less, 1F1B (inputs only) with little. Every simulated table keeps, on every stage, at most what the
@@ -83,7 +84,8 @@ def test_cost_model_prices_each_schedule_per_pipeline():
     best = min((t, str(s)) for s, t, ok in est.schedule_options[0] if ok)[1]
     assert str(est.schedules[0]) == best and est.pipeline_time[0] == times[best]
     assert best == "zb-v" and all(ok for _, _, ok in est.schedule_options[0])
-    tight = CostModel(CFG, _cluster("10GiB"), "auto", features=full).estimate(roomy_layout)
+    # 7 GiB: tight under the runtime's fused attention (10 GiB was, with the scores materialised; issue 39)
+    tight = CostModel(CFG, _cluster("7GiB"), "auto", features=full).estimate(roomy_layout)
     assert {str(s): ok for s, _, ok in tight.schedule_options[0]} == \
         {"1f1b": True, "interleaved:2": True, "zb-h1": False, "zb-v": False}
     assert str(tight.schedules[0]) == "interleaved:2" and tight.fits

@@ -397,7 +397,7 @@ def _option_cases():
         (StepFeatures, {}, "grad_sync", ["gather", "all-reduce", "sharded"], ["ring", None, 2]),
         (StepFeatures, {}, "grad_bytes", [2, 4], [3, 0, True, "4", None]),
         (StepFeatures, {}, "overlap_grad_sync", [True, False], [1, "yes", None]),
-        (StepFeatures, {}, "fused_attention", [True, False], [1, "yes", None]),
+        (StepFeatures, {}, "fused_attention", [True, False, None], [1, "yes", 0]),
     ]
 
 

@@ -82,6 +82,10 @@ class GpuSpec:
     # than an LRU cache misses on nearly every line, so the rate drops as a step); None: no cache term (on
     # the GPUs here an activation working set is far larger than L2, `mem_gbps` is the HBM rate)
     spill: tuple[float, float] | None = None
+    # (major, minor) CUDA compute capability (NVIDIA's "CUDA GPUs" table); None: not a CUDA GPU, or not known.
+    # Which attention kernels the runtime runs on it (`cfp.models.attention_select`), so what the planner
+    # prices, depends on it
+    compute_capability: tuple[int, int] | None = None
 
     def __post_init__(self):
         table = dict(self.tflops)
@@ -96,6 +100,9 @@ class GpuSpec:
             raise ConfigError(f"gpu {self.name!r}: softmax_gbps={self.softmax_gbps!r} must be positive")
         if self.spill is not None and not (self.spill[0] > 0 and self.spill[1] > 0):
             raise ConfigError(f"gpu {self.name!r}: spill={self.spill!r} must be (cache bytes, GB/s), both positive")
+        cc = self.compute_capability
+        if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2 and all(isinstance(x, int) for x in cc)):
+            raise ConfigError(f"gpu {self.name!r}: compute_capability={cc!r} must be (major, minor) integers")
         if self.gemm_curve is not None and not (0 < self.gemm_curve[0] <= 1 and self.gemm_curve[1] >= 0):
             raise ConfigError(f"gpu {self.name!r}: gemm_curve={self.gemm_curve!r} must be (fraction in (0, 1], "
                               "half dimension >= 0)")
@@ -128,12 +135,14 @@ class GpuSpec:
 
 
 def _gpu(name, *, fp32, tf32, bf16, fp8, mem_gbps, mem_gb, link_gbps, link, source, fp16=None,
-         shared_host=False, gemm_curve=None, collective_latency_s=0.0, softmax_gbps=None, spill=None) -> GpuSpec:
+         shared_host=False, gemm_curve=None, collective_latency_s=0.0, softmax_gbps=None, spill=None,
+         cc=None) -> GpuSpec:
     table = {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16 or bf16,
              Precision.FP8: fp8}
     return GpuSpec(name=name, tflops=tuple((p, v) for p, v in table.items() if v), mem_gbps=mem_gbps, mem_gb=mem_gb,
                    link_gbps=link_gbps, link=link, source=source, shared_host=shared_host, gemm_curve=gemm_curve,
-                   collective_latency_s=collective_latency_s, softmax_gbps=softmax_gbps, spill=spill)
+                   collective_latency_s=collective_latency_s, softmax_gbps=softmax_gbps, spill=spill,
+                   compute_capability=cc)
 
 
 def _cpu() -> GpuSpec:
@@ -157,27 +166,27 @@ def cpu_spec(CPU) -> GpuSpec:
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     _gpu("A100-PCIe-40G", fp32=19.5, tf32=156.0, bf16=312.0, fp8=None, mem_gbps=1555.0, mem_gb=40.0, link_gbps=32.0,
-         link="PCIe Gen4 x16", source="A100"),
+         link="PCIe Gen4 x16", source="A100", cc=(8, 0)),
     _gpu("A100-PCIe-80G", fp32=19.5, tf32=156.0, bf16=312.0, fp8=None, mem_gbps=1935.0, mem_gb=80.0, link_gbps=32.0,
-         link="PCIe Gen4 x16", source="A100"),
+         link="PCIe Gen4 x16", source="A100", cc=(8, 0)),
     _gpu("A100-SXM-80G", fp32=19.5, tf32=156.0, bf16=312.0, fp8=None, mem_gbps=2039.0, mem_gb=80.0, link_gbps=300.0,
-         link="NVLink 3", source="A100"),
+         link="NVLink 3", source="A100", cc=(8, 0)),
     _gpu("H100-SXM", fp32=67.0, tf32=494.5, bf16=989.0, fp8=1979.0, mem_gbps=3350.0, mem_gb=80.0, link_gbps=450.0,
-         link="NVLink 4", source="H100"),
+         link="NVLink 4", source="H100", cc=(9, 0)),
     _gpu("H100-PCIe", fp32=51.0, tf32=378.0, bf16=756.5, fp8=1513.0, mem_gbps=2000.0, mem_gb=80.0, link_gbps=64.0,
-         link="PCIe Gen5 x16", source="H100"),
+         link="PCIe Gen5 x16", source="H100", cc=(9, 0)),
     _gpu("H200", fp32=67.0, tf32=494.5, bf16=989.0, fp8=1979.0, mem_gbps=4800.0, mem_gb=141.0, link_gbps=450.0,
-         link="NVLink 4", source="H200"),
+         link="NVLink 4", source="H200", cc=(9, 0)),
     _gpu("RTX3090", fp32=35.6, tf32=35.6, bf16=71.0, fp8=None, mem_gbps=936.0, mem_gb=24.0, link_gbps=32.0,
-         link="PCIe Gen4 x16", source="GA102"),
+         link="PCIe Gen4 x16", source="GA102", cc=(8, 6)),
     _gpu("RTX3080Ti", fp32=34.1, tf32=34.1, bf16=68.2, fp8=None, mem_gbps=912.0, mem_gb=12.0, link_gbps=32.0,
-         link="PCIe Gen4 x16", source="GA102"),
+         link="PCIe Gen4 x16", source="GA102", cc=(8, 6)),
     _gpu("RTX4090", fp32=82.6, tf32=82.6, bf16=165.2, fp8=330.3, mem_gbps=1008.0, mem_gb=24.0, link_gbps=32.0,
-         link="PCIe Gen4 x16", source="AD102"),
+         link="PCIe Gen4 x16", source="AD102", cc=(8, 9)),
     _gpu("L4", fp32=30.3, tf32=60.0, bf16=121.0, fp8=242.5, mem_gbps=300.0, mem_gb=24.0, link_gbps=32.0,
-         link="PCIe Gen4 x16", source="L4"),
+         link="PCIe Gen4 x16", source="L4", cc=(8, 9)),
     _gpu("V100-SXM2-32G", fp32=15.7, tf32=None, bf16=None, fp8=None, mem_gbps=900.0, mem_gb=32.0, link_gbps=150.0,
-         link="NVLink 2", source="V100", fp16=125.0),
+         link="NVLink 2", source="V100", cc=(7, 0), fp16=125.0),
     _cpu(),
 )}
 

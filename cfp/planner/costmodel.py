@@ -192,7 +192,8 @@ class CostModel:
     features: StepFeatures = CFP_RUNTIME
 
     def __post_init__(self):
-        object.__setattr__(self, "model", model_figures(self.config, self.features.fused_attention))
+        fused = self.features.attention_fused(self.config, self.cluster)    # the runtime's choice unless given
+        object.__setattr__(self, "model", model_figures(self.config, fused))
         object.__setattr__(self, "_machines", self.cluster.machine_of())
         ms = self.cluster.machines       # machines of one spec price alike: memo keys use the first's index
         object.__setattr__(self, "kind", tuple(ms.index(m) for m in ms))

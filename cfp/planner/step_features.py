@@ -2,7 +2,8 @@
 prices beyond the model's own figures.
 
 The defaults are cfp's own runtime (each stage's recompute policy the least recomputation whose kept activations
-fit its memory, `Recompute.AUTO`; attention scores materialised, every pipeline's gradients gathered onto every
+fit its memory, `Recompute.AUTO`; attention as the runtime chooses it on the cluster's GPUs,
+`runtime_fuses_attention`: fused where cuDNN runs it, else scores materialised; every pipeline's gradients gathered onto every
 stage and summed, nothing overlapped), which is what `cfp plan` prices. Other values describe runs of other systems priced through the same cost floor, e.g. the
 published runs `benchmarks/validate_costmodel.py` checks the model against: no recomputation, fused (flash)
 attention, gradients all-reduced (DDP, Megatron) or parameters sharded across the data-parallel pipelines (FSDP,
@@ -16,6 +17,9 @@ from typing import NamedTuple
 
 from cfp.errors import ConfigError
 from cfp.hardware.collectives import collective_time
+from cfp.hardware.gpus import GpuSpec
+from cfp.models.attention_select import DeviceKind, Impl, config_case, decide_for
+from cfp.models.configs import CONFIG_CLASSES
 from cfp.recompute import POLICIES, Recompute
 
 
@@ -51,9 +55,11 @@ def _enum(cls, value, what):
 @dataclass(frozen=True)
 class StepFeatures:
     """Runtime features of the priced step (defaults: cfp's runtime). `grad_bytes`: bytes per gradient element
-    sent by the data-parallel sync; `overlap_grad_sync`: that traffic runs under the forward-backward compute."""
+    sent by the data-parallel sync; `overlap_grad_sync`: that traffic runs under the forward-backward compute;
+    `fused_attention`: True/False prices fused (flash) or materialised attention, None what cfp's runtime runs
+    on the cluster's GPUs (`attention_fused`)."""
     recompute: Recompute = Recompute.AUTO     # one policy for every stage, or AUTO: per stage (`CostModel`)
-    fused_attention: bool = False
+    fused_attention: bool | None = None
     grad_sync: GradSync = GradSync.GATHER
     grad_bytes: int = 4
     overlap_grad_sync: bool = False
@@ -63,9 +69,18 @@ class StepFeatures:
         object.__setattr__(self, "grad_sync", _enum(GradSync, self.grad_sync, "grad_sync"))
         if self.grad_bytes not in (2, 4):
             raise ConfigError(f"grad_bytes={self.grad_bytes!r} must be 2 (16-bit gradients) or 4 (float32)")
-        for name in ("fused_attention", "overlap_grad_sync"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.fused_attention is not None and not isinstance(self.fused_attention, bool):
+            raise ConfigError(f"fused_attention={self.fused_attention!r} must be True, False or None (as the "
+                              "runtime chooses)")
+        if not isinstance(self.overlap_grad_sync, bool):
+            raise ConfigError(f"overlap_grad_sync={self.overlap_grad_sync!r} must be True or False")
+
+    def attention_fused(self, config, cluster) -> bool:
+        """Whether `config`'s attention is priced fused on `cluster`: `fused_attention` where given, else the
+        runtime's choice (`runtime_fuses_attention`)."""
+        if self.fused_attention is not None:
+            return self.fused_attention
+        return runtime_fuses_attention(config, cluster)
 
     @property
     def policies(self) -> tuple[Recompute, ...]:
@@ -98,6 +113,26 @@ class StepFeatures:
 
 
 CFP_RUNTIME = StepFeatures()
+
+
+def device_kind(gpu: GpuSpec) -> DeviceKind:
+    """The device kind the attention chooser sees for a catalog entry: a CPU for the simulated host devices,
+    a CUDA GPU of its compute capability, else a GPU it knows nothing of (no fused path)."""
+    if gpu.shared_host:
+        return DeviceKind("cpu")
+    return DeviceKind("gpu", gpu.compute_capability)
+
+
+def runtime_fuses_attention(config, cluster) -> bool:
+    """Whether cfp's runtime runs `config`'s unpacked rows through fused attention on `cluster`: the chooser's
+    decision (`cfp.models.attention_select.decide_for`) for its GPUs, the config's dtype and head dim. A
+    model that is not a zoo config (derived `ModelFigures`) runs its own attention: not fused. One decision
+    for the whole cluster, as one program traced for all its kinds gets (a cluster mixing kinds the chooser
+    treats differently is priced with materialised scores everywhere; docs/limits.md)."""
+    if not isinstance(config, tuple(CONFIG_CLASSES.values())):
+        return False
+    kinds = [device_kind(m.gpu) for m in cluster.machines]
+    return decide_for(kinds, config_case(config, packed=False)).impl is Impl.CUDNN
 
 
 def backward_passes(policy: Recompute) -> int:

@@ -1,7 +1,8 @@
 """Building blocks shared by the model zoo.
 
-Attention (`cfp.models.attention`) is written with explicit einsums (no fused kernels) so the analysis pass
-sees every dot_general.  Parameters are float32; activations use the config's
+Attention (`cfp.models.attention.attend`) runs what `cfp.models.attention_select` chooses for the devices it
+is traced for: on CPUs explicit einsums (so the analysis pass sees every dot_general), on GPUs that support it
+cuDNN's fused kernel.  Parameters are float32; activations use the config's
 compute dtype; softmax runs in float32 for stability.
 """
 from __future__ import annotations

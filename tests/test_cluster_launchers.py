@@ -180,10 +180,6 @@ def _data_mix(tmp_path) -> str:
     return str(mix)
 
 
-@pytest.mark.skipif(os.environ.get("CFP_LAUNCHER_DATA_TRAIN") != "1",
-                    reason="flaky, not root-caused (issue 41 stays open): in 1 of 2 fresh-clone CI runs on 2026-12-02 "
-                    "rank 1 aborted (signal 6) during verify's parameter gather under mpirun; run it with "
-                    "CFP_LAUNCHER_DATA_TRAIN=1")
 @pytest.mark.parametrize("launcher", ["mpirun"], indirect=True)
 def test_launcher_runs_cfp_data_train_as_one_job(launcher, tmp_path):
     """`cfp data train` joins the launcher's job as `cfp train` does (maybe_initialize_distributed): a mix on 8

@@ -227,7 +227,12 @@ def fit_points(points) -> dict[str, KindFit]:
             coef = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)[0]
             if (coef >= 0).all() or len(cols) == 1:
                 break
-            cols = [c for c, v in zip(cols, coef) if v >= 0 or c == 2]
+            # a negative latency term goes first; a negative bandwidth term (larger collectives measured faster:
+            # noise on a loaded host) is dropped once it is the only one, leaving a latency-only fit. Keeping it
+            # while nothing else was dropped looped forever (make demo hung at a host load of ~14)
+            neg = [c for c, v in zip(cols, coef) if v < 0]
+            drop = [c for c in neg if c != 2] or neg
+            cols = [c for c in cols if c not in drop]
         full = dict(zip(cols, coef))
         beta = max(full.get(2, 0.0), 1e-15)
         fits[kind] = KindFit(max(full.get(0, 0.0), 0.0), max(full.get(1, 0.0), 0.0), 1.0 / beta)

@@ -36,9 +36,8 @@ _lock = threading.Lock()
 def meet_before_first_collective(devices: Sequence[Any], ready: Optional[Any] = None) -> bool:
     """Wait until every process holding one of ``devices`` (in the collective's mesh order) gets here, the first
     time this process runs a collective on them in that order; later calls (and devices of one process) return at
-    once. ``ready``:
-    the arrays this process's collective reads, waited for first so that work queued before it does not delay
-    its start. Returns whether it waited at a barrier."""
+    once. ``ready``: the arrays this process's collective reads, waited for first so that work queued before it
+    does not delay its start. Returns whether it waited at a barrier."""
     processes = sorted({d.process_index for d in devices})
     if len(processes) < 2:
         return False

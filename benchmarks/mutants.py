@@ -623,6 +623,11 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_user_layouts.py",),
            "budget_fraction takes its fraction of cfp's constrained data parallel (in the demo 7.4 MB, not plain "
            "data parallel's 17.3 MB): a budget far below what the user asked for"),
+    Mutant("alpha-beta-fit-keeps-negative-bandwidth", "search", "cfp/hardware/alpha_beta.py",
+           "            drop = [c for c in neg if c != 2] or neg\n",
+           "            drop = [c for c in neg if c != 2]\n",
+           ("tests/test_alpha_beta.py",),
+           "a fit whose bandwidth term alone comes out negative (a loaded host) never ends: autoshard hangs"),
     # ---- issue 39: packed attention computes only the blocks it keeps, and the breakdown prices those
     Mutant("block-map-off-by-one-block", "data", "cfp/models/packed_attention.py",
            "    return np.tril_indices(n, -1)",

@@ -824,6 +824,40 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_attention_select.py",),
            "the GPU selection takes cuDNN's fused path for head dims over 128 on GPUs before Hopper, which it "
            "does not support"),
+    Mutant("planner-prices-scores-where-the-runtime-fuses", "planner", "cfp/planner/step_features.py",
+           "        return runtime_fuses_attention(config, cluster)",
+           "        return False",
+           ("tests/test_planner_attention.py",),
+           "the planner prices materialised attention scores on GPUs where the runtime runs cuDNN's fused "
+           "attention"),
+    Mutant("planner-attention-from-the-first-gpu-only", "planner", "cfp/planner/step_features.py",
+           "    return decide_for(kinds, config_case(config, packed=False)).impl is Impl.CUDNN",
+           "    return decide_for(kinds[:1], config_case(config, packed=False)).impl is Impl.CUDNN",
+           ("tests/test_planner_attention.py",),
+           "the planner prices fused attention on a cluster whose other GPUs the runtime runs dense (one program "
+           "for all of them)"),
+    Mutant("attention-header-from-the-parameter-dtype", "models", "cfp/models/attention_select.py",
+           "    return AttentionCase(config.dtype, config.seq_len,",
+           "    return AttentionCase(\"float32\", config.seq_len,",
+           ("tests/test_attention_select.py", "tests/test_planner_attention.py"),
+           "the run header (and the planner) decide for float32 rows while the zoo runs the compute dtype: the "
+           "header names the dense path where cuDNN's fused attention runs"),
+    Mutant("zoo-attention-ignores-the-devices", "models", "cfp/models/attention_select.py",
+           "    impl = decide_for(current_kinds(), case_of(q, v, causal, segment_ids)).impl",
+           "    impl = decide_for((XLA_DEVICE,), case_of(q, v, causal, segment_ids)).impl",
+           ("tests/test_attention_select.py",),
+           "the zoo's attention never takes the fused path on a GPU that supports it (the header says cudnn)"),
+    Mutant("train-header-unpacked-for-packed-batches", "runtime", "cfp/runtime/training.py",
+           "    log(header_line(job.model.config, packed))",
+           "    log(header_line(job.model.config, not packed))",
+           ("tests/test_virtual_stages.py::test_a_run_measures_its_stages_then_trains_on_the_generated_table",),
+           "cfp train's header names the packed kernel for rows without segment ids (another implementation "
+           "than the one its stages run)"),
+    Mutant("data-train-header-unpacked", "data", "cfp/data/train.py",
+           "        log(header_line(trainer.model.config, packed=True))",
+           "        log(header_line(trainer.model.config, packed=False))",
+           ("tests/test_data_cli.py::test_data_train_runs_hydraulis_mixes_and_verifies",),
+           "cfp data train's header names the dense path while its packed rows run the block kernel"),
 )
 
 

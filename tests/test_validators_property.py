@@ -374,6 +374,7 @@ def _option_cases():
         (SearchOptions, {}, "shard_state", [True, False], [1, 0, "yes", None]),
         (SearchOptions, {}, "donate", [True, False], [1, "no", None]),
         (SearchOptions, {}, "layouts", [True, False], [1, "no", None]),
+        (SearchOptions, {}, "budget_fraction", [None, 0.85, 1, 2.0], [0, -0.5, True, "0.85", math.nan, math.inf]),
         (ProfileOptions, {}, "iters", [3, 10], [2, 0, True, 3.0, None, math.inf]),
         (ProfileOptions, {}, "warmup", [0, 2], [-1, True, 1.0, 0.5, None]),
         (ProfileOptions, {}, "max_combinations", [1, 12], BAD_NUMBERS),

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from cfp.errors import ConfigError
-from cfp.runtime.launch import launch, maybe_initialize_distributed, xla_flags_with_device_count
+from cfp.runtime.launch import launch, maybe_initialize_distributed, whole_lines, xla_flags_with_device_count
 
 WORKER = textwrap.dedent("""
     import sys
@@ -309,3 +309,29 @@ def test_cfp_variables_override_the_launchers(monkeypatch):
     monkeypatch.setattr("os.environ", dict(SRUN, CFP_COORDINATOR="h:1", CFP_NUM_PROCESSES="2",
                                            CFP_DEVICES_PER_PROC="4"))
     check_layout_fills_processes(range(8))
+
+
+def test_a_printed_line_reaches_the_launcher_in_one_write():
+    """Under PYTHONUNBUFFERED `print` wrote a line's text and its newline apart, and mpirun put another rank's
+    output between them (two ranks' step lines merged in `cfp data train`); `whole_lines` makes it one write."""
+    class Raw(io.RawIOBase):
+        def __init__(self):
+            self.writes = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes.append(bytes(b))
+            return len(b)
+    raw = Raw()
+    out = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)     # stdout under PYTHONUNBUFFERED
+    print("step 1: loss 6.26", file=out)
+    assert raw.writes == [b"step 1: loss 6.26", b"\n"]
+    raw.writes.clear()
+    whole_lines([out, io.StringIO()])          # a stream that is not a TextIOWrapper is left as it is
+    print("step 2: loss 6.15", file=out)
+    print("partial", end="", file=out)
+    assert raw.writes == [b"step 2: loss 6.15\n"]
+    out.flush()
+    assert raw.writes[-1] == b"partial"

@@ -108,6 +108,19 @@ def _install_fast_fail(pid: int, n: int) -> None:
     sys.excepthook, sys.exit = excepthook, exit
 
 
+def whole_lines(streams=None) -> None:
+    """Make each line printed to ``streams`` (default stdout and stderr) one write. Under ``PYTHONUNBUFFERED`` (or
+    ``python -u``, as JAX advises for distributed runs) ``print`` writes the text and its newline separately, and
+    mpirun and srun forward each rank's writes as they come, so another rank's line could land between them: two
+    ranks' lines merged into one (seen in `cfp data train` under mpirun, a step's line lost to a parser). Line
+    buffering without write-through hands the whole line over at its newline."""
+    for stream in streams if streams is not None else (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True, write_through=False)
+        except (AttributeError, ValueError):   # not a TextIOWrapper (e.g. a caller's capture): leave it as it is
+            pass
+
+
 def _heartbeat_timeout() -> int:
     """Seconds without a peer's heartbeat before the job fails: ``CFP_HEARTBEAT_TIMEOUT``, else 30."""
     raw = os.environ.get(ENV_HEARTBEAT_TIMEOUT, "30")
@@ -157,6 +170,7 @@ def maybe_initialize_distributed(init_timeout_s: int = 60, heartbeat_timeout_s: 
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                shutdown_timeout_seconds=shutdown_timeout_s)
     pid, n = jax.process_index(), jax.process_count()
+    whole_lines()
     if fast_fail:
         _install_fast_fail(pid, n)
     if jax.local_device_count() != d:  # e.g. a GPU backend, where the CPU device-count flag does nothing

@@ -219,6 +219,14 @@ INLINE: dict[str, Run | Skip] = {
     "PYTHONPATH=$PWD python benchmarks/user_programs.py --styles equinox_gpt --rounds 5": Skip(
         "a benchmark of minutes (a search with its whole-step candidates timed); tests/test_readme.py runs "
         "user_programs.py shrunk through its documented command"),
+    "cfp plan --model llama2 --config 7B --cluster FILE --schedule auto --recompute auto --out layout.json": Skip(
+        "FILE stands for the 1024- or 4096-GPU cluster file written out beside it (seconds of CPU per plan); "
+        "tests/test_scripts.py runs planner_same_plans.py and planner_scale.py, which plan those clusters' kind, shrunk"),
+    "benchmarks/planner_scale.py --a100 pcie --model 7B --schedule auto": Skip(
+        "plans 64 to 4096 GPUs (tens of seconds of CPU); tests/test_scripts.py runs planner_scale.py shrunk"),
+    "benchmarks/planner_same_plans.py --out after.json --against before.json": Skip(
+        "compares with a file another checkout wrote (every case: about a minute of CPU); tests/test_scripts.py runs "
+        "it shrunk against its own first run"),
     "benchmarks/planner_scale.py --sizes 1024 4096 --a100 pcie --model 7B --schedule auto": Skip(
         "plans 1024 and 4096 GPUs (about 15 s of CPU); tests/test_scripts.py runs planner_scale.py shrunk"),
     "PYTHONPATH=$PWD python benchmarks/planner_measured.py --rounds 3": Skip(

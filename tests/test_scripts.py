@@ -97,6 +97,11 @@ SCRIPTS: dict[str, tuple[Run, ...] | Covered | DocRun | CiRun | InSuite] = {
     "benchmarks/planner_paper.py": (Run("--rows 1", r"paper-llama2-a\.yaml +7B .*%"),),
     "benchmarks/planner_phase2.py": (Run("--sizes 64 --paper 1", r"planner_scale 64 .*%"),),
     "benchmarks/planner_scale.py": (Run("--sizes 64", r"64"),),
+    # planned twice, the second run compared with the first: identical plans, the check's own verdict
+    "benchmarks/planner_same_plans.py": (Run("--only 64-1f1b --out a.json && python benchmarks/planner_same_plans.py "
+                                             "--only 64-1f1b --out b.json --against a.json",
+                                             r"64-1f1b: .* s CPU \(measured\)[\s\S]*1 cases against a.json: every "
+                                             r"layout and estimate identical"),),
     "benchmarks/planner_user_model.py": (Run("--model tests/layered_mixer.py:make --global-batch-size 8 "
                                              "--example-rows 1 --layouts planner --rounds 1 --steps 1",
                                              r"worst estimate/measured ratio"),),

@@ -64,7 +64,7 @@ class StepClock:
         self._devices = dict(local_stages)   # stages on the same devices (virtual stages) run one at a time
         self._done: dict[tuple, tuple[Any, int]] = {}     # outputs and how many local consumers still need them
         self._dispatched: dict[tuple, float] = {}
-        self._seen: dict[tuple, float] = {}      # when the dispatching thread saw an action end (serial passes)
+        self._alone: dict[tuple, float] = {}     # an action's CPU seconds, timed alone (serial passes)
         self._inputs: dict[tuple, list[tuple]] = {}
         self.unmeasured: list[tuple[int, int]] = []    # per action of the last `events` with no measured
         # interval, its stage
@@ -92,27 +92,33 @@ class StepClock:
         if consumers:
             self._done[k] = (done, consumers)
 
-    def ended(self, key: tuple[int, int], microbatch: int, phase: Phase, t: float) -> None:
-        """The dispatching thread saw the action's outputs ready at ``t`` (it waited for them: a serial pass), which
-        bounds its end where its watcher woke up later."""
-        self._seen[(key, microbatch, phase)] = t
+    def alone(self, key: tuple[int, int], microbatch: int, phase: Phase, cpu_seconds: float) -> None:
+        """The action ran alone (a serial pass: dispatched after the one before it ended, waited for) and took
+        ``cpu_seconds`` of the process's CPU time, all threads: its own work, which another process preempting it
+        does not lengthen as it does wall time. Its event spans that long from its dispatch."""
+        self._alone[(key, microbatch, phase)] = cpu_seconds
 
     def events(self, order: list, t_start: float) -> list[Event]:
         """Wait for every watched action and return the Events of those measured, relative to ``t_start``."""
         spans = self._collect()
         # an action's outputs were ready no later than any thread saw them: its own, or a consumer's
-        ends = {k: min(v[1], self._seen.get(k, v[1])) for k, v in spans.items() if v is not None}
+        ends = {k: v[1] for k, v in spans.items() if v is not None}
         for k, v in spans.items():
             for p in self._inputs.get(k, ()):
                 if v is not None and p in ends:
                     ends[p] = min(ends[p], v[0])
         dispatched, inputs = self._dispatched, self._inputs
-        self._done, self._dispatched, self._inputs, self._seen = {}, {}, {}, {}
+        alone = self._alone
+        self._done, self._dispatched, self._inputs, self._alone = {}, {}, {}, {}
         events, self.unmeasured, last_end = [], [], {}
         for a in order:
             key = (a.pipeline, a.stage)
             k = (key, a.microbatch, a.phase)
             if k not in spans:  # another process's stage
+                continue
+            if k in alone:      # timed alone: its CPU time from its dispatch
+                t0 = dispatched[k] - t_start
+                events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, t0, t0 + alone[k]))
                 continue
             if k not in ends:
                 self.unmeasured.append(key)

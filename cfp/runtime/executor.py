@@ -155,8 +155,8 @@ class ScheduleRun:
 
     ``per_pipeline[p]`` are pipeline p's micro-batches (``check_micro_batches``); each may have its own shape
     (packed variable-length rows), and a pipeline may have none this step. ``serial``: each action waits for the
-    one before it to end, and its measured time is the process's CPU time it took (one action at a time: its own
-    work, neither shared with the other stages computing on the same cores nor lengthened by other processes)."""
+    one before it to end (one action at a time: its measured time is its own, not shared with the other stages
+    computing on the same cores)."""
 
     def __init__(self, layout: Layout, programs: dict, params: dict, order: list, act_shape: ActivationShapes,
                  clock: StepClock, stage_of: Callable = lambda key: key, serial: bool = False):
@@ -172,7 +172,7 @@ class ScheduleRun:
     def run(self, per_pipeline: list[list[Any]]) -> tuple[dict, float, float]:
         self.mbs = per_pipeline
         for idx, a in enumerate(self.order):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0 = time.perf_counter()
             if a.phase is Phase.FWD:
                 done = self._forward(idx, a)
             elif a.phase is Phase.BWD_WEIGHT:
@@ -184,7 +184,7 @@ class ScheduleRun:
                 self.memory.observe((a.pipeline, a.stage))
                 if self.serial:
                     jax.block_until_ready(done)
-                    self.clock.alone((a.pipeline, a.stage), a.microbatch, a.phase, time.process_time() - c0)
+                    self.clock.alone((a.pipeline, a.stage), a.microbatch, a.phase, time.perf_counter())
         for key, prog in self.programs.items():  # a pipeline without micro-batches adds zeros
             if prog.is_local and key not in self.acc:
                 self.acc[key] = prog.zeros()

@@ -64,7 +64,7 @@ class StepClock:
         self._devices = dict(local_stages)   # stages on the same devices (virtual stages) run one at a time
         self._done: dict[tuple, tuple[Any, int]] = {}     # outputs and how many local consumers still need them
         self._dispatched: dict[tuple, float] = {}
-        self._alone: dict[tuple, float] = {}     # an action's CPU seconds, timed alone (serial passes)
+        self._alone: dict[tuple, float] = {}     # when an action timed alone ended (serial passes)
         self._inputs: dict[tuple, list[tuple]] = {}
         self.unmeasured: list[tuple[int, int]] = []    # per action of the last `events` with no measured
         # interval, its stage
@@ -92,11 +92,11 @@ class StepClock:
         if consumers:
             self._done[k] = (done, consumers)
 
-    def alone(self, key: tuple[int, int], microbatch: int, phase: Phase, cpu_seconds: float) -> None:
-        """The action ran alone (a serial pass: dispatched after the one before it ended, waited for) and took
-        ``cpu_seconds`` of the process's CPU time, all threads: its own work, which another process preempting it
-        does not lengthen as it does wall time. Its event spans that long from its dispatch."""
-        self._alone[(key, microbatch, phase)] = cpu_seconds
+    def alone(self, key: tuple[int, int], microbatch: int, phase: Phase, end: float) -> None:
+        """The action ran alone (a serial pass: dispatched after the one before it ended) and the dispatching
+        thread, waiting for it, saw it end at ``end``: its event spans its dispatch to then (its watcher, waking
+        later, would lengthen it)."""
+        self._alone[(key, microbatch, phase)] = end
 
     def events(self, order: list, t_start: float) -> list[Event]:
         """Wait for every watched action and return the Events of those measured, relative to ``t_start``."""
@@ -116,9 +116,9 @@ class StepClock:
             k = (key, a.microbatch, a.phase)
             if k not in spans:  # another process's stage
                 continue
-            if k in alone:      # timed alone: its CPU time from its dispatch
-                t0 = dispatched[k] - t_start
-                events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, t0, t0 + alone[k]))
+            if k in alone:      # timed alone: from its dispatch to its end
+                events.append(Event(a.pipeline, a.stage, a.microbatch, a.phase, dispatched[k] - t_start,
+                                    alone[k] - t_start))
                 continue
             if k not in ends:
                 self.unmeasured.append(key)

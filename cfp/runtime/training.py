@@ -469,17 +469,18 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
     return result, last_events, (every_event, len(timed))
 
 
-SERIAL_PASSES = 1     # passes run one action at a time after the timed steps, for the simulated makespans
+SERIAL_PASSES = 3     # passes run one action at a time after the timed steps (each action's shortest is used)
 
 
 def _median_makespans(trainer, every: tuple, batch: Callable[[], Any], log) -> dict[int, float]:
     """Per pipeline, the makespan its table gives with each stage's median F, B and W (every stage owning its
     compute). In one process the medians come from `SERIAL_PASSES` passes of ``batch()`` run one action at a time
-    after the timed steps: every stage here shares the host's cores, so an action timed beside others is stretched
-    by them, the more the fewer bubbles a schedule leaves, which would price a bubble-free schedule by its own
-    overlap. Under several processes they come from every measured action of the timed steps (a collective;
+    after the timed steps, each action's shortest of them (`fastest_of`: another process preempting a millisecond
+    action lengthens it several times): every stage here shares the host's cores, so an action timed beside others
+    is stretched by them, the more the fewer bubbles a schedule leaves, which would price a bubble-free schedule by
+    its own overlap. Under several processes they come from every measured action of the timed steps (a collective;
     a figure also when the host was too busy to watch every action of a step)."""
-    from cfp.runtime.measured_tables import gather_events, median_costs
+    from cfp.runtime.measured_tables import fastest_of, gather_events, median_costs
     from cfp.schedules.simulate import simulate
     events, steps = every
     if not steps:
@@ -488,7 +489,7 @@ def _median_makespans(trainer, every: tuple, batch: Callable[[], Any], log) -> d
     serial = None
     if jax.process_count() == 1:
         first = batch()
-        serial = [e for _ in range(SERIAL_PASSES) for e in trainer.measure(first, serial=True)]
+        serial = fastest_of([trainer.measure(first, serial=True) for _ in range(SERIAL_PASSES)])
     out = {}
     for q in range(len(trainer.run_layout.pipelines)):
         table = trainer.table(q)
@@ -503,9 +504,9 @@ def _median_makespans(trainer, every: tuple, batch: Callable[[], Any], log) -> d
             continue
         out[q] = simulate(table, median_costs(serial, q, table.num_vstages)).makespan
         log(f"pipeline {q}: makespan {out[q]:.4f} s simulated from each stage's median F/B/W over "
-            f"{sum(e.pipeline == q for e in serial)} actions measured one at a time ({SERIAL_PASSES} pass(es) after "
-            f"the timed steps; every stage owning its compute); from the timed steps' actions, which shared the "
-            f"cores: {side:.4f} s")
+            f"{sum(e.pipeline == q for e in serial)} actions measured one at a time (each the shortest of "
+            f"{SERIAL_PASSES} passes after the timed steps; every stage owning its compute); from the timed steps' "
+            f"actions, which shared the cores: {side:.4f} s")
     return out
 
 

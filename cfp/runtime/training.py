@@ -363,7 +363,7 @@ def _run(job: _Job, opts: RunOptions, log: Callable[..., None], cache: Optional[
     result, last_events, every_event = _train(trainer, job, opts, store, start, losses, log,
                                               packed="segment_ids" in example)
     _report(trainer, job, opts, plans, result, last_events, log)
-    result.median_makespan = _median_makespans(trainer, every_event, lambda: job.batches(start), log)
+    result.median_makespan = _median_makespans(trainer, every_event, example, log)
     if opts.verify:
         result.verify_error, result.verify_ok = _verify(job, trainer, init_state, start, losses, opts.verify_tol,
                                                         log)
@@ -472,9 +472,10 @@ def _train_steps(trainer, batches: Callable[[int], Any], steps: range, stop_afte
 SERIAL_PASSES = 3     # passes run one action at a time after the timed steps (each action's shortest is used)
 
 
-def _median_makespans(trainer, every: tuple, batch: Callable[[], Any], log) -> dict[int, float]:
+def _median_makespans(trainer, every: tuple, batch: Any, log) -> dict[int, float]:
     """Per pipeline, the makespan its table gives with each stage's median F, B and W (every stage owning its
-    compute). In one process the medians come from `SERIAL_PASSES` passes of ``batch()`` run one action at a time
+    compute). In one process the medians come from `SERIAL_PASSES` passes of ``batch`` (the run's example: an
+    iterator's later batches are read once) run one action at a time
     after the timed steps, each action's shortest of them (`fastest_of`: another process preempting a millisecond
     action lengthens it several times): every stage here shares the host's cores, so an action timed beside others
     is stretched by them, the more the fewer bubbles a schedule leaves, which would price a bubble-free schedule by
@@ -488,8 +489,7 @@ def _median_makespans(trainer, every: tuple, batch: Callable[[], Any], log) -> d
     tl = gather_events(events, len(trainer.order) * steps)
     serial = None
     if jax.process_count() == 1:
-        first = batch()
-        serial = fastest_of([trainer.measure(first, serial=True) for _ in range(SERIAL_PASSES)])
+        serial = fastest_of([trainer.measure(batch, serial=True) for _ in range(SERIAL_PASSES)])
     out = {}
     for q in range(len(trainer.run_layout.pipelines)):
         table = trainer.table(q)

@@ -199,13 +199,17 @@ def test_launcher_runs_cfp_data_train_as_one_job(launcher, tmp_path):
     ranks_env = dict(_env(tag), CFP_HEARTBEAT_TIMEOUT="60")
     env = dict(os.environ, **ranks_env)
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run(command(ranks_env) + CFP + argv, env=env, capture_output=True, text=True, timeout=600)
+    # each rank's output in its own file (mpirun's --output-filename): mpirun forwards both ranks' lines into one
+    # stream, where a line of one rank was once cut by the other's (CI, 2026-12-06)
+    ranks = tmp_path / "ranks"
+    cmd = command(ranks_env)
+    r = subprocess.run(cmd[:1] + ["--output-filename", str(ranks)] + cmd[1:] + CFP + argv, env=env,
+                       capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "one job of 2 processes x 4 devices, joined through" in out, out[-3000:]
-    losses = re.findall(r"^step (\d): mix 0 \S.* loss ([0-9.]+) ", r.stdout, re.M)
-    per_step: dict = {}
-    for step, loss in losses:
-        per_step.setdefault(step, []).append(loss)
-    assert sorted(per_step) == ["1", "2"] and all(len(v) == 2 and len(set(v)) == 1 for v in per_step.values()), losses
-    assert len(re.findall(r"verify: max relative error \S+ over 2 steps \(ok", r.stdout)) == 2, out[-3000:]
+    per_rank = [(ranks / "1" / f"rank.{k}" / "stdout").read_text() for k in (0, 1)]
+    losses = [dict(re.findall(r"^step (\d): mix 0 \S.* loss ([0-9.]+) ", text, re.M)) for text in per_rank]
+    assert losses[0] == losses[1] and sorted(losses[0]) == ["1", "2"], losses
+    for text in per_rank:
+        assert len(re.findall(r"verify: max relative error \S+ over 2 steps \(ok", text)) == 1, text[-3000:]

@@ -59,6 +59,15 @@ def fastest_of(passes: list[list[Event]]) -> list[Event]:
     return list(best.values())
 
 
+def measured_alone(trainer, batch, passes: int) -> Optional[list[Event]]:
+    """In one process, ``passes`` passes of ``batch`` run one action at a time (`HeteroTrainer.measure` serial),
+    each action's shortest (`fastest_of`): every stage here shares the host's cores, so an action timed beside
+    others is stretched by them. None under several processes (their actions are timed as they run)."""
+    if jax.process_count() > 1:
+        return None
+    return fastest_of([trainer.measure(batch, serial=True) for _ in range(passes)])
+
+
 def median_costs(events, pipeline: int, num_vstages: int) -> ActionCosts:
     """Each virtual stage's median measured F, B and W seconds in ``pipeline`` (robust to a shared host's
     stalls)."""
@@ -73,10 +82,10 @@ def generate_from_measured(trainer, batch, log: Callable[[str], None], passes: i
     whether tables were adopted."""
     trainer.warm(batch)
     t0 = time.perf_counter()
-    # in one process every stage shares the host's cores: one action at a time, each is timed alone
-    serial = jax.process_count() == 1
-    runs = [gather_events(trainer.measure(batch, serial=serial), len(trainer.order)).events for _ in range(passes)]
-    events = fastest_of(runs) if serial else [e for run in runs for e in run]
+    events = measured_alone(trainer, batch, passes)
+    serial = events is not None
+    if not serial:
+        events = [e for _ in range(passes) for e in gather_events(trainer.measure(batch), len(trainer.order)).events]
     source = (f"{passes} passes of the first batch without the update"
               f"{' (one action at a time, each action the shortest of them)' if serial else ''} "
               f"({time.perf_counter() - t0:.2f} s measured)")

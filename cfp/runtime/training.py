@@ -476,20 +476,18 @@ def _median_makespans(trainer, every: tuple, batch: Any, log) -> dict[int, float
     """Per pipeline, the makespan its table gives with each stage's median F, B and W (every stage owning its
     compute). In one process the medians come from `SERIAL_PASSES` passes of ``batch`` (the run's example: an
     iterator's later batches are read once) run one action at a time
-    after the timed steps, each action's shortest of them (`fastest_of`: another process preempting a millisecond
+    after the timed steps, each action's shortest of them (`measured_alone`: another process preempting a millisecond
     action lengthens it several times): every stage here shares the host's cores, so an action timed beside others
     is stretched by them, the more the fewer bubbles a schedule leaves, which would price a bubble-free schedule by
     its own overlap. Under several processes they come from every measured action of the timed steps (a collective;
     a figure also when the host was too busy to watch every action of a step)."""
-    from cfp.runtime.measured_tables import fastest_of, gather_events, median_costs
+    from cfp.runtime.measured_tables import gather_events, measured_alone, median_costs
     from cfp.schedules.simulate import simulate
     events, steps = every
     if not steps:
         return {}
     tl = gather_events(events, len(trainer.order) * steps)
-    serial = None
-    if jax.process_count() == 1:
-        serial = fastest_of([trainer.measure(batch, serial=True) for _ in range(SERIAL_PASSES)])
+    serial = measured_alone(trainer, batch, SERIAL_PASSES)
     out = {}
     for q in range(len(trainer.run_layout.pipelines)):
         table = trainer.table(q)
